@@ -1,0 +1,4 @@
+from exo_like.cli import main
+
+if __name__ == "__main__":
+    main()

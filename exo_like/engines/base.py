@@ -1,0 +1,105 @@
+"""The engine interface every framework implements, and the factory that picks one.
+
+An engine holds one shard of one model and a KV cache per request. `forward` is synchronous and is called from
+one worker thread at a time (the node serialises calls), so engines need no locking of their own.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from abc import ABC, abstractmethod
+from pathlib import Path
+
+import numpy as np
+
+from exo_like.activations import Activations
+from exo_like.errors import ExoLikeError
+from exo_like.model_config import ModelArgs
+from exo_like.shard import Shard
+
+ENGINE_MODULES = {"torch": "exo_like.engines.torch_engine", "mlx": "exo_like.engines.mlx_engine"}
+
+
+class EngineUnavailableError(ExoLikeError):
+    status = 503
+    type = "service_unavailable"
+
+
+class Engine(ABC):
+    name: str = ""
+
+    def __init__(self, device: str | None = None, dtype: str | None = None):
+        self.requested_device = device
+        self.requested_dtype = dtype
+        self.shard: Shard | None = None
+        self.args: ModelArgs | None = None
+
+    @abstractmethod
+    def load(self, model_dir: Path, args: ModelArgs, shard: Shard) -> None:
+        """Load the shard's tensors (only those, from only the files holding them). Replaces any loaded shard."""
+
+    @abstractmethod
+    def forward(self, request_id: str, inputs: np.ndarray | Activations) -> Activations | np.ndarray:
+        """Run the shard on new positions of one request, appending to its KV cache.
+
+        inputs: token ids (int, shape [T]) on the first shard, else the previous shard's hidden states [T, H].
+        returns: hidden states [T, H] as Activations, or on the last shard the float32 logits of the last
+        position, shape [vocab].
+        """
+
+    @abstractmethod
+    def release(self, request_id: str) -> None:
+        """Free the request's KV cache. Unknown ids are ignored."""
+
+    @abstractmethod
+    def cached_length(self, request_id: str) -> int:
+        """Positions held in the request's KV cache (0 if none)."""
+
+    @abstractmethod
+    def parameter_bytes(self) -> int:
+        """Bytes of the loaded shard's parameters."""
+
+    @property
+    @abstractmethod
+    def device_name(self) -> str:
+        """Human description, e.g. 'cpu', 'cuda:0 (NVIDIA RTX 4090)', 'mlx gpu'."""
+
+    @property
+    @abstractmethod
+    def dtype_name(self) -> str:
+        """The dtype weights and activations use: float32, bfloat16 or float16."""
+
+
+def engine_importable(name: str) -> bool:
+    package = {"torch": "torch", "mlx": "mlx"}[name]
+    return importlib.util.find_spec(package) is not None
+
+
+def available_engines() -> list[str]:
+    return [name for name in ENGINE_MODULES if engine_importable(name)]
+
+
+def auto_engine_name() -> str:
+    """MLX on Apple Silicon, else torch (CUDA or CPU), else MLX on CPU."""
+    import platform
+    import sys
+
+    if sys.platform == "darwin" and platform.machine() == "arm64" and engine_importable("mlx"):
+        return "mlx"
+    if engine_importable("torch"):
+        return "torch"
+    if engine_importable("mlx"):
+        return "mlx"
+    raise EngineUnavailableError("no inference engine installed: install the 'torch' or 'mlx' extra")
+
+
+def create_engine(name: str = "auto", device: str | None = None, dtype: str | None = None) -> Engine:
+    if name == "auto":
+        name = auto_engine_name()
+    if name not in ENGINE_MODULES:
+        raise EngineUnavailableError(f"unknown engine {name!r}; choose one of auto, {', '.join(ENGINE_MODULES)}")
+    if not engine_importable(name):
+        raise EngineUnavailableError(f"engine {name!r} is not installed on this node")
+    module = importlib.import_module(ENGINE_MODULES[name])
+    return module.ENGINE_CLASS(device=device, dtype=dtype)

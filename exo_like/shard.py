@@ -1,0 +1,38 @@
+"""A shard is the contiguous layer range [start_layer, end_layer) of one model that one stage runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Shard:
+    model_id: str
+    start_layer: int
+    end_layer: int
+    n_layers: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start_layer < self.end_layer <= self.n_layers:
+            raise ValueError(f"bad shard range [{self.start_layer}, {self.end_layer}) of {self.n_layers} layers")
+
+    @classmethod
+    def whole(cls, model_id: str, n_layers: int) -> "Shard":
+        return cls(model_id, 0, n_layers, n_layers)
+
+    @property
+    def is_first(self) -> bool:
+        """The first shard owns the token embedding."""
+        return self.start_layer == 0
+
+    @property
+    def is_last(self) -> bool:
+        """The last shard owns the final norm and the LM head, and its output is logits."""
+        return self.end_layer == self.n_layers
+
+    @property
+    def layer_count(self) -> int:
+        return self.end_layer - self.start_layer
+
+    def __str__(self) -> str:
+        return f"{self.model_id}[{self.start_layer}:{self.end_layer}]/{self.n_layers}"

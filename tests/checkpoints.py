@@ -1,0 +1,100 @@
+"""Small random Hugging Face checkpoints for the tests, built with `transformers` itself (the oracle).
+
+Each architecture gets the features its real checkpoints have: Llama 3.1 rope scaling, Qwen2 q/k/v bias and tied
+embeddings, Qwen3 q/k norms with head_dim != hidden / heads, Mistral GQA. Weights are scaled so logits are
+peaky and greedy decoding is exact across correct implementations.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from exo_like.demo import BOS, EOS, EOT, build_tokenizer, write_tokenizer_files
+
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+
+_COMMON = dict(
+    hidden_size=64,
+    intermediate_size=160,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=4096,
+)
+
+_SPECIFIC = {
+    "llama": dict(
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192},
+        tie_word_embeddings=False,
+    ),
+    "mistral": dict(rope_theta=1000000.0, sliding_window=None, tie_word_embeddings=False),
+    "qwen2": dict(rope_theta=1000000.0, tie_word_embeddings=True),
+    "qwen3": dict(rope_theta=1000000.0, head_dim=24, tie_word_embeddings=True),
+}
+
+
+def hf_config(arch: str, n_layers: int, vocab_size: int, token_ids: dict[str, int], **overrides):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    config_class = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch]
+    settings = {**_COMMON, **_SPECIFIC[arch], **overrides}
+    return config_class(
+        num_hidden_layers=n_layers,
+        vocab_size=vocab_size,
+        bos_token_id=token_ids[BOS],
+        eos_token_id=token_ids[EOT],
+        **settings,
+    )
+
+
+@torch.no_grad()
+def make_peaky(model: torch.nn.Module, seed: int) -> None:
+    """Re-initialise: linear std 1.5/sqrt(fan_in), norms 1 +- 0.1, biases small, embeddings unit normal."""
+    generator = torch.Generator().manual_seed(seed)
+    for name, param in sorted(model.named_parameters()):
+        if "norm" in name:
+            param.copy_(1.0 + (torch.rand(param.shape, generator=generator) - 0.5) * 0.2)
+        elif name.endswith("bias"):
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+        elif "embed_tokens" in name:
+            param.copy_(torch.randn(param.shape, generator=generator))
+        else:
+            fan_in = param.shape[-1]
+            param.copy_(torch.randn(param.shape, generator=generator) * 1.5 / math.sqrt(fan_in))
+
+
+def make_checkpoint(
+    path: Path,
+    arch: str,
+    *,
+    n_layers: int = 4,
+    dtype: torch.dtype = torch.float32,
+    max_shard_size: str | None = None,
+    seed: int = 0,
+    **config_overrides,
+) -> Path:
+    """Write a complete HF model folder (weights, config, tokenizer, chat template, generation config)."""
+    from transformers import AutoModelForCausalLM
+
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    token_ids = write_tokenizer_files(path, tokenizer)
+    config = hf_config(arch, n_layers, tokenizer.get_vocab_size(), token_ids, **config_overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    make_peaky(model, seed)
+    model = model.to(dtype)
+    save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, **save_kwargs)
+    # The Hub's generation configs list several eos ids; keep that shape.
+    (path / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": token_ids[BOS], "eos_token_id": [token_ids[EOT], token_ids[EOS]]})
+    )
+    return path
