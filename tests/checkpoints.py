@@ -78,9 +78,14 @@ def make_checkpoint(
     dtype: torch.dtype = torch.float32,
     max_shard_size: str | None = None,
     seed: int = 0,
+    hub_style_config: bool = False,
     **config_overrides,
 ) -> Path:
-    """Write a complete HF model folder (weights, config, tokenizer, chat template, generation config)."""
+    """Write a complete HF model folder (weights, config, tokenizer, chat template, generation config).
+
+    hub_style_config rewrites config.json the way checkpoints on the Hub have it (`rope_theta` and
+    `rope_scaling` at the top level, `torch_dtype`) instead of transformers >= 5's `rope_parameters`.
+    """
     from transformers import AutoModelForCausalLM
 
     path.mkdir(parents=True, exist_ok=True)
@@ -93,8 +98,20 @@ def make_checkpoint(
     model = model.to(dtype)
     save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **save_kwargs)
+    if hub_style_config:
+        to_hub_style_config(path / "config.json")
     # The Hub's generation configs list several eos ids; keep that shape.
     (path / "generation_config.json").write_text(
         json.dumps({"bos_token_id": token_ids[BOS], "eos_token_id": [token_ids[EOT], token_ids[EOS]]})
     )
     return path
+
+
+def to_hub_style_config(config_path: Path) -> None:
+    config = json.loads(config_path.read_text())
+    rope = dict(config.pop("rope_parameters", None) or {})
+    config["rope_theta"] = rope.pop("rope_theta", 10000.0)
+    rope_type = rope.get("rope_type", "default")
+    config["rope_scaling"] = None if rope_type == "default" else rope
+    config["torch_dtype"] = config.pop("dtype", "float32")
+    config_path.write_text(json.dumps(config, indent=2))
