@@ -1,0 +1,76 @@
+"""Property tests of the ring arithmetic: contiguous, complete, proportional, order-independent."""
+
+from __future__ import annotations
+
+import random
+from fractions import Fraction
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from partitioning import NodeCapacity, plan_ring, split_layers
+
+GIB = 1 << 30
+
+memories = st.lists(st.integers(1, 512 * GIB), min_size=1, max_size=12)
+
+
+def nodes_from(memory_list: list[int]) -> list[NodeCapacity]:
+    return [NodeCapacity(f"node-{i:02d}", m) for i, m in enumerate(memory_list)]
+
+
+def test_issue_example_seven_layers_over_6_3_1_gib() -> None:
+    nodes = [NodeCapacity("c", 1 * GIB), NodeCapacity("a", 6 * GIB), NodeCapacity("b", 3 * GIB)]
+    assert [(s.node_id, s.start_layer, s.end_layer) for s in plan_ring(7, nodes)] == [
+        ("a", 0, 4), ("b", 4, 6), ("c", 6, 7)
+    ]
+
+
+def test_equal_memory_orders_by_node_id() -> None:
+    stages = plan_ring(4, [NodeCapacity("z", GIB), NodeCapacity("m", GIB)])
+    assert [s.node_id for s in stages] == ["m", "z"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(n_layers=st.integers(1, 200), memory_list=memories)
+def test_ranges_contiguous_and_cover_all_layers(n_layers: int, memory_list: list[int]) -> None:
+    stages = plan_ring(n_layers, nodes_from(memory_list))
+    assert stages[0].start_layer == 0 and stages[-1].end_layer == n_layers
+    for before, after in zip(stages, stages[1:]):
+        assert before.end_layer == after.start_layer
+    assert all(s.layer_count >= 1 for s in stages)
+    if n_layers >= len(memory_list):
+        assert len(stages) == len(memory_list)
+
+
+@settings(max_examples=300, deadline=None)
+@given(n_layers=st.integers(1, 200), memory_list=memories)
+def test_proportional_within_one_layer(n_layers: int, memory_list: list[int]) -> None:
+    counts = split_layers(n_layers, memory_list)
+    total = sum(memory_list)
+    quotas = [Fraction(n_layers * m, total) for m in memory_list]
+    assert sum(counts) == n_layers
+    if all(q >= 1 for q in quotas) or n_layers < len(memory_list):
+        # No node needed the at-least-one-layer rule: pure largest remainder.
+        assert all(abs(c - q) < 1 for c, q in zip(counts, quotas))
+    else:
+        # The at-least-one-layer rule binds: nodes below one layer's worth get exactly one, paid for by nodes
+        # that then hold fewer than their quota; nobody ends above the ceiling of its quota.
+        for count, quota in zip(counts, quotas):
+            assert count == 1 if quota < 1 else 1 <= count <= -(-quota // 1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(n_layers=st.integers(1, 200), memory_list=memories, seed=st.integers(0, 1000))
+def test_deterministic_under_node_reordering(n_layers: int, memory_list: list[int], seed: int) -> None:
+    nodes = nodes_from(memory_list)
+    shuffled = nodes[:]
+    random.Random(seed).shuffle(shuffled)
+    assert plan_ring(n_layers, nodes) == plan_ring(n_layers, shuffled)
+
+
+@settings(max_examples=200, deadline=None)
+@given(n_layers=st.integers(1, 200), memory_list=memories)
+def test_more_memory_never_means_fewer_layers(n_layers: int, memory_list: list[int]) -> None:
+    counts = split_layers(n_layers, sorted(memory_list, reverse=True))
+    assert all(a >= b for a, b in zip(counts, counts[1:]))
