@@ -1,0 +1,279 @@
+"""Peer links: one long-lived websocket per pair of nodes, on the node's single HTTP port.
+
+Set-up is a mutual HMAC challenge-response over the cluster key, so a node never learns anything about (or
+accepts work from) a peer that does not hold the same key. Only then do both sides exchange NodeInfo.
+Frames are msgpack maps (see wire.py). aiohttp's websocket heartbeat detects a silent peer in ~1.5 s; a
+killed process is noticed at once because its sockets close.
+
+When two nodes dial each other at the same time, both keep the link dialed by the smaller node id, so they
+always agree on which one survives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import logging
+import os
+from dataclasses import asdict, dataclass
+from typing import Any, Awaitable, Callable
+
+import aiohttp
+from aiohttp import web
+
+from exo_like.wire import DEFAULT_MAX_FRAME_BYTES, FrameError, decode_frame, encode_frame
+
+log = logging.getLogger(__name__)
+
+PEER_PATH = "/v1/peer"
+HEARTBEAT_SECONDS = 1.0
+HANDSHAKE_TIMEOUT = 5.0
+CLOSE_REFUSED = 4001
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    node_id: str
+    name: str
+    host: str
+    port: int
+    engine: str
+    device: str
+    chip: str
+    memory_bytes: int
+    version: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "NodeInfo":
+        return cls(
+            node_id=str(data["node_id"]), name=str(data["name"]), host=str(data["host"]), port=int(data["port"]),
+            engine=str(data["engine"]), device=str(data["device"]), chip=str(data["chip"]),
+            memory_bytes=int(data["memory_bytes"]), version=str(data["version"]),
+        )
+
+
+def cluster_key_digest(cluster_key: str) -> str:
+    """Public fingerprint of the key (for mDNS TXT records): tells clusters apart without revealing the key."""
+    return hashlib.sha256(b"exo-like cluster id|" + cluster_key.encode()).hexdigest()[:16]
+
+
+def _proof(key: bytes, role: bytes, first: bytes, second: bytes) -> bytes:
+    return hmac.new(key, role + b"|" + first + b"|" + second, hashlib.sha256).digest()
+
+
+class HandshakeRefused(Exception):
+    pass
+
+
+MessageHandler = Callable[["PeerLink", dict[str, Any]], Awaitable[None]]
+
+
+class PeerLink:
+    def __init__(self, remote: NodeInfo, ws: web.WebSocketResponse | aiohttp.ClientWebSocketResponse,
+                 dialer_id: str, address: str, max_frame_bytes: int):
+        self.remote = remote
+        self.ws = ws
+        self.dialer_id = dialer_id
+        self.address = address  # host:port as seen from this side
+        self.max_frame_bytes = max_frame_bytes
+        self._send_lock = asyncio.Lock()
+
+    @property
+    def closed(self) -> bool:
+        return self.ws.closed
+
+    async def send(self, message: dict[str, Any]) -> None:
+        """Send one frame. Raises ConnectionError if the link is gone, FrameError if the frame is too big."""
+        data = encode_frame(message, self.max_frame_bytes)
+        async with self._send_lock:
+            if self.ws.closed:
+                raise ConnectionError(f"link to {self.remote.node_id} is closed")
+            await self.ws.send_bytes(data)
+
+    async def close(self) -> None:
+        await self.ws.close()
+
+
+class PeerNetwork:
+    """All links of this node: accepts on PEER_PATH, dials on request, routes frames to one handler."""
+
+    def __init__(self, me: NodeInfo, cluster_key: str, handler: MessageHandler,
+                 on_change: Callable[[], None], max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES):
+        self.me = me
+        self._key = hashlib.sha256(cluster_key.encode()).digest()
+        self._handler = handler
+        self._on_change = on_change
+        self.max_frame_bytes = max_frame_bytes
+        self.links: dict[str, PeerLink] = {}
+        self._dialing: set[str] = set()
+        self._tasks: set[asyncio.Task] = set()
+        self._session: aiohttp.ClientSession | None = None
+
+    def add_routes(self, app: web.Application) -> None:
+        app.router.add_get(PEER_PATH, self._accept)
+
+    def linked(self, node_id: str) -> bool:
+        link = self.links.get(node_id)
+        return link is not None and not link.closed
+
+    async def send(self, node_id: str, message: dict[str, Any]) -> None:
+        link = self.links.get(node_id)
+        if link is None:
+            raise ConnectionError(f"no link to node {node_id}")
+        await link.send(message)
+
+    # -- dialing ------------------------------------------------------------------------------------------
+
+    async def dial(self, host: str, port: int) -> PeerLink | None:
+        """Connect and authenticate; returns the live link, or None if refused, unreachable or to ourselves."""
+        address = f"{host}:{port}"
+        if address in self._dialing:
+            return None
+        self._dialing.add(address)
+        try:
+            return await self._dial(host, port, address)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, FrameError, KeyError, ValueError) as exc:
+            log.debug("node %s: cannot link to %s: %s", self.me.node_id, address, exc)
+            return None
+        except HandshakeRefused as exc:
+            log.warning("node %s: refused link with %s: %s", self.me.node_id, address, exc)
+            return None
+        finally:
+            self._dialing.discard(address)
+
+    async def _dial(self, host: str, port: int, address: str) -> PeerLink | None:
+        session = await self._client_session()
+        ws = await session.ws_connect(f"http://{address}{PEER_PATH}", heartbeat=HEARTBEAT_SECONDS,
+                                      max_msg_size=self.max_frame_bytes,
+                                      timeout=aiohttp.ClientWSTimeout(ws_close=2.0))
+        try:
+            remote = await self._dialer_handshake(ws)
+        except BaseException:
+            await ws.close()
+            raise
+        link = PeerLink(remote, ws, self.me.node_id, address, self.max_frame_bytes)
+        if not self._register(link):
+            await ws.close()
+            return self.links.get(remote.node_id)
+        self._spawn(self._read_loop(link))
+        return link
+
+    async def _dialer_handshake(self, ws: aiohttp.ClientWebSocketResponse) -> NodeInfo:
+        hello = await self._receive(ws)
+        nonce = os.urandom(16)
+        await ws.send_bytes(encode_frame({"type": "auth", "nonce": nonce,
+                                          "proof": _proof(self._key, b"dialer", hello["nonce"], nonce)}))
+        welcome = await self._receive(ws)
+        if welcome["type"] == "refused":
+            raise HandshakeRefused(f"peer says: {welcome.get('reason')}")
+        if not hmac.compare_digest(welcome["proof"], _proof(self._key, b"acceptor", nonce, hello["nonce"])):
+            raise HandshakeRefused("peer does not hold our cluster key")
+        await ws.send_bytes(encode_frame({"type": "info", "info": self.me.to_dict()}))
+        return NodeInfo.from_dict(welcome["info"])
+
+    # -- accepting ----------------------------------------------------------------------------------------
+
+    async def _accept(self, request: web.Request) -> web.StreamResponse:
+        ws = web.WebSocketResponse(heartbeat=HEARTBEAT_SECONDS, max_msg_size=self.max_frame_bytes)
+        await ws.prepare(request)
+        address = f"{request.remote}"
+        try:
+            remote = await self._acceptor_handshake(ws, address)
+        except HandshakeRefused as exc:
+            log.warning("node %s: refused peer at %s: %s", self.me.node_id, address, exc)
+            await ws.close(code=CLOSE_REFUSED, message=b"refused")
+            return ws
+        except (asyncio.TimeoutError, FrameError, KeyError, ValueError, TypeError, ConnectionError) as exc:
+            log.info("node %s: handshake with %s failed: %s", self.me.node_id, address, exc)
+            await ws.close()
+            return ws
+        link = PeerLink(remote, ws, remote.node_id, address, self.max_frame_bytes)
+        if self._register(link):
+            await self._read_loop(link)
+        else:
+            await ws.close()
+        return ws
+
+    async def _acceptor_handshake(self, ws: web.WebSocketResponse, address: str) -> NodeInfo:
+        nonce = os.urandom(16)
+        await ws.send_bytes(encode_frame({"type": "hello", "nonce": nonce}))
+        auth = await self._receive(ws)
+        if auth.get("type") != "auth" or not isinstance(auth.get("proof"), bytes):
+            raise HandshakeRefused("no authentication offered")
+        if not hmac.compare_digest(auth["proof"], _proof(self._key, b"dialer", nonce, auth["nonce"])):
+            await ws.send_bytes(encode_frame({"type": "refused", "reason": "cluster key mismatch"}))
+            raise HandshakeRefused("cluster key mismatch")
+        await ws.send_bytes(encode_frame({"type": "welcome", "info": self.me.to_dict(),
+                                          "proof": _proof(self._key, b"acceptor", auth["nonce"], nonce)}))
+        info = await self._receive(ws)
+        return NodeInfo.from_dict(info["info"])
+
+    async def _receive(self, ws: web.WebSocketResponse | aiohttp.ClientWebSocketResponse) -> dict[str, Any]:
+        msg = await ws.receive(timeout=HANDSHAKE_TIMEOUT)
+        if msg.type != aiohttp.WSMsgType.BINARY:
+            raise ConnectionError(f"handshake interrupted ({msg.type.name})")
+        return decode_frame(msg.data, self.max_frame_bytes)
+
+    # -- link lifetime ------------------------------------------------------------------------------------
+
+    def _register(self, link: PeerLink) -> bool:
+        """Add a new authenticated link; False if it must be dropped (ourselves, or the losing duplicate)."""
+        remote_id = link.remote.node_id
+        if remote_id == self.me.node_id:
+            return False
+        existing = self.links.get(remote_id)
+        if existing is not None and not existing.closed:
+            preferred_dialer = min(self.me.node_id, remote_id)
+            if link.dialer_id != preferred_dialer or existing.dialer_id == preferred_dialer:
+                return False
+            self._spawn(existing.close())
+        self.links[remote_id] = link
+        log.info("node %s: linked with %s (%s) at %s", self.me.node_id, remote_id, link.remote.name, link.address)
+        self._on_change()
+        return True
+
+    async def _read_loop(self, link: PeerLink) -> None:
+        try:
+            async for msg in link.ws:
+                if msg.type != aiohttp.WSMsgType.BINARY:
+                    continue
+                try:
+                    message = decode_frame(msg.data, self.max_frame_bytes)
+                except FrameError as exc:
+                    log.warning("node %s: bad frame from %s: %s", self.me.node_id, link.remote.node_id, exc)
+                    break
+                try:
+                    await self._handler(link, message)
+                except Exception:  # a bug in one handler must not cut the link for every request on it
+                    log.exception("node %s: error handling %s from %s", self.me.node_id, message.get("type"),
+                                  link.remote.node_id)
+        finally:
+            await link.close()
+            if self.links.get(link.remote.node_id) is link:
+                del self.links[link.remote.node_id]
+                log.info("node %s: lost link with %s (%s)", self.me.node_id, link.remote.node_id,
+                         link.ws.exception() or "closed")
+                self._on_change()
+
+    def _spawn(self, coro: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)  # strong reference until done
+        task.add_done_callback(self._tasks.discard)
+
+    async def _client_session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession()
+        return self._session
+
+    async def close(self) -> None:
+        for link in list(self.links.values()):
+            await link.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()
