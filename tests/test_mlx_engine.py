@@ -1,0 +1,256 @@
+"""Exactness of the MLX engine: greedy tokens equal mlx-lm's on the same checkpoint, and sharding, chunked
+prefill, interleaved requests and partial loading do not change anything."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pytest
+
+mx = pytest.importorskip("mlx.core", reason="mlx is not installed (install the 'mlx' extra)")
+
+from tokenizers import Tokenizer  # noqa: E402
+
+from exo_like.activations import Activations  # noqa: E402
+from exo_like.checkpoint import plan_shard_load, safetensors_header  # noqa: E402
+from exo_like.engines import mlx_engine  # noqa: E402
+from exo_like.engines.mlx_engine import MLXEngine  # noqa: E402
+from exo_like.errors import InvalidRequestError  # noqa: E402
+from exo_like.model_config import ModelArgs  # noqa: E402
+from exo_like.shard import Shard  # noqa: E402
+from tests.checkpoints import make_checkpoint  # noqa: E402
+
+N_LAYERS = 6
+N_TOKENS = 32
+# Seed 1 gives every architecture a non-degenerate greedy continuation of PROMPT (tied-embedding models
+# otherwise tend to repeat one token, which would make the comparisons weak).
+SEED = 1
+PROMPT = "The quick brown fox jumps over the lazy dog. Paris is the capital of"
+OTHER_PROMPT = "Memory bandwidth bounds decoding; prefill is bound by compute."
+# name -> (architecture, make_checkpoint keyword arguments)
+CASES = {
+    "llama": ("llama", {}),
+    "llama-hub-config": ("llama", {"hub_style_config": True}),
+    "mistral": ("mistral", {}),
+    "qwen2": ("qwen2", {}),
+    "qwen3": ("qwen3", {}),
+}
+UNEVEN_SHARDS = ((0, 1), (1, 4), (4, N_LAYERS))
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory) -> Callable[[str], Path]:
+    """name -> checkpoint folder, each written once per session on first use."""
+    root = tmp_path_factory.mktemp("mlx_checkpoints")
+    made: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in made:
+            arch, kwargs = CASES[name]
+            made[name] = make_checkpoint(root / name, arch, n_layers=N_LAYERS, seed=SEED, **kwargs)
+        return made[name]
+
+    return get
+
+
+def prompt_ids(model_dir: Path, text: str = PROMPT) -> np.ndarray:
+    return np.array(Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode(text).ids, dtype=np.int64)
+
+
+def load_engine(model_dir: Path, start: int, end: int, dtype: str | None = None) -> MLXEngine:
+    args = ModelArgs.from_dir(model_dir)
+    engine = MLXEngine(dtype=dtype)
+    engine.load(model_dir, args, Shard(model_dir.name, start, end, args.num_hidden_layers))
+    return engine
+
+
+def run_chain(chain: list[MLXEngine], request_id: str, inputs: np.ndarray) -> np.ndarray:
+    """Pass inputs through every stage; the last stage returns logits."""
+    x = inputs
+    for engine in chain:
+        x = engine.forward(request_id, x)
+    return x
+
+
+def greedy(chain: list[MLXEngine], prompt: np.ndarray, n_tokens: int = N_TOKENS, request_id: str = "r") -> list[int]:
+    tokens: list[int] = []
+    inputs = prompt
+    for _ in range(n_tokens):
+        token = int(np.argmax(run_chain(chain, request_id, inputs)))
+        tokens.append(token)
+        inputs = np.array([token])
+    return tokens
+
+
+@pytest.fixture(scope="session")
+def whole_model_tokens(model_dir) -> Callable[[str], list[int]]:
+    """name -> the whole-model engine's greedy tokens for PROMPT (computed once)."""
+    done: dict[str, list[int]] = {}
+
+    def get(name: str) -> list[int]:
+        if name not in done:
+            path = model_dir(name)
+            done[name] = greedy([load_engine(path, 0, N_LAYERS)], prompt_ids(path))
+        return done[name]
+
+    return get
+
+
+# ---- mlx-lm as the oracle ------------------------------------------------------------------------------------
+
+
+def mlx_lm_config_overrides(model_dir: Path) -> dict | None:
+    """Rope settings for mlx-lm when it cannot read them from a transformers >= 5 config.json.
+
+    transformers >= 5 writes `rope_parameters` (holding `rope_theta` and any scaling) instead of the Hub's
+    `rope_theta` + `rope_scaling`. In mlx-lm 0.32 only some ModelArgs classes (e.g. qwen3) have a
+    `rope_parameters` field; llama (which mistral also maps to) and qwen2 do not, and `from_dict` silently drops
+    unknown keys, so they fall back to their defaults: rope_theta 10000 (qwen2: 1e6) and no llama3 scaling.
+    For those classes, hand mlx-lm the same values under the keys it reads; the Hub-style case needs nothing.
+    """
+    from mlx_lm.utils import _get_classes
+
+    config = json.loads((model_dir / "config.json").read_text())
+    rope = dict(config.get("rope_parameters") or {})
+    _, args_class = _get_classes(config)
+    if not rope or "rope_parameters" in {f.name for f in dataclasses.fields(args_class)}:
+        return None
+    theta = rope.pop("rope_theta")
+    return {"rope_theta": theta, "rope_scaling": None if rope.get("rope_type", "default") == "default" else rope}
+
+
+def mlx_lm_greedy(model_dir: Path, prompt: np.ndarray) -> list[int]:
+    mlx_lm = pytest.importorskip("mlx_lm", reason="mlx-lm (the test oracle) is not installed")
+    from mlx_lm.generate import generate_step
+
+    model, _ = mlx_lm.load(str(model_dir), model_config=mlx_lm_config_overrides(model_dir))
+    # Driving generate_step directly: it never stops at eos, so all N_TOKENS are compared.
+    steps = generate_step(
+        mx.array(prompt), model, max_tokens=N_TOKENS, sampler=lambda logprobs: mx.argmax(logprobs, axis=-1)
+    )
+    return [int(token) for token, _ in steps]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_greedy_tokens_match_mlx_lm(model_dir, whole_model_tokens, name):
+    path = model_dir(name)
+    expected = mlx_lm_greedy(path, prompt_ids(path))
+    assert len(set(expected)) > 1, "degenerate reference continuation; pick another seed or prompt"
+    assert whole_model_tokens(name) == expected
+
+
+def test_hub_style_config_needs_no_help_for_mlx_lm(model_dir):
+    # The Hub-style case is the one where mlx-lm reads the config exactly as written.
+    assert mlx_lm_config_overrides(model_dir("llama-hub-config")) is None
+
+
+# ---- sharding and caching ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "qwen3"])
+def test_three_uneven_shards_match_whole_model(model_dir, whole_model_tokens, name):
+    path = model_dir(name)
+    chain = [load_engine(path, start, end) for start, end in UNEVEN_SHARDS]
+    assert greedy(chain, prompt_ids(path)) == whole_model_tokens(name)
+    prompt_and_generated = len(prompt_ids(path)) + N_TOKENS - 1
+    assert [engine.cached_length("r") for engine in chain] == [prompt_and_generated] * len(chain)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_bfloat16_shards_chain_like_the_whole_model(model_dir, name):
+    path = model_dir(name)
+    prompt = prompt_ids(path)
+    chain = [load_engine(path, start, end, dtype="bfloat16") for start, end in UNEVEN_SHARDS]
+    hidden = chain[0].forward("probe", prompt)
+    assert (hidden.dtype, hidden.shape) == ("bfloat16", (len(prompt), 64))
+    assert chain[0].dtype_name == "bfloat16"
+    whole = load_engine(path, 0, N_LAYERS, dtype="bfloat16")
+    assert greedy(chain, prompt) == greedy([whole], prompt)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_chunked_prefill_equals_one_shot(model_dir, name):
+    path = model_dir(name)
+    engine = load_engine(path, 0, N_LAYERS)
+    prompt = prompt_ids(path)
+    one_shot = engine.forward("one", prompt)
+    # Uneven chunks, including a single position in the middle (which runs without a mask).
+    for start, end in ((0, 5), (5, 6), (6, len(prompt))):
+        chunked = engine.forward("chunked", prompt[start:end])
+        assert engine.cached_length("chunked") == end
+    np.testing.assert_allclose(chunked, one_shot, rtol=1e-5, atol=1e-5)
+    continue_from = np.array([int(np.argmax(one_shot))])
+    assert greedy([engine], continue_from, 8, "one") == greedy([engine], continue_from, 8, "chunked")
+
+
+def test_interleaved_requests_do_not_disturb_each_other(model_dir, whole_model_tokens):
+    path = model_dir("qwen2")
+    chain = [load_engine(path, start, end) for start, end in UNEVEN_SHARDS]
+    prompts = {"a": prompt_ids(path), "b": prompt_ids(path, OTHER_PROMPT)}
+    alone_b = greedy(chain, prompts["b"], request_id="b-alone")
+    inputs, tokens = dict(prompts), {"a": [], "b": []}
+    for _ in range(N_TOKENS):
+        for rid in ("a", "b"):
+            token = int(np.argmax(run_chain(chain, rid, inputs[rid])))
+            tokens[rid].append(token)
+            inputs[rid] = np.array([token])
+    assert tokens["a"] == whole_model_tokens("qwen2")
+    assert tokens["b"] == alone_b
+    for engine in chain:
+        engine.release("a")
+        engine.release("unknown-id")  # ignored
+        assert engine.cached_length("a") == 0
+        assert engine.cached_length("b") == len(prompts["b"]) + N_TOKENS - 1
+
+
+def test_inputs_of_the_wrong_kind_are_rejected(model_dir):
+    path = model_dir("llama")
+    first, middle = load_engine(path, 0, 1), load_engine(path, 1, 4)
+    hidden = first.forward("r", prompt_ids(path))
+    with pytest.raises(InvalidRequestError):
+        first.forward("r2", hidden)
+    with pytest.raises(InvalidRequestError):
+        middle.forward("r2", prompt_ids(path))
+    with pytest.raises(InvalidRequestError):
+        middle.forward("r2", Activations("float32", (1, 32), bytes(128)))
+    assert first.cached_length("r2") == middle.cached_length("r2") == 0
+
+
+# ---- loading only what the shard needs -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])  # untied and tied (the last stage then needs the embedding)
+def test_last_quarter_opens_only_its_files(tmp_path_factory, monkeypatch, arch):
+    path = make_checkpoint(
+        tmp_path_factory.mktemp("multi_file") / arch, arch, n_layers=8, max_shard_size="100KB", seed=SEED
+    )
+    args = ModelArgs.from_dir(path)
+    shard = Shard(arch, 6, 8, 8)
+    plan = plan_shard_load(path, shard, args.tie_word_embeddings)
+    all_files = set(path.glob("*.safetensors"))
+    assert set(plan.files) < all_files, "the checkpoint should spread over more files than the shard needs"
+
+    opened: list[Path] = []
+    real_load = mlx_engine.mx.load
+
+    def spy_load(file, *a, **kw):
+        opened.append(Path(file))
+        return real_load(file, *a, **kw)
+
+    monkeypatch.setattr(mlx_engine.mx, "load", spy_load)
+    engine = MLXEngine()
+    engine.load(path, args, shard)
+
+    assert sorted(opened) == sorted(plan.files)
+    expected_bytes = 0
+    for file, names in plan.files.items():
+        header = safetensors_header(file)
+        expected_bytes += sum(header[n]["data_offsets"][1] - header[n]["data_offsets"][0] for n, _ in names)
+    assert engine.parameter_bytes() == expected_bytes
+    assert engine.dtype_name == "float32" and engine.device_name.startswith("mlx ")
+    logits = engine.forward("r", Activations("float32", (3, 64), np.ones((3, 64), np.float32).tobytes()))
+    assert logits.shape == (args.vocab_size,) and logits.dtype == np.float32
