@@ -37,7 +37,7 @@ requires_netns = pytest.mark.skipif(netns_unavailable_reason() is not None,
 
 
 @dataclass(frozen=True)
-class TestHost:
+class NetnsHost:
     namespace: str
     address: str
 
@@ -68,11 +68,11 @@ def _remove_stale() -> None:
 
 
 @contextmanager
-def test_hosts(count: int, subnet: str = "10.231.77") -> Iterator[list[TestHost]]:
+def netns_hosts(count: int, subnet: str = "10.231.77") -> Iterator[list[NetnsHost]]:
     _remove_stale()
     pid = os.getpid()
     bridge = f"{PREFIX}b{pid}"[:15]
-    hosts: list[TestHost] = []
+    hosts: list[NetnsHost] = []
     try:
         _ip("link", "add", bridge, "type", "bridge")
         _ip("link", "set", bridge, "up")
@@ -80,7 +80,7 @@ def test_hosts(count: int, subnet: str = "10.231.77") -> Iterator[list[TestHost]
             namespace = f"{PREFIX}p{pid}h{i}"
             host_leg, ns_leg = f"{PREFIX}{pid % 100000}v{i}", f"{PREFIX}{pid % 100000}n{i}"
             _ip("netns", "add", namespace)
-            hosts.append(TestHost(namespace, f"{subnet}.{10 + i}"))
+            hosts.append(NetnsHost(namespace, f"{subnet}.{10 + i}"))
             _ip("link", "add", host_leg, "type", "veth", "peer", "name", ns_leg)
             _ip("link", "set", host_leg, "master", bridge)
             _ip("link", "set", host_leg, "up")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from discovery import PeerAddress, parse_peers
-from tests.netns import requires_netns, test_hosts
+from tests.netns import requires_netns, netns_hosts
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -49,7 +49,7 @@ def test_mdns_finds_same_cluster_and_refuses_other_cluster(tmp_path: Path) -> No
     script = tmp_path / "probe.py"
     script.write_text(PROBE)
     keys = ["digest-a", "digest-a", "digest-b"]
-    with test_hosts(3) as hosts:
+    with netns_hosts(3) as hosts:
         procs = [subprocess.Popen(h.command(sys.executable, str(script), f"n{i}", keys[i], "4"), cwd=REPO,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                  for i, h in enumerate(hosts)]

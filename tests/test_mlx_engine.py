@@ -214,6 +214,8 @@ def test_inputs_of_the_wrong_kind_are_rejected(model_dir):
     with pytest.raises(InvalidRequestError):
         first.forward("r2", hidden)
     with pytest.raises(InvalidRequestError):
+        first.forward("r2", np.array([1, 10_000]))
+    with pytest.raises(InvalidRequestError):
         middle.forward("r2", prompt_ids(path))
     with pytest.raises(InvalidRequestError):
         middle.forward("r2", Activations("float32", (1, 32), bytes(128)))
