@@ -1,0 +1,266 @@
+"""Membership and plan agreement.
+
+Every node computes the plan from its own view (itself plus its linked peers) and announces the plan's digest
+to all peers. A plan is agreed only when every member announces the same digest, and ready once every stage
+has loaded its shard. Membership changes re-plan; a node reloads only when its own range changed.
+
+Which model the cluster serves is cluster state too: `--model` or the first request sets it with a Lamport
+clock, and the newest setting wins everywhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable
+
+from exo_like.errors import ExoLikeError, ServiceUnavailableError
+from exo_like.peers import NodeInfo, PeerNetwork
+from exo_like.plan import ModelFootprint, Plan, fit_problems, make_plan
+from exo_like.shard import Shard
+from partitioning import NodeCapacity
+
+log = logging.getLogger(__name__)
+
+ANNOUNCE_INTERVAL = 1.0
+PLAN_WAIT_SECONDS = 30.0
+
+
+@dataclass(frozen=True)
+class ModelDescription:
+    n_layers: int
+    footprint: ModelFootprint
+
+
+@dataclass(frozen=True)
+class Announcement:
+    model: str | None
+    clock: tuple[int, str]
+    digest: str | None
+    ready: bool
+    problem: str | None
+
+
+class Cluster:
+    def __init__(self, me: NodeInfo, peers: PeerNetwork, describe: Callable[[str], ModelDescription],
+                 load_shard: Callable[[Plan, Shard | None], Awaitable[None]],
+                 on_members: Callable[[set[str]], None]):
+        self.me = me
+        self.peers = peers
+        self._describe = describe
+        self._load_shard = load_shard
+        self._on_members = on_members
+        self.model_id: str | None = None
+        self.clock: tuple[int, str] = (0, "")
+        self.plan: Plan | None = None
+        self.problem: str | None = None
+        self.loaded_digest: str | None = None
+        self.announcements: dict[str, Announcement] = {}
+        self._changed = asyncio.Event()
+        self._load_task: asyncio.Task | None = None
+        self._announcer: asyncio.Task | None = None
+        self.plan_wait_seconds = PLAN_WAIT_SECONDS
+
+    # -- membership -------------------------------------------------------------------------------------
+
+    def members(self) -> list[NodeInfo]:
+        return [self.me] + [link.remote for link in self.peers.links.values() if not link.closed]
+
+    def member_ids(self) -> set[str]:
+        return {m.node_id for m in self.members()}
+
+    def name_of(self, node_id: str) -> str:
+        for member in self.members():
+            if member.node_id == node_id:
+                return member.name
+        return node_id
+
+    def start(self) -> None:
+        self._announcer = asyncio.ensure_future(self._announce_forever())
+
+    async def stop(self) -> None:
+        for task in (self._announcer, self._load_task):
+            if task is not None:
+                task.cancel()
+
+    def links_changed(self) -> None:
+        live = self.member_ids()
+        for node_id in list(self.announcements):
+            if node_id not in live:
+                del self.announcements[node_id]
+        self._on_members(live)
+        self.replan()
+
+    # -- model and plan ---------------------------------------------------------------------------------
+
+    def set_model(self, model_id: str) -> None:
+        """Make the cluster serve `model_id` (newest setting wins on every node)."""
+        if model_id == self.model_id:
+            return
+        self.clock = (self.clock[0] + 1, self.me.node_id)
+        self.model_id = model_id
+        log.info("node %s: cluster model set to %s", self.me.node_id, model_id)
+        self.replan()
+
+    def replan(self) -> None:
+        plan, problem = self._compute_plan()
+        if plan != self.plan or problem != self.problem:
+            if plan is not None and (self.plan is None or plan.digest != self.plan.digest):
+                log.info("node %s: plan %s for %s: %s", self.me.node_id, plan.digest, plan.model_id,
+                         ", ".join(f"{s.node_id}[{s.start_layer},{s.end_layer})" for s in plan.stages))
+            self.plan, self.problem = plan, problem
+            if problem:
+                log.warning("node %s: %s", self.me.node_id, problem)
+            self._start_loading()
+        self._announce_soon()
+
+    def _compute_plan(self) -> tuple[Plan | None, str | None]:
+        if self.model_id is None:
+            return None, None
+        try:
+            description = self._describe(self.model_id)
+        except ExoLikeError as exc:
+            return None, f"cannot serve {self.model_id}: {exc.message}"
+        capacities = [NodeCapacity(m.node_id, m.memory_bytes) for m in self.members()]
+        plan = make_plan(self.model_id, description.n_layers, capacities)
+        problems = fit_problems(plan, description.footprint, {})
+        return plan, ("the model does not fit: " + "; ".join(problems)) if problems else None
+
+    def _start_loading(self) -> None:
+        """Ask the node to hold this plan's shard; it reloads only if its range changed."""
+        plan = self.plan
+        if plan is None or self.problem:
+            return
+        if self._load_task is not None:
+            self._load_task.cancel()
+        self._load_task = asyncio.ensure_future(self._load(plan, plan.shard_for(self.me.node_id)))
+
+    async def _load(self, plan: Plan, shard: Shard | None) -> None:
+        try:
+            await self._load_shard(plan, shard)
+        except ExoLikeError as exc:
+            self.problem = f"node {self.me.node_id} cannot load {shard}: {exc.message}"
+            log.error("node %s: %s", self.me.node_id, self.problem)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a load failure must be visible to every node, not kill this one
+            log.exception("node %s: loading %s failed", self.me.node_id, shard)
+            self.problem = f"node {self.me.node_id} failed to load {shard}: {exc}"
+        else:
+            if self.plan is not None and self.plan.digest == plan.digest:
+                self.loaded_digest = plan.digest
+        self._announce_soon()
+
+    # -- agreement --------------------------------------------------------------------------------------
+
+    def my_announcement(self) -> Announcement:
+        digest = self.plan.digest if self.plan else None
+        return Announcement(self.model_id, self.clock, digest, digest is not None and self.loaded_digest == digest,
+                            self.problem)
+
+    def receive(self, node_id: str, message: dict[str, Any]) -> None:
+        clock = (int(message["clock"][0]), str(message["clock"][1]))
+        announcement = Announcement(message.get("model"), clock, message.get("digest"), bool(message["ready"]),
+                                    message.get("problem"))
+        self.announcements[node_id] = announcement
+        if announcement.model is not None and clock > self.clock:
+            self.clock, self.model_id = clock, announcement.model
+            log.info("node %s: adopting model %s from %s", self.me.node_id, announcement.model, node_id)
+            self.replan()
+        self._notify()
+
+    @property
+    def agreed(self) -> bool:
+        if self.plan is None:
+            return False
+        others = self.member_ids() - {self.me.node_id}
+        return all(node_id in self.announcements and self.announcements[node_id].digest == self.plan.digest
+                   for node_id in others)
+
+    @property
+    def ready(self) -> bool:
+        if not self.agreed or self.problem or self.plan is None:
+            return False
+        mine = self.my_announcement()
+        return mine.ready and all(self.announcements[n].ready for n in self.plan.node_ids if n != self.me.node_id)
+
+    def why_not_ready(self) -> str:
+        if self.model_id is None:
+            return "no model selected"
+        if self.problem:
+            return self.problem
+        if self.plan is None:
+            return "no plan yet"
+        waiting = [n for n in self.member_ids() - {self.me.node_id}
+                   if self.announcements.get(n) is None or self.announcements[n].digest != self.plan.digest]
+        if waiting:
+            return f"nodes {', '.join(sorted(waiting))} have not agreed on plan {self.plan.digest} yet"
+        loading = [n for n in self.plan.node_ids if n == self.me.node_id and not self.my_announcement().ready
+                   or n != self.me.node_id and not self.announcements[n].ready]
+        return f"nodes {', '.join(loading)} are still loading their layers"
+
+    async def wait_ready(self, timeout: float | None = None) -> Plan:
+        deadline = time.monotonic() + (self.plan_wait_seconds if timeout is None else timeout)
+        while not self.ready:
+            peer_problems = [a.problem for a in self.announcements.values() if a.problem]
+            if self.problem or peer_problems:
+                raise ServiceUnavailableError(self.problem or str(peer_problems[0]), code="plan_unavailable")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise ServiceUnavailableError(f"no agreed plan after {self.plan_wait_seconds:.0f}s: "
+                                              f"{self.why_not_ready()}", code="plan_unavailable")
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), min(remaining, ANNOUNCE_INTERVAL))
+            except asyncio.TimeoutError:
+                pass
+        assert self.plan is not None
+        return self.plan
+
+    def _notify(self) -> None:
+        self._changed.set()
+
+    def _announce_soon(self) -> None:
+        self._notify()
+        asyncio.ensure_future(self._announce())
+
+    async def _announce(self) -> None:
+        mine = self.my_announcement()
+        message = {"type": "plan_state", "model": mine.model, "clock": list(mine.clock), "digest": mine.digest,
+                   "ready": mine.ready, "problem": mine.problem}
+        for link in list(self.peers.links.values()):
+            try:
+                await link.send(message)
+            except (ConnectionError, OSError):
+                pass  # the link's loss triggers its own re-plan
+
+    async def _announce_forever(self) -> None:
+        while True:
+            await asyncio.sleep(ANNOUNCE_INTERVAL)
+            await self._announce()
+
+    # -- reporting --------------------------------------------------------------------------------------
+
+    def node_status(self, node_id: str) -> str:
+        if self.plan is None:
+            return "idle" if self.model_id is None else "joining"
+        announcement = self.my_announcement() if node_id == self.me.node_id else self.announcements.get(node_id)
+        if announcement is None or announcement.digest != self.plan.digest:
+            return "joining"
+        return "ready" if announcement.ready else "loading"
+
+    def to_json(self) -> dict[str, Any]:
+        members = sorted(self.members(), key=lambda m: (-m.memory_bytes, m.node_id))
+        return {
+            "node_id": self.me.node_id,
+            "model": self.model_id,
+            "nodes": [{"id": m.node_id, "name": m.name, "address": f"{m.host}:{m.port}", "engine": m.engine,
+                       "device": m.device, "chip": m.chip, "memory_bytes": m.memory_bytes, "version": m.version,
+                       "status": self.node_status(m.node_id)} for m in members],
+            "plan": self.plan.to_json() if self.plan else None,
+            "agreed": self.agreed,
+            "ready": self.ready,
+            "problem": self.problem,
+        }

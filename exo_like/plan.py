@@ -1,0 +1,128 @@
+"""A plan: which node runs which layers of which model, with a digest that every member must announce.
+
+Pure data plus the fit check. The digest covers the model, the layer count, the stages and each member's
+memory, so two nodes announce the same digest only if they computed the same ring from the same view.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from exo_like.checkpoint import local_tensor_name, safetensors_header, weight_map
+from exo_like.shard import Shard
+from partitioning import NodeCapacity, Stage, plan_ring
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class Plan:
+    model_id: str
+    n_layers: int
+    stages: tuple[Stage, ...]
+    memories: tuple[tuple[str, int], ...]  # (node id, memory bytes) of every member the plan was made from
+
+    @property
+    def digest(self) -> str:
+        body = json.dumps([self.model_id, self.n_layers, [(s.node_id, s.start_layer, s.end_layer)
+                                                          for s in self.stages], self.memories])
+        return hashlib.sha256(body.encode()).hexdigest()[:16]
+
+    @property
+    def node_ids(self) -> list[str]:
+        return [s.node_id for s in self.stages]
+
+    def stage_index(self, node_id: str) -> int | None:
+        for i, stage in enumerate(self.stages):
+            if stage.node_id == node_id:
+                return i
+        return None
+
+    def shard_for(self, node_id: str) -> Shard | None:
+        index = self.stage_index(node_id)
+        if index is None:
+            return None
+        stage = self.stages[index]
+        return Shard(self.model_id, stage.start_layer, stage.end_layer, self.n_layers)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "model": self.model_id,
+            "n_layers": self.n_layers,
+            "digest": self.digest,
+            "stages": [{"node_id": s.node_id, "start_layer": s.start_layer, "end_layer": s.end_layer}
+                       for s in self.stages],
+        }
+
+
+def make_plan(model_id: str, n_layers: int, members: list[NodeCapacity]) -> Plan:
+    stages = plan_ring(n_layers, members)
+    memories = tuple(sorted((m.node_id, m.memory_bytes) for m in members))
+    return Plan(model_id, n_layers, tuple(stages), memories)
+
+
+@dataclass(frozen=True)
+class ModelFootprint:
+    """Parameter bytes of a checkpoint as stored: per layer, plus embedding and head."""
+
+    layer_bytes: tuple[int, ...]
+    embed_bytes: int
+    head_bytes: int  # final norm + LM head (0 extra for the head when embeddings are tied)
+    tied: bool
+    stored_dtype_bytes: int
+
+    def shard_bytes(self, shard: Shard, dtype: str | None = None) -> int:
+        total = sum(self.layer_bytes[shard.start_layer:shard.end_layer])
+        if shard.is_first:
+            total += self.embed_bytes
+        if shard.is_last:
+            total += self.head_bytes + (self.embed_bytes if self.tied and not shard.is_first else 0)
+        if dtype is None:
+            return total
+        return total * DTYPE_BYTES.get(dtype, self.stored_dtype_bytes) // self.stored_dtype_bytes
+
+
+def model_footprint(model_dir: Path, n_layers: int, tied: bool) -> ModelFootprint:
+    """Read sizes from the safetensors headers (no tensor data is read)."""
+    layers = [0] * n_layers
+    embed = head = 0
+    itemsizes: set[int] = set()
+    files = sorted(set(weight_map(model_dir).values()))
+    whole = Shard("footprint", 0, n_layers, n_layers)
+    for file in files:
+        for name, entry in safetensors_header(model_dir / file).items():
+            size = entry["data_offsets"][1] - entry["data_offsets"][0]
+            local = local_tensor_name(name, whole, tied)
+            if local is None:
+                continue
+            if entry["dtype"] in ("F32", "BF16", "F16"):
+                itemsizes.add(4 if entry["dtype"] == "F32" else 2)
+            if local.startswith("model.layers."):
+                layers[int(name.split(".")[2])] += size
+            elif local.startswith("model.embed_tokens."):
+                embed += size
+            else:
+                head += size
+    return ModelFootprint(tuple(layers), embed, head, tied, max(itemsizes) if itemsizes else 2)
+
+
+def fit_problems(plan: Plan, footprint: ModelFootprint, dtypes: dict[str, str | None]) -> list[str]:
+    """One sentence per node whose range needs more memory than it offers; empty when the plan fits."""
+    memory = dict(plan.memories)
+    problems = []
+    for stage in plan.stages:
+        shard = plan.shard_for(stage.node_id)
+        assert shard is not None
+        needed = footprint.shard_bytes(shard, dtypes.get(stage.node_id))
+        if needed > memory[stage.node_id]:
+            problems.append(f"node {stage.node_id} needs {needed} bytes for layers [{shard.start_layer}, "
+                            f"{shard.end_layer}) but has {memory[stage.node_id]} bytes available")
+    total_needed = footprint.shard_bytes(Shard("total", 0, plan.n_layers, plan.n_layers))
+    total_memory = sum(memory.values())
+    if problems and total_needed > total_memory:
+        problems.insert(0, f"the model needs {total_needed} bytes in total; the cluster has {total_memory} bytes")
+    return problems

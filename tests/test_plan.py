@@ -1,0 +1,68 @@
+"""Plans: digests agree when views agree, footprints come from headers, fit errors name bytes per node."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+from exo_like.model_config import ModelArgs
+from exo_like.plan import fit_problems, make_plan, model_footprint
+from exo_like.shard import Shard
+from partitioning import NodeCapacity
+from tests.checkpoints import make_checkpoint
+
+GIB = 1 << 30
+
+
+def test_digest_same_for_same_view_in_any_order_and_differs_otherwise() -> None:
+    nodes = [NodeCapacity("a", 6 * GIB), NodeCapacity("b", 3 * GIB), NodeCapacity("c", GIB)]
+    plan = make_plan("m", 7, nodes)
+    assert plan.digest == make_plan("m", 7, nodes[::-1]).digest
+    assert plan.digest != make_plan("m", 7, nodes[:2]).digest
+    assert plan.digest != make_plan("other", 7, nodes).digest
+    assert plan.digest != make_plan("m", 7, [NodeCapacity("a", 6 * GIB + 1), *nodes[1:]]).digest
+    assert plan.to_json()["stages"] == [{"node_id": "a", "start_layer": 0, "end_layer": 4},
+                                        {"node_id": "b", "start_layer": 4, "end_layer": 6},
+                                        {"node_id": "c", "start_layer": 6, "end_layer": 7}]
+    assert plan.shard_for("b") == Shard("m", 4, 6, 7) and plan.shard_for("zz") is None
+
+
+@pytest.fixture(scope="module")
+def tied_checkpoint(tmp_path_factory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "qwen2", "qwen2", n_layers=4, max_shard_size="60KB")
+
+
+def tensor_bytes(model_dir: Path, predicate) -> int:
+    total = 0
+    for file in model_dir.glob("*.safetensors"):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                if predicate(name):
+                    tensor = f.get_tensor(name)
+                    total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def test_footprint_matches_tensor_bytes(tied_checkpoint: Path) -> None:
+    args = ModelArgs.from_dir(tied_checkpoint)
+    footprint = model_footprint(tied_checkpoint, 4, args.tie_word_embeddings)
+    assert footprint.layer_bytes[2] == tensor_bytes(tied_checkpoint, lambda n: n.startswith("model.layers.2."))
+    embed = tensor_bytes(tied_checkpoint, lambda n: n.startswith("model.embed_tokens."))
+    norm = tensor_bytes(tied_checkpoint, lambda n: n.startswith("model.norm."))
+    last = Shard("m", 3, 4, 4)
+    assert footprint.shard_bytes(last) == footprint.layer_bytes[3] + norm + embed  # tied head = embedding
+    assert footprint.shard_bytes(last, "bfloat16") == footprint.shard_bytes(last) // 2
+
+
+def test_fit_problems_name_bytes_per_node(tied_checkpoint: Path) -> None:
+    args = ModelArgs.from_dir(tied_checkpoint)
+    footprint = model_footprint(tied_checkpoint, 4, args.tie_word_embeddings)
+    roomy = make_plan("m", 4, [NodeCapacity("a", GIB), NodeCapacity("b", GIB)])
+    assert fit_problems(roomy, footprint, {}) == []
+    tight = make_plan("m", 4, [NodeCapacity("a", 1000), NodeCapacity("b", 1000)])
+    problems = fit_problems(tight, footprint, {})
+    assert problems[0].startswith("the model needs") and "the cluster has 2000 bytes" in problems[0]
+    needed_a = footprint.shard_bytes(tight.shard_for("a"))
+    assert f"node a needs {needed_a} bytes for layers [0, 2) but has 1000 bytes available" in problems
