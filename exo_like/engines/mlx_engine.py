@@ -89,9 +89,11 @@ class MLXEngine(Engine):
             raise UnsupportedModelError(
                 "quantized checkpoints are not supported by the MLX engine yet", code="unsupported_quantization"
             )
+        if shard.n_layers != args.num_hidden_layers:
+            raise ValueError(f"shard {shard} does not match the model's {args.num_hidden_layers} layers")
         started = time.perf_counter()
         dtype_name = self.requested_dtype or _checkpoint_dtype(args)
-        self._model, self._caches = None, {}
+        self._model, self._caches, self.shard, self.args = None, {}, None, None
         plan = plan_shard_load(Path(model_dir), shard, args.tie_word_embeddings)
         with mx.stream(self._device):
             model = ShardModel(args, shard)
@@ -131,6 +133,9 @@ class MLXEngine(Engine):
                 raise InvalidRequestError(f"the first shard takes a 1-D array of token ids, got {_describe(inputs)}")
             if inputs.size == 0:
                 raise InvalidRequestError("no tokens to run")
+            # MLX does not bounds-check gathers: an out-of-range id would read arbitrary memory.
+            if inputs.min() < 0 or inputs.max() >= args.vocab_size:
+                raise InvalidRequestError(f"token ids must lie in [0, {args.vocab_size})")
             return mx.array(inputs.astype(np.int32))[None]
         if not isinstance(inputs, Activations) or len(inputs.shape) != 2 or inputs.shape[1] != args.hidden_size:
             raise InvalidRequestError(
