@@ -1,0 +1,109 @@
+"""`exo-like`: start a node that serves the OpenAI-compatible API on every interface."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from aiohttp import web
+
+from exo_like.api import create_app
+from exo_like.errors import ExoLikeError
+from exo_like.node import Node, default_home
+
+log = logging.getLogger("exo_like")
+
+DEFAULT_PORT = 52415
+SHUTDOWN_TIMEOUT = 5.0  # seconds in-flight requests get to finish on SIGINT/SIGTERM before they are cancelled
+
+
+def _port(text: str) -> int:
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be 0..65535, got {port}")
+    return port
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="exo-like", description=__doc__)
+    parser.add_argument("--port", type=_port, default=DEFAULT_PORT, help="API port (0 picks a free one)")
+    parser.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    parser.add_argument("--home", type=Path, default=None,
+                        help="folder for models and state (default: $EXO_LIKE_HOME or ~/.cache/exo-like)")
+    parser.add_argument("--model", default=None, help="'demo' or a local Hugging Face model folder")
+    parser.add_argument("--engine", choices=("auto", "torch", "mlx"), default="auto")
+    parser.add_argument("--device", default=None, help="e.g. cpu, cuda, cuda:1, mps (default: best available)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                        help="default: the checkpoint's")
+    parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    return parser.parse_args(argv)
+
+
+class NodeIdFilter(logging.Filter):
+    """Stamps every record with the node id, so logs of several nodes on one machine stay apart."""
+
+    def __init__(self, node_id: str):
+        super().__init__()
+        self.node_id = node_id
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.node_id = self.node_id
+        return True
+
+
+def setup_logging(level: str, node_id: str) -> None:
+    handler = logging.StreamHandler()
+    handler.addFilter(NodeIdFilter(node_id))
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s [%(node_id)s] %(name)s: %(message)s"))
+    logging.basicConfig(level=level, handlers=[handler], force=True)
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)  # one line per request is logged by the API
+
+
+async def serve(node: Node, host: str, port: int) -> None:
+    """Serve until SIGINT or SIGTERM, then stop accepting, let requests finish briefly, and shut down."""
+    # handler_cancellation: a client that disconnects cancels its handler, which stops its generation.
+    runner = web.AppRunner(create_app(node), handler_cancellation=True, shutdown_timeout=SHUTDOWN_TIMEOUT,
+                           access_log=None)
+    await runner.setup()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        bound_port = runner.addresses[0][1] if runner.addresses else port
+        log.info("serving the OpenAI API on http://%s:%d/v1 (model: %s)", host, bound_port,
+                 node.model.model_id if node.model else "none")
+        await stop.wait()
+        log.info("shutting down")
+    finally:
+        await runner.cleanup()
+        await node.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    home = (args.home or default_home()).expanduser()
+    node = Node(home, engine_name=args.engine, device=args.device, dtype=args.dtype)
+    setup_logging(args.log_level, node.node_id)
+    try:
+        if args.model:
+            node.load_model(args.model)
+        else:
+            log.warning("no --model given: this node serves no model")
+    except ExoLikeError as e:
+        log.error("cannot load model %r: %s", args.model, e.message)
+        sys.exit(1)
+    except (OSError, ValueError) as e:
+        log.error("cannot load model %r: %s", args.model, e)
+        sys.exit(1)
+    try:
+        asyncio.run(serve(node, args.host, args.port))
+    except OSError as e:  # typically: the port is taken
+        log.error("cannot serve on %s:%d: %s", args.host, args.port, e)
+        sys.exit(1)
