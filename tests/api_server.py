@@ -1,0 +1,123 @@
+"""Real `exo-like` processes for the API tests: a test checkpoint, a node on a free port, its log.
+
+Fixtures here are imported by the test modules that need them (`from tests.api_server import node`), so each
+module gets its own node; the checkpoint is built once per test session.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from tests.checkpoints import make_checkpoint
+
+ARCH = "qwen2"  # context 4096, tied embeddings, q/k/v bias
+_LISTENING = re.compile(r"serving the OpenAI API on http://[^:]+:(\d+)/v1")
+
+
+def exo_like_command() -> list[str]:
+    script = Path(sys.executable).with_name("exo-like")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "exo_like"]
+
+
+@dataclass
+class NodeProcess:
+    process: subprocess.Popen
+    port: int
+    log_path: Path
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def request(self, method: str, path: str, body: bytes | None = None,
+                headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+        """A raw HTTP request (stdlib only, so any method, header or body can be sent as is)."""
+        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        try:
+            connection.request(method, path, body=body, headers=headers or {})
+            response = connection.getresponse()
+            return response.status, dict(response.getheaders()), response.read()
+        finally:
+            connection.close()
+
+    def get_json(self, path: str) -> Any:
+        status, _, body = self.request("GET", path)
+        assert status == 200, body
+        return json.loads(body)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+
+def start_node(home: Path, model: str, *extra: str, timeout: float = 180) -> NodeProcess:
+    """Start `exo-like --port 0` and wait until it reports the port it bound and answers /health."""
+    home.mkdir(parents=True, exist_ok=True)
+    log_path = home / "node.log"
+    command = [*exo_like_command(), "--model", model, "--home", str(home), "--host", "127.0.0.1", "--port", "0",
+               *extra]
+    # One torch thread: the test models are tiny, and on a small shared machine two threads that wait for each
+    # other at every barrier stall for whole scheduler slices whenever another process holds a core.
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with open(log_path, "wb") as log_file:
+        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        match = _LISTENING.search(log_path.read_text(errors="replace"))
+        if match:
+            node = NodeProcess(process, int(match.group(1)), log_path)
+            assert node.get_json("/health")["status"] == "ok"
+            return node
+        if process.poll() is not None:
+            raise RuntimeError(f"exo-like exited with {process.returncode}:\n{log_path.read_text()}")
+        time.sleep(0.1)
+    process.kill()
+    raise RuntimeError(f"exo-like did not start within {timeout}s:\n{log_path.read_text()}")
+
+
+def wait_for(predicate, timeout: float = 15, interval: float = 0.05):  # type: ignore[no-untyped-def]
+    """Poll until predicate() is truthy; return its last value (falsy on timeout)."""
+    deadline = time.monotonic() + timeout
+    value = predicate()
+    while not value and time.monotonic() < deadline:
+        time.sleep(interval)
+        value = predicate()
+    return value
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.getbasetemp() / f"api-checkpoint-{ARCH}"
+    if not (path / "config.json").exists():
+        make_checkpoint(path, ARCH, n_layers=2)
+    return path
+
+
+@pytest.fixture(scope="module")
+def node(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
+    process = start_node(tmp_path_factory.mktemp("home"), str(checkpoint), "--dtype", "float32")
+    yield process
+    returncode = process.stop()
+    assert returncode == 0, process.log()
+    assert "Traceback" not in process.log(), process.log()

@@ -1,0 +1,110 @@
+"""The `exo-like` command: starts with the demo model, answers curl, logs with its node id, shuts down cleanly."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.api_server import NodeProcess, exo_like_command, start_node
+
+
+@pytest.fixture(scope="module")
+def demo_node(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    process = start_node(tmp_path_factory.mktemp("home"), "demo")
+    yield process
+    assert process.stop() == 0, process.log()
+
+
+def curl(url: str, *args: str) -> tuple[int, str]:
+    """The request as a user would type it; falls back to urllib where curl is missing."""
+    if shutil.which("curl"):
+        out = subprocess.run(["curl", "-s", "-w", "\n%{http_code}", *args, url], capture_output=True, text=True,
+                             timeout=60, check=True).stdout
+        body, _, status = out.rpartition("\n")
+        return int(status), body
+    import urllib.error
+    import urllib.request
+
+    data = args[args.index("-d") + 1].encode() if "-d" in args else None
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, data=data), timeout=60) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def test_demo_node_answers_a_curl_chat_request(demo_node: NodeProcess) -> None:
+    request = {"model": "demo", "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 8}
+    status, body = curl(f"{demo_node.base_url}/v1/chat/completions", "-H", "Content-Type: application/json",
+                        "-d", json.dumps(request))
+    assert status == 200, body
+    response = json.loads(body)
+    assert response["model"] == "demo" and response["object"] == "chat.completion"
+    assert response["choices"][0]["message"]["role"] == "assistant"
+    assert isinstance(response["choices"][0]["message"]["content"], str)
+    assert response["usage"]["completion_tokens"] >= 1
+
+
+def test_demo_node_streams_to_curl_without_content_type(demo_node: NodeProcess) -> None:
+    request = {"model": "demo", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "stream": True}
+    status, body = curl(f"{demo_node.base_url}/v1/chat/completions", "-N", "-d", json.dumps(request))
+    assert status == 200, body
+    events = [line for line in body.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    first = json.loads(events[0][len("data: "):])
+    assert first["object"] == "chat.completion.chunk" and first["choices"][0]["delta"]["role"] == "assistant"
+
+
+def test_models_health_and_index(demo_node: NodeProcess) -> None:
+    assert [m["id"] for m in demo_node.get_json("/v1/models")["data"]] == ["demo"]
+    health = demo_node.get_json("/health")
+    assert health["status"] == "ok" and health["model"] == "demo" and health["engine"] in ("torch", "mlx")
+    assert demo_node.get_json("/")["node_id"] == health["node_id"]
+
+
+def test_log_lines_carry_the_node_id(demo_node: NodeProcess) -> None:
+    node_id = demo_node.get_json("/health")["node_id"]
+    lines = [line for line in demo_node.log().splitlines() if line.strip()]
+    assert lines and all(f"[{node_id}]" in line for line in lines if line[:4].isdigit())
+    assert any("serving the OpenAI API" in line for line in lines)
+
+
+def test_sigint_shuts_down_gracefully(tmp_path: Path) -> None:
+    process = start_node(tmp_path / "home", "demo")
+    assert process.stop(signal.SIGINT) == 0
+    assert "shutting down" in process.log() and "node stopped" in process.log()
+    assert "Traceback" not in process.log()
+
+
+def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:  # type: ignore[type-arg]
+    return subprocess.run([*exo_like_command(), *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_unknown_model_exits_with_a_clear_message(tmp_path: Path) -> None:
+    result = run_cli("--model", str(tmp_path / "missing"), "--home", str(tmp_path), "--port", "0")
+    assert result.returncode == 1
+    assert "not found" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_port_in_use_exits_with_a_clear_message(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run_cli("--home", str(tmp_path), "--host", "127.0.0.1", "--port", str(port))
+    assert result.returncode == 1
+    assert f"cannot serve on 127.0.0.1:{port}" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_python_dash_m_shows_the_options() -> None:
+    result = subprocess.run([sys.executable, "-m", "exo_like", "--help"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0
+    for option in ("--port", "--host", "--home", "--model", "--engine", "--device", "--dtype", "--log-level"):
+        assert option in result.stdout
