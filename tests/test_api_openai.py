@@ -15,7 +15,7 @@ import openai
 import pytest
 import torch
 
-from tests.api_server import NodeProcess, checkpoint, node, start_node  # noqa: F401  (fixtures)
+from tests.api_server import NodeProcess, checkpoint, node, start_node, wait_for  # noqa: F401  (fixtures)
 
 MAX_TOKENS = 40
 # Prompts whose greedy continuations contain characters split across tokens (found by search; the test
@@ -178,7 +178,8 @@ def test_streamed_completion_concatenates_to_the_whole_text(client: openai.OpenA
     assert all(c.usage is None for c in chunks)  # no usage chunk unless asked for
 
 
-def test_stop_strings_cut_the_text(client: openai.OpenAI, oracle: Oracle, model_id: str) -> None:
+def test_stop_strings_cut_the_text(client: openai.OpenAI, oracle: Oracle, model_id: str,
+                                   node: NodeProcess) -> None:  # noqa: F811
     prompt = "Hello!"
     full = oracle.expected(oracle.chat_ids(prompt), MAX_TOKENS)[0]
     stop = full[12:15]
@@ -191,6 +192,19 @@ def test_stop_strings_cut_the_text(client: openai.OpenAI, oracle: Oracle, model_
                                 stop=["never appears", stop])
     assert text == expected
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    # Stopping early on a stop string frees the request's KV cache.
+    assert wait_for(lambda: node.get_json("/health")["active_kv_caches"] == 0)
+
+
+def test_text_parts_and_developer_role(client: openai.OpenAI, model_id: str) -> None:
+    def reply(messages: list) -> str:  # type: ignore[type-arg]
+        response = client.chat.completions.create(model=model_id, messages=messages, max_tokens=12, temperature=0)
+        return response.choices[0].message.content
+
+    as_string = reply([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello\nthere"}])
+    as_parts = reply([{"role": "developer", "content": [{"type": "text", "text": "Be brief."}]},
+                      {"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]}])
+    assert as_parts == as_string
 
 
 def test_max_tokens_ends_with_length(client: openai.OpenAI, model_id: str) -> None:
