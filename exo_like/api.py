@@ -15,6 +15,7 @@ from contextlib import aclosing
 from typing import Any
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from exo_like.completion import (
     TextGeneration,
@@ -53,7 +54,7 @@ def error_response(status: int, message: str, type_: str, param: str | None = No
 
 
 @web.middleware
-async def error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except ExoLikeError as e:
@@ -63,9 +64,9 @@ async def error_middleware(request: web.Request, handler: Any) -> web.StreamResp
         if e.status < 400:
             raise
         return _http_error(request, e)
-    except Exception:
+    except Exception as e:
         log.exception("unexpected error handling %s %s", request.method, request.path)
-        return error_response(500, "internal server error (logged on the node)", "server_error")
+        return error_response(500, f"internal server error: {type(e).__name__}: {e}", "server_error")
 
 
 def _http_error(request: web.Request, e: web.HTTPException) -> web.Response:
@@ -179,9 +180,9 @@ async def _stream_events(response: web.StreamResponse, generation: TextGeneratio
     except ExoLikeError as e:
         # The status line is sent already: report the error in-band, as OpenAI does mid-stream.
         await _send(response, error_body(e.message, e.type, e.param, e.code))
-    except Exception:
+    except Exception as e:
         log.exception("request %s failed while streaming", fmt.response_id)
-        await _send(response, error_body("internal server error (logged on the node)", "server_error"))
+        await _send(response, error_body(f"internal server error: {type(e).__name__}: {e}", "server_error"))
 
 
 async def _send(response: web.StreamResponse, payload: dict[str, Any]) -> None:
@@ -206,8 +207,7 @@ async def health(request: web.Request) -> web.Response:
 async def debug_requests(request: web.Request) -> web.Response:
     """In-flight requests and KV caches: what the dashboard shows, and how tests see a cancelled request."""
     node = request.app[NODE_KEY]
-    stats = node.generator.stats() if node.generator else {}
-    return web.json_response({"requests": node.in_flight(), **stats})
+    return web.json_response({"requests": node.in_flight(), **node.generation_stats()})
 
 
 async def index(request: web.Request) -> web.Response:

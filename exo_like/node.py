@@ -100,9 +100,13 @@ class Node:
             raise ModelNotFoundError(f"the model {name!r} does not exist; this node serves {self.model.model_id!r}")
         return self.model, self.generator
 
+    def generation_stats(self) -> dict[str, object]:
+        if self.generator is None:
+            return {"in_flight_requests": 0, "active_kv_caches": 0, "requests_total": 0, "tokens_generated_total": 0}
+        return self.generator.stats()
+
     def status(self) -> dict[str, object]:
         """What /health reports (and what a dashboard shows about this node)."""
-        generator_stats = self.generator.stats() if self.generator else {}
         return {
             "status": "ok",
             "node_id": self.node_id,
@@ -111,7 +115,7 @@ class Node:
             "device": self.engine.device_name if self.engine else None,
             "dtype": self.engine.dtype_name if self.engine else None,
             "uptime_seconds": round(time.time() - self.started, 1),
-            **generator_stats,
+            **self.generation_stats(),
         }
 
     def in_flight(self) -> list[dict[str, object]]:

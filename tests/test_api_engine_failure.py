@@ -63,7 +63,7 @@ async def test_failure_in_a_whole_response_is_a_logged_json_500(served, caplog: 
         response = await client.post("/v1/chat/completions", json=chat_body(model))
     assert response.status == 500
     body = await response.json()
-    assert body["error"]["type"] == "server_error" and body["error"]["message"]
+    assert body["error"]["type"] == "server_error" and "simulated device failure" in body["error"]["message"]
     assert any("simulated device failure" in (r.exc_text or "") for r in caplog.records)
     assert node.status()["in_flight_requests"] == 0
     await _wait_for_no_caches(node)
