@@ -8,10 +8,10 @@ bad input is always a 4xx. Generation stops and frees its KV cache as soon as th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
-from contextlib import aclosing
 from typing import Any
 
 from aiohttp import web
@@ -32,12 +32,16 @@ from exo_like.openai_responses import ResponseFormat, error_body
 log = logging.getLogger(__name__)
 
 NODE_KEY = web.AppKey("node", Node)
+GENERATING_KEY = web.AppKey("generating", set)  # handler tasks of requests that are generating
 MAX_BODY_BYTES = 32 * 1024 * 1024  # a full long-context prompt, JSON-escaped, fits comfortably
+SHUTDOWN_GRACE = 5.0  # seconds requests still generating get to finish on shutdown before they are cancelled
 
 
 def create_app(node: Node) -> web.Application:
     app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
     app[NODE_KEY] = node
+    app[GENERATING_KEY] = set()
+    app.on_shutdown.append(_finish_generations)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", list_models)
@@ -46,6 +50,19 @@ def create_app(node: Node) -> web.Application:
     app.router.add_get("/v1/debug/requests", debug_requests)
     app.router.add_get("/", index)
     return app
+
+
+async def _finish_generations(app: web.Application) -> None:
+    """On shutdown (no new connections any more): let running generations finish briefly, then cancel them."""
+    app[NODE_KEY].stopping = True
+    tasks: set[asyncio.Task[object]] = set(app[GENERATING_KEY])
+    if not tasks:
+        return
+    log.info("waiting up to %.0fs for %d request(s) still generating", SHUTDOWN_GRACE, len(tasks))
+    _, late = await asyncio.wait(tasks, timeout=SHUTDOWN_GRACE)
+    for task in late:
+        task.cancel()
+    await asyncio.gather(*late, return_exceptions=True)
 
 
 def error_response(status: int, message: str, type_: str, param: str | None = None, code: str | None = None,
@@ -129,17 +146,21 @@ def _generation(model: LoadedModel, generator: TokenGenerator, prompt: list[int]
 async def _respond(request: web.Request, generation: TextGeneration, fmt: ResponseFormat,
                    stream: bool) -> web.StreamResponse:
     started = time.monotonic()
+    task = asyncio.current_task()
+    request.app[GENERATING_KEY].add(task)
     try:
         if stream:
             return await _stream(request, generation, fmt)
         text = await generation.text()
         return web.json_response(fmt.whole(text, generation.finish_reason or "length", generation.usage()))
     except asyncio.CancelledError:
-        # aiohttp cancels the handler when the client disconnects; the generation has been closed by now.
-        log.info("request %s: client disconnected after %d tokens; generation stopped", fmt.response_id,
+        # The handler is cancelled when the client disconnects (or at shutdown); the generation is closed by now.
+        reason = "the node is shutting down" if request.app[NODE_KEY].stopping else "client disconnected"
+        log.info("request %s: %s after %d tokens; generation stopped", fmt.response_id, reason,
                  generation.completion_tokens)
         raise
     finally:
+        request.app[GENERATING_KEY].discard(task)
         _log_done(fmt.response_id, generation, time.monotonic() - started)
 
 
@@ -157,19 +178,30 @@ async def _stream(request: web.Request, generation: TextGeneration, fmt: Respons
     await response.prepare(request)
     try:
         await _stream_events(response, generation, fmt)
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
+        await _end_stream(response)
     except ConnectionResetError:
         log.info("request %s: client disconnected after %d tokens; generation stopped", fmt.response_id,
                  generation.completion_tokens)
+    except asyncio.CancelledError:
+        if request.app[NODE_KEY].stopping:  # tell the client why its stream ends early
+            with contextlib.suppress(ConnectionResetError):
+                await _send(response, error_body("the node is shutting down", "service_unavailable", None,
+                                                 "shutting_down"))
+                await _end_stream(response)
+        raise
     return response
+
+
+async def _end_stream(response: web.StreamResponse) -> None:
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
 
 
 async def _stream_events(response: web.StreamResponse, generation: TextGeneration, fmt: ResponseFormat) -> None:
     try:
         if (first := fmt.first_chunk()) is not None:
             await _send(response, first)
-        async with aclosing(generation.deltas()) as deltas:
+        async with contextlib.aclosing(generation.deltas()) as deltas:
             async for text in deltas:
                 await _send(response, fmt.text_chunk(text))
         await _send(response, fmt.finish_chunk(generation.finish_reason or "length"))

@@ -18,7 +18,9 @@ from exo_like.node import Node, default_home
 log = logging.getLogger("exo_like")
 
 DEFAULT_PORT = 52415
-SHUTDOWN_TIMEOUT = 5.0  # seconds in-flight requests get to finish on SIGINT/SIGTERM before they are cancelled
+# aiohttp's own wait for handlers at shutdown; the API's on_shutdown hook has already given generating requests
+# their grace period and cancelled the rest, so this only bounds what is left (e.g. a slow health check).
+SHUTDOWN_TIMEOUT = 1.0
 
 
 def _port(text: str) -> int:

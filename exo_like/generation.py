@@ -120,7 +120,7 @@ class LocalGenerator(TokenGenerator):
                 token = await self._step(request_id, np.array([token], dtype=np.int64), sampler)
         finally:
             del self.in_flight[request_id]
-            self._schedule_release(request_id)
+            await self._release_after_pending_steps(request_id)
 
     async def _prefill(self, request_id: str, prompt_tokens: list[int], sampler: Sampler) -> int:
         """Feed the prompt in chunks (one executor call each, so other requests keep decoding in between)."""
@@ -145,13 +145,18 @@ class LocalGenerator(TokenGenerator):
         logits = self._forward(request_id, tokens)
         return sampler(logits)
 
-    def _schedule_release(self, request_id: str) -> None:
-        # Not awaited, because this also runs while the consumer is being cancelled. The executor runs it after
-        # any forward call of this request that is still in progress, so the cache cannot come back.
+    async def _release_after_pending_steps(self, request_id: str) -> None:
+        """Free the request's cache on the engine thread, after any of its forward calls still running there.
+
+        Submitted before anything is awaited, so the release happens even if the caller is cancelled again
+        while waiting for it; waiting means that once a response is complete, its cache is gone.
+        """
         try:
-            self._executor.submit(self._release, request_id)
+            release = self._executor.submit(self._release, request_id)
         except RuntimeError:  # executor already shut down: the engine and its caches are going away anyway
             log.debug("not releasing %s: the engine thread has stopped", request_id)
+            return
+        await asyncio.shield(asyncio.wrap_future(release))
 
     def _release(self, request_id: str) -> None:
         try:

@@ -71,6 +71,7 @@ class Node:
         self.engine: Engine | None = None
         self.generator: TokenGenerator | None = None
         self.started = time.time()
+        self.stopping = False  # set when shutdown begins: requests cancelled from then on are not the client's doing
 
     def load_model(self, spec: str) -> LoadedModel:
         """Load the whole model on this node (blocking: call before serving or from a thread)."""
@@ -108,7 +109,7 @@ class Node:
     def status(self) -> dict[str, object]:
         """What /health reports (and what a dashboard shows about this node)."""
         return {
-            "status": "ok",
+            "status": "stopping" if self.stopping else "ok",
             "node_id": self.node_id,
             "model": self.model.model_id if self.model else None,
             "engine": self.engine.name if self.engine else None,

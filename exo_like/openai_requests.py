@@ -105,7 +105,8 @@ def _options(body: dict[str, Any], max_tokens: int | None) -> GenerationOptions:
 def _model(body: dict[str, Any]) -> str:
     model = body.get("model")
     if model is None:
-        raise InvalidRequestError("you must provide a model parameter", param="model", code="missing_required_parameter")
+        raise InvalidRequestError("you must provide a model parameter", param="model",
+                                  code="missing_required_parameter")
     if not isinstance(model, str) or not model:
         raise InvalidRequestError("model must be a non-empty string", param="model", code="invalid_type")
     return model

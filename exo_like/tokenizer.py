@@ -166,9 +166,11 @@ class IncrementalDetokenizer:
     Byte-level BPE tokens can hold part of a UTF-8 character; decoding such a prefix yields U+FFFD. Text ending
     in U+FFFD is held back until a later token completes it (or until `flush`), so no delta ever has to be
     taken back. SentencePiece byte-fallback tokens (<0xNN>) are decoded a whole run at a time, and a run with
-    an invalid byte turns entirely into U+FFFD, so a run is held back until a token of another kind ends it. Each step decodes a small window: a few already-emitted tokens (context, so decoders that
-    strip a leading space see the same surroundings as a full decode) plus the new ones, and emits the part
-    of the window's text beyond the context's text. Invariant: the concatenation of all deltas plus `flush()`
+    an invalid byte turns entirely into U+FFFD, so a run is held back until a token of another kind ends it.
+
+    Each step decodes a small window: a few already-emitted tokens (context, so decoders that strip a leading
+    space see the same surroundings as a full decode) plus the new ones, and emits the part of the window's
+    text beyond the context's text. Invariant: the concatenation of all deltas plus `flush()`
     equals `decode(all ids)`.
     """
 
@@ -186,7 +188,8 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> str:
         self._ids.append(token_id)
         context, text = self._window_texts()
-        if len(text) <= len(context) or text.endswith("\ufffd") or token_id in self._tokenizer.byte_fallback_ids:
+        incomplete = text.endswith("\ufffd") or token_id in self._tokenizer.byte_fallback_ids
+        if incomplete or len(text) <= len(context):
             return ""
         self._prefix, self._read = self._read, len(self._ids)
         return text[len(context):]

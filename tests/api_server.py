@@ -13,6 +13,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,7 +75,9 @@ class NodeProcess:
 def start_node(home: Path, model: str, *extra: str, timeout: float = 180) -> NodeProcess:
     """Start `exo-like --port 0` and wait until it reports the port it bound and answers /health."""
     home.mkdir(parents=True, exist_ok=True)
-    log_path = home / "node.log"
+    fd, name = tempfile.mkstemp(prefix="node-", suffix=".log", dir=home)  # nodes may share a home
+    os.close(fd)
+    log_path = Path(name)
     command = [*exo_like_command(), "--model", model, "--home", str(home), "--host", "127.0.0.1", "--port", "0",
                *extra]
     # One torch thread: the test models are tiny, and on a small shared machine two threads that wait for each

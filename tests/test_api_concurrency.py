@@ -49,7 +49,8 @@ def test_concurrent_streams_equal_the_same_requests_alone(node: NodeProcess, cli
                                                   max_tokens=MAX_TOKENS, extra_body=extra, **kwargs)
         alone.append(response.choices[0].message.content)
 
-    async def one(async_client: openai.AsyncOpenAI, prompt: str, params: dict) -> tuple[str, float, float]:  # type: ignore[type-arg]
+    async def one(async_client: openai.AsyncOpenAI, prompt: str,  # type: ignore[type-arg]
+                  params: dict) -> tuple[str, float, float]:
         kwargs, extra = split_sampling(params)
         stream = await async_client.chat.completions.create(
             model=model_id, messages=[{"role": "user", "content": prompt}], max_tokens=MAX_TOKENS, stream=True,

@@ -132,14 +132,16 @@ def test_long_prompt_prefilled_in_chunks_equals_transformers(client: openai.Open
     assert response.usage.prompt_tokens == len(prompt_ids)
 
 
-def _stream_chat(client: openai.OpenAI, model_id: str, prompt: str, **kwargs) -> tuple[list, str]:  # type: ignore[type-arg]
+def _stream_chat(client: openai.OpenAI, model_id: str, prompt: str,  # type: ignore[no-untyped-def]
+                 **kwargs) -> tuple[list, str]:
     chunks = list(chat(client, model_id, prompt, stream=True, **kwargs))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     return chunks, text
 
 
 def test_streamed_chat_concatenates_to_the_whole_text(client: openai.OpenAI, oracle: Oracle, model_id: str) -> None:
-    splitting = [p for p in SPLIT_PROMPTS if oracle.splits_a_character(oracle.generate(oracle.chat_ids(p), MAX_TOKENS))]
+    splitting = [p for p in SPLIT_PROMPTS
+                 if oracle.splits_a_character(oracle.generate(oracle.chat_ids(p), MAX_TOKENS))]
     assert splitting, "no prompt makes the model split a UTF-8 character across tokens; pick new SPLIT_PROMPTS"
     for prompt in SPLIT_PROMPTS:
         whole = chat(client, model_id, prompt, max_tokens=MAX_TOKENS, temperature=0)
@@ -202,8 +204,9 @@ def test_text_parts_and_developer_role(client: openai.OpenAI, model_id: str) -> 
         return response.choices[0].message.content
 
     as_string = reply([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello\nthere"}])
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]
     as_parts = reply([{"role": "developer", "content": [{"type": "text", "text": "Be brief."}]},
-                      {"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]}])
+                      {"role": "user", "content": parts}])
     assert as_parts == as_string
 
 

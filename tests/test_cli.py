@@ -8,16 +8,25 @@ import signal
 import socket
 import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from tests.api_server import NodeProcess, exo_like_command, start_node
+from exo_like.api import SHUTDOWN_GRACE
+from tests.api_server import NodeProcess, exo_like_command, start_node, wait_for
 
 
 @pytest.fixture(scope="module")
-def demo_node(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    process = start_node(tmp_path_factory.mktemp("home"), "demo")
+def demo_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One home for the module's nodes, so the demo model is generated once."""
+    return tmp_path_factory.mktemp("home")
+
+
+@pytest.fixture(scope="module")
+def demo_node(demo_home: Path):  # type: ignore[no-untyped-def]
+    process = start_node(demo_home, "demo")
     yield process
     assert process.stop() == 0, process.log()
 
@@ -76,8 +85,8 @@ def test_log_lines_carry_the_node_id(demo_node: NodeProcess) -> None:
     assert any("serving the OpenAI API" in line for line in lines)
 
 
-def test_sigint_shuts_down_gracefully(tmp_path: Path) -> None:
-    process = start_node(tmp_path / "home", "demo")
+def test_sigint_shuts_down_gracefully(demo_home: Path) -> None:
+    process = start_node(demo_home, "demo")
     assert process.stop(signal.SIGINT) == 0
     assert "shutting down" in process.log() and "node stopped" in process.log()
     assert "Traceback" not in process.log()
@@ -108,3 +117,30 @@ def test_python_dash_m_shows_the_options() -> None:
     assert result.returncode == 0
     for option in ("--port", "--host", "--home", "--model", "--engine", "--device", "--dtype", "--log-level"):
         assert option in result.stdout
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="needs curl")
+def test_shutdown_lets_short_requests_finish_and_ends_long_streams_cleanly(demo_home: Path) -> None:
+    """SIGTERM: a request that finishes within the grace period completes; a stream that would not gets an
+    in-band 'shutting down' error and [DONE]; the process exits 0."""
+    process = start_node(demo_home, "demo")
+    long_body = json.dumps({"model": "demo", "messages": [{"role": "user", "content": "Go on."}], "stream": True,
+                            "max_tokens": 4000, "ignore_eos": True})
+    long_request = subprocess.Popen(["curl", "-sN", "-d", long_body, f"{process.base_url}/v1/chat/completions"],
+                                    stdout=subprocess.PIPE, text=True)
+    short_body = json.dumps({"model": "demo", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 100,
+                             "ignore_eos": True}).encode()
+    with ThreadPoolExecutor(1) as pool:
+        short = pool.submit(process.request, "POST", "/v1/chat/completions", short_body)
+        assert wait_for(lambda: len(process.get_json("/v1/debug/requests")["requests"]) == 2)
+        started = time.monotonic()
+        process.process.send_signal(signal.SIGTERM)
+        status, _, raw = short.result(timeout=60)
+    assert status == 200 and json.loads(raw)["choices"][0]["finish_reason"] == "length"
+    out, _ = long_request.communicate(timeout=60)
+    assert process.process.wait(timeout=60) == 0
+    assert time.monotonic() - started < SHUTDOWN_GRACE + 5
+    events = [line[len("data: "):] for line in out.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["code"] == "shutting_down"
+    assert "the node is shutting down after" in process.log() and "Traceback" not in process.log()
