@@ -111,6 +111,7 @@ class ModelTokenizer:
         self._template = compile_chat_template(chat_template) if chat_template else None
         vocab = tokenizer.get_vocab(with_added_tokens=True)
         self.byte_fallback_ids = frozenset(i for t, i in vocab.items() if _BYTE_FALLBACK_TOKEN.match(t))
+        self.special_ids = frozenset(i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> "ModelTokenizer":
@@ -187,6 +188,8 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int) -> str:
         self._ids.append(token_id)
+        if self._skip_special and token_id in self._tokenizer.special_ids:
+            return ""  # adds no text, and must not end a byte-fallback run the decoder will join across it
         context, text = self._window_texts()
         incomplete = text.endswith("\ufffd") or token_id in self._tokenizer.byte_fallback_ids
         if incomplete or len(text) <= len(context):
