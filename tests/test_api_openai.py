@@ -260,3 +260,12 @@ def test_eos_from_generation_config_ends_with_stop(checkpoint: Path, tmp_path: P
         assert chunks[-1].choices[0].finish_reason == "stop"
     finally:
         assert process.stop() == 0
+
+
+def test_the_client_sees_typed_errors(client: openai.OpenAI, model_id: str) -> None:
+    with pytest.raises(openai.BadRequestError) as bad:
+        chat(client, model_id, "Hello!", temperature=3)
+    assert bad.value.status_code == 400 and bad.value.param == "temperature"
+    with pytest.raises(openai.NotFoundError) as missing:
+        chat(client, "no-such-model", "Hello!")
+    assert missing.value.code == "model_not_found"

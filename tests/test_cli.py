@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import socket
@@ -92,8 +93,9 @@ def test_sigint_shuts_down_gracefully(demo_home: Path) -> None:
     assert "Traceback" not in process.log()
 
 
-def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:  # type: ignore[type-arg]
-    return subprocess.run([*exo_like_command(), *args], capture_output=True, text=True, timeout=timeout)
+def run_cli(*args: str, timeout: float = 120,  # type: ignore[type-arg]
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([*exo_like_command(), *args], capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def test_unknown_model_exits_with_a_clear_message(tmp_path: Path) -> None:
@@ -102,14 +104,16 @@ def test_unknown_model_exits_with_a_clear_message(tmp_path: Path) -> None:
     assert "not found" in result.stderr and "Traceback" not in result.stderr
 
 
-def test_port_in_use_exits_with_a_clear_message(tmp_path: Path) -> None:
+def test_port_in_use_exits_with_a_clear_message_and_home_comes_from_the_environment(tmp_path: Path) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        result = run_cli("--home", str(tmp_path), "--host", "127.0.0.1", "--port", str(port))
+        result = run_cli("--model", "demo", "--host", "127.0.0.1", "--port", str(port),
+                         env={**os.environ, "EXO_LIKE_HOME": str(tmp_path)})
     assert result.returncode == 1
     assert f"cannot serve on 127.0.0.1:{port}" in result.stderr and "Traceback" not in result.stderr
+    assert (tmp_path / "models" / "demo" / "config.json").is_file()  # EXO_LIKE_HOME was used
 
 
 def test_python_dash_m_shows_the_options() -> None:
