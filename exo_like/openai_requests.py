@@ -4,6 +4,7 @@ Every problem with a request becomes an InvalidRequestError naming the offending
 always a 400 with an OpenAI error body, never a 500. Unknown fields are ignored (clients send `user`,
 `metadata`, ...), but known features this server does not implement are rejected unless they carry their
 neutral value (e.g. presence_penalty=0), so a client never silently gets something other than it asked for.
+Two extensions, spelled as in vLLM: `top_k`, and `ignore_eos` (generate exactly max_tokens; for benchmarks).
 """
 
 from __future__ import annotations
