@@ -82,7 +82,8 @@ async def serve(node: Node, host: str, port: int) -> None:
         log.info("serving the OpenAI API on http://%s:%d/v1 (model: %s)", host, bound_port,
                  node.model.model_id if node.model else "none")
         await stop.wait()
-        log.info("shutting down")
+        log.info("shutting down (press Ctrl-C again to stop at once)")
+        loop.remove_signal_handler(signal.SIGINT)  # a second Ctrl-C interrupts the graceful shutdown
     finally:
         await runner.cleanup()
         await node.close()
