@@ -107,6 +107,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(1)
     try:
         asyncio.run(serve(node, args.host, args.port))
+    except KeyboardInterrupt:
+        log.warning("interrupted during shutdown")
+        sys.exit(130)
     except OSError as e:  # typically: the port is taken
         log.error("cannot serve on %s:%d: %s", args.host, args.port, e)
         sys.exit(1)
