@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from exo_like.stop_strings import StopStringFilter
@@ -15,9 +15,17 @@ def run(stops: list[str], pieces: list[str]) -> tuple[list[str], bool]:
     return out, stop_filter.stopped
 
 
-def expected(stops: list[str], text: str) -> tuple[str, bool]:
-    cuts = [i for s in stops if (i := text.find(s)) >= 0]
-    return (text[: min(cuts)], True) if cuts else (text, False)
+def expected(stops: list[str], pieces: list[str]) -> tuple[str, bool]:
+    """Generation stops at the first piece after which the text holds a stop string, and the text is cut at the
+    earliest one then present. (A longer stop string that started earlier but would complete later never gets
+    the chance: generation has stopped.)"""
+    text = ""
+    for piece in pieces:
+        text += piece
+        cuts = [i for s in stops if (i := text.find(s)) >= 0]
+        if cuts:
+            return text[: min(cuts)], True
+    return text, False
 
 
 def test_cut_excludes_the_stop_string_and_what_follows() -> None:
@@ -46,6 +54,11 @@ def test_earliest_of_several_stop_strings_wins() -> None:
     assert "".join(out) == "hel"
 
 
+def test_the_first_stop_string_to_complete_ends_generation() -> None:
+    out, stopped = run(["c", "aca"], ["ac", "a"])
+    assert "".join(out) == "a" and stopped
+
+
 def test_nothing_after_stopping() -> None:
     stop_filter = StopStringFilter(["."])
     assert stop_filter.feed("a.b") == "a"
@@ -65,10 +78,11 @@ def test_no_stop_strings_passes_everything() -> None:
     text=st.text(alphabet="abcd\ufffd", max_size=40),
     cuts=st.lists(st.integers(min_value=0, max_value=40), max_size=10),
 )
+@example(stops=["c", "aca"], text="aca", cuts=[2])  # "c" completes first, inside the later "aca"
 def test_any_chunking_gives_the_text_up_to_the_first_stop(stops: list[str], text: str, cuts: list[int]) -> None:
     bounds = sorted({0, len(text), *[min(c, len(text)) for c in cuts]})
     pieces = [text[a:b] for a, b in zip(bounds, bounds[1:])]
     out, stopped = run(stops, pieces)
-    want, want_stopped = expected(stops, text)
+    want, want_stopped = expected(stops, pieces)
     assert "".join(out) == want
     assert stopped == want_stopped
