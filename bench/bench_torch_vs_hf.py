@@ -1,0 +1,188 @@
+"""Decode speed of the torch engine against transformers `generate`, on a random Qwen2.5-0.5B-shaped model.
+
+Builds the checkpoint in a temp folder (no network), then for each dtype times both sides on the same prompt
+ids and the same number of new tokens, in the same process and with the same torch thread count:
+  - time to first token (prefill + first token),
+  - decode-only tokens/s: from the first generated token to the last (prefill excluded); transformers' tokens
+    are timestamped by a streamer object whose `put()` records the clock.
+Both sides are warmed up first; each measurement is repeated and the median reported. Runs alternate between
+the two sides so background load hits both alike.
+
+Usage: python bench/bench_torch_vs_hf.py [--new-tokens 64] [--repeats 5] [--dtypes float32,bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from exo_like.engines.torch_engine import TorchEngine  # noqa: E402
+from exo_like.model_config import ModelArgs  # noqa: E402
+from exo_like.shard import Shard  # noqa: E402
+
+QWEN25_05B = dict(
+    hidden_size=896,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    intermediate_size=4864,
+    vocab_size=151936,
+    max_position_embeddings=32768,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    bos_token_id=None,
+    eos_token_id=None,
+)
+
+
+@dataclass
+class Run:
+    ttft: float  # seconds from start to the first generated token
+    decode_tps: float  # tokens/s from the first generated token to the last
+    tokens: list[int]
+
+
+def build_checkpoint(path: Path) -> Path:
+    """A random model with Qwen2.5-0.5B's shapes; weights scaled so greedy decoding is well defined (peaky)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(Qwen2Config(**QWEN25_05B))
+    generator = torch.Generator().manual_seed(0)
+    state = {}
+    for name, param in model.named_parameters():  # a tied head is listed once, as the embedding
+        if "norm" in name:
+            value = 1.0 + (torch.rand(param.shape, generator=generator) - 0.5) * 0.2
+        elif name.endswith("bias"):
+            value = torch.randn(param.shape, generator=generator) * 0.5
+        elif "embed_tokens" in name:
+            value = torch.randn(param.shape, generator=generator)
+        else:
+            value = torch.randn(param.shape, generator=generator) * (1.5 / math.sqrt(param.shape[-1]))
+        state[name] = value
+    model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()
+    model.save_pretrained(path)
+    return path
+
+
+class TokenClock:
+    """A transformers streamer that only timestamps: put() is called with the prompt, then once per token."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.tokens: list[int] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        self.times.append(time.perf_counter())
+        self.tokens.extend(value.reshape(-1).tolist())
+
+    def end(self) -> None:
+        pass
+
+
+def run_transformers(model, prompt: np.ndarray, new_tokens: int) -> Run:
+    ids = torch.from_numpy(prompt)[None]
+    clock = TokenClock()
+    start = time.perf_counter()
+    model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        pad_token_id=0,
+        streamer=clock,
+    )
+    times = clock.times[1:]  # the first put() is the prompt
+    assert len(times) == new_tokens, f"expected {new_tokens} tokens, streamer saw {len(times)}"
+    return Run(times[0] - start, (new_tokens - 1) / (times[-1] - times[0]), clock.tokens[len(prompt) :])
+
+
+def run_engine(engine: TorchEngine, prompt: np.ndarray, new_tokens: int) -> Run:
+    times, tokens = [], []
+    start = time.perf_counter()
+    inputs = prompt
+    for _ in range(new_tokens):
+        token = int(np.argmax(engine.forward("bench", inputs)))
+        times.append(time.perf_counter())
+        tokens.append(token)
+        inputs = np.array([token], dtype=np.int64)
+    engine.release("bench")
+    return Run(times[0] - start, (new_tokens - 1) / (times[-1] - times[0]), tokens)
+
+
+def load_transformers(model_dir: Path, dtype: str):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
+    model.generation_config.eos_token_id = None
+    return model.eval()
+
+
+def bench_dtype(model_dir: Path, dtype: str, prompt: np.ndarray, new_tokens: int, repeats: int) -> None:
+    args = ModelArgs.from_dir(model_dir)
+    engine = TorchEngine(device="cpu", dtype=dtype)
+    engine.load(model_dir, args, Shard.whole("bench", args.num_hidden_layers))
+    hf = load_transformers(model_dir, dtype)
+    run_engine(engine, prompt, 8)  # warm-up: allocator, kernels, rope table
+    run_transformers(hf, prompt, 8)
+    engine_runs, hf_runs = [], []
+    for _ in range(repeats):
+        hf_runs.append(run_transformers(hf, prompt, new_tokens))
+        engine_runs.append(run_engine(engine, prompt, new_tokens))
+    report(dtype, engine_runs, hf_runs)
+    del engine, hf
+    gc.collect()
+
+
+def report(dtype: str, engine_runs: list[Run], hf_runs: list[Run]) -> None:
+    label = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[dtype]
+    e_tps = statistics.median(r.decode_tps for r in engine_runs)
+    h_tps = statistics.median(r.decode_tps for r in hf_runs)
+    e_ttft = statistics.median(r.ttft for r in engine_runs)
+    h_ttft = statistics.median(r.ttft for r in hf_runs)
+    same = all(r.tokens == hf_runs[0].tokens for r in engine_runs)
+    print(f"{label} decode ratio {e_tps / h_tps:.2f} (engine {e_tps:.2f} tok/s, transformers {h_tps:.2f} tok/s)")
+    print(f"{label} TTFT ratio {e_ttft / h_ttft:.2f} (engine {e_ttft * 1e3:.0f} ms, transformers {h_ttft * 1e3:.0f} ms)")
+    print(f"{label} greedy tokens identical to transformers: {same}")
+    print(f"{label} runs (decode tok/s) engine {[round(r.decode_tps, 2) for r in engine_runs]}"
+          f" transformers {[round(r.decode_tps, 2) for r in hf_runs]}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--model-dir", type=Path, help="reuse a folder built by an earlier run")
+    opts = parser.parse_args()
+    torch.set_num_threads(opts.threads)  # one setting for the whole process: both sides use it
+    prompt = np.random.default_rng(0).integers(0, QWEN25_05B["vocab_size"], opts.prompt_tokens, dtype=np.int64)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, prompt {opts.prompt_tokens} tokens, "
+          f"{opts.new_tokens} new tokens, median of {opts.repeats}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="bench-qwen25-05b-") as tmp:
+        model_dir = opts.model_dir
+        if model_dir is None or not (model_dir / "config.json").exists():
+            model_dir = build_checkpoint(model_dir or Path(tmp))
+        for dtype in opts.dtypes.split(","):
+            bench_dtype(model_dir, dtype, prompt, opts.new_tokens, opts.repeats)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,180 @@
+"""The PyTorch engine: one shard of a Llama-family model on CUDA, MPS or CPU, with a KV cache per request."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+
+from exo_like.activations import Activations
+from exo_like.checkpoint import ShardLoadPlan, plan_shard_load
+from exo_like.engines.base import Engine
+from exo_like.engines.torch_model import KVCache, ShardModel, fuse_checkpoint_weights
+from exo_like.errors import InvalidRequestError
+from exo_like.model_config import DTYPES, ModelArgs
+from exo_like.shard import Shard
+
+log = logging.getLogger(__name__)
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = {dtype: name for name, dtype in TORCH_DTYPES.items()}
+
+
+def pick_device(requested: str | None) -> torch.device:
+    """CUDA if available, else MPS, else CPU, unless a device is requested."""
+    if requested:
+        return torch.device(requested)
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    if torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def pick_dtype(requested: str | None, checkpoint_dtype: str, device: torch.device) -> torch.dtype:
+    """The requested dtype, else the checkpoint's; a float16 checkpoint runs as bfloat16 on CPU."""
+    if requested:
+        if requested not in TORCH_DTYPES:
+            raise ValueError(f"unsupported dtype {requested!r}; choose one of {', '.join(DTYPES)}")
+        return TORCH_DTYPES[requested]
+    name = checkpoint_dtype if checkpoint_dtype in TORCH_DTYPES else "float32"
+    if name == "float16" and device.type == "cpu":
+        # CPU float16 matmuls are far slower than bfloat16 ones; bfloat16 keeps the same memory footprint.
+        log.info("checkpoint dtype float16 runs as bfloat16 on cpu (cpu float16 kernels are slow)")
+        name = "bfloat16"
+    return TORCH_DTYPES[name]
+
+
+def read_planned_tensors(
+    plan: ShardLoadPlan, skip: set[str], device: torch.device, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """Read exactly the plan's tensors from exactly the plan's files, converted to the engine's device/dtype."""
+    weights: dict[str, torch.Tensor] = {}
+    for path, names in plan.files.items():
+        wanted = [(name, local) for name, local in names if name not in skip]
+        if not wanted:
+            continue
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name, local in wanted:
+                weights[local] = f.get_tensor(name).to(device=device, dtype=dtype)
+    return weights
+
+
+def activations_to_tensor(activations: Activations, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    bits = np.array(activations.bits())  # copy: the payload is read-only bytes
+    if activations.dtype == "bfloat16":
+        tensor = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16)
+    else:
+        tensor = torch.from_numpy(bits)
+    return tensor.to(device=device, dtype=dtype)
+
+
+def tensor_to_activations(tensor: torch.Tensor) -> Activations:
+    tensor = tensor.detach().contiguous().cpu()
+    name = DTYPE_NAMES[tensor.dtype]
+    if tensor.dtype == torch.bfloat16:
+        # numpy has no bfloat16: ship the 16-bit patterns.
+        tensor = tensor.view(torch.int16)
+    return Activations(dtype=name, shape=tuple(tensor.shape), data=tensor.numpy().tobytes())
+
+
+class TorchEngine(Engine):
+    name = "torch"
+
+    def __init__(self, device: str | None = None, dtype: str | None = None):
+        super().__init__(device=device, dtype=dtype)
+        self.device = pick_device(device)
+        self.dtype: torch.dtype = TORCH_DTYPES.get(dtype or "", torch.float32)
+        self.model: ShardModel | None = None
+        self.caches: dict[str, KVCache] = {}
+
+    def load(self, model_dir: Path, args: ModelArgs, shard: Shard) -> None:
+        if shard.n_layers != args.num_hidden_layers:
+            raise ValueError(f"shard {shard} does not match the model's {args.num_hidden_layers} layers")
+        self.model, self.shard, self.args = None, None, None
+        self.caches.clear()
+        started = time.perf_counter()
+        self.dtype = pick_dtype(self.requested_dtype, args.torch_dtype, self.device)
+        plan = plan_shard_load(Path(model_dir), shard, args.tie_word_embeddings)
+        # A tied model's stored lm_head (if any) duplicates the embedding, which is what we use.
+        skip = {"lm_head.weight"} if args.tie_word_embeddings else set()
+        log.info("loading %s from %d files on %s as %s", shard, len(plan.files), self.device, DTYPE_NAMES[self.dtype])
+        weights = read_planned_tensors(plan, skip, self.device, self.dtype)
+        with torch.device("meta"):
+            model = ShardModel(args, shard.layer_count, shard.is_first, shard.is_last)
+        model.load_state_dict(fuse_checkpoint_weights(weights, args, shard.is_first, shard.is_last), assign=True)
+        model.requires_grad_(False).eval().prepare()
+        self.model, self.shard, self.args = model, shard, args
+        log.info(
+            "loaded %s: %.1f MB in %.2fs", shard, self.parameter_bytes() / 1e6, time.perf_counter() - started
+        )
+
+    def forward(self, request_id: str, inputs: np.ndarray | Activations) -> Activations | np.ndarray:
+        model = self._loaded_model()
+        x = self._input_tensor(inputs)
+        cache = self.caches.get(request_id)
+        if cache is None:
+            cache = self.caches[request_id] = model.new_cache()
+        if cache.length + x.shape[0] > self.args.context_length:
+            raise InvalidRequestError(
+                f"request needs {cache.length + x.shape[0]} positions; the model's context is {self.args.context_length}",
+                code="context_length_exceeded",
+            )
+        with torch.inference_mode():
+            out = model(x, cache)
+            if model.is_last:
+                return out.float().cpu().numpy()
+            return tensor_to_activations(out)
+
+    def release(self, request_id: str) -> None:
+        cache = self.caches.pop(request_id, None)
+        if cache is not None:
+            log.debug("released request %s (%d positions)", request_id, cache.length)
+
+    def cached_length(self, request_id: str) -> int:
+        cache = self.caches.get(request_id)
+        return cache.length if cache is not None else 0
+
+    def parameter_bytes(self) -> int:
+        if self.model is None:
+            return 0
+        # parameters() lists a tied head once; count storage, not views, once more to be safe.
+        tensors = {p.data_ptr(): p.numel() * p.element_size() for p in self.model.parameters()}
+        return sum(tensors.values())
+
+    @property
+    def device_name(self) -> str:
+        if self.device.type == "cuda":
+            return f"{self.device} ({torch.cuda.get_device_name(self.device)})"
+        return str(self.device)
+
+    @property
+    def dtype_name(self) -> str:
+        return DTYPE_NAMES[self.dtype]
+
+    def _loaded_model(self) -> ShardModel:
+        if self.model is None:
+            raise RuntimeError("no shard loaded: call load() first")
+        return self.model
+
+    def _input_tensor(self, inputs: np.ndarray | Activations) -> torch.Tensor:
+        """Token ids [T] on the first shard, hidden states [T, H] (any wire dtype) on the others."""
+        if self.model.is_first:
+            ids = np.asarray(inputs)
+            if isinstance(inputs, Activations) or ids.ndim != 1 or ids.size == 0 or ids.dtype.kind not in "iu":
+                raise InvalidRequestError("the first shard takes a non-empty 1-D array of integer token ids")
+            if ids.min() < 0 or ids.max() >= self.args.vocab_size:
+                raise InvalidRequestError(f"token ids must lie in [0, {self.args.vocab_size})")
+            return torch.from_numpy(ids.astype(np.int64)).to(self.device)
+        if not isinstance(inputs, Activations):
+            raise InvalidRequestError("a shard after the first takes hidden states as Activations")
+        if len(inputs.shape) != 2 or inputs.shape[0] == 0 or inputs.shape[1] != self.args.hidden_size:
+            raise InvalidRequestError(f"hidden states must be [T, {self.args.hidden_size}], got {list(inputs.shape)}")
+        return activations_to_tensor(inputs, self.device, self.dtype)
+
+
+ENGINE_CLASS = TorchEngine

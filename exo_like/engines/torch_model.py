@@ -1,0 +1,349 @@
+"""One shard of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) in plain PyTorch.
+
+The shard holds only its own parts: the token embedding if it is the first stage, its layer range, and the
+final norm + LM head if it is the last. Numerics follow Hugging Face transformers operation by operation
+(RMSNorm in float32, rotate-half rotary embeddings, SwiGLU), so float32 greedy decoding matches it exactly.
+
+For speed at batch 1 (where decoding is memory-bandwidth bound) q/k/v and gate/up are each fused into one
+matrix at load time, the KV cache is preallocated and grown in chunks, and rotary cos/sin come from a table.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from exo_like.model_config import ModelArgs, rope_inv_freq
+
+CACHE_CHUNK = 256  # KV cache positions added per growth step: one copy per 256 tokens, not one per token
+ROPE_CHUNK = 4096  # rotary table rows added per growth step
+
+
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) over the last dim, computed in float32 and rounded back, as transformers does."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dims: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dims), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * rms_normalize(x, self.eps)
+
+
+class QKNorm(nn.Module):
+    """Qwen3's per-head RMSNorms of queries and keys, applied to the fused [T, q heads + kv heads, D] tensor."""
+
+    def __init__(self, head_dim: int, n_heads: int, eps: float):
+        super().__init__()
+        self.q_norm, self.k_norm = RMSNorm(head_dim, eps), RMSNorm(head_dim, eps)
+        self.n_heads = n_heads
+
+    def forward(self, qk: torch.Tensor) -> torch.Tensor:
+        out = rms_normalize(qk, self.q_norm.eps)  # a fresh tensor, so scaling it in place is safe
+        out[:, : self.n_heads] *= self.q_norm.weight
+        out[:, self.n_heads :] *= self.k_norm.weight
+        return out
+
+
+class RotaryTable:
+    """cos/sin rows per position, built once from `rope_inv_freq` and extended in chunks when needed.
+
+    The sin table carries rotate-half's sign (-sin on the first half), so rotation is `x*cos + swap(x)*sin`
+    with swap = exchange of halves: bit-identical to `x*cos + rotate_half(x)*sin`.
+    """
+
+    def __init__(self, args: ModelArgs, device: torch.device, dtype: torch.dtype):
+        self.inv_freq = torch.from_numpy(rope_inv_freq(args)).to(device)
+        self.dtype = dtype
+        self.cos = torch.empty(0, args.head_dim, device=device, dtype=dtype)
+        self.sin = torch.empty_like(self.cos)
+
+    def _extend(self, length: int) -> None:
+        length = math.ceil(length / ROPE_CHUNK) * ROPE_CHUNK
+        positions = torch.arange(length, device=self.inv_freq.device).float()
+        freqs = positions[:, None] * self.inv_freq  # float32, as transformers computes it
+        emb = torch.cat((freqs, freqs), dim=-1)
+        half = freqs.shape[-1]
+        sin = emb.sin()
+        sin[:, :half].neg_()
+        self.cos, self.sin = emb.cos().to(self.dtype), sin.to(self.dtype)
+
+    def get(self, offset: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for positions [offset, offset + length), shaped [length, 1, head_dim] to broadcast over heads."""
+        if offset + length > self.cos.shape[0]:
+            self._extend(offset + length)
+        return self.cos[offset : offset + length, None], self.sin[offset : offset + length, None]
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+class KVCache:
+    """Keys and values of one request for every layer of the shard: [layers, kv_heads, capacity, head_dim].
+
+    Preallocated and grown CACHE_CHUNK positions at a time; decoding writes one position in place.
+    """
+
+    def __init__(self, args: ModelArgs, n_layers: int, device: torch.device, dtype: torch.dtype):
+        self.shape = (n_layers, args.num_key_value_heads, 0, args.head_dim)
+        self.keys = torch.empty(self.shape, device=device, dtype=dtype)
+        self.values = torch.empty_like(self.keys)
+        self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[2]
+
+    def reserve(self, length: int) -> None:
+        if length <= self.capacity:
+            return
+        capacity = math.ceil(length / CACHE_CHUNK) * CACHE_CHUNK
+        shape = (*self.shape[:2], capacity, self.shape[3])
+        keys = self.keys.new_empty(shape)
+        values = self.values.new_empty(shape)
+        keys[:, :, : self.length] = self.keys[:, :, : self.length]
+        values[:, :, : self.length] = self.values[:, :, : self.length]
+        self.keys, self.values = keys, values
+
+    def nbytes(self) -> int:
+        return 2 * self.keys.numel() * self.keys.element_size()
+
+
+def causal_mask(offset: int, length: int, device: torch.device) -> torch.Tensor | None:
+    """Boolean [length, offset + length] mask for new positions after `offset` cached ones; None for one token.
+
+    sdpa's `is_causal` aligns the triangle top-left, which is only right without a cache, so with a cache the
+    triangle is shifted right by the cached length.
+    """
+    if length == 1:
+        return None
+    return torch.ones(length, offset + length, dtype=torch.bool, device=device).tril(diagonal=offset)
+
+
+class Linear(nn.Linear):
+    """nn.Linear that can send multi-row products (prefill) through oneDNN, which on CPU is ~30% faster than
+    the default float32 GEMM; single rows (decode) keep F.linear, the faster matrix-vector path."""
+
+    onednn = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.onednn and x.dim() == 2 and x.shape[0] > 1:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+def prefers_column_major(weight: torch.Tensor) -> bool:
+    """Whether a [out, in] weight decodes faster stored transposed ([in, out] contiguous).
+
+    Batch-1 decoding is a matrix-vector product per weight. On CPU, float32 `x @ W.T` with W stored row-major
+    streams at ~15 GB/s here, but ~25 GB/s when W.T is contiguous, for wide matrices (q/k/v, gate/up, LM head);
+    narrow ones (down_proj) are better row-major. bfloat16 kernels prefer row-major throughout.
+    """
+    out_features, in_features = weight.shape
+    return weight.device.type == "cpu" and weight.dtype == torch.float32 and out_features >= in_features
+
+
+def onednn_usable(weight: torch.Tensor) -> bool:
+    """oneDNN prefill for float32 CPU weights (bfloat16 F.linear already runs on oneDNN), if this build has it."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        x, w = torch.ones(2, 4), torch.ones(3, 4)
+        return torch.equal(torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""), F.linear(x, w))
+    except (AttributeError, RuntimeError):
+        return False
+
+
+@contextmanager
+def native_matvec(enabled: bool) -> Iterator[None]:
+    """For bfloat16 on CPU, PyTorch's own matrix-vector kernel streams weights about twice as fast as the
+    oneDNN one F.linear picks by default; turning oneDNN off for a single-row step selects it. Same results
+    (float32 accumulation, one rounding)."""
+    if not enabled:
+        yield
+        return
+    previous = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = False
+    try:
+        yield
+    finally:
+        torch.backends.mkldnn.enabled = previous
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.num_attention_heads, args.num_key_value_heads, args.head_dim
+        qkv_out = (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
+        # One fused projection: rows are q, then k, then v (concatenated at load).
+        self.qkv_proj = Linear(args.hidden_size, qkv_out, bias=args.qkv_bias)
+        self.o_proj = Linear(self.n_heads * self.head_dim, args.hidden_size, bias=args.o_bias)
+        self.qk_norm = QKNorm(self.head_dim, self.n_heads, args.rms_norm_eps) if args.qk_norm else None
+        self.scale = self.head_dim**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor | None,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        offset: int,
+    ) -> torch.Tensor:
+        length = x.shape[0]
+        end = offset + length
+        qkv = self.qkv_proj(x).view(length, -1, self.head_dim)
+        qk = qkv[:, : self.n_heads + self.n_kv_heads]
+        if self.qk_norm is not None:
+            qk = self.qk_norm(qk)
+        qk = rotate(qk, *rope)
+        # Write the new keys and values into the preallocated cache in place.
+        keys[:, offset:end] = qk[:, self.n_heads :].transpose(0, 1)
+        values[:, offset:end] = qkv[:, self.n_heads + self.n_kv_heads :].transpose(0, 1)
+        out = self._attend(qk[:, : self.n_heads].transpose(0, 1), keys[:, :end], values[:, :end], mask, offset)
+        return self.o_proj(out.transpose(0, 1).reshape(length, -1))
+
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, offset: int
+    ) -> torch.Tensor:
+        """q [heads, T, D] against k, v [kv_heads, L, D] -> [heads, T, D].
+
+        Inputs get a leading batch dim: with 4-D tensors sdpa picks its fused CPU kernel, 3-D ones fall back
+        to the unfused math path (2-4x slower here).
+        """
+        if q.shape[1] == 1:
+            # One query per head: group the heads sharing a kv head as that head's "queries" (no kv repeat).
+            group = self.n_heads // self.n_kv_heads
+            q = q.reshape(1, self.n_kv_heads, group, -1)
+            out = F.scaled_dot_product_attention(q, k[None], v[None], scale=self.scale)
+            return out.reshape(self.n_heads, 1, -1)
+        out = F.scaled_dot_product_attention(
+            q[None], k[None], v[None], attn_mask=mask, is_causal=mask is None and offset == 0, scale=self.scale,
+            enable_gqa=self.n_heads != self.n_kv_heads,
+        )
+        return out[0]
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.hidden = args.intermediate_size
+        # One fused projection: gate rows, then up rows.
+        self.gate_up_proj = Linear(args.hidden_size, 2 * self.hidden, bias=args.mlp_bias)
+        self.down_proj = Linear(self.hidden, args.hidden_size, bias=args.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        return self.down_proj(F.silu(gate_up[:, : self.hidden]) * gate_up[:, self.hidden :])
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.self_attn = Attention(args)
+        self.mlp = MLP(args)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(self, x, rope, mask, keys, values, offset: int) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), rope, mask, keys, values, offset)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class ShardModel(nn.Module):
+    """Layers [start, end) of the model; embedding if first, final norm + LM head if last."""
+
+    def __init__(self, args: ModelArgs, n_layers: int, is_first: bool, is_last: bool):
+        super().__init__()
+        self.args = args
+        self.is_first, self.is_last = is_first, is_last
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size) if is_first else None
+        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(n_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps) if is_last else None
+        self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False) if is_last else None
+        self.rope: RotaryTable | None = None
+        self.native_matvec = False
+
+    def prepare(self) -> None:
+        """After loading weights: tie the head to the embedding, pick weight layouts, build the rotary table."""
+        if self.lm_head is not None and self.embed_tokens is not None and self.args.tie_word_embeddings:
+            # One tensor when the shard holds both the embedding and the tied LM head.
+            self.lm_head.weight = self.embed_tokens.weight
+        weight = self.layers[0].mlp.down_proj.weight
+        onednn = onednn_usable(weight)
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.onednn = onednn
+                if prefers_column_major(module.weight):
+                    # Same values, transposed storage; a tied embedding follows, which only slows its row gathers.
+                    module.weight.data = module.weight.data.t().contiguous().t()
+        self.native_matvec = weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+        self.rope = RotaryTable(self.args, weight.device, weight.dtype)
+
+    def new_cache(self) -> KVCache:
+        weight = self.layers[0].mlp.down_proj.weight
+        return KVCache(self.args, len(self.layers), weight.device, weight.dtype)
+
+    def forward(self, inputs: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """inputs: token ids [T] (first shard) or hidden states [T, H]. Returns hidden states [T, H], or the
+        logits of the last position [vocab] on the last shard."""
+        h = self.embed_tokens(inputs) if self.embed_tokens is not None else inputs
+        offset, length = cache.length, h.shape[0]
+        cache.reserve(offset + length)
+        rope = self.rope.get(offset, length)
+        mask = causal_mask(offset, length, h.device) if offset else None
+        with native_matvec(self.native_matvec and length == 1):
+            for i, layer in enumerate(self.layers):
+                h = layer(h, rope, mask, cache.keys[i], cache.values[i], offset)
+        cache.length = offset + length
+        if self.lm_head is None:
+            return h
+        # Only the last position's logits are needed to pick the next token: always a matrix-vector product.
+        with native_matvec(self.native_matvec):
+            return self.lm_head(self.norm(h[-1:]))[0]
+
+
+def fuse_checkpoint_weights(
+    weights: dict[str, torch.Tensor], args: ModelArgs, is_first: bool, is_last: bool
+) -> dict[str, torch.Tensor]:
+    """Turn a shard's checkpoint tensors (local layer names) into this module's state dict.
+
+    Concatenates q/k/v and gate/up (and their biases), drops the `model.`
+    prefix, and maps a tied embedding on a non-first last shard to the LM head. Consumes `weights`.
+    """
+    state: dict[str, torch.Tensor] = {}
+    fusions = {
+        "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    }
+    layer_ids = sorted({int(name.split(".")[2]) for name in weights if name.startswith("model.layers.")})
+    for i in layer_ids:
+        prefix = f"model.layers.{i}."
+        for fused, parts in fusions.items():
+            for kind in ("weight", "bias"):
+                names = [f"{prefix}{part}.{kind}" for part in parts]
+                if names[0] in weights:
+                    state[f"layers.{i}.{fused}.{kind}"] = torch.cat([weights.pop(n) for n in names])
+        for norm in ("q_norm", "k_norm"):
+            if f"{prefix}self_attn.{norm}.weight" in weights:
+                state[f"layers.{i}.self_attn.qk_norm.{norm}.weight"] = weights.pop(f"{prefix}self_attn.{norm}.weight")
+    if args.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)  # transformers ignores a stored copy when tied; so do we
+        if is_last:
+            embedding = weights["model.embed_tokens.weight"] if is_first else weights.pop("model.embed_tokens.weight")
+            state["lm_head.weight"] = embedding  # made the very same parameter by ShardModel.prepare
+    for name, tensor in weights.items():
+        state[name.removeprefix("model.")] = tensor
+    return state
