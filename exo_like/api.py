@@ -23,11 +23,12 @@ from exo_like.completion import (
     completion_prompt_tokens,
     resolve_max_tokens,
 )
-from exo_like.errors import ExoLikeError, InvalidRequestError
+from exo_like.errors import ExoLikeError, InvalidRequestError, ServiceUnavailableError
 from exo_like.generation import TokenGenerator
 from exo_like.node import LoadedModel, Node
 from exo_like.openai_requests import GenerationOptions, parse_chat_request, parse_completion_request
 from exo_like.openai_responses import ResponseFormat, error_body
+from exo_like.peers import PEER_PATH
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,8 @@ def create_app(node: Node) -> web.Application:
     app.router.add_get("/v1/models/{model_id:.+}", get_model)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/debug/requests", debug_requests)
+    app.router.add_get("/v1/cluster", cluster_view)
+    app.router.add_get(PEER_PATH, peer_link)
     app.router.add_get("/", index)
     return app
 
@@ -240,6 +243,21 @@ async def debug_requests(request: web.Request) -> web.Response:
     """In-flight requests and KV caches: what the dashboard shows, and how tests see a cancelled request."""
     node = request.app[NODE_KEY]
     return web.json_response({"requests": node.in_flight(), **node.generation_stats()})
+
+
+async def cluster_view(request: web.Request) -> web.Response:
+    """The same picture on every node: members, the plan, and whether all members agree on it."""
+    cluster = request.app[NODE_KEY].cluster
+    if cluster is None:
+        raise ServiceUnavailableError("the node is still starting")
+    return web.json_response(cluster.to_json())
+
+
+async def peer_link(request: web.Request) -> web.StreamResponse:
+    peers = request.app[NODE_KEY].peers
+    if peers is None:
+        raise ServiceUnavailableError("the node is still starting")
+    return await peers.accept(request)
 
 
 async def index(request: web.Request) -> web.Response:

@@ -5,15 +5,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
 
 from aiohttp import web
 
+from discovery import parse_peers
 from exo_like.api import create_app
 from exo_like.errors import ExoLikeError
-from exo_like.node import Node, default_home
+from exo_like.node import DEFAULT_CLUSTER_KEY, Node, NodeOptions, default_home
 
 log = logging.getLogger("exo_like")
 
@@ -41,8 +43,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default=None, help="e.g. cpu, cuda, cuda:1, mps (default: best available)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                         help="default: the checkpoint's")
+    parser.add_argument("--node-name", default=None, help="human name shown to peers (default: hostname)")
+    parser.add_argument("--memory-gb", type=float, default=None,
+                        help="memory this node offers for layers (default: available RAM)")
+    parser.add_argument("--peers", default=None,
+                        help="static peers host:port,... for networks where multicast (mDNS) cannot reach")
+    parser.add_argument("--no-mdns", action="store_true", help="do not advertise or browse on mDNS")
+    parser.add_argument("--cluster-key", default=os.environ.get("EXO_LIKE_CLUSTER_KEY"),
+                        help="shared secret peers must hold (env EXO_LIKE_CLUSTER_KEY; default: a built-in key)")
     parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    try:
+        args.peers = parse_peers(args.peers)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.memory_gb is not None and args.memory_gb <= 0:
+        parser.error("--memory-gb must be positive")
+    return args
 
 
 class NodeIdFilter(logging.Filter):
@@ -57,12 +74,14 @@ class NodeIdFilter(logging.Filter):
         return True
 
 
-def setup_logging(level: str, node_id: str) -> None:
+def setup_logging(level: str, node_id: str) -> NodeIdFilter:
     handler = logging.StreamHandler()
-    handler.addFilter(NodeIdFilter(node_id))
+    node_filter = NodeIdFilter(node_id)
+    handler.addFilter(node_filter)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s [%(node_id)s] %(name)s: %(message)s"))
     logging.basicConfig(level=level, handlers=[handler], force=True)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)  # one line per request is logged by the API
+    return node_filter
 
 
 async def serve(node: Node, host: str, port: int) -> None:
@@ -79,6 +98,7 @@ async def serve(node: Node, host: str, port: int) -> None:
         site = web.TCPSite(runner, host, port)
         await site.start()
         bound_port = runner.addresses[0][1] if runner.addresses else port
+        await node.start(host, bound_port)
         log.info("serving the OpenAI API on http://%s:%d/v1 (model: %s)", host, bound_port,
                  node.model.model_id if node.model else "none")
         await stop.wait()
@@ -92,18 +112,22 @@ async def serve(node: Node, host: str, port: int) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     home = (args.home or default_home()).expanduser()
-    node = Node(home, engine_name=args.engine, device=args.device, dtype=args.dtype)
-    setup_logging(args.log_level, node.node_id)
+    node_filter = setup_logging(args.log_level, "-")  # the node id is stamped once the node has claimed it
+    options = NodeOptions(home=home, engine=args.engine, device=args.device, dtype=args.dtype,
+                          node_name=args.node_name, memory_gb=args.memory_gb, peers=args.peers,
+                          mdns=not args.no_mdns, cluster_key=args.cluster_key or DEFAULT_CLUSTER_KEY, model=args.model)
     try:
+        node = Node(options)
+        node_filter.node_id = node.node_id
         if args.model:
-            node.load_model(args.model)
+            node.resolve(args.model)  # fail fast on a bad --model, before joining anything
         else:
-            log.warning("no --model given: this node serves no model")
+            log.warning("no --model given: the first request chooses the model")
     except ExoLikeError as e:
-        log.error("cannot load model %r: %s", args.model, e.message)
+        log.error("cannot use model %r: %s", args.model, e.message)
         sys.exit(1)
     except (OSError, ValueError) as e:
-        log.error("cannot load model %r: %s", args.model, e)
+        log.error("cannot use model %r: %s", args.model, e)
         sys.exit(1)
     try:
         asyncio.run(serve(node, args.host, args.port))

@@ -39,3 +39,10 @@ class UnsupportedModelError(ExoLikeError):
 class ServiceUnavailableError(ExoLikeError):
     status = 503
     type = "service_unavailable"
+
+
+class StageFailedError(ExoLikeError):
+    """A stage's engine failed while running a request: a server fault, not the client's."""
+
+    status = 500
+    type = "server_error"

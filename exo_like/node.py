@@ -1,27 +1,43 @@
-"""The node: owns the model, the engine and the generation loop that the HTTP API serves.
+"""The node: identity, peers, the agreed plan, this node's shard, and the generator the HTTP API serves.
 
-Single-node for now: the whole model runs here through a LocalGenerator. The cluster replaces the generator
-with a ring of stages across peers and adds discovery and persistent identity; the API only talks to `Node`.
+One node alone is a ring of one; with peers, the same code runs a stage of a ring that spans machines.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
-import secrets
+import platform
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+import psutil
+
+from discovery import MdnsDiscovery, PeerAddress, PeerFinder
+from discovery.mdns import local_ipv4_addresses
+from exo_like import __version__
+from exo_like.cluster import Cluster, ModelDescription
 from exo_like.demo import DEMO_NAME, ensure_demo_model
 from exo_like.engines.base import Engine, create_engine
 from exo_like.errors import ModelNotFoundError, UnsupportedModelError
-from exo_like.generation import LocalGenerator, TokenGenerator
+from exo_like.generation import TokenGenerator
+from exo_like.identity import claim_identity, default_node_name
 from exo_like.model_config import ModelArgs
+from exo_like.peers import NodeInfo, PeerLink, PeerNetwork, cluster_key_digest
+from exo_like.plan import Plan, model_footprint
+from exo_like.ring import RingGenerator, StageWorker
 from exo_like.shard import Shard
 from exo_like.tokenizer import ModelTokenizer
+from exo_like.wire import DEFAULT_MAX_FRAME_BYTES
 
 log = logging.getLogger(__name__)
+
+# Zero-config default: every node without --cluster-key joins the same cluster. Set a key to keep clusters apart.
+DEFAULT_CLUSTER_KEY = "exo-like-default-cluster-key"
 
 
 def default_home() -> Path:
@@ -30,9 +46,10 @@ def default_home() -> Path:
 
 @dataclass(frozen=True)
 class LoadedModel:
-    """A model this node serves: its id, the names requests may use for it, and what describes it."""
+    """A model this node can serve: its id, the names requests may use for it, and what describes it."""
 
     model_id: str
+    key: str  # how peers name it: "demo" or the folder's absolute path
     path: Path
     args: ModelArgs
     tokenizer: ModelTokenizer
@@ -59,47 +76,200 @@ def resolve_model_dir(spec: str, home: Path) -> tuple[str, Path]:
                              f"(with config.json)")
 
 
+@dataclass
+class NodeOptions:
+    home: Path
+    engine: str = "auto"
+    device: str | None = None
+    dtype: str | None = None
+    node_name: str | None = None
+    memory_gb: float | None = None
+    peers: list[PeerAddress] = field(default_factory=list)
+    mdns: bool = True
+    cluster_key: str = DEFAULT_CLUSTER_KEY
+    model: str | None = None
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+
+
 class Node:
-    def __init__(self, home: Path, engine_name: str = "auto", device: str | None = None,
-                 dtype: str | None = None, node_id: str | None = None):
-        self.home = home
-        self.node_id = node_id or secrets.token_hex(4)
-        self.engine_name = engine_name
-        self.device = device
-        self.dtype = dtype
-        self.model: LoadedModel | None = None
-        self.engine: Engine | None = None
-        self.generator: TokenGenerator | None = None
+    def __init__(self, options: NodeOptions):
+        self.options = options
+        self.home = options.home
+        self.identity = claim_identity(options.home)
+        self.node_id = self.identity.node_id
+        self.engine: Engine = create_engine(options.engine, options.device, options.dtype)
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self._models: dict[str, LoadedModel] = {}
+        self._loaded: tuple[str, Shard] | None = None  # (model key, shard) the engine holds
+        self._tasks: set[asyncio.Task] = set()
         self.started = time.time()
         self.stopping = False  # set when shutdown begins: requests cancelled from then on are not the client's doing
+        self.info: NodeInfo | None = None
+        self.peers: PeerNetwork | None = None
+        self.cluster: Cluster | None = None
+        self.stage: StageWorker | None = None
+        self.generator: TokenGenerator | None = None
+        self.finder: PeerFinder | None = None
 
-    def load_model(self, spec: str) -> LoadedModel:
-        """Load the whole model on this node (blocking: call before serving or from a thread)."""
+    # -- models -------------------------------------------------------------------------------------------
+
+    def resolve(self, spec: str) -> LoadedModel:
+        """The model a name refers to (demo, a folder, or one already known), read from disk once."""
+        for model in self._models.values():
+            if model.answers_to(spec) or model.key == spec:
+                return model
         model_id, folder = resolve_model_dir(spec, self.home)
         args = ModelArgs.from_dir(folder)
         if args.quantization:
             raise UnsupportedModelError(f"{model_id} is quantized; only float checkpoints are supported",
                                         code="unsupported_quantization")
-        tokenizer = ModelTokenizer.from_dir(folder)
-        engine = create_engine(self.engine_name, self.device, self.dtype)
-        started = time.monotonic()
-        engine.load(folder, args, Shard.whole(model_id, args.num_hidden_layers))
-        log.info("loaded %s from %s: %d layers on %s %s (%s engine, %.1f MB) in %.1fs", model_id, folder,
-                 args.num_hidden_layers, engine.device_name, engine.dtype_name, engine.name,
-                 engine.parameter_bytes() / 1e6, time.monotonic() - started)
-        self.model = LoadedModel(model_id, folder, args, tokenizer, frozenset({spec, str(folder)}))
-        self.engine = engine
-        self.generator = LocalGenerator(engine)
-        return self.model
+        key = DEMO_NAME if spec == DEMO_NAME else str(folder)
+        model = LoadedModel(model_id, key, folder, args, ModelTokenizer.from_dir(folder),
+                            frozenset({spec, str(folder), key}))
+        self._models[key] = model
+        return model
+
+    def describe(self, key: str) -> ModelDescription:
+        model = self.resolve(key)
+        n_layers = model.args.num_hidden_layers
+        return ModelDescription(n_layers, model_footprint(model.path, n_layers, model.args.tie_word_embeddings))
+
+    @property
+    def model(self) -> LoadedModel | None:
+        """The model the cluster serves, if any."""
+        if self.cluster is None or self.cluster.model_id is None:
+            return None
+        return self.resolve(self.cluster.model_id)
 
     def require_model(self, name: str) -> tuple[LoadedModel, TokenGenerator]:
-        """The served model a request names, with the generator that runs it; 404 for any other name."""
-        if self.model is None or self.generator is None:
-            raise ModelNotFoundError(f"the model {name!r} does not exist: this node serves no model "
-                                     f"(start it with --model)")
-        if not self.model.answers_to(name):
-            raise ModelNotFoundError(f"the model {name!r} does not exist; this node serves {self.model.model_id!r}")
-        return self.model, self.generator
+        """The served model a request names, with the generator that runs it; 404 for any other name.
+
+        With no model chosen yet, the first request's model becomes the cluster's model."""
+        if self.cluster is None or self.generator is None:
+            raise ModelNotFoundError(f"the model {name!r} does not exist: the node is still starting")
+        current = self.model
+        if current is None:
+            current = self.resolve(name)
+            self.cluster.set_model(current.key)
+        elif not current.answers_to(name):
+            raise ModelNotFoundError(f"the model {name!r} does not exist; this cluster serves {current.model_id!r}")
+        return current, self.generator
+
+    async def _load_shard(self, plan: Plan, shard: Shard | None) -> None:
+        """Hold this plan's shard (reloading only if the range changed), then serve the plan."""
+        assert self.stage is not None
+        if shard is None:
+            self.stage.activate(plan, None)
+            return
+        if self._loaded != (plan.model_id, shard):
+            model = self.resolve(plan.model_id)
+            started = time.monotonic()
+            self.stage.activate(None, None)
+            await asyncio.get_running_loop().run_in_executor(self.executor, self.engine.load, model.path,
+                                                             model.args, shard)
+            self._loaded = (plan.model_id, shard)
+            log.info("node %s: loaded %s layers [%d, %d) on %s %s (%.1f MB) in %.1fs", self.node_id, model.model_id,
+                     shard.start_layer, shard.end_layer, self.engine.device_name, self.engine.dtype_name,
+                     self.engine.parameter_bytes() / 1e6, time.monotonic() - started)
+        self.stage.activate(plan, self.engine)
+
+    # -- start and stop -----------------------------------------------------------------------------------
+
+    async def start(self, host: str, port: int) -> None:
+        """Join the cluster: identity, peer links, discovery and plan agreement (call once the port is bound)."""
+        self.info = self._node_info(host, port)
+        self.peers = PeerNetwork(self.info, self.options.cluster_key, self._on_peer_message, self._links_changed,
+                                 self.options.max_frame_bytes)
+        self.stage = StageWorker(self.node_id, self, self.executor)
+        self.cluster = Cluster(self.info, self.peers, self.describe, self._load_shard, self._members_changed)
+        self.generator = RingGenerator(self.node_id, self, self.cluster.wait_ready, self.stage, self.cluster.name_of)
+        mdns = None
+        if self.options.mdns:
+            mdns = MdnsDiscovery(self.node_id, port, cluster_key_digest(self.options.cluster_key), __version__,
+                                 lambda peer: self.finder and self.finder.found_on_mdns(peer))
+        self.finder = PeerFinder(self.node_id, self._dial, self.peers.linked, self.options.peers, mdns)
+        log.info("node %s (%s): %s engine on %s, %.1f GiB for layers, cluster key %s", self.node_id,
+                 self.info.name, self.engine.name, self.engine.device_name, self.info.memory_bytes / 2**30,
+                 "set" if self.options.cluster_key != DEFAULT_CLUSTER_KEY else "default")
+        self.cluster.start()
+        await self.finder.start()
+        if self.options.model:
+            self.cluster.set_model(self.resolve(self.options.model).key)
+        else:
+            self.cluster.replan()
+
+    def _node_info(self, host: str, port: int) -> NodeInfo:
+        memory = (int(self.options.memory_gb * 2**30) if self.options.memory_gb is not None
+                  else psutil.virtual_memory().available)
+        advertised = host if host not in ("", "0.0.0.0", "::") else (local_ipv4_addresses() or ["127.0.0.1"])[0]
+        return NodeInfo(node_id=self.node_id, name=self.options.node_name or default_node_name(), host=advertised,
+                        port=port, engine=self.engine.name, device=self.engine.device_name,
+                        chip=platform.processor() or platform.machine(), memory_bytes=memory, version=__version__)
+
+    async def close(self) -> None:
+        self.stopping = True
+        if self.generator is not None:
+            await self.generator.close()
+        if self.finder is not None:
+            await self.finder.stop()
+        if self.cluster is not None:
+            await self.cluster.stop()
+        if self.peers is not None:
+            await self.peers.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.get_running_loop().run_in_executor(None, self.executor.shutdown, True)
+        self.identity.release()
+        log.info("node stopped")
+
+    # -- messages -----------------------------------------------------------------------------------------
+
+    async def send(self, node_id: str, message: dict[str, Any]) -> None:
+        """The ring's router: deliver to a peer, or to ourselves without touching the network."""
+        if node_id == self.node_id:
+            self._spawn(self._dispatch(node_id, message))
+            return
+        assert self.peers is not None
+        await self.peers.send(node_id, message)
+
+    async def _on_peer_message(self, link: PeerLink, message: dict[str, Any]) -> None:
+        if message["type"] == "plan_state":
+            assert self.cluster is not None
+            self.cluster.receive(link.remote.node_id, message)
+        else:
+            # Not awaited: a stage's compute must not stop this link from reading (tasks start in arrival
+            # order, and each submits to the single engine thread first, so per-request order is kept).
+            self._spawn(self._dispatch(link.remote.node_id, message))
+
+    async def _dispatch(self, sender: str, message: dict[str, Any]) -> None:
+        assert self.stage is not None and self.generator is not None
+        kind = message["type"]
+        if kind in ("forward", "release"):
+            await self.stage.handle(message)
+        elif kind in ("token", "error") and isinstance(self.generator, RingGenerator):
+            await self.generator.handle(message)
+        else:
+            log.warning("node %s: unknown message %r from %s", self.node_id, kind, sender)
+
+    async def _dial(self, host: str, port: int) -> str | None:
+        assert self.peers is not None
+        link = await self.peers.dial(host, port)
+        return link.remote.node_id if link else None
+
+    def _links_changed(self) -> None:
+        if self.cluster is not None:
+            self.cluster.links_changed()
+
+    def _members_changed(self, live: set[str]) -> None:
+        if isinstance(self.generator, RingGenerator):
+            self.generator.members_changed(live)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # -- reporting ----------------------------------------------------------------------------------------
 
     def generation_stats(self) -> dict[str, object]:
         if self.generator is None:
@@ -108,14 +278,16 @@ class Node:
 
     def status(self) -> dict[str, object]:
         """What /health reports (and what a dashboard shows about this node)."""
+        model = self.model
         return {
             "status": "stopping" if self.stopping else "ok",
             "node_id": self.node_id,
-            "model": self.model.model_id if self.model else None,
-            "engine": self.engine.name if self.engine else None,
-            "device": self.engine.device_name if self.engine else None,
-            "dtype": self.engine.dtype_name if self.engine else None,
+            "model": model.model_id if model else None,
+            "engine": self.engine.name,
+            "device": self.engine.device_name,
+            "dtype": self.engine.dtype_name,
             "uptime_seconds": round(time.time() - self.started, 1),
+            "cluster_ready": bool(self.cluster and self.cluster.ready),
             **self.generation_stats(),
         }
 
@@ -123,8 +295,3 @@ class Node:
         if self.generator is None:
             return []
         return [progress.to_json() for progress in self.generator.in_flight.values()]
-
-    async def close(self) -> None:
-        if self.generator is not None:
-            await self.generator.close()
-        log.info("node stopped")

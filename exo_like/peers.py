@@ -114,7 +114,7 @@ class PeerNetwork:
         self._session: aiohttp.ClientSession | None = None
 
     def add_routes(self, app: web.Application) -> None:
-        app.router.add_get(PEER_PATH, self._accept)
+        app.router.add_get(PEER_PATH, self.accept)
 
     def linked(self, node_id: str) -> bool:
         link = self.links.get(node_id)
@@ -177,7 +177,7 @@ class PeerNetwork:
 
     # -- accepting ----------------------------------------------------------------------------------------
 
-    async def _accept(self, request: web.Request) -> web.StreamResponse:
+    async def accept(self, request: web.Request) -> web.StreamResponse:
         ws = web.WebSocketResponse(heartbeat=HEARTBEAT_SECONDS, max_msg_size=self.max_frame_bytes)
         await ws.prepare(request)
         address = f"{request.remote}"

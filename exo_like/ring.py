@@ -8,7 +8,7 @@ when the origin stops early (stop string, client gone) it does the same. A singl
 Messages (msgpack maps, see wire.py):
   forward  {rid, digest, origin, meta?, tokens | acts, sample}   -> a stage
   token    {rid, token, done}                                    -> the origin
-  error    {rid, message}                                        -> the origin
+  error    {rid, message, code}                                  -> the origin
   release  {rid}                                                 -> every stage
 """
 
@@ -26,7 +26,7 @@ import numpy as np
 
 from exo_like.activations import Activations
 from exo_like.engines.base import Engine
-from exo_like.errors import ServiceUnavailableError
+from exo_like.errors import ServiceUnavailableError, StageFailedError
 from exo_like.generation import RequestProgress, TokenGenerator
 from exo_like.plan import Plan
 from exo_like.sampling import Sampler, SamplingParams
@@ -94,7 +94,8 @@ class StageWorker:
             return
         plan, engine = self.plan, self.engine
         if plan is None or engine is None or message["digest"] != plan.digest:
-            await self._fail(rid, str(message["origin"]), "the cluster's plan changed during the request")
+            await self._fail(rid, str(message["origin"]), "the cluster's plan changed during the request",
+                             "plan_changed")
             return
         state = self._requests.get(rid)
         if state is None:
@@ -106,7 +107,7 @@ class StageWorker:
                     return
         except Exception as exc:  # engine failure: tell the origin, free the request everywhere
             log.exception("node %s: stage failed on request %s", self.node_id, rid)
-            await self._fail(rid, state.origin, f"stage on node {self.node_id} failed: {exc}")
+            await self._fail(rid, state.origin, f"stage on node {self.node_id} failed: {exc}", "stage_failed")
 
     def _chunks(self, message: dict[str, Any], is_first: bool) -> list[tuple[np.ndarray | Activations, bool]]:
         if "acts" in message:
@@ -157,11 +158,11 @@ class StageWorker:
         try:
             await self.router.send(node_id, message)
         except (ConnectionError, OSError) as exc:
-            await self._fail(rid, state.origin, f"node {node_id} is unreachable: {exc}")
+            await self._fail(rid, state.origin, f"node {node_id} is unreachable: {exc}", "node_unreachable")
 
-    async def _fail(self, rid: str, origin: str, reason: str) -> None:
+    async def _fail(self, rid: str, origin: str, reason: str, code: str) -> None:
         try:
-            await self.router.send(origin, {"type": "error", "rid": rid, "message": reason})
+            await self.router.send(origin, {"type": "error", "rid": rid, "message": reason, "code": code})
         except (ConnectionError, OSError):
             pass  # the origin is gone too: nobody is waiting
         if self.plan is not None:
@@ -273,7 +274,9 @@ class RingGenerator(TokenGenerator):
         if message["type"] == "token":
             pending.queue.put_nowait((int(message["token"]), bool(message["done"])))
         elif message["type"] == "error":
-            pending.queue.put_nowait(ServiceUnavailableError(str(message["message"]), code="stage_failed"))
+            code = str(message.get("code") or "stage_failed")
+            error_class = StageFailedError if code == "stage_failed" else ServiceUnavailableError
+            pending.queue.put_nowait(error_class(str(message["message"]), code=code))
 
     def members_changed(self, live_node_ids: Collection[str]) -> None:
         """Fail at once every request whose ring lost a node."""

@@ -72,13 +72,13 @@ class NodeProcess:
         return self.process.returncode
 
 
-def start_node(home: Path, model: str, *extra: str, timeout: float = 180) -> NodeProcess:
-    """Start `exo-like --port 0` and wait until it reports the port it bound and answers /health."""
+def start_node(home: Path, model: str, *extra: str, timeout: float = 180, port: int = 0) -> NodeProcess:
+    """Start `exo-like` (on a free port by default) and wait until it reports its port and answers /health."""
     home.mkdir(parents=True, exist_ok=True)
     fd, name = tempfile.mkstemp(prefix="node-", suffix=".log", dir=home)  # nodes may share a home
     os.close(fd)
     log_path = Path(name)
-    command = [*exo_like_command(), "--model", model, "--home", str(home), "--host", "127.0.0.1", "--port", "0",
+    command = [*exo_like_command(), "--model", model, "--home", str(home), "--host", "127.0.0.1", "--port", str(port),
                *extra]
     # One torch thread: the test models are tiny, and on a small shared machine two threads that wait for each
     # other at every barrier stall for whole scheduler slices whenever another process holds a core.

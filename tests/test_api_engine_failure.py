@@ -14,7 +14,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from exo_like.api import create_app
-from exo_like.node import Node
+from exo_like.node import Node, NodeOptions
 from tests.api_server import checkpoint  # noqa: F401  (fixture)
 
 
@@ -42,11 +42,12 @@ class EngineFault:
 
 @pytest.fixture
 async def served(checkpoint: Path, tmp_path: Path) -> AsyncIterator[tuple[TestClient, Node, EngineFault]]:  # noqa: F811
-    node = Node(tmp_path, engine_name="torch", dtype="float32")
-    node.load_model(str(checkpoint))
-    fault = EngineFault(node)
+    node = Node(NodeOptions(home=tmp_path, engine="torch", dtype="float32", mdns=False, model=str(checkpoint)))
     async with TestClient(TestServer(create_app(node))) as client:
-        yield client, node, fault
+        await node.start("127.0.0.1", client.port)
+        assert node.cluster is not None
+        await node.cluster.wait_ready(60)
+        yield client, node, EngineFault(node)
     await node.close()
 
 

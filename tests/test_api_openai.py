@@ -8,62 +8,19 @@ from __future__ import annotations
 
 import json
 import shutil
-from functools import cache
 from pathlib import Path
 
 import openai
 import pytest
-import torch
 
 from tests.api_server import NodeProcess, checkpoint, node, start_node, wait_for  # noqa: F401  (fixtures)
+from tests.oracle import Oracle
 
 MAX_TOKENS = 40
 # Prompts whose greedy continuations contain characters split across tokens (found by search; the test
 # asserts that at least one of them really does, so a changed checkpoint cannot make the check vacuous).
 SPLIT_PROMPTS = ["café ±×÷", "café 🙂", "Hello café", "fox 42"]
 PROMPTS = ["Hello!", "What is the capital of France?", *SPLIT_PROMPTS]
-
-
-class Oracle:
-    def __init__(self, model_dir: Path):
-        from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
-
-        # Not AutoTokenizer: for model_type qwen2, transformers 5 rebuilds Qwen2's own pre-tokenizer and ignores
-        # the one in tokenizer.json (identical for real Qwen checkpoints, not for these synthetic ones).
-        self.tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        self.eos_ids = set(self.model.generation_config.eos_token_id)
-        self.generate = cache(self._generate)
-
-    def chat_ids(self, content: str) -> tuple[int, ...]:
-        text = self.tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                                  add_generation_prompt=True)
-        return tuple(self.tokenizer(text, add_special_tokens=False).input_ids)
-
-    def completion_ids(self, prompt: str) -> tuple[int, ...]:
-        return tuple(self.tokenizer(prompt).input_ids)
-
-    def _generate(self, prompt_ids: tuple[int, ...], max_new_tokens: int) -> list[int]:
-        inputs = torch.tensor([prompt_ids])
-        with torch.no_grad():
-            out = self.model.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=max_new_tokens,
-                                      do_sample=False, pad_token_id=0)
-        return out[0, len(prompt_ids):].tolist()
-
-    def expected(self, prompt_ids: tuple[int, ...], max_new_tokens: int) -> tuple[str, str, int]:
-        """(text, finish_reason, completion_tokens) as the API must report them; EOS is counted, not shown."""
-        tokens = self.generate(prompt_ids, max_new_tokens)
-        if tokens and tokens[-1] in self.eos_ids:
-            return self.decode(tokens[:-1]), "stop", len(tokens)
-        return self.decode(tokens), "length", len(tokens)
-
-    def decode(self, tokens: list[int]) -> str:
-        return self.tokenizer.decode(tokens, skip_special_tokens=True)
-
-    def splits_a_character(self, tokens: list[int]) -> bool:
-        """Whether decoding some prefix gives text that is not a prefix of the whole (partial UTF-8)."""
-        full = self.decode(tokens)
-        return any(not full.startswith(self.decode(tokens[:k])) for k in range(1, len(tokens)))
 
 
 @pytest.fixture(scope="module")

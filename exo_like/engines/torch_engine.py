@@ -103,10 +103,13 @@ class TorchEngine(Engine):
         # A tied model's stored lm_head (if any) duplicates the embedding, which is what we use.
         skip = {"lm_head.weight"} if args.tie_word_embeddings else set()
         log.info("loading %s from %d files on %s as %s", shard, len(plan.files), self.device, DTYPE_NAMES[self.dtype])
-        weights = read_planned_tensors(plan, skip, self.device, self.dtype)
-        with torch.device("meta"):
+        with torch.device("meta"):  # no memory, no random init: every parameter is replaced by a loaded tensor
             model = ShardModel(args, shard.layer_count, shard.is_first, shard.is_last)
-        model.load_state_dict(fuse_checkpoint_weights(weights, args, shard.is_first, shard.is_last), assign=True)
+        weights = read_planned_tensors(plan, skip, self.device, self.dtype)
+        state = fuse_checkpoint_weights(weights, args, shard.is_first, shard.is_last)
+        model.load_state_dict(state, assign=True)
+        # Drop our references so prepare()'s relayout frees each old tensor as it goes.
+        del weights, state
         model.requires_grad_(False).eval().prepare()
         self.model, self.shard, self.args = model, shard, args
         log.info(
@@ -133,7 +136,7 @@ class TorchEngine(Engine):
     def release(self, request_id: str) -> None:
         cache = self.caches.pop(request_id, None)
         if cache is not None:
-            log.debug("released request %s (%d positions)", request_id, cache.length)
+            log.debug("released request %s (%d positions, %.1f MB of cache)", request_id, cache.length, cache.nbytes() / 1e6)
 
     def cached_length(self, request_id: str) -> int:
         cache = self.caches.get(request_id)

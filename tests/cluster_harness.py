@@ -1,0 +1,64 @@
+"""Several real `exo-like` processes on loopback, linked by --peers (no multicast needed)."""
+
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from tests.api_server import NodeProcess, start_node
+
+
+def free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def start_cluster(root: Path, model: str, memories_gb: list[float], engines: list[str] | None = None,
+                  extra: tuple[str, ...] = ()) -> list[NodeProcess]:
+    ports = free_ports(len(memories_gb))
+    peers = ",".join(f"127.0.0.1:{p}" for p in ports)
+    engines = engines or ["torch"] * len(memories_gb)
+    nodes = []
+    try:
+        for i, (memory, engine, port) in enumerate(zip(memories_gb, engines, ports)):
+            nodes.append(start_node(root / f"home{i}", model, "--no-mdns", "--peers", peers, "--memory-gb",
+                                    str(memory), "--node-name", f"node{i}", "--engine", engine,
+                                    "--dtype", "float32", *extra, port=port))
+    except BaseException:
+        for node in nodes:
+            node.stop()
+        raise
+    return nodes
+
+
+def cluster_of(node: NodeProcess) -> dict[str, Any]:
+    return node.get_json("/v1/cluster")
+
+
+def wait_until_ready(nodes: list[NodeProcess], members: int, timeout: float = 60) -> float:
+    """Seconds until every node reports an agreed, ready plan over `members` nodes."""
+    started = time.monotonic()
+    deadline = started + timeout
+    while time.monotonic() < deadline:
+        views = [_view(node) for node in nodes]
+        if all(v and v["ready"] and v["agreed"] and len(v["nodes"]) == members for v in views):
+            digests = {v["plan"]["digest"] for v in views}
+            if len(digests) == 1:
+                return time.monotonic() - started
+        time.sleep(0.05)
+    raise AssertionError(f"cluster not ready in {timeout}s: {[_view(n) for n in nodes]}")
+
+
+def _view(node: NodeProcess) -> dict[str, Any] | None:
+    try:
+        return cluster_of(node)
+    except (AssertionError, OSError):
+        return None

@@ -1,0 +1,123 @@
+"""Three real nodes on loopback: the agreed memory-weighted ring, inference through it from any node, node loss.
+
+The oracle is transformers' greedy `generate` on the same 7-layer checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.api_server import NodeProcess
+from tests.checkpoints import make_checkpoint
+from tests.cluster_harness import cluster_of, start_cluster, wait_until_ready
+from tests.oracle import Oracle
+
+PROMPT = "What is the capital of France?"
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def seven_layers(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "llama7", "llama", n_layers=7, max_shard_size="200KB")
+
+
+@pytest.fixture(scope="module")
+def oracle(seven_layers: Path) -> Oracle:
+    return Oracle(seven_layers)
+
+
+def greedy_chat(node: NodeProcess, model: str, content: str = PROMPT, max_tokens: int = MAX_TOKENS) -> dict:
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": content}],
+                       "max_tokens": max_tokens, "temperature": 0}).encode()
+    status, _, raw = node.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    return {"status": status, **json.loads(raw)}
+
+
+def expected_text(oracle: Oracle, content: str = PROMPT, max_tokens: int = MAX_TOKENS) -> str:
+    return oracle.expected(oracle.chat_ids(content), max_tokens)[0]
+
+
+def stop_all(nodes: list[NodeProcess]) -> None:
+    for node in nodes:
+        node.stop()
+
+
+@pytest.fixture
+def three_nodes(seven_layers: Path, tmp_path: Path):
+    nodes = start_cluster(tmp_path, str(seven_layers), [6, 3, 1])
+    yield nodes
+    stop_all(nodes)
+
+
+def test_every_node_shows_the_agreed_plan_and_serves_the_oracle_output(three_nodes, seven_layers: Path,
+                                                                      oracle: Oracle) -> None:
+    wait_until_ready(three_nodes, members=3)
+    views = [cluster_of(node) for node in three_nodes]
+    ids = [view["node_id"] for view in views]
+    for view in views:
+        assert view["agreed"] is True
+        assert [(s["node_id"], s["start_layer"], s["end_layer"]) for s in view["plan"]["stages"]] == [
+            (ids[0], 0, 4), (ids[1], 4, 6), (ids[2], 6, 7)]
+        assert [(n["id"], n["name"], n["memory_bytes"]) for n in view["nodes"]] == [
+            (ids[0], "node0", 6 << 30), (ids[1], "node1", 3 << 30), (ids[2], "node2", 1 << 30)]
+    assert len({view["plan"]["digest"] for view in views}) == 1
+    expected = expected_text(oracle)
+    for node in three_nodes:
+        answer = greedy_chat(node, seven_layers.name)
+        assert answer["status"] == 200, answer
+        assert answer["choices"][0]["message"]["content"] == expected
+
+
+def test_mixed_mlx_and_torch_ring_gives_the_oracle_output(seven_layers: Path, oracle: Oracle, tmp_path: Path) -> None:
+    pytest.importorskip("mlx.core", reason="the MLX engine is not installed")
+    nodes = start_cluster(tmp_path, str(seven_layers), [6, 3, 1], engines=["mlx", "torch", "torch"])
+    try:
+        wait_until_ready(nodes, members=3)
+        assert [n["engine"] for n in cluster_of(nodes[1])["nodes"]] == ["mlx", "torch", "torch"]
+        expected = expected_text(oracle)
+        for node in nodes:
+            assert greedy_chat(node, seven_layers.name)["choices"][0]["message"]["content"] == expected
+    finally:
+        stop_all(nodes)
+
+
+def test_idle_node_killed_the_rest_replan_within_3s_and_serve(three_nodes, seven_layers: Path,
+                                                            oracle: Oracle) -> None:
+    wait_until_ready(three_nodes, members=3)
+    survivors = [three_nodes[0], three_nodes[2]]
+    three_nodes[1].process.send_signal(signal.SIGKILL)
+    three_nodes[1].process.wait()
+    seconds = wait_until_ready(survivors, members=2, timeout=10)
+    assert seconds <= 3.0, f"re-planning took {seconds:.2f}s"
+    stages = cluster_of(survivors[0])["plan"]["stages"]
+    assert [(s["start_layer"], s["end_layer"]) for s in stages] == [(0, 6), (6, 7)]  # 7 layers over 6 and 1 GiB
+    for node in survivors:
+        assert greedy_chat(node, seven_layers.name)["choices"][0]["message"]["content"] == expected_text(oracle)
+
+
+def test_node_killed_mid_request_fails_that_request_clearly_within_5s(three_nodes, seven_layers: Path,
+                                                                     oracle: Oracle) -> None:
+    import openai
+
+    wait_until_ready(three_nodes, members=3)
+    client = openai.OpenAI(base_url=three_nodes[0].base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    stream = client.chat.completions.create(model=seven_layers.name, stream=True, max_tokens=100000,
+                                            messages=[{"role": "user", "content": PROMPT}],
+                                            extra_body={"ignore_eos": True})
+    received = 0
+    with pytest.raises(openai.APIError) as failure:
+        for chunk in stream:
+            received += 1
+            if received == 20:
+                killed_at = time.monotonic()
+                three_nodes[1].process.send_signal(signal.SIGKILL)
+    elapsed = time.monotonic() - killed_at
+    assert elapsed <= 5.0, f"the request took {elapsed:.2f}s to fail"
+    assert "left the cluster" in str(failure.value)
+    wait_until_ready([three_nodes[0], three_nodes[2]], members=2, timeout=10)
+    assert greedy_chat(three_nodes[0], seven_layers.name)["choices"][0]["message"]["content"] == expected_text(oracle)
