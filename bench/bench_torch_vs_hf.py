@@ -94,6 +94,10 @@ class TokenClock:
         pass
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def run_transformers(model, prompt: np.ndarray, new_tokens: int) -> Run:
     ids = torch.from_numpy(prompt)[None]
     clock = TokenClock()
@@ -155,10 +159,11 @@ def report(dtype: str, engine_runs: list[Run], hf_runs: list[Run]) -> None:
     h_tps = statistics.median(r.decode_tps for r in hf_runs)
     e_ttft = statistics.median(r.ttft for r in engine_runs)
     h_ttft = statistics.median(r.ttft for r in hf_runs)
-    same = all(r.tokens == hf_runs[0].tokens for r in engine_runs)
+    agree = min(common_prefix(r.tokens, hf_runs[0].tokens) for r in engine_runs)
     print(f"{label} decode ratio {e_tps / h_tps:.2f} (engine {e_tps:.2f} tok/s, transformers {h_tps:.2f} tok/s)")
     print(f"{label} TTFT ratio {e_ttft / h_ttft:.2f} (engine {e_ttft * 1e3:.0f} ms, transformers {h_ttft * 1e3:.0f} ms)")
-    print(f"{label} greedy tokens identical to transformers: {same}")
+    # float32 must agree exactly; bfloat16 kernels round differently, so a late divergence is expected there.
+    print(f"{label} greedy tokens equal to transformers: {agree}/{len(hf_runs[0].tokens)}")
     print(f"{label} runs (decode tok/s) engine {[round(r.decode_tps, 2) for r in engine_runs]}"
           f" transformers {[round(r.decode_tps, 2) for r in hf_runs]}", flush=True)
 

@@ -1,4 +1,9 @@
-"""The PyTorch engine: one shard of a Llama-family model on CUDA, MPS or CPU, with a KV cache per request."""
+"""The PyTorch engine: one shard of a Llama-family model on CUDA, MPS or CPU, with a KV cache per request.
+
+Calls are serialised by the node (see engines/base.py). A bfloat16 CPU decode step briefly switches PyTorch's
+process-wide oneDNN flag off (torch_model.native_matvec); that, too, relies on torch not being used by
+another thread of this process at the same moment.
+"""
 
 from __future__ import annotations
 
@@ -38,8 +43,6 @@ def pick_device(requested: str | None) -> torch.device:
 def pick_dtype(requested: str | None, checkpoint_dtype: str, device: torch.device) -> torch.dtype:
     """The requested dtype, else the checkpoint's; a float16 checkpoint runs as bfloat16 on CPU."""
     if requested:
-        if requested not in TORCH_DTYPES:
-            raise ValueError(f"unsupported dtype {requested!r}; choose one of {', '.join(DTYPES)}")
         return TORCH_DTYPES[requested]
     name = checkpoint_dtype if checkpoint_dtype in TORCH_DTYPES else "float32"
     if name == "float16" and device.type == "cpu":
@@ -88,7 +91,9 @@ class TorchEngine(Engine):
     def __init__(self, device: str | None = None, dtype: str | None = None):
         super().__init__(device=device, dtype=dtype)
         self.device = pick_device(device)
-        self.dtype: torch.dtype = TORCH_DTYPES.get(dtype or "", torch.float32)
+        if dtype is not None and dtype not in TORCH_DTYPES:
+            raise ValueError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+        self.dtype: torch.dtype = TORCH_DTYPES[dtype or "float32"]  # until load() reads the checkpoint's
         self.model: ShardModel | None = None
         self.caches: dict[str, KVCache] = {}
 
@@ -119,15 +124,16 @@ class TorchEngine(Engine):
     def forward(self, request_id: str, inputs: np.ndarray | Activations) -> Activations | np.ndarray:
         model = self._loaded_model()
         x = self._input_tensor(inputs)
-        cache = self.caches.get(request_id)
-        if cache is None:
-            cache = self.caches[request_id] = model.new_cache()
-        if cache.length + x.shape[0] > self.args.context_length:
+        needed = self.cached_length(request_id) + x.shape[0]
+        if needed > self.args.context_length:
             raise InvalidRequestError(
-                f"request needs {cache.length + x.shape[0]} positions; the model's context is {self.args.context_length}",
+                f"request needs {needed} positions; the model's context is {self.args.context_length}",
                 code="context_length_exceeded",
             )
         with torch.inference_mode():
+            cache = self.caches.get(request_id)
+            if cache is None:
+                cache = self.caches[request_id] = model.new_cache()
             out = model(x, cache)
             if model.is_last:
                 return out.float().cpu().numpy()
