@@ -72,17 +72,18 @@ class NodeProcess:
         return self.process.returncode
 
 
-def start_node(home: Path, model: str, *extra: str, timeout: float = 180, port: int = 0) -> NodeProcess:
+def start_node(home: Path, model: str | None, *extra: str, timeout: float = 180, port: int = 0,
+               threads: int = 1) -> NodeProcess:
     """Start `exo-like` (on a free port by default) and wait until it reports its port and answers /health."""
     home.mkdir(parents=True, exist_ok=True)
     fd, name = tempfile.mkstemp(prefix="node-", suffix=".log", dir=home)  # nodes may share a home
     os.close(fd)
     log_path = Path(name)
-    command = [*exo_like_command(), "--model", model, "--home", str(home), "--host", "127.0.0.1", "--port", str(port),
+    command = [*exo_like_command(), *(["--model", model] if model else []), "--home", str(home), "--host", "127.0.0.1", "--port", str(port),
                *extra]
     # One torch thread: the test models are tiny, and on a small shared machine two threads that wait for each
     # other at every barrier stall for whole scheduler slices whenever another process holds a core.
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     with open(log_path, "wb") as log_file:
         process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + timeout

@@ -21,8 +21,8 @@ def free_ports(count: int) -> list[int]:
             s.close()
 
 
-def start_cluster(root: Path, model: str, memories_gb: list[float], engines: list[str] | None = None,
-                  extra: tuple[str, ...] = ()) -> list[NodeProcess]:
+def start_cluster(root: Path, model: str | None, memories_gb: list[float], engines: list[str] | None = None,
+                  extra: tuple[str, ...] = (), threads: int = 1) -> list[NodeProcess]:
     ports = free_ports(len(memories_gb))
     peers = ",".join(f"127.0.0.1:{p}" for p in ports)
     engines = engines or ["torch"] * len(memories_gb)
@@ -31,7 +31,7 @@ def start_cluster(root: Path, model: str, memories_gb: list[float], engines: lis
         for i, (memory, engine, port) in enumerate(zip(memories_gb, engines, ports)):
             nodes.append(start_node(root / f"home{i}", model, "--no-mdns", "--peers", peers, "--memory-gb",
                                     str(memory), "--node-name", f"node{i}", "--engine", engine,
-                                    "--dtype", "float32", *extra, port=port))
+                                    "--dtype", "float32", *extra, port=port, threads=threads))
     except BaseException:
         for node in nodes:
             node.stop()

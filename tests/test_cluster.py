@@ -121,3 +121,49 @@ def test_node_killed_mid_request_fails_that_request_clearly_within_5s(three_node
     assert "left the cluster" in str(failure.value)
     wait_until_ready([three_nodes[0], three_nodes[2]], members=2, timeout=10)
     assert greedy_chat(three_nodes[0], seven_layers.name)["choices"][0]["message"]["content"] == expected_text(oracle)
+
+
+def test_16k_token_prompt_is_prefilled_in_chunks_across_the_ring(seven_layers: Path, oracle: Oracle,
+                                                                  tmp_path: Path) -> None:
+    nodes = start_cluster(tmp_path, str(seven_layers), [2, 1])
+    try:
+        wait_until_ready(nodes, members=2)
+        words = "the quick brown fox jumps over the lazy dog " * 1800
+        prompt_ids = oracle.completion_ids(words)
+        assert len(prompt_ids) >= 16_000
+        body = json.dumps({"model": seven_layers.name, "prompt": words, "max_tokens": 6, "temperature": 0}).encode()
+        status, _, raw = nodes[1].request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        assert status == 200, raw
+        answer = json.loads(raw)
+        assert answer["usage"]["prompt_tokens"] == len(prompt_ids)
+        assert answer["choices"][0]["text"] == oracle.expected(prompt_ids, 6)[0]
+    finally:
+        stop_all(nodes)
+
+
+def test_model_that_does_not_fit_is_a_503_naming_bytes_per_node(seven_layers: Path, tmp_path: Path) -> None:
+    nodes = start_cluster(tmp_path, str(seven_layers), [0.0001, 0.0001])
+    try:
+        started = time.monotonic()
+        answer = greedy_chat(nodes[0], seven_layers.name)
+        assert answer["status"] == 503 and time.monotonic() - started < 10
+        message = answer["error"]["message"]
+        assert "does not fit" in message and "bytes available" in message, message
+        assert "needs" in message and "bytes for layers [0, " in message
+    finally:
+        stop_all(nodes)
+
+
+def test_without_model_flag_the_first_request_chooses_the_model(seven_layers: Path, oracle: Oracle,
+                                                                 tmp_path: Path) -> None:
+    nodes = start_cluster(tmp_path, None, [2, 1])
+    try:
+        assert cluster_of(nodes[0])["plan"] is None
+        answer = greedy_chat(nodes[1], str(seven_layers))  # a path the whole cluster can resolve
+        assert answer["status"] == 200, answer
+        assert answer["choices"][0]["message"]["content"] == expected_text(oracle)
+        views = [cluster_of(node) for node in nodes]
+        assert all(v["agreed"] and v["plan"]["n_layers"] == 7 for v in views)
+        assert greedy_chat(nodes[0], seven_layers.name)["status"] == 200  # now known by its id everywhere
+    finally:
+        stop_all(nodes)
