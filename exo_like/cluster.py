@@ -61,6 +61,7 @@ class Cluster:
         self._changed = asyncio.Event()
         self._load_task: asyncio.Task | None = None
         self._announcer: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task] = set()  # strong references: the loop keeps only weak ones
         self.plan_wait_seconds = PLAN_WAIT_SECONDS
 
     # -- membership -------------------------------------------------------------------------------------
@@ -224,7 +225,9 @@ class Cluster:
 
     def _announce_soon(self) -> None:
         self._notify()
-        asyncio.ensure_future(self._announce())
+        task = asyncio.ensure_future(self._announce())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _announce(self) -> None:
         mine = self.my_announcement()

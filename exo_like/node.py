@@ -100,6 +100,7 @@ class Node:
         self.engine: Engine = create_engine(options.engine, options.device, options.dtype)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._models: dict[str, LoadedModel] = {}
+        self._descriptions: dict[str, ModelDescription] = {}  # by model key: re-plans must not re-read headers
         self._loaded: tuple[str, Shard] | None = None  # (model key, shard) the engine holds
         self._tasks: set[asyncio.Task] = set()
         self.started = time.time()
@@ -130,9 +131,12 @@ class Node:
         return model
 
     def describe(self, key: str) -> ModelDescription:
-        model = self.resolve(key)
-        n_layers = model.args.num_hidden_layers
-        return ModelDescription(n_layers, model_footprint(model.path, n_layers, model.args.tie_word_embeddings))
+        if key not in self._descriptions:
+            model = self.resolve(key)
+            n_layers = model.args.num_hidden_layers
+            footprint = model_footprint(model.path, n_layers, model.args.tie_word_embeddings)
+            self._descriptions[key] = ModelDescription(n_layers, footprint)
+        return self._descriptions[key]
 
     @property
     def model(self) -> LoadedModel | None:

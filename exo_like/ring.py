@@ -148,7 +148,7 @@ class StageWorker:
         done = token in state.eos or state.generated >= state.max_tokens
         await self._send(state.origin, {"type": "token", "rid": rid, "token": token, "done": done}, rid, state)
         if done:
-            await self._broadcast_release(rid, plan)
+            await release_everywhere(self.router, rid, plan)
         else:
             await self._send(plan.stages[0].node_id, {"type": "forward", "rid": rid, "digest": plan.digest,
                                                       "origin": state.origin, "tokens": [token], "sample": True},
@@ -166,16 +166,9 @@ class StageWorker:
         except (ConnectionError, OSError):
             pass  # the origin is gone too: nobody is waiting
         if self.plan is not None:
-            await self._broadcast_release(rid, self.plan)
+            await release_everywhere(self.router, rid, self.plan)
         else:
             self._release(rid)
-
-    async def _broadcast_release(self, rid: str, plan: Plan) -> None:
-        for node_id in dict.fromkeys(plan.node_ids):
-            try:
-                await self.router.send(node_id, {"type": "release", "rid": rid})
-            except (ConnectionError, OSError):
-                pass  # a departed node's caches went with it
 
     def _release(self, rid: str) -> None:
         self._finish(rid)
@@ -191,6 +184,15 @@ class StageWorker:
         self._finished[rid] = None
         while len(self._finished) > _REMEMBERED_FINISHED:
             self._finished.popitem(last=False)
+
+
+async def release_everywhere(router: Router, rid: str, plan: Plan) -> None:
+    """Tell every stage of the plan to drop the request (best effort: a departed node's caches went with it)."""
+    for node_id in dict.fromkeys(plan.node_ids):
+        try:
+            await router.send(node_id, {"type": "release", "rid": rid})
+        except (ConnectionError, OSError):
+            pass
 
 
 def _new_state(message: dict[str, Any], digest: str) -> _StageRequest:
@@ -258,14 +260,7 @@ class RingGenerator(TokenGenerator):
             del self._pending[request_id]
             del self.in_flight[request_id]
             if not finished:
-                await self._release_everywhere(request_id, plan)
-
-    async def _release_everywhere(self, rid: str, plan: Plan) -> None:
-        for node_id in dict.fromkeys(plan.node_ids):
-            try:
-                await self.router.send(node_id, {"type": "release", "rid": rid})
-            except (ConnectionError, OSError):
-                pass
+                await release_everywhere(self.router, request_id, plan)
 
     async def handle(self, message: dict[str, Any]) -> None:
         pending = self._pending.get(str(message["rid"]))
