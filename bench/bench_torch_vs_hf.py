@@ -17,7 +17,6 @@ import argparse
 import gc
 import math
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -26,26 +25,24 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from exo_like.engines.torch_engine import TorchEngine
+from exo_like.model_config import ModelArgs
+from exo_like.shard import Shard
 
-from exo_like.engines.torch_engine import TorchEngine  # noqa: E402
-from exo_like.model_config import ModelArgs  # noqa: E402
-from exo_like.shard import Shard  # noqa: E402
-
-QWEN25_05B = dict(
-    hidden_size=896,
-    num_hidden_layers=24,
-    num_attention_heads=14,
-    num_key_value_heads=2,
-    intermediate_size=4864,
-    vocab_size=151936,
-    max_position_embeddings=32768,
-    rope_theta=1000000.0,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=True,
-    bos_token_id=None,
-    eos_token_id=None,
-)
+QWEN25_05B = {
+    "hidden_size": 896,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "intermediate_size": 4864,
+    "vocab_size": 151936,
+    "max_position_embeddings": 32768,
+    "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+    "bos_token_id": None,
+    "eos_token_id": None,
+}
 
 
 @dataclass
@@ -161,11 +158,16 @@ def report(dtype: str, engine_runs: list[Run], hf_runs: list[Run]) -> None:
     h_ttft = statistics.median(r.ttft for r in hf_runs)
     agree = min(common_prefix(r.tokens, hf_runs[0].tokens) for r in engine_runs)
     print(f"{label} decode ratio {e_tps / h_tps:.2f} (engine {e_tps:.2f} tok/s, transformers {h_tps:.2f} tok/s)")
-    print(f"{label} TTFT ratio {e_ttft / h_ttft:.2f} (engine {e_ttft * 1e3:.0f} ms, transformers {h_ttft * 1e3:.0f} ms)")
+    print(
+        f"{label} TTFT ratio {e_ttft / h_ttft:.2f} (engine {e_ttft * 1e3:.0f} ms, transformers {h_ttft * 1e3:.0f} ms)"
+    )
     # float32 must agree exactly; bfloat16 kernels round differently, so a late divergence is expected there.
     print(f"{label} greedy tokens equal to transformers: {agree}/{len(hf_runs[0].tokens)}")
-    print(f"{label} runs (decode tok/s) engine {[round(r.decode_tps, 2) for r in engine_runs]}"
-          f" transformers {[round(r.decode_tps, 2) for r in hf_runs]}", flush=True)
+    print(
+        f"{label} runs (decode tok/s) engine {[round(r.decode_tps, 2) for r in engine_runs]}"
+        f" transformers {[round(r.decode_tps, 2) for r in hf_runs]}",
+        flush=True,
+    )
 
 
 def main() -> None:
@@ -179,8 +181,11 @@ def main() -> None:
     opts = parser.parse_args()
     torch.set_num_threads(opts.threads)  # one setting for the whole process: both sides use it
     prompt = np.random.default_rng(0).integers(0, QWEN25_05B["vocab_size"], opts.prompt_tokens, dtype=np.int64)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, prompt {opts.prompt_tokens} tokens, "
-          f"{opts.new_tokens} new tokens, median of {opts.repeats}", flush=True)
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, prompt {opts.prompt_tokens} tokens, "
+        f"{opts.new_tokens} new tokens, median of {opts.repeats}",
+        flush=True,
+    )
     with tempfile.TemporaryDirectory(prefix="bench-qwen25-05b-") as tmp:
         model_dir = opts.model_dir
         if model_dir is None or not (model_dir / "config.json").exists():

@@ -117,9 +117,7 @@ class TorchEngine(Engine):
         del weights, state
         model.requires_grad_(False).eval().prepare()
         self.model, self.shard, self.args = model, shard, args
-        log.info(
-            "loaded %s: %.1f MB in %.2fs", shard, self.parameter_bytes() / 1e6, time.perf_counter() - started
-        )
+        log.info("loaded %s: %.1f MB in %.2fs", shard, self.parameter_bytes() / 1e6, time.perf_counter() - started)
 
     def forward(self, request_id: str, inputs: np.ndarray | Activations) -> Activations | np.ndarray:
         model = self._loaded_model()
@@ -142,7 +140,9 @@ class TorchEngine(Engine):
     def release(self, request_id: str) -> None:
         cache = self.caches.pop(request_id, None)
         if cache is not None:
-            log.debug("released request %s (%d positions, %.1f MB of cache)", request_id, cache.length, cache.nbytes() / 1e6)
+            log.debug(
+                "released request %s (%d positions, %.1f MB of cache)", request_id, cache.length, cache.nbytes() / 1e6
+            )
 
     def cached_length(self, request_id: str) -> int:
         cache = self.caches.get(request_id)

@@ -232,7 +232,12 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(q, k[None], v[None], scale=self.scale)
             return out.reshape(self.n_heads, 1, -1)
         out = F.scaled_dot_product_attention(
-            q[None], k[None], v[None], attn_mask=mask, is_causal=mask is None and offset == 0, scale=self.scale,
+            q[None],
+            k[None],
+            v[None],
+            attn_mask=mask,
+            is_causal=mask is None and offset == 0,
+            scale=self.scale,
             enable_gqa=self.n_heads != self.n_kv_heads,
         )
         return out[0]
