@@ -24,11 +24,12 @@ from exo_like.shard import Shard
 from tests.checkpoints import ARCHITECTURES, make_checkpoint
 
 N_LAYERS = 6
+SEED = 1  # weights whose greedy continuations of PROMPT_TEXT vary (not one token repeated)
 NEW_TOKENS = 32
 # Three uneven shards of the 6-layer models: 1, 2 and 3 layers.
 SPLITS = ((0, 1), (1, 3), (3, 6))
 VARIANTS = (*ARCHITECTURES, "llama-hub")
-PROMPT_TEXT = "What is the capital of France? Paris is the capital of France. Tokens flow through the ring."
+PROMPT_TEXT = "The quick brown fox jumps over the lazy dog. Paris is the capital of"
 
 
 @pytest.fixture(scope="session")
@@ -38,7 +39,9 @@ def model_dirs(tmp_path_factory) -> dict[str, Path]:
     for variant in VARIANTS:
         arch = variant.removesuffix("-hub")
         path = tmp_path_factory.mktemp(variant)
-        dirs[variant] = make_checkpoint(path, arch, n_layers=N_LAYERS, hub_style_config=variant.endswith("-hub"))
+        dirs[variant] = make_checkpoint(
+            path, arch, n_layers=N_LAYERS, seed=SEED, hub_style_config=variant.endswith("-hub")
+        )
     return dirs
 
 
@@ -115,6 +118,7 @@ def test_whole_model_greedy_matches_transformers(model_dirs, prompt, reference, 
     tokens, logits = greedy([engine], prompt, NEW_TOKENS)
     ref_tokens, ref_logits = reference[variant]
     assert tokens == ref_tokens
+    assert len(set(tokens)) > 4  # a varied continuation, so the comparison means something
     # Logits too, so a small error (e.g. rope scaling) cannot hide behind a still-correct argmax.
     np.testing.assert_allclose(logits, ref_logits, rtol=1e-5, atol=2e-4)
     assert engine.cached_length("r") == 0  # released
@@ -129,8 +133,9 @@ def test_three_uneven_shards_match_transformers(model_dirs, prompt, reference, v
     hidden = engines[0].forward("probe", prompt)
     assert isinstance(hidden, Activations)
     assert (hidden.dtype, hidden.shape) == ("float32", (len(prompt), 64))
-    tokens, _ = greedy(engines, prompt, NEW_TOKENS)
+    tokens, logits = greedy(engines, prompt, NEW_TOKENS)
     assert tokens == reference[variant][0]
+    np.testing.assert_allclose(logits, reference[variant][1], rtol=1e-5, atol=2e-4)
 
 
 @pytest.mark.parametrize("variant", ["llama", "qwen3"])

@@ -264,7 +264,15 @@ class TransformerBlock(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(self, x, rope, mask, keys, values, offset: int) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor | None,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        offset: int,
+    ) -> torch.Tensor:
         h = x + self.self_attn(self.input_layernorm(x), rope, mask, keys, values, offset)
         return h + self.mlp(self.post_attention_layernorm(h))
 
