@@ -63,7 +63,9 @@ def read_planned_tensors(
             continue
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name, local in wanted:
-                weights[local] = f.get_tensor(name).to(device=device, dtype=dtype)
+                # get_tensor may return a view of the file's memory map; a private copy lets the mapping close,
+                # so resident memory ends at the shard's bytes instead of also keeping the file pages mapped.
+                weights[local] = f.get_tensor(name).to(device=device, dtype=dtype, copy=True)
     return weights
 
 
