@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API every node serves (aiohttp).
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{id}], GET /health,
-GET /v1/debug/requests. Every error, including unknown routes and wrong methods, is an OpenAI error body;
+GET /v1/debug/requests, GET /v1/cluster, and the dashboard (GET /, its assets, GET /v1/events).
+Every error, including unknown routes and wrong methods, is an OpenAI error body;
 bad input is always a 4xx. Generation stops and frees its KV cache as soon as the client goes away.
 """
 
@@ -17,6 +18,7 @@ from typing import Any
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
+import dashboard
 from exo_like.completion import (
     TextGeneration,
     chat_prompt_tokens,
@@ -52,6 +54,7 @@ def create_app(node: Node) -> web.Application:
     app.router.add_get("/v1/cluster", cluster_view)
     app.router.add_get(PEER_PATH, peer_link)
     app.router.add_get("/", index)
+    dashboard.add_routes(app, node.cluster_json, node.wait_cluster_change)
     return app
 
 
@@ -247,10 +250,10 @@ async def debug_requests(request: web.Request) -> web.Response:
 
 async def cluster_view(request: web.Request) -> web.Response:
     """The same picture on every node: members, the plan, and whether all members agree on it."""
-    cluster = request.app[NODE_KEY].cluster
-    if cluster is None:
+    picture = request.app[NODE_KEY].cluster_json()
+    if picture is None:
         raise ServiceUnavailableError("the node is still starting")
-    return web.json_response(cluster.to_json())
+    return web.json_response(picture)
 
 
 async def peer_link(request: web.Request) -> web.StreamResponse:
@@ -260,7 +263,10 @@ async def peer_link(request: web.Request) -> web.StreamResponse:
     return await peers.accept(request)
 
 
-async def index(request: web.Request) -> web.Response:
+async def index(request: web.Request) -> web.StreamResponse:
+    """The dashboard for browsers; a small JSON index for API clients."""
+    if dashboard.wants_html(request):
+        return dashboard.page()
     node = request.app[NODE_KEY]
     return web.json_response({"name": "exo-like", "node_id": node.node_id,
                               "api": ["/v1/chat/completions", "/v1/completions", "/v1/models", "/health"]})

@@ -13,10 +13,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 from exo_like.errors import ExoLikeError, ServiceUnavailableError
+from exo_like.node_load import NodeLoad
 from exo_like.peers import NodeInfo, PeerNetwork
 from exo_like.plan import ModelFootprint, Plan, fit_problems, make_plan
 from exo_like.shard import Shard
@@ -26,6 +27,7 @@ log = logging.getLogger(__name__)
 
 ANNOUNCE_INTERVAL = 1.0
 PLAN_WAIT_SECONDS = 30.0
+DEPARTED_SHOWN_SECONDS = 10.0  # a lost node stays listed as unreachable this long, so users see what vanished
 
 
 @dataclass(frozen=True)
@@ -41,17 +43,19 @@ class Announcement:
     digest: str | None
     ready: bool
     problem: str | None
+    load: NodeLoad = field(default_factory=NodeLoad)
 
 
 class Cluster:
     def __init__(self, me: NodeInfo, peers: PeerNetwork, describe: Callable[[str], ModelDescription],
                  load_shard: Callable[[Plan, Shard | None], Awaitable[None]],
-                 on_members: Callable[[set[str]], None]):
+                 on_members: Callable[[set[str]], None], current_load: Callable[[], NodeLoad] = NodeLoad):
         self.me = me
         self.peers = peers
         self._describe = describe
         self._load_shard = load_shard
         self._on_members = on_members
+        self._current_load = current_load
         self.model_id: str | None = None
         self.clock: tuple[int, str] = (0, "")
         self.plan: Plan | None = None
@@ -59,6 +63,9 @@ class Cluster:
         self.loaded_digest: str | None = None
         self.announcements: dict[str, Announcement] = {}
         self._changed = asyncio.Event()
+        self._watchers = asyncio.Event()  # replaced after each change: wakes every wait_change() at once
+        self._known: dict[str, NodeInfo] = {me.node_id: me}  # members at the last membership change
+        self.departed: dict[str, tuple[NodeInfo, float]] = {}  # lost members and when (monotonic)
         self._load_task: asyncio.Task | None = None
         self._announcer: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()  # strong references: the loop keeps only weak ones
@@ -91,8 +98,20 @@ class Cluster:
         for node_id in list(self.announcements):
             if node_id not in live:
                 del self.announcements[node_id]
+        self._track_departures()
         self._on_members(live)
         self.replan()
+
+    def _track_departures(self) -> None:
+        now = time.monotonic()
+        members = {m.node_id: m for m in self.members()}
+        for node_id, info in self._known.items():
+            if node_id not in members:
+                self.departed[node_id] = (info, now)
+        for node_id in list(self.departed):
+            if node_id in members or now - self.departed[node_id][1] > DEPARTED_SHOWN_SECONDS:
+                del self.departed[node_id]
+        self._known = members
 
     # -- model and plan ---------------------------------------------------------------------------------
 
@@ -159,12 +178,12 @@ class Cluster:
     def my_announcement(self) -> Announcement:
         digest = self.plan.digest if self.plan else None
         return Announcement(self.model_id, self.clock, digest, digest is not None and self.loaded_digest == digest,
-                            self.problem)
+                            self.problem, self._current_load())
 
     def receive(self, node_id: str, message: dict[str, Any]) -> None:
         clock = (int(message["clock"][0]), str(message["clock"][1]))
         announcement = Announcement(message.get("model"), clock, message.get("digest"), bool(message["ready"]),
-                                    message.get("problem"))
+                                    message.get("problem"), NodeLoad.from_json(message.get("load")))
         self.announcements[node_id] = announcement
         if announcement.model is not None and clock > self.clock:
             self.clock, self.model_id = clock, announcement.model
@@ -222,6 +241,15 @@ class Cluster:
 
     def _notify(self) -> None:
         self._changed.set()
+        self._watchers.set()
+        self._watchers = asyncio.Event()
+
+    async def wait_change(self, timeout: float) -> None:
+        """Return at the next change of membership, plan or any member's announcement, or after `timeout`."""
+        try:
+            await asyncio.wait_for(self._watchers.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
 
     def _announce_soon(self) -> None:
         self._notify()
@@ -232,7 +260,7 @@ class Cluster:
     async def _announce(self) -> None:
         mine = self.my_announcement()
         message = {"type": "plan_state", "model": mine.model, "clock": list(mine.clock), "digest": mine.digest,
-                   "ready": mine.ready, "problem": mine.problem}
+                   "ready": mine.ready, "problem": mine.problem, "load": mine.load.to_json()}
         for link in list(self.peers.links.values()):
             try:
                 await link.send(message)
@@ -249,21 +277,65 @@ class Cluster:
     def node_status(self, node_id: str) -> str:
         if self.plan is None:
             return "idle" if self.model_id is None else "joining"
-        announcement = self.my_announcement() if node_id == self.me.node_id else self.announcements.get(node_id)
+        announcement = self.announcement_of(node_id)
         if announcement is None or announcement.digest != self.plan.digest:
             return "joining"
         return "ready" if announcement.ready else "loading"
 
+    def announcement_of(self, node_id: str) -> Announcement | None:
+        return self.my_announcement() if node_id == self.me.node_id else self.announcements.get(node_id)
+
     def to_json(self) -> dict[str, Any]:
+        """What GET /v1/cluster returns and the dashboard shows: the same picture on every node."""
         members = sorted(self.members(), key=lambda m: (-m.memory_bytes, m.node_id))
+        nodes = [self._member_json(m) for m in members]
+        now = time.monotonic()
         return {
             "node_id": self.me.node_id,
             "model": self.model_id,
-            "nodes": [{"id": m.node_id, "name": m.name, "address": f"{m.host}:{m.port}", "engine": m.engine,
-                       "device": m.device, "chip": m.chip, "memory_bytes": m.memory_bytes, "version": m.version,
-                       "status": self.node_status(m.node_id)} for m in members],
+            "nodes": nodes,
+            "departed": [{**_info_json(info), "status": "unreachable", "lost_seconds_ago": round(now - lost, 1)}
+                         for info, lost in self.departed.values() if now - lost <= DEPARTED_SHOWN_SECONDS],
             "plan": self.plan.to_json() if self.plan else None,
             "agreed": self.agreed,
             "ready": self.ready,
             "problem": self.problem,
+            "waiting_for": None if self.ready else self.why_not_ready(),
+            "model_bytes": self._model_bytes(),
+            "total_memory_bytes": sum(m.memory_bytes for m in members),
+            # Each token counted once, by the node that streams it to its client.
+            "tokens_per_second": round(sum(n["generated_per_second"] for n in nodes), 2),
+            "requests_in_flight": sum(n["in_flight"] for n in nodes),
         }
+
+    def _member_json(self, member: NodeInfo) -> dict[str, Any]:
+        announcement = self.announcement_of(member.node_id)
+        load = announcement.load if announcement else NodeLoad()
+        return {**_info_json(member), "status": self.node_status(member.node_id),
+                "used_bytes": self._used_bytes(member), **load.to_json(),
+                "problem": announcement.problem if announcement else None}
+
+    def _description(self) -> ModelDescription | None:
+        if self.model_id is None:
+            return None
+        try:
+            return self._describe(self.model_id)
+        except ExoLikeError:
+            return None  # already reported as the cluster's problem
+
+    def _used_bytes(self, member: NodeInfo) -> int:
+        """Parameter bytes of the member's layers in the current plan, as stored (what the fit check counts)."""
+        description = self._description()
+        shard = self.plan.shard_for(member.node_id) if self.plan else None
+        return description.footprint.shard_bytes(shard) if description and shard else 0
+
+    def _model_bytes(self) -> int | None:
+        description = self._description()
+        if description is None:
+            return None
+        return description.footprint.shard_bytes(Shard("whole", 0, description.n_layers, description.n_layers))
+
+
+def _info_json(m: NodeInfo) -> dict[str, Any]:
+    return {"id": m.node_id, "name": m.name, "address": f"{m.host}:{m.port}", "engine": m.engine,
+            "device": m.device, "chip": m.chip, "memory_bytes": m.memory_bytes, "version": m.version}

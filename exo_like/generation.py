@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 
+from exo_like.meter import RateMeter
 from exo_like.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ class TokenGenerator(ABC):
         self.in_flight: dict[str, RequestProgress] = {}
         self.tokens_generated_total = 0
         self.requests_total = 0
+        self.throughput = RateMeter()  # tokens streamed to this node's clients, recently
 
     @abstractmethod
     def generate(self, request_id: str, prompt_tokens: list[int], sampling: SamplingParams, max_tokens: int,

@@ -23,10 +23,11 @@ from exo_like import __version__
 from exo_like.cluster import Cluster, ModelDescription
 from exo_like.demo import DEMO_NAME, ensure_demo_model
 from exo_like.engines.base import Engine, create_engine
-from exo_like.errors import ModelNotFoundError, UnsupportedModelError
+from exo_like.errors import ExoLikeError, ModelNotFoundError, UnsupportedModelError
 from exo_like.generation import TokenGenerator
 from exo_like.identity import claim_identity, default_node_name
 from exo_like.model_config import ModelArgs
+from exo_like.node_load import NodeLoad
 from exo_like.peers import NodeInfo, PeerLink, PeerNetwork, cluster_key_digest
 from exo_like.plan import Plan, model_footprint
 from exo_like.ring import RingGenerator, StageWorker
@@ -185,7 +186,8 @@ class Node:
         self.peers = PeerNetwork(self.info, self.options.cluster_key, self._on_peer_message, self._links_changed,
                                  self.options.max_frame_bytes)
         self.stage = StageWorker(self.node_id, self, self.executor)
-        self.cluster = Cluster(self.info, self.peers, self.describe, self._load_shard, self._members_changed)
+        self.cluster = Cluster(self.info, self.peers, self.describe, self._load_shard, self._members_changed,
+                               self.current_load)
         self.generator = RingGenerator(self.node_id, self, self.cluster.wait_ready, self.stage, self.cluster.name_of)
         mdns = None
         if self.options.mdns:
@@ -294,6 +296,32 @@ class Node:
             "cluster_ready": bool(self.cluster and self.cluster.ready),
             **self.generation_stats(),
         }
+
+    def current_load(self) -> NodeLoad:
+        """What this node is doing now (shared with peers in its announcements)."""
+        if self.generator is None or self.stage is None:
+            return NodeLoad()
+        return NodeLoad(self.stage.throughput.rate(), self.generator.throughput.rate(),
+                        len(self.generator.in_flight), self.stage.active_requests() > 0)
+
+    def cluster_json(self) -> dict[str, object] | None:
+        """GET /v1/cluster and the dashboard's picture: the cluster, plus what only this node knows about it."""
+        if self.cluster is None:
+            return None  # still starting
+        try:
+            model = self.model
+            model_name = model.model_id if model else None
+        except ExoLikeError:
+            model_name = None  # the model cannot be read here: the cluster's `problem` says why
+        return {**self.cluster.to_json(), "model_name": model_name,
+                # Whether the key is set, never the key: with the default, anyone on the network can join.
+                "cluster_key": "default" if self.options.cluster_key == DEFAULT_CLUSTER_KEY else "set"}
+
+    async def wait_cluster_change(self, timeout: float) -> None:
+        if self.cluster is None:
+            await asyncio.sleep(timeout)
+        else:
+            await self.cluster.wait_change(timeout)
 
     def in_flight(self) -> list[dict[str, object]]:
         if self.generator is None:

@@ -28,6 +28,7 @@ from exo_like.activations import Activations
 from exo_like.engines.base import Engine
 from exo_like.errors import ServiceUnavailableError, StageFailedError
 from exo_like.generation import RequestProgress, TokenGenerator
+from exo_like.meter import RateMeter
 from exo_like.plan import Plan
 from exo_like.sampling import Sampler, SamplingParams
 
@@ -71,6 +72,7 @@ class StageWorker:
         self._requests: dict[str, _StageRequest] = {}
         self._finished: OrderedDict[str, None] = OrderedDict()
         self.tokens_sampled = 0
+        self.throughput = RateMeter()  # generated tokens that passed through this stage, recently
 
     def activate(self, plan: Plan | None, engine: Engine | None) -> None:
         """Serve `plan` with `engine` (already holding this node's shard of it)."""
@@ -123,6 +125,8 @@ class StageWorker:
         result = await loop.run_in_executor(self.executor, self._compute, rid, chunk, is_last and sample, state)
         if result is None:  # released while queued
             return False
+        if sample:  # this chunk ends at the position a token is sampled from: one generated token passed here
+            self.throughput.add()
         if not is_last:
             forward = {"type": "forward", "rid": rid, "digest": plan.digest, "origin": state.origin,
                        "acts": result.to_wire(), "sample": sample}
@@ -253,6 +257,7 @@ class RingGenerator(TokenGenerator):
                 token, finished = item
                 progress.generated_tokens += 1
                 self.tokens_generated_total += 1
+                self.throughput.add()
                 yield token
         except ConnectionError as exc:
             raise ServiceUnavailableError(f"the first stage is unreachable: {exc}") from exc

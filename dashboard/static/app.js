@@ -1,0 +1,173 @@
+// The dashboard: follows this node's event stream (/v1/events) and draws the cluster on every picture.
+// The stream reconnects by itself (EventSource retries each second; a watchdog replaces a stream that went
+// silent), so the page survives its node restarting.
+
+import { Chat } from "./chat.js";
+import { renderLayerBar, renderNodeCards, renderRing } from "./topology.js";
+import { assignColours, formatBytes, formatRate, h, plural, replace, s } from "./util.js";
+
+const STALE_AFTER_MS = 4000; // the server sends at least one picture per second
+const HISTORY = 60; // throughput samples (one per second) in the sparkline
+
+const $ = (id) => document.getElementById(id);
+
+const state = { picture: null, lastEventAt: 0, connectedAt: 0, source: null, lostSince: null, history: [] };
+const chat = new Chat($("chat"));
+
+function connect() {
+  if (state.source) state.source.close();
+  const source = new EventSource("/v1/events");
+  state.source = source;
+  state.connectedAt = Date.now();
+  source.addEventListener("cluster", (event) => {
+    state.lastEventAt = Date.now();
+    state.lostSince = null;
+    render(JSON.parse(event.data));
+  });
+  source.addEventListener("error", () => {
+    markLost();
+    // A closed EventSource (e.g. the node answered with an error while restarting) never retries by itself.
+    if (source.readyState === EventSource.CLOSED) setTimeout(connect, 1000);
+  });
+}
+
+function markLost() {
+  if (state.lostSince === null) state.lostSince = new Date();
+  setConnection("lost");
+  renderBanners();
+}
+
+// A stream can go silent without an error (a half-open connection): replace it.
+function watchdog() {
+  const now = Date.now();
+  if (now - state.lastEventAt > STALE_AFTER_MS && now - state.connectedAt > STALE_AFTER_MS) {
+    markLost();
+    connect();
+  }
+}
+
+function setConnection(mode) {
+  const el = $("connection");
+  el.dataset.state = mode;
+  const me = state.picture && state.picture.nodes.find((node) => node.id === state.picture.node_id);
+  const where = me ? `${me.name} · ${me.address}` : location.host;
+  $("connection-text").textContent = mode === "live" ? `live from ${where}` :
+    mode === "lost" ? `reconnecting to ${location.host}…` : "connecting…";
+  document.body.classList.toggle("stale", mode === "lost");
+}
+
+function render(picture) {
+  const modelChanged = !state.picture || state.picture.model !== picture.model;
+  state.picture = picture;
+  assignColours([...picture.nodes, ...picture.departed].map((node) => node.id));
+  setConnection("live");
+  renderBanners();
+  renderSummary(picture);
+  renderRing($("ring"), picture);
+  renderNodeCards($("nodes"), picture);
+  renderLayerBar($("layer-bar"), picture);
+  $("ring-caption").textContent = ringCaption(picture);
+  $("layers-caption").textContent = picture.plan
+    ? `${plural(picture.plan.n_layers, "layer")} over ${plural(picture.plan.stages.length, "node")}` : "";
+  chat.setCluster(picture, modelChanged);
+}
+
+function ringCaption(picture) {
+  const count = picture.nodes.length;
+  return count === 1 ? "a ring of one" : `${count} nodes in pipeline order`;
+}
+
+// -- banners: the explicit empty and failure states ------------------------------------------------------
+
+function renderBanners() {
+  const banners = [];
+  const picture = state.picture;
+  if (state.lostSince) {
+    banners.push(banner("error", `Lost contact with this node at ${state.lostSince.toLocaleTimeString()}. ` +
+      "Reconnecting by itself; what you see below may be out of date."));
+  }
+  if (picture) banners.push(...clusterBanners(picture));
+  replace($("banners"), banners);
+}
+
+function clusterBanners(picture) {
+  const banners = [];
+  if (picture.problem) banners.push(banner("error", picture.problem, "The model cannot be served"));
+  for (const node of picture.nodes) {
+    if (node.problem && node.problem !== picture.problem) banners.push(banner("error", node.problem, node.name));
+  }
+  for (const node of picture.departed) {
+    banners.push(banner("warn", `${node.name} (${node.address}) left the cluster ` +
+      `${Math.round(node.lost_seconds_ago)} s ago. The remaining nodes re-planned the layers.`, "Node lost"));
+  }
+  if (!picture.model) {
+    banners.push(banner("info", "Start a node with --model demo (or a model folder), or send a first chat " +
+      "request naming a model: that request chooses the model for the whole cluster.", "No model yet"));
+  } else if (!picture.ready && !picture.problem && picture.waiting_for) {
+    banners.push(banner("info", `Waiting: ${picture.waiting_for}.`, "Forming the ring"));
+  }
+  if (picture.nodes.length === 1 && picture.departed.length === 0) {
+    banners.push(banner("info", "This node is on its own. Run exo-like on another machine on the same " +
+      "network and it joins by itself (or pass --peers host:port where multicast cannot reach).", "Alone"));
+  }
+  return banners;
+}
+
+function banner(kind, text, title = null) {
+  return h("div", { class: `banner banner-${kind}`, role: kind === "error" ? "alert" : "status" },
+    title ? h("strong", {}, `${title}: `) : null, text);
+}
+
+// -- summary tiles ----------------------------------------------------------------------------------------
+
+function renderSummary(picture) {
+  const usedBytes = picture.nodes.reduce((sum, node) => sum + node.used_bytes, 0);
+  const plan = picture.plan;
+  replace($("summary"),
+    tile("Model", picture.model_name || "none yet",
+      plan ? `${plural(plan.n_layers, "layer")} · ${formatBytes(picture.model_bytes)}` : "no model chosen", "model"),
+    tile("Memory", formatBytes(picture.total_memory_bytes),
+      `${formatBytes(usedBytes)} used by layers · ${plural(picture.nodes.length, "node")}`, "memory"),
+    tile("Ring", ringState(picture), plan ? `digest ${plan.digest}` : "no plan yet", "agreement"),
+    tile("Throughput", formatRate(picture.tokens_per_second), sparkline(), "throughput"),
+    tile("Requests", `${picture.requests_in_flight} in flight`,
+      picture.requests_in_flight ? "generating now" : "idle", "requests"),
+    tile("Cluster key", picture.cluster_key === "set" ? "private" : "default",
+      picture.cluster_key === "set" ? "only nodes with the key can join" : "any node on the network can join",
+      "key"));
+}
+
+function ringState(picture) {
+  if (picture.problem) return "problem";
+  if (picture.ready) return "agreed · ready";
+  if (picture.agreed) return "agreed · loading";
+  return picture.plan ? "agreeing…" : "no plan";
+}
+
+function tile(label, value, detail, key) {
+  return h("div", { class: `tile tile-${key}`, "data-tile": key },
+    h("div", { class: "tile-label" }, label),
+    h("div", { class: "tile-value" }, value),
+    h("div", { class: "tile-detail" }, detail));
+}
+
+function sampleThroughput() {
+  if (!state.picture) return;
+  state.history.push(state.lostSince ? 0 : state.picture.tokens_per_second);
+  if (state.history.length > HISTORY) state.history.shift();
+}
+
+function sparkline() {
+  const values = state.history.length ? state.history : [0];
+  const peak = Math.max(...values, 1);
+  const step = 100 / Math.max(HISTORY - 1, 1);
+  const offset = HISTORY - values.length;
+  const points = values.map((v, i) => `${((offset + i) * step).toFixed(1)},${(19 - (v / peak) * 17).toFixed(1)}`);
+  return s("svg", { class: "spark", viewBox: "0 0 100 20", preserveAspectRatio: "none", "aria-hidden": "true" },
+    s("line", { x1: 0, y1: 19.5, x2: 100, y2: 19.5, class: "base" }),
+    s("polyline", { points: points.join(" ") }));
+}
+
+connect();
+setInterval(watchdog, 1000);
+setInterval(sampleThroughput, 1000);

@@ -1,0 +1,223 @@
+// The ring: an SVG of the nodes in pipeline order with arrows the way tokens flow, the node cards beside it,
+// and the bar of all layers split between the nodes.
+
+import { colourOf, formatBytes, formatLayers, formatRate, h, plural, replace, s } from "./util.js";
+
+const STATUS_LABELS = {
+  ready: "ready",
+  busy: "busy",
+  loading: "loading layers",
+  joining: "joining",
+  idle: "idle",
+  unreachable: "unreachable",
+};
+
+// The status people need: a ready node that is computing right now is "busy".
+export function displayStatus(node) {
+  return node.status === "ready" && node.busy ? "busy" : node.status;
+}
+
+// Nodes in pipeline order (the plan's stages), then members the plan does not use yet.
+export function ringOrder(picture) {
+  const byId = new Map(picture.nodes.map((node) => [node.id, node]));
+  const stages = picture.plan ? picture.plan.stages : [];
+  const inRing = stages.map((stage) => byId.get(stage.node_id)).filter(Boolean);
+  const others = picture.nodes.filter((node) => !stages.some((stage) => stage.node_id === node.id));
+  return [...inRing, ...others];
+}
+
+export function stageOf(picture, nodeId) {
+  return picture.plan ? picture.plan.stages.find((stage) => stage.node_id === nodeId) || null : null;
+}
+
+// -- SVG ring ---------------------------------------------------------------------------------------------
+
+const SIZE = 320;
+const CENTRE = SIZE / 2;
+const RADIUS = 108;
+const NODE_RADIUS = 34;
+
+export function renderRing(container, picture) {
+  const nodes = ringOrder(picture);
+  const flowing = picture.requests_in_flight > 0;
+  const points = nodes.map((_, i) => angleAt(i, nodes.length));
+  const svg = s("svg", { viewBox: viewBox(nodes.length), role: "img", "aria-label": ringLabel(nodes) },
+    s("defs", {}, s("marker", { id: "arrow", viewBox: "0 0 10 10", refX: 7, refY: 5, markerWidth: 6,
+      markerHeight: 6, orient: "auto-start-reverse" }, s("path", { d: "M0,0 L10,5 L0,10 z", class: "arrow-head" }))),
+    nodes.length === 1 ? loopArrow(flowing) : points.map((angle, i) =>
+      arcArrow(angle, points[(i + 1) % points.length], nodes.length, flowing)),
+    centreText(picture, nodes.length),
+    nodes.map((node, i) => nodeBubble(node, picture, nodes.length === 1 ? null : points[i])));
+  replace(container, svg);
+}
+
+// Crop what the drawing leaves empty (a ring of three has nothing below its lowest arc).
+function viewBox(count) {
+  if (count === 1) {
+    const reach = NODE_RADIUS + 30; // the loop arrow around the single bubble
+    return `0 ${CENTRE - reach} ${SIZE} ${2 * reach}`;
+  }
+  let lowest = CENTRE + RADIUS + 6;
+  for (let i = 0; i < count; i += 1) lowest = Math.max(lowest, pointAt(angleAt(i, count))[1] + NODE_RADIUS + 6);
+  return `0 0 ${SIZE} ${Math.ceil(lowest)}`;
+}
+
+function ringLabel(nodes) {
+  return `Ring of ${plural(nodes.length, "node")}: ${nodes.map((node) => node.name).join(" → ")}`;
+}
+
+function angleAt(index, count) {
+  return -Math.PI / 2 + (2 * Math.PI * index) / count;
+}
+
+function pointAt(angle, radius = RADIUS) {
+  return [CENTRE + radius * Math.cos(angle), CENTRE + radius * Math.sin(angle)];
+}
+
+// An arc along the ring from one node to the next, stopping short of both bubbles.
+function arcArrow(from, to, count, flowing) {
+  const gap = (NODE_RADIUS + 8) / RADIUS;
+  const end = to <= from ? to + 2 * Math.PI : to;
+  const [x1, y1] = pointAt(from + gap);
+  const [x2, y2] = pointAt(end - gap);
+  const large = end - from - 2 * gap > Math.PI ? 1 : 0;
+  const d = `M${x1.toFixed(1)},${y1.toFixed(1)} A${RADIUS},${RADIUS} 0 ${large} 1 ${x2.toFixed(1)},${y2.toFixed(1)}`;
+  return s("path", { d, class: flowing ? "link flowing" : "link", "marker-end": "url(#arrow)" });
+}
+
+// A ring of one: the node feeds itself.
+function loopArrow(flowing) {
+  const r = NODE_RADIUS + 22;
+  const [x1, y1] = [CENTRE + r * Math.cos(-1.2), CENTRE + r * Math.sin(-1.2)];
+  const [x2, y2] = [CENTRE + r * Math.cos(-1.9), CENTRE + r * Math.sin(-1.9)];
+  const d = `M${x1.toFixed(1)},${y1.toFixed(1)} A${r},${r} 0 1 1 ${x2.toFixed(1)},${y2.toFixed(1)}`;
+  return s("path", { d, class: flowing ? "link flowing" : "link", "marker-end": "url(#arrow)" });
+}
+
+function centreText(picture, count) {
+  if (count === 1) return null; // the single bubble sits in the centre
+  return s("g", { class: "centre" },
+    s("text", { x: CENTRE, y: CENTRE - 4, class: "centre-big" }, formatRate(picture.tokens_per_second)),
+    s("text", { x: CENTRE, y: CENTRE + 16, class: "centre-small" }, "tokens flow clockwise"));
+}
+
+function nodeBubble(node, picture, angle) {
+  const [x, y] = angle === null ? [CENTRE, CENTRE] : pointAt(angle);
+  const stage = stageOf(picture, node.id);
+  const me = node.id === picture.node_id;
+  const status = displayStatus(node);
+  return s("g", { class: `bubble status-${status}${me ? " me" : ""}`, "data-node-id": node.id,
+    style: `--node: ${colourOf(node.id)}` },
+    me ? s("circle", { cx: x, cy: y, r: NODE_RADIUS + 6, class: "halo" }) : null,
+    s("circle", { cx: x, cy: y, r: NODE_RADIUS, class: "disc" }),
+    s("text", { x, y: y - 2, class: "bubble-name" }, shorten(node.name, 10)),
+    s("text", { x, y: y + 13, class: "bubble-layers" },
+      stage ? `L ${formatLayers(stage.start_layer, stage.end_layer)}` : "no layers"),
+    me ? s("text", { x, y: y - NODE_RADIUS - 11, class: "bubble-you" }, "you") : null,
+    s("title", {}, `${node.name} (${node.address})`));
+}
+
+function shorten(text, max) {
+  return text.length > max ? `${text.slice(0, max - 1)}…` : text;
+}
+
+// -- node cards -------------------------------------------------------------------------------------------
+
+export function renderNodeCards(list, picture) {
+  const cards = ringOrder(picture).map((node) => nodeCard(node, picture));
+  const gone = picture.departed.map((node) => departedCard(node));
+  replace(list, cards, gone);
+}
+
+function nodeCard(node, picture) {
+  const stage = stageOf(picture, node.id);
+  const status = displayStatus(node);
+  const nLayers = picture.plan ? picture.plan.n_layers : 0;
+  return h("li", { class: `node status-${status}`, "data-node-id": node.id, "data-status": status,
+    "data-start": stage ? stage.start_layer : null, "data-end": stage ? stage.end_layer : null,
+    style: `--node: ${colourOf(node.id)}` },
+    cardHead(node, status, node.id === picture.node_id),
+    h("div", { class: "node-sub" },
+      h("span", { class: "node-device" }, deviceText(node)),
+      h("span", { class: "node-tps", title: "generated tokens passing through this node's layers" },
+        formatRate(node.tokens_per_second),
+        node.in_flight ? ` · serving ${plural(node.in_flight, "request")}` : "")),
+    h("div", { class: "node-row" },
+      h("span", { class: "node-layers" }, layersText(stage, nLayers)),
+      nLayers ? layerStrip(stage, nLayers) : null),
+    h("div", { class: "node-row" },
+      h("span", { class: "node-memory" }, `${formatBytes(node.used_bytes)} used of ${formatBytes(node.memory_bytes)}`),
+      meter(node.used_bytes, node.memory_bytes)),
+    node.problem ? h("div", { class: "node-problem" }, node.problem) : null);
+}
+
+function departedCard(node) {
+  return h("li", { class: "node status-unreachable", "data-node-id": node.id, "data-status": "unreachable",
+    style: `--node: ${colourOf(node.id)}` },
+    cardHead(node, "unreachable", false),
+    h("div", { class: "node-sub" }, h("span", { class: "node-device" }, deviceText(node))),
+    h("div", { class: "node-gone" },
+      `Lost ${Math.round(node.lost_seconds_ago)} s ago; the ring was re-planned without it.`));
+}
+
+function cardHead(node, status, me) {
+  return h("div", { class: "node-head" },
+    h("span", { class: "swatch", "aria-hidden": "true" }),
+    h("span", { class: "node-name" }, node.name),
+    me ? h("span", { class: "you", title: "the node serving this page" }, "you") : null,
+    h("span", { class: `status-pill status-${status}` }, STATUS_LABELS[status] || status));
+}
+
+const ENGINES = { torch: "PyTorch", mlx: "MLX" };
+
+function deviceText(node) {
+  const device = node.device.replace(/^cpu\b/i, "CPU").replace(/^cuda/i, "CUDA").replace(/^mlx /i, "");
+  return [ENGINES[node.engine] || node.engine, device, node.chip, node.address].filter(Boolean).join(" · ");
+}
+
+function layersText(stage, nLayers) {
+  if (!stage) return nLayers ? "no layers" : "no model";
+  const count = stage.end_layer - stage.start_layer;
+  const which = count === 1 ? "layer" : "layers";
+  return `${which} ${formatLayers(stage.start_layer, stage.end_layer)} · ${count} of ${nLayers}`;
+}
+
+// All the model's layers as cells, this node's range filled in its colour.
+function layerStrip(stage, nLayers) {
+  const cells = [];
+  for (let layer = 0; layer < nLayers; layer += 1) {
+    const mine = stage && layer >= stage.start_layer && layer < stage.end_layer;
+    cells.push(h("span", { class: mine ? "cell mine" : "cell" }));
+  }
+  return h("span", { class: "strip", "aria-hidden": "true" }, cells);
+}
+
+function meter(used, total) {
+  const share = total > 0 ? Math.min(1, used / total) : 0;
+  // A shard too small to see still gets a sliver, so "holds something" differs from "holds nothing".
+  const width = used > 0 ? Math.max(share * 100, 2) : 0;
+  return h("span", { class: "meter", "aria-hidden": "true" }, h("span", { style: `width: ${width}%` }));
+}
+
+// -- the bar of all layers --------------------------------------------------------------------------------
+
+export function renderLayerBar(container, picture) {
+  if (!picture.plan) {
+    replace(container, h("p", { class: "muted empty" },
+      picture.model ? "No plan yet." : "No model yet: layers are split once the cluster serves a model."));
+    return;
+  }
+  const names = new Map(picture.nodes.map((node) => [node.id, node.name]));
+  const n = picture.plan.n_layers;
+  const segments = picture.plan.stages.map((stage) => {
+    const count = stage.end_layer - stage.start_layer;
+    const name = names.get(stage.node_id) || stage.node_id;
+    return h("div", { class: "segment", style: `flex-grow: ${count}; --node: ${colourOf(stage.node_id)}`,
+      title: `${name}: layers ${formatLayers(stage.start_layer, stage.end_layer)}` },
+      h("span", { class: "segment-name" }, name),
+      h("span", { class: "segment-range" }, formatLayers(stage.start_layer, stage.end_layer)));
+  });
+  replace(container,
+    h("div", { class: "segments" }, segments),
+    h("div", { class: "ticks" }, h("span", {}, "layer 0"), h("span", {}, `layer ${n - 1}`)));
+}

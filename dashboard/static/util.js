@@ -1,0 +1,92 @@
+// Small helpers shared by the dashboard's modules: DOM building (never innerHTML with data from the
+// network, so a node name cannot inject markup), number formatting, and stable per-node colours.
+
+const SVG_NS = "http://www.w3.org/2000/svg";
+
+// h("div", {class: "x", "data-id": id}, child, "text", [more children]) -> an element.
+export function h(tag, attrs = {}, ...children) {
+  const el = document.createElement(tag);
+  return fill(el, attrs, children);
+}
+
+export function s(tag, attrs = {}, ...children) {
+  const el = document.createElementNS(SVG_NS, tag);
+  return fill(el, attrs, children);
+}
+
+function fill(el, attrs, children) {
+  for (const [key, value] of Object.entries(attrs)) {
+    if (value === null || value === undefined || value === false) continue;
+    if (key.startsWith("on")) el.addEventListener(key.slice(2), value);
+    else el.setAttribute(key, value === true ? "" : String(value));
+  }
+  for (const child of children.flat()) {
+    if (child === null || child === undefined || child === false) continue;
+    el.append(child instanceof Node ? child : String(child));
+  }
+  return el;
+}
+
+// Replace an element's children in one go.
+export function replace(el, ...children) {
+  el.replaceChildren(...children.flat().filter((c) => c !== null && c !== undefined && c !== false));
+}
+
+const UNITS = ["B", "KiB", "MiB", "GiB", "TiB"];
+
+export function formatBytes(bytes) {
+  if (bytes === null || bytes === undefined) return "–";
+  let value = bytes;
+  let unit = 0;
+  while (value >= 1024 && unit < UNITS.length - 1) {
+    value /= 1024;
+    unit += 1;
+  }
+  return unit === 0 ? `${value} B` : `${value.toFixed(1)} ${UNITS[unit]}`;
+}
+
+export function formatRate(tokensPerSecond) {
+  if (!tokensPerSecond) return "0 tok/s";
+  const digits = tokensPerSecond >= 100 ? 0 : 1;
+  return `${tokensPerSecond.toFixed(digits)} tok/s`;
+}
+
+export function formatSeconds(seconds) {
+  return seconds < 1 ? `${Math.round(seconds * 1000)} ms` : `${seconds.toFixed(2)} s`;
+}
+
+// Layers [start, end) as people count them: "0–3", or a single "6".
+export function formatLayers(start, end) {
+  return end - start === 1 ? `${start}` : `${start}–${end - 1}`;
+}
+
+export function plural(count, word) {
+  return `${count} ${word}${count === 1 ? "" : "s"}`;
+}
+
+const PALETTE = ["#4f9cf9", "#f5a442", "#3ecf8e", "#c678dd", "#f06272", "#e5c07b", "#56b6c2", "#9aa5ce"];
+let colours = new Map();
+
+// Colours come from the node ids alone, so every node's page colours the cluster the same way and a node
+// keeps its colour when others leave. Ids are visited in sorted order and a taken colour moves to the next
+// free one, so up to eight nodes always get different colours.
+export function assignColours(nodeIds) {
+  const taken = new Set();
+  colours = new Map();
+  for (const id of [...nodeIds].sort()) {
+    let slot = hash(id) % PALETTE.length;
+    for (let tries = 0; taken.has(slot) && tries < PALETTE.length; tries += 1) slot = (slot + 1) % PALETTE.length;
+    taken.add(slot);
+    colours.set(id, PALETTE[slot]);
+  }
+}
+
+export function colourOf(nodeId) {
+  return colours.get(nodeId) || "#8b98a9";
+}
+
+function hash(text) {
+  let value = 5381;
+  for (const char of text) value = (value * 33 + char.codePointAt(0)) >>> 0;
+  return value;
+}

@@ -1,0 +1,28 @@
+"""What a node is doing right now, shared in its plan announcements so every node's dashboard shows the same
+numbers for every member."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class NodeLoad:
+    tokens_per_second: float = 0.0  # generated tokens that recently passed through this node's layers
+    generated_per_second: float = 0.0  # tokens recently streamed to this node's own clients
+    in_flight: int = 0  # requests this node's API is serving
+    busy: bool = False  # its layers hold at least one request
+
+    def to_json(self) -> dict[str, Any]:
+        return {"tokens_per_second": round(self.tokens_per_second, 2),
+                "generated_per_second": round(self.generated_per_second, 2),
+                "in_flight": self.in_flight, "busy": self.busy}
+
+    @classmethod
+    def from_json(cls, data: Any) -> "NodeLoad":
+        """Tolerant: a peer of an older version announces no load at all."""
+        if not isinstance(data, dict):
+            return cls()
+        return cls(float(data.get("tokens_per_second", 0.0)), float(data.get("generated_per_second", 0.0)),
+                   int(data.get("in_flight", 0)), bool(data.get("busy", False)))
