@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 ANNOUNCE_INTERVAL = 1.0
 PLAN_WAIT_SECONDS = 30.0
+ACTIVITY_POLL_SECONDS = 0.2  # a node that starts or stops work says so this soon, so dashboards agree
 DEPARTED_SHOWN_SECONDS = 10.0  # a lost node stays listed as unreachable this long, so users see what vanished
 
 
@@ -66,6 +67,7 @@ class Cluster:
         self._watchers = asyncio.Event()  # replaced after each change: wakes every wait_change() at once
         self._known: dict[str, NodeInfo] = {me.node_id: me}  # members at the last membership change
         self.departed: dict[str, tuple[NodeInfo, float]] = {}  # lost members and when (monotonic)
+        self._announced: tuple[float, int, bool] = (0.0, 0, False)  # when, and the in-flight/busy it said
         self._load_task: asyncio.Task | None = None
         self._announcer: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()  # strong references: the loop keeps only weak ones
@@ -259,6 +261,7 @@ class Cluster:
 
     async def _announce(self) -> None:
         mine = self.my_announcement()
+        self._announced = (time.monotonic(), mine.load.in_flight, mine.load.busy)
         message = {"type": "plan_state", "model": mine.model, "clock": list(mine.clock), "digest": mine.digest,
                    "ready": mine.ready, "problem": mine.problem, "load": mine.load.to_json()}
         for link in list(self.peers.links.values()):
@@ -268,9 +271,15 @@ class Cluster:
                 pass  # the link's loss triggers its own re-plan
 
     async def _announce_forever(self) -> None:
+        """Every ANNOUNCE_INTERVAL, and at once when this node starts or stops serving or computing."""
         while True:
-            await asyncio.sleep(ANNOUNCE_INTERVAL)
-            await self._announce()
+            await asyncio.sleep(ACTIVITY_POLL_SECONDS)
+            at, in_flight, busy = self._announced
+            load = self._current_load()
+            if (load.in_flight, load.busy) != (in_flight, busy):
+                self._announce_soon()  # also wakes this node's own dashboards
+            elif time.monotonic() - at >= ANNOUNCE_INTERVAL:
+                await self._announce()
 
     # -- reporting --------------------------------------------------------------------------------------
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 
@@ -70,10 +70,11 @@ async def no_load(plan: Plan, shard: Shard | None) -> None:
     pass
 
 
-def make_cluster(local_load: NodeLoad) -> tuple[Cluster, SimpleNamespace]:
+def make_cluster(local_load: NodeLoad | Callable[[], NodeLoad]) -> tuple[Cluster, SimpleNamespace]:
     peers = SimpleNamespace(links={})
+    current = local_load if callable(local_load) else lambda: local_load
     cluster = Cluster(info("a", 2 * GIB), peers, lambda key: ModelDescription(7, FOOTPRINT), no_load,
-                      lambda live: None, lambda: local_load)
+                      lambda live: None, current)
     return cluster, peers
 
 
@@ -143,3 +144,21 @@ async def test_wait_change_wakes_every_watcher_on_an_announcement() -> None:
     cluster.receive("b", announcement_from(cluster, NodeLoad()))
     await asyncio.gather(*watchers)
     assert time.monotonic() - started < 1.0
+
+
+async def test_a_node_announces_at_once_when_it_starts_or_stops_working() -> None:
+    load = NodeLoad()
+    cluster, peers = make_cluster(lambda: load)
+    link = peers.links["b"] = FakeLink(info("b", GIB))
+    cluster.links_changed()
+    cluster.start()
+    try:
+        for working in (True, False):
+            await asyncio.sleep(0.05)
+            load = NodeLoad(in_flight=int(working), busy=working)
+            changed = time.monotonic()
+            while not link.sent or link.sent[-1]["load"]["busy"] != working:
+                assert time.monotonic() - changed < 0.5, "not announced within the activity poll"
+                await asyncio.sleep(0.01)
+    finally:
+        await cluster.stop()

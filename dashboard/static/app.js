@@ -3,7 +3,7 @@
 // silent), so the page survives its node restarting.
 
 import { Chat } from "./chat.js";
-import { renderLayerBar, renderNodeCards, renderRing } from "./topology.js";
+import { ago, renderLayerBar, renderNodeCards, renderRing } from "./topology.js";
 import { assignColours, formatBytes, formatRate, h, plural, replace, s } from "./util.js";
 
 const STALE_AFTER_MS = 4000; // the server sends at least one picture per second
@@ -97,8 +97,8 @@ function clusterBanners(picture) {
     if (node.problem && node.problem !== picture.problem) banners.push(banner("error", node.problem, node.name));
   }
   for (const node of picture.departed) {
-    banners.push(banner("warn", `${node.name} (${node.address}) left the cluster ` +
-      `${Math.round(node.lost_seconds_ago)} s ago. The remaining nodes re-planned the layers.`, "Node lost"));
+    banners.push(banner("warn", `${node.name} (${node.address}) left the cluster ${ago(node.lost_seconds_ago)}. ` +
+      "The remaining nodes re-planned the layers.", "Node lost"));
   }
   if (!picture.model) {
     banners.push(banner("info", "Start a node with --model demo (or a model folder), or send a first chat " +
@@ -127,7 +127,7 @@ function renderSummary(picture) {
     tile("Model", picture.model_name || "none yet",
       plan ? `${plural(plan.n_layers, "layer")} · ${formatBytes(picture.model_bytes)}` : "no model chosen", "model"),
     tile("Memory", formatBytes(picture.total_memory_bytes),
-      `${formatBytes(usedBytes)} used by layers · ${plural(picture.nodes.length, "node")}`, "memory"),
+      `layers take ${formatBytes(usedBytes)} · ${plural(picture.nodes.length, "node")}`, "memory"),
     tile("Ring", ringState(picture), plan ? `digest ${plan.digest}` : "no plan yet", "agreement"),
     tile("Throughput", formatRate(picture.tokens_per_second), sparkline(), "throughput"),
     tile("Requests", `${picture.requests_in_flight} in flight`,

@@ -5,7 +5,13 @@ import { formatRate, formatSeconds, h, plural, replace } from "./util.js";
 
 const SETTINGS_KEY = "exo-like.chat.settings";
 
-class ApiError extends Error {}
+// An error the node reported (in the HTTP status, or in-band once the stream had started): its own words.
+class ApiError extends Error {
+  constructor(message, status = null) {
+    super(message);
+    this.status = status;
+  }
+}
 
 export class Chat {
   constructor(root) {
@@ -151,7 +157,7 @@ class Answer {
     try {
       const response = await fetch("/v1/chat/completions", { method: "POST", signal, body: JSON.stringify(body),
         headers: { "Content-Type": "application/json", Accept: "text/event-stream" } });
-      if (!response.ok) throw new ApiError(await errorText(response));
+      if (!response.ok) throw new ApiError(await errorText(response), response.status);
       for await (const chunk of sseChunks(response.body)) {
         if (chunk.error) throw new ApiError(chunk.error.message);
         const delta = chunk.choices && chunk.choices[0] && chunk.choices[0].delta.content;
@@ -163,6 +169,7 @@ class Answer {
         timing.chunks += 1;
         content += delta;
         this.text.textContent = content;
+        this.meta.textContent = `streaming · ${summary(timing)}`;
         this.scroll();
       }
       this.finish("done", summary(timing));
@@ -210,15 +217,17 @@ async function* sseChunks(body) {
 async function errorText(response) {
   try {
     const body = await response.json();
-    if (body.error && body.error.message) return `${response.status}: ${body.error.message}`;
+    if (body.error && body.error.message) return body.error.message;
   } catch (error) {
     // not JSON: fall through to the status line
   }
-  return `${response.status} ${response.statusText}`;
+  return response.statusText || "no details";
 }
 
 function describeError(error) {
-  if (error instanceof ApiError) return `Error ${error.message}`;
+  if (error instanceof ApiError) {
+    return error.status ? `Error ${error.status}: ${error.message}` : `Error: ${error.message}`;
+  }
   if (error instanceof TypeError) return `Could not reach this node (${error.message}). Is it still running?`;
   return `Error: ${error.message}`;
 }

@@ -9,12 +9,15 @@ const STATUS_LABELS = {
   loading: "loading layers",
   joining: "joining",
   idle: "idle",
+  problem: "can't serve",
   unreachable: "unreachable",
 };
 
-// The status people need: a ready node that is computing right now is "busy".
+// The status people need: a ready node computing right now is "busy"; one that reports a problem (its
+// layers do not fit, or failed to load) will not finish loading, so it does not say "loading".
 export function displayStatus(node) {
-  return node.status === "ready" && node.busy ? "busy" : node.status;
+  if (node.status === "ready") return node.busy ? "busy" : "ready";
+  return node.problem ? "problem" : node.status;
 }
 
 // Nodes in pipeline order (the plan's stages), then members the plan does not use yet.
@@ -36,6 +39,8 @@ const SIZE = 320;
 const CENTRE = SIZE / 2;
 const RADIUS = 108;
 const NODE_RADIUS = 34;
+const LABEL_DISTANCE = RADIUS + NODE_RADIUS + 12; // the "you" label sits outside the ring, clear of the arrows
+const SIDE = 26; // room beside the square for a label next to a node on the left or right
 
 export function renderRing(container, picture) {
   const nodes = ringOrder(picture);
@@ -57,9 +62,15 @@ function viewBox(count) {
     const reach = NODE_RADIUS + 30; // the loop arrow around the single bubble
     return `0 ${CENTRE - reach} ${SIZE} ${2 * reach}`;
   }
-  let lowest = CENTRE + RADIUS + 6;
-  for (let i = 0; i < count; i += 1) lowest = Math.max(lowest, pointAt(angleAt(i, count))[1] + NODE_RADIUS + 6);
-  return `0 0 ${SIZE} ${Math.ceil(lowest)}`;
+  const ys = [CENTRE - RADIUS - 4, CENTRE + RADIUS + 4];
+  for (let i = 0; i < count; i += 1) {
+    const angle = angleAt(i, count);
+    const y = pointAt(angle)[1];
+    const labelY = pointAt(angle, LABEL_DISTANCE)[1];
+    ys.push(y - NODE_RADIUS - 4, y + NODE_RADIUS + 4, labelY - 8, labelY + 8);
+  }
+  const top = Math.floor(Math.min(...ys));
+  return `${-SIDE} ${top} ${SIZE + 2 * SIDE} ${Math.ceil(Math.max(...ys)) - top}`;
 }
 
 function ringLabel(nodes) {
@@ -113,8 +124,18 @@ function nodeBubble(node, picture, angle) {
     s("text", { x, y: y - 2, class: "bubble-name" }, shorten(node.name, 10)),
     s("text", { x, y: y + 13, class: "bubble-layers" },
       stage ? `L ${formatLayers(stage.start_layer, stage.end_layer)}` : "no layers"),
-    me ? s("text", { x, y: y - NODE_RADIUS - 11, class: "bubble-you" }, "you") : null,
+    me ? youLabel(x, y, angle) : null,
     s("title", {}, `${node.name} (${node.address})`));
+}
+
+function youLabel(x, y, angle) {
+  if (angle === null) return s("text", { x, y: y - NODE_RADIUS - 11, class: "bubble-you" }, "you");
+  const [lx, ly] = pointAt(angle, LABEL_DISTANCE);
+  const cos = Math.cos(angle);
+  const anchor = cos > 0.3 ? "start" : cos < -0.3 ? "end" : "middle";
+  // Inline style: the stylesheet centres bubble text, and a presentation attribute would lose to it.
+  return s("text", { x: lx, y: ly, class: "bubble-you", style: `text-anchor: ${anchor}`,
+    "dominant-baseline": "middle" }, "you");
 }
 
 function shorten(text, max) {
@@ -146,9 +167,10 @@ function nodeCard(node, picture) {
       h("span", { class: "node-layers" }, layersText(stage, nLayers)),
       nLayers ? layerStrip(stage, nLayers) : null),
     h("div", { class: "node-row" },
-      h("span", { class: "node-memory" }, `${formatBytes(node.used_bytes)} used of ${formatBytes(node.memory_bytes)}`),
+      h("span", { class: "node-memory" }, memoryText(node.used_bytes, node.memory_bytes)),
       meter(node.used_bytes, node.memory_bytes)),
-    node.problem ? h("div", { class: "node-problem" }, node.problem) : null);
+    // The cluster-wide problem is in the banner already; only say what is particular to this node.
+    node.problem && node.problem !== picture.problem ? h("div", { class: "node-problem" }, node.problem) : null);
 }
 
 function departedCard(node) {
@@ -157,7 +179,11 @@ function departedCard(node) {
     cardHead(node, "unreachable", false),
     h("div", { class: "node-sub" }, h("span", { class: "node-device" }, deviceText(node))),
     h("div", { class: "node-gone" },
-      `Lost ${Math.round(node.lost_seconds_ago)} s ago; the ring was re-planned without it.`));
+      `Lost ${ago(node.lost_seconds_ago)}; the ring was re-planned without it.`));
+}
+
+export function ago(seconds) {
+  return seconds < 1 ? "just now" : `${Math.round(seconds)} s ago`;
 }
 
 function cardHead(node, status, me) {
@@ -192,11 +218,17 @@ function layerStrip(stage, nLayers) {
   return h("span", { class: "strip", "aria-hidden": "true" }, cells);
 }
 
+function memoryText(used, total) {
+  return used > total ? `needs ${formatBytes(used)}, has ${formatBytes(total)}`
+    : `${formatBytes(used)} used of ${formatBytes(total)}`;
+}
+
 function meter(used, total) {
   const share = total > 0 ? Math.min(1, used / total) : 0;
   // A shard too small to see still gets a sliver, so "holds something" differs from "holds nothing".
   const width = used > 0 ? Math.max(share * 100, 2) : 0;
-  return h("span", { class: "meter", "aria-hidden": "true" }, h("span", { style: `width: ${width}%` }));
+  return h("span", { class: used > total ? "meter over" : "meter", "aria-hidden": "true" },
+    h("span", { style: `width: ${width}%` }));
 }
 
 // -- the bar of all layers --------------------------------------------------------------------------------

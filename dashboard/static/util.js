@@ -64,7 +64,8 @@ export function plural(count, word) {
   return `${count} ${word}${count === 1 ? "" : "s"}`;
 }
 
-const PALETTE = ["#4f9cf9", "#f5a442", "#3ecf8e", "#c678dd", "#f06272", "#e5c07b", "#56b6c2", "#9aa5ce"];
+// Vivid and far apart; no red (that means trouble here) and no grey (that means gone).
+const PALETTE = ["#4f9cf9", "#f5a442", "#3ecf8e", "#c678dd", "#e5c07b", "#56b6c2", "#ff7eb6", "#a3e635"];
 let colours = new Map();
 
 // Colours come from the node ids alone, so every node's page colours the cluster the same way and a node
