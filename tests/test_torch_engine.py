@@ -196,6 +196,30 @@ def test_bfloat16_activations_cross_shards(model_dirs, prompt):
     np.testing.assert_array_equal(chain_logits, whole_logits)
 
 
+@pytest.mark.parametrize("variant", ["llama", "qwen3"])
+def test_bfloat16_matches_transformers_bfloat16(model_dirs, prompt, variant):
+    """bfloat16 runs on other CPU kernels (packed weights, native matrix-vector); they must agree with
+    transformers in bfloat16 too, to within bfloat16 rounding."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dirs[variant], dtype=torch.bfloat16).eval()
+    ids = torch.from_numpy(prompt)[None]
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=8,
+        min_new_tokens=8,
+        eos_token_id=None,
+        pad_token_id=0,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    tokens, logits = greedy([load_engine(model_dirs[variant], 0, N_LAYERS, dtype="bfloat16")], prompt, 8)
+    assert tokens == out.sequences[0, len(prompt) :].tolist()
+    np.testing.assert_allclose(logits, torch.cat(out.logits).float().numpy(), rtol=2e-2, atol=0.1)
+
+
 def test_float32_shard_accepts_bfloat16_activations(model_dirs, prompt):
     path = model_dirs["llama"]
     first = load_engine(path, 0, 3, dtype="bfloat16")
@@ -273,6 +297,9 @@ def test_float16_checkpoint_runs_as_bfloat16_on_cpu(tmp_path, prompt, caplog):
         assert engine.dtype_name == "bfloat16"
         assert any("float16 runs as bfloat16" in record.getMessage() for record in caplog.records)
     assert np.isfinite(engine.forward("r", prompt)).all()
+    # float16 -> bfloat16 keeps two bytes per value, whatever layout the CPU kernels store weights in.
+    header = safetensors_header(path / "model.safetensors")
+    assert engine.parameter_bytes() == sum(end - begin for begin, end in (t["data_offsets"] for t in header.values()))
     explicit = TorchEngine(device="cpu", dtype="float32")
     explicit.load(path, args, Shard.whole("fp16", 2))
     assert explicit.dtype_name == "float32" and explicit.device_name == "cpu"

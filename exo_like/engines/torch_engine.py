@@ -153,9 +153,8 @@ class TorchEngine(Engine):
     def parameter_bytes(self) -> int:
         if self.model is None:
             return 0
-        # parameters() lists a tied head once; count storage, not views, once more to be safe.
-        tensors = {p.data_ptr(): p.numel() * p.element_size() for p in self.model.parameters()}
-        return sum(tensors.values())
+        # parameters() lists a tied head (the same Parameter as the embedding) once.
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
     @property
     def device_name(self) -> str:
