@@ -69,7 +69,7 @@ function render(picture) {
   $("ring-caption").textContent = ringCaption(picture);
   $("layers-caption").textContent = picture.plan
     ? `${plural(picture.plan.n_layers, "layer")} over ${plural(picture.plan.stages.length, "node")}` : "";
-  chat.setCluster(picture, modelChanged);
+  chat.setCluster(modelChanged);
 }
 
 function ringCaption(picture) {
@@ -138,7 +138,7 @@ function renderSummary(picture) {
 }
 
 function ringState(picture) {
-  if (picture.problem) return "problem";
+  if (picture.problem || picture.nodes.some((node) => node.problem)) return "problem";
   if (picture.ready) return "agreed · ready";
   if (picture.agreed) return "agreed · loading";
   return picture.plan ? "agreeing…" : "no plan";

@@ -25,8 +25,8 @@ export class Chat {
     this.maxTokens = root.querySelector("#chat-max-tokens");
     this.ignoreEos = root.querySelector("#chat-ignore-eos");
     this.history = []; // finished turns, sent with every request
+    this.conversation = 0; // bumped by Clear, so an answer that ends afterwards does not revive the old one
     this.controller = null;
-    this.picture = null;
     this.modelField = null;
     this.bind(root);
     this.restoreSettings();
@@ -52,8 +52,7 @@ export class Chat {
   }
 
   // Called with every cluster picture; the model list is re-read when the cluster's model changes.
-  setCluster(picture, modelChanged) {
-    this.picture = picture;
+  setCluster(modelChanged) {
     if (modelChanged || !this.modelField) this.loadModels();
   }
 
@@ -102,6 +101,7 @@ export class Chat {
 
   clear() {
     if (this.controller) this.controller.abort();
+    this.conversation += 1;
     this.history = [];
     this.showEmpty();
   }
@@ -121,6 +121,7 @@ export class Chat {
     const empty = this.log.querySelector(".chat-empty");
     if (empty) empty.remove();
     const messages = [...this.history, { role: "user", content: text }];
+    const conversation = this.conversation;
     this.input.value = "";
     this.log.append(h("div", { class: "msg user" }, h("div", { class: "msg-text" }, text)));
     const answer = new Answer(this.log);
@@ -129,7 +130,9 @@ export class Chat {
     const outcome = await answer.stream(this.requestBody(messages), this.controller.signal);
     this.controller = null;
     this.setStreaming(false);
-    if (outcome.text) this.history = [...messages, { role: "assistant", content: outcome.text }];
+    if (outcome.text && conversation === this.conversation) {
+      this.history = [...messages, { role: "assistant", content: outcome.text }];
+    }
     this.input.focus();
   }
 
@@ -192,13 +195,13 @@ class Answer {
   }
 }
 
-// The data of each server-sent event, parsed; ends at [DONE] or when the stream ends.
+// The data of each server-sent event, parsed, up to [DONE]. A stream that stops before [DONE] lost its node.
 async function* sseChunks(body) {
   const reader = body.pipeThrough(new TextDecoderStream()).getReader();
   let buffer = "";
   for (;;) {
     const { value, done } = await reader.read();
-    if (done) return;
+    if (done) throw new Error("the connection closed before the answer was complete");
     buffer += value;
     let end;
     while ((end = buffer.indexOf("\n\n")) >= 0) {

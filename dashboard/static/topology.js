@@ -50,7 +50,7 @@ export function renderRing(container, picture) {
     s("defs", {}, s("marker", { id: "arrow", viewBox: "0 0 10 10", refX: 7, refY: 5, markerWidth: 6,
       markerHeight: 6, orient: "auto-start-reverse" }, s("path", { d: "M0,0 L10,5 L0,10 z", class: "arrow-head" }))),
     nodes.length === 1 ? loopArrow(flowing) : points.map((angle, i) =>
-      arcArrow(angle, points[(i + 1) % points.length], nodes.length, flowing)),
+      arcArrow(angle, points[(i + 1) % points.length], flowing)),
     centreText(picture, nodes.length),
     nodes.map((node, i) => nodeBubble(node, picture, nodes.length === 1 ? null : points[i])));
   replace(container, svg);
@@ -86,7 +86,7 @@ function pointAt(angle, radius = RADIUS) {
 }
 
 // An arc along the ring from one node to the next, stopping short of both bubbles.
-function arcArrow(from, to, count, flowing) {
+function arcArrow(from, to, flowing) {
   const gap = (NODE_RADIUS + 8) / RADIUS;
   const end = to <= from ? to + 2 * Math.PI : to;
   const [x1, y1] = pointAt(from + gap);
