@@ -5,10 +5,11 @@ ids and the same number of new tokens, in the same process and with the same tor
   - time to first token (prefill + first token),
   - decode-only tokens/s: from the first generated token to the last (prefill excluded); transformers' tokens
     are timestamped by a streamer object whose `put()` records the clock.
-Both sides are warmed up first; each measurement is repeated and the median reported. Runs alternate between
-the two sides so background load hits both alike.
+Both sides are warmed up first; each measurement is repeated and the median reported (TTFT also over extra
+one-token runs, as a prefill is short and easily skewed). Runs alternate between the two sides so background
+load hits both alike.
 
-Usage: python bench/bench_torch_vs_hf.py [--new-tokens 64] [--repeats 5] [--dtypes float32,bfloat16]
+Usage: python bench/bench_torch_vs_hf.py [--new-tokens 64] [--repeats 5] [--threads N] [--dtypes float32,bfloat16]
 """
 
 from __future__ import annotations
@@ -47,9 +48,19 @@ QWEN25_05B = {
 
 @dataclass
 class Run:
-    ttft: float  # seconds from start to the first generated token
-    decode_tps: float  # tokens/s from the first generated token to the last
+    start: float
+    times: list[float]  # clock reading as each generated token became available
     tokens: list[int]
+
+    @property
+    def ttft(self) -> float:
+        """Seconds from the start to the first generated token (prefill + first token)."""
+        return self.times[0] - self.start
+
+    @property
+    def decode_tps(self) -> float:
+        """Tokens/s from the first generated token to the last: decoding only, prefill excluded."""
+        return (len(self.times) - 1) / (self.times[-1] - self.times[0])
 
 
 def build_checkpoint(path: Path) -> Path:
@@ -110,7 +121,7 @@ def run_transformers(model, prompt: np.ndarray, new_tokens: int) -> Run:
     )
     times = clock.times[1:]  # the first put() is the prompt
     assert len(times) == new_tokens, f"expected {new_tokens} tokens, streamer saw {len(times)}"
-    return Run(times[0] - start, (new_tokens - 1) / (times[-1] - times[0]), clock.tokens[len(prompt) :])
+    return Run(start, times, clock.tokens[len(prompt) :])
 
 
 def run_engine(engine: TorchEngine, prompt: np.ndarray, new_tokens: int) -> Run:
@@ -123,7 +134,7 @@ def run_engine(engine: TorchEngine, prompt: np.ndarray, new_tokens: int) -> Run:
         tokens.append(token)
         inputs = np.array([token], dtype=np.int64)
     engine.release("bench")
-    return Run(times[0] - start, (new_tokens - 1) / (times[-1] - times[0]), tokens)
+    return Run(start, times, tokens)
 
 
 def load_transformers(model_dir: Path, dtype: str):
@@ -134,7 +145,7 @@ def load_transformers(model_dir: Path, dtype: str):
     return model.eval()
 
 
-def bench_dtype(model_dir: Path, dtype: str, prompt: np.ndarray, new_tokens: int, repeats: int) -> None:
+def bench_dtype(model_dir: Path, dtype: str, prompt: np.ndarray, opts: argparse.Namespace) -> None:
     args = ModelArgs.from_dir(model_dir)
     engine = TorchEngine(device="cpu", dtype=dtype)
     engine.load(model_dir, args, Shard.whole("bench", args.num_hidden_layers))
@@ -142,20 +153,27 @@ def bench_dtype(model_dir: Path, dtype: str, prompt: np.ndarray, new_tokens: int
     run_engine(engine, prompt, 8)  # warm-up: allocator, kernels, rope table
     run_transformers(hf, prompt, 8)
     engine_runs, hf_runs = [], []
-    for _ in range(repeats):
-        hf_runs.append(run_transformers(hf, prompt, new_tokens))
-        engine_runs.append(run_engine(engine, prompt, new_tokens))
-    report(dtype, engine_runs, hf_runs)
+    for _ in range(opts.repeats):  # alternate, so background load hits both sides alike
+        hf_runs.append(run_transformers(hf, prompt, opts.new_tokens))
+        engine_runs.append(run_engine(engine, prompt, opts.new_tokens))
+    # A prefill is short, so one burst of background load skews it: take more, cheap, alternating samples.
+    engine_ttft = [r.ttft for r in engine_runs]
+    hf_ttft = [r.ttft for r in hf_runs]
+    for _ in range(opts.ttft_repeats):
+        hf_ttft.append(run_transformers(hf, prompt, 1).ttft)
+        engine_ttft.append(run_engine(engine, prompt, 1).ttft)
+    report(dtype, engine_runs, hf_runs, engine_ttft, hf_ttft)
     del engine, hf
     gc.collect()
 
 
-def report(dtype: str, engine_runs: list[Run], hf_runs: list[Run]) -> None:
+def report(
+    dtype: str, engine_runs: list[Run], hf_runs: list[Run], engine_ttft: list[float], hf_ttft: list[float]
+) -> None:
     label = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[dtype]
     e_tps = statistics.median(r.decode_tps for r in engine_runs)
     h_tps = statistics.median(r.decode_tps for r in hf_runs)
-    e_ttft = statistics.median(r.ttft for r in engine_runs)
-    h_ttft = statistics.median(r.ttft for r in hf_runs)
+    e_ttft, h_ttft = statistics.median(engine_ttft), statistics.median(hf_ttft)
     agree = min(common_prefix(r.tokens, hf_runs[0].tokens) for r in engine_runs)
     print(f"{label} decode ratio {e_tps / h_tps:.2f} (engine {e_tps:.2f} tok/s, transformers {h_tps:.2f} tok/s)")
     print(
@@ -165,7 +183,11 @@ def report(dtype: str, engine_runs: list[Run], hf_runs: list[Run]) -> None:
     print(f"{label} greedy tokens equal to transformers: {agree}/{len(hf_runs[0].tokens)}")
     print(
         f"{label} runs (decode tok/s) engine {[round(r.decode_tps, 2) for r in engine_runs]}"
-        f" transformers {[round(r.decode_tps, 2) for r in hf_runs]}",
+        f" transformers {[round(r.decode_tps, 2) for r in hf_runs]}"
+    )
+    print(
+        f"{label} runs (TTFT ms) engine {[round(t * 1e3) for t in engine_ttft]}"
+        f" transformers {[round(t * 1e3) for t in hf_ttft]}",
         flush=True,
     )
 
@@ -174,7 +196,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=5, help="full generations per side")
+    parser.add_argument("--ttft-repeats", type=int, default=10, help="extra one-token runs per side for TTFT")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--model-dir", type=Path, help="reuse a folder built by an earlier run")
@@ -183,7 +206,7 @@ def main() -> None:
     prompt = np.random.default_rng(0).integers(0, QWEN25_05B["vocab_size"], opts.prompt_tokens, dtype=np.int64)
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, prompt {opts.prompt_tokens} tokens, "
-        f"{opts.new_tokens} new tokens, median of {opts.repeats}",
+        f"{opts.new_tokens} new tokens, median of {opts.repeats} runs (TTFT: of {opts.repeats + opts.ttft_repeats})",
         flush=True,
     )
     with tempfile.TemporaryDirectory(prefix="bench-qwen25-05b-") as tmp:
@@ -191,7 +214,7 @@ def main() -> None:
         if model_dir is None or not (model_dir / "config.json").exists():
             model_dir = build_checkpoint(model_dir or Path(tmp))
         for dtype in opts.dtypes.split(","):
-            bench_dtype(model_dir, dtype, prompt, opts.new_tokens, opts.repeats)
+            bench_dtype(model_dir, dtype, prompt, opts)
 
 
 if __name__ == "__main__":
