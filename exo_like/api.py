@@ -126,7 +126,7 @@ def _reject_constant(name: str) -> None:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     node = request.app[NODE_KEY]
     parsed = parse_chat_request(await read_json(request))
-    model, generator = node.require_model(parsed.options.model)
+    model, generator = await node.require_model(parsed.options.model)
     prompt = chat_prompt_tokens(model.tokenizer, parsed.messages)
     generation = _generation(model, generator, prompt, parsed.options, "messages")
     fmt = ResponseFormat(True, f"chatcmpl-{generation.request_id}", model.model_id, parsed.options.include_usage)
@@ -136,7 +136,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def completions(request: web.Request) -> web.StreamResponse:
     node = request.app[NODE_KEY]
     parsed = parse_completion_request(await read_json(request))
-    model, generator = node.require_model(parsed.options.model)
+    model, generator = await node.require_model(parsed.options.model)
     prompt = completion_prompt_tokens(model.tokenizer, parsed.prompt)
     generation = _generation(model, generator, prompt, parsed.options, "prompt")
     fmt = ResponseFormat(False, f"cmpl-{generation.request_id}", model.model_id, parsed.options.include_usage)
@@ -228,14 +228,12 @@ async def _send(response: web.StreamResponse, payload: dict[str, Any]) -> None:
 
 
 async def list_models(request: web.Request) -> web.Response:
-    model = request.app[NODE_KEY].model
-    return web.json_response({"object": "list", "data": [model.to_json()] if model else []})
+    """The served model first, then local folders, downloaded repos and the catalog, each with its `state`."""
+    return web.json_response({"object": "list", "data": request.app[NODE_KEY].models_json()})
 
 
 async def get_model(request: web.Request) -> web.Response:
-    name = request.match_info["model_id"]
-    model, _ = request.app[NODE_KEY].require_model(name)
-    return web.json_response(model.to_json())
+    return web.json_response(request.app[NODE_KEY].model_entry(request.match_info["model_id"]))
 
 
 async def health(request: web.Request) -> web.Response:

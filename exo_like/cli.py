@@ -38,7 +38,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on")
     parser.add_argument("--home", type=Path, default=None,
                         help="folder for models and state (default: $EXO_LIKE_HOME or ~/.cache/exo-like)")
-    parser.add_argument("--model", default=None, help="'demo' or a local Hugging Face model folder")
+    parser.add_argument("--model", default=None,
+                        help="a Hugging Face repo id (org/name), a catalog name (e.g. qwen2.5-7b, llama-3.2-3b), "
+                             "a local Hugging Face model folder, or 'demo'")
+    parser.add_argument("--hub-cache", type=Path, default=None,
+                        help="folder for models downloaded from the hub (default: $HF_HUB_CACHE if set, "
+                             "else <home>/hub); HF_ENDPOINT, HF_TOKEN and HF_HUB_OFFLINE are honoured")
+    parser.add_argument("--request-wait", type=float, default=None,
+                        help="seconds a request waits for the cluster to be ready (e.g. while layers download) "
+                             "before a 503 that says what it waits for (default: 30)")
     parser.add_argument("--engine", choices=("auto", "torch", "mlx"), default="auto")
     parser.add_argument("--device", default=None, help="e.g. cpu, cuda, cuda:1, mps (default: best available)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
@@ -59,6 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(str(exc))
     if args.memory_gb is not None and args.memory_gb <= 0:
         parser.error("--memory-gb must be positive")
+    if args.request_wait is not None and args.request_wait <= 0:
+        parser.error("--request-wait must be positive")
     return args
 
 
@@ -81,6 +91,10 @@ def setup_logging(level: str, node_id: str) -> NodeIdFilter:
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s [%(node_id)s] %(name)s: %(message)s"))
     logging.basicConfig(level=level, handlers=[handler], force=True)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)  # one line per request is logged by the API
+    logging.getLogger("httpx2").setLevel(logging.WARNING)  # huggingface_hub's client: one line per HTTP request
+    hub_logger = logging.getLogger("huggingface_hub")  # its warnings get our format (and node id), not its own
+    hub_logger.handlers.clear()
+    hub_logger.propagate = True
     return node_filter
 
 
@@ -115,7 +129,8 @@ def main(argv: list[str] | None = None) -> None:
     node_filter = setup_logging(args.log_level, "-")  # the node id is stamped once the node has claimed it
     options = NodeOptions(home=home, engine=args.engine, device=args.device, dtype=args.dtype,
                           node_name=args.node_name, memory_gb=args.memory_gb, peers=args.peers,
-                          mdns=not args.no_mdns, cluster_key=args.cluster_key or DEFAULT_CLUSTER_KEY, model=args.model)
+                          mdns=not args.no_mdns, cluster_key=args.cluster_key or DEFAULT_CLUSTER_KEY, model=args.model,
+                          hub_cache=args.hub_cache, request_wait=args.request_wait)
     try:
         node = Node(options)
         node_filter.node_id = node.node_id

@@ -16,7 +16,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
-from exo_like.errors import ExoLikeError, ServiceUnavailableError
+from exo_like.download_progress import DownloadStatus
+from exo_like.errors import ExoLikeError, ModelPendingError, ServiceUnavailableError
 from exo_like.node_load import NodeLoad
 from exo_like.peers import NodeInfo, PeerNetwork
 from exo_like.plan import ModelFootprint, Plan, fit_problems, make_plan
@@ -61,6 +62,7 @@ class Cluster:
         self.clock: tuple[int, str] = (0, "")
         self.plan: Plan | None = None
         self.problem: str | None = None
+        self.pending: str | None = None  # why there is no plan yet although a model is set (not a problem)
         self.loaded_digest: str | None = None
         self.announcements: dict[str, Announcement] = {}
         self._changed = asyncio.Event()
@@ -139,10 +141,14 @@ class Cluster:
         self._announce_soon()
 
     def _compute_plan(self) -> tuple[Plan | None, str | None]:
+        self.pending = None
         if self.model_id is None:
             return None, None
         try:
             description = self._describe(self.model_id)
+        except ModelPendingError as exc:
+            self.pending = exc.message  # the node re-plans once it has the description
+            return None, None
         except ExoLikeError as exc:
             return None, f"cannot serve {self.model_id}: {exc.message}"
         capacities = [NodeCapacity(m.node_id, m.memory_bytes) for m in self.members()]
@@ -214,14 +220,20 @@ class Cluster:
         if self.problem:
             return self.problem
         if self.plan is None:
-            return "no plan yet"
+            return self.pending or "no plan yet"
         waiting = [n for n in self.member_ids() - {self.me.node_id}
                    if self.announcements.get(n) is None or self.announcements[n].digest != self.plan.digest]
         if waiting:
             return f"nodes {', '.join(sorted(waiting))} have not agreed on plan {self.plan.digest} yet"
         loading = [n for n in self.plan.node_ids if n == self.me.node_id and not self.my_announcement().ready
                    or n != self.me.node_id and not self.announcements[n].ready]
-        return f"nodes {', '.join(loading)} are still loading their layers"
+        downloads = [f"node {n}: {status.describe()}" for n in loading
+                     if (status := self._download_of(n)) is not None and status.state == "downloading"]
+        return f"nodes {', '.join(loading)} are still loading their layers" + "".join(f"; {d}" for d in downloads)
+
+    def _download_of(self, node_id: str) -> DownloadStatus | None:
+        announcement = self.announcement_of(node_id)
+        return announcement.load.download if announcement is not None else None
 
     async def wait_ready(self, timeout: float | None = None) -> Plan:
         deadline = time.monotonic() + (self.plan_wait_seconds if timeout is None else timeout)
@@ -322,6 +334,7 @@ class Cluster:
         load = announcement.load if announcement else NodeLoad()
         return {**_info_json(member), "status": self.node_status(member.node_id),
                 "used_bytes": self._used_bytes(member), **load.to_json(),
+                "download": load.download.to_json() if load.download is not None else None,
                 "problem": announcement.problem if announcement else None}
 
     def _description(self) -> ModelDescription | None:

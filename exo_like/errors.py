@@ -46,3 +46,33 @@ class StageFailedError(ExoLikeError):
 
     status = 500
     type = "server_error"
+
+
+class ModelPendingError(ServiceUnavailableError):
+    """The model's description is still being fetched (a wait, not a problem)."""
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = "model_preparing"):
+        super().__init__(message, param=param, code=code)
+
+
+class ModelAccessError(ExoLikeError):
+    """The hub refuses this node the model's files: gated or private, and no (accepted) token."""
+
+    status = 403
+    type = "permission_error"
+
+
+class HubUnavailableError(ServiceUnavailableError):
+    """The hub cannot be reached (or offline mode is on) and the cache lacks what is needed."""
+
+
+class DownloadError(ExoLikeError):
+    """A file could not be fetched intact (a server fault, not the client's)."""
+
+    status = 502
+    type = "server_error"
+
+
+class InsufficientDiskError(ExoLikeError):
+    status = 507
+    type = "server_error"

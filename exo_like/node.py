@@ -16,23 +16,25 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from huggingface_hub.utils import disable_progress_bars
 
 from discovery import MdnsDiscovery, PeerAddress, PeerFinder
 from discovery.mdns import local_ipv4_addresses
 from exo_like import __version__
-from exo_like.cluster import Cluster, ModelDescription
-from exo_like.demo import DEMO_NAME, ensure_demo_model
+from exo_like.cluster import Cluster
+from exo_like.download import ShardDownloader
+from exo_like.download_progress import DownloadProgress, show_progress
 from exo_like.engines.base import Engine, create_engine
-from exo_like.errors import ExoLikeError, ModelNotFoundError, UnsupportedModelError
+from exo_like.errors import ExoLikeError, ModelNotFoundError
 from exo_like.generation import TokenGenerator
+from exo_like.hub import default_cache_dir
 from exo_like.identity import claim_identity, default_node_name
-from exo_like.model_config import ModelArgs
+from exo_like.model_registry import LoadedModel, ModelRegistry
 from exo_like.node_load import NodeLoad
 from exo_like.peers import NodeInfo, PeerLink, PeerNetwork, cluster_key_digest
-from exo_like.plan import Plan, model_footprint
+from exo_like.plan import Plan
 from exo_like.ring import RingGenerator, StageWorker
 from exo_like.shard import Shard
-from exo_like.tokenizer import ModelTokenizer
 from exo_like.wire import DEFAULT_MAX_FRAME_BYTES
 
 log = logging.getLogger(__name__)
@@ -43,38 +45,6 @@ DEFAULT_CLUSTER_KEY = "exo-like-default-cluster-key"
 
 def default_home() -> Path:
     return Path(os.environ.get("EXO_LIKE_HOME") or Path.home() / ".cache" / "exo-like")
-
-
-@dataclass(frozen=True)
-class LoadedModel:
-    """A model this node can serve: its id, the names requests may use for it, and what describes it."""
-
-    model_id: str
-    key: str  # how peers name it: "demo" or the folder's absolute path
-    path: Path
-    args: ModelArgs
-    tokenizer: ModelTokenizer
-    aliases: frozenset[str]
-    created: int = field(default_factory=lambda: int(time.time()))
-
-    def answers_to(self, name: str) -> bool:
-        return name == self.model_id or name in self.aliases
-
-    def to_json(self) -> dict[str, object]:
-        return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "exo-like",
-                "context_length": self.args.context_length}
-
-
-def resolve_model_dir(spec: str, home: Path) -> tuple[str, Path]:
-    """(model id, folder) for `demo`, a local Hugging Face folder, or a folder under <home>/models."""
-    if spec == DEMO_NAME:
-        return DEMO_NAME, ensure_demo_model(home)
-    for candidate in (Path(spec).expanduser(), home / "models" / spec):
-        if (candidate / "config.json").is_file():
-            folder = candidate.resolve()
-            return folder.name, folder
-    raise ModelNotFoundError(f"model {spec!r} not found: give 'demo' or a local Hugging Face model folder "
-                             f"(with config.json)")
 
 
 @dataclass
@@ -90,6 +60,8 @@ class NodeOptions:
     cluster_key: str = DEFAULT_CLUSTER_KEY
     model: str | None = None
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    hub_cache: Path | None = None  # default: $HF_HUB_CACHE, else <home>/hub
+    request_wait: float | None = None  # seconds a request waits for the cluster to be ready (default: the cluster's)
 
 
 class Node:
@@ -100,9 +72,12 @@ class Node:
         self.node_id = self.identity.node_id
         self.engine: Engine = create_engine(options.engine, options.device, options.dtype)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
-        self._models: dict[str, LoadedModel] = {}
-        self._descriptions: dict[str, ModelDescription] = {}  # by model key: re-plans must not re-read headers
+        self.cache_dir = default_cache_dir(options.home, options.hub_cache)
+        self.models = ModelRegistry(options.home, self.cache_dir, self.node_id, self._model_prepared)
         self._loaded: tuple[str, Shard] | None = None  # (model key, shard) the engine holds
+        self.download_progress = DownloadProgress()
+        self.downloader = ShardDownloader(self.cache_dir, self.node_id, self.download_progress)
+        disable_progress_bars()  # huggingface_hub's per-file bars: the node draws one bar of its own
         self._tasks: set[asyncio.Task] = set()
         self.started = time.time()
         self.stopping = False  # set when shutdown begins: requests cancelled from then on are not the client's doing
@@ -116,48 +91,36 @@ class Node:
     # -- models -------------------------------------------------------------------------------------------
 
     def resolve(self, spec: str) -> LoadedModel:
-        """The model a name refers to (demo, a folder, or one already known), read from disk once."""
-        for model in self._models.values():
-            if model.answers_to(spec) or model.key == spec:
-                return model
-        model_id, folder = resolve_model_dir(spec, self.home)
-        args = ModelArgs.from_dir(folder)
-        if args.quantization:
-            raise UnsupportedModelError(f"{model_id} is quantized; only float checkpoints are supported",
-                                        code="unsupported_quantization")
-        key = DEMO_NAME if spec == DEMO_NAME else str(folder)
-        model = LoadedModel(model_id, key, folder, args, ModelTokenizer.from_dir(folder),
-                            frozenset({spec, str(folder), key}))
-        self._models[key] = model
-        return model
+        """The model a name refers to. Blocking (a hub model's description may be fetched): call it before the
+        event loop runs, as the CLI does for --model; inside the loop, use prepare()."""
+        return self.models.resolve(spec)
 
-    def describe(self, key: str) -> ModelDescription:
-        if key not in self._descriptions:
-            model = self.resolve(key)
-            n_layers = model.args.num_hidden_layers
-            footprint = model_footprint(model.path, n_layers, model.args.tie_word_embeddings)
-            self._descriptions[key] = ModelDescription(n_layers, footprint)
-        return self._descriptions[key]
+    def _model_prepared(self, spec: str) -> None:
+        if self.cluster is not None and self.cluster.model_id == spec:
+            self.cluster.replan()  # the plan, or the problem, can be worked out now
 
     @property
     def model(self) -> LoadedModel | None:
-        """The model the cluster serves, if any."""
+        """The model the cluster serves, if any (and if this node has its description)."""
         if self.cluster is None or self.cluster.model_id is None:
             return None
-        return self.resolve(self.cluster.model_id)
+        return self.models.known(self.cluster.model_id)
 
-    def require_model(self, name: str) -> tuple[LoadedModel, TokenGenerator]:
+    async def require_model(self, name: str) -> tuple[LoadedModel, TokenGenerator]:
         """The served model a request names, with the generator that runs it; 404 for any other name.
 
         With no model chosen yet, the first request's model becomes the cluster's model."""
         if self.cluster is None or self.generator is None:
             raise ModelNotFoundError(f"the model {name!r} does not exist: the node is still starting")
-        current = self.model
-        if current is None:
-            current = self.resolve(name)
-            self.cluster.set_model(current.key)
-        elif not current.answers_to(name):
-            raise ModelNotFoundError(f"the model {name!r} does not exist; this cluster serves {current.model_id!r}")
+        if self.cluster.model_id is None:
+            current = await self.models.prepare(name)
+            if self.cluster.model_id is None:  # still: no other request chose while this one was fetching
+                self.cluster.set_model(current.key)
+        else:
+            current = await self.models.prepare(self.cluster.model_id)
+        served = self.cluster.model_id
+        if current.key != served or not current.answers_to(name):
+            raise ModelNotFoundError(f"the model {name!r} does not exist; this cluster serves {served!r}")
         return current, self.generator
 
     async def _load_shard(self, plan: Plan, shard: Shard | None) -> None:
@@ -167,9 +130,11 @@ class Node:
             self.stage.activate(plan, None)
             return
         if self._loaded != (plan.model_id, shard):
-            model = self.resolve(plan.model_id)
+            model = self.models.resolve(plan.model_id)  # described already: no network here
             started = time.monotonic()
             self.stage.activate(None, None)
+            if model.manifest is not None:  # a hub model: fetch the files this shard needs that are not here yet
+                await self.downloader.ensure(model.manifest, model.path, shard, model.args.tie_word_embeddings)
             await asyncio.get_running_loop().run_in_executor(self.executor, self.engine.load, model.path,
                                                              model.args, shard)
             self._loaded = (plan.model_id, shard)
@@ -186,9 +151,12 @@ class Node:
         self.peers = PeerNetwork(self.info, self.options.cluster_key, self._on_peer_message, self._links_changed,
                                  self.options.max_frame_bytes)
         self.stage = StageWorker(self.node_id, self, self.executor)
-        self.cluster = Cluster(self.info, self.peers, self.describe, self._load_shard, self._members_changed,
+        self.cluster = Cluster(self.info, self.peers, self.models.describe, self._load_shard, self._members_changed,
                                self.current_load)
+        if self.options.request_wait is not None:
+            self.cluster.plan_wait_seconds = self.options.request_wait
         self.generator = RingGenerator(self.node_id, self, self.cluster.wait_ready, self.stage, self.cluster.name_of)
+        self._spawn(show_progress(self.download_progress, self.node_id))
         mdns = None
         if self.options.mdns:
             mdns = MdnsDiscovery(self.node_id, port, cluster_key_digest(self.options.cluster_key), __version__,
@@ -224,6 +192,7 @@ class Node:
             await self.peers.close()
         for task in list(self._tasks):
             task.cancel()
+        self.downloader.close()
         await asyncio.get_running_loop().run_in_executor(None, self.executor.shutdown, True)
         self.identity.release()
         log.info("node stopped")
@@ -300,9 +269,23 @@ class Node:
     def current_load(self) -> NodeLoad:
         """What this node is doing now (shared with peers in its announcements)."""
         if self.generator is None or self.stage is None:
-            return NodeLoad()
+            return NodeLoad(download=self.download_progress.status())
         return NodeLoad(self.stage.throughput.rate(), self.generator.throughput.rate(),
-                        len(self.generator.in_flight), self.stage.active_requests() > 0)
+                        len(self.generator.in_flight), self.stage.active_requests() > 0,
+                        self.download_progress.status())
+
+    def models_json(self) -> list[dict[str, object]]:
+        """GET /v1/models: the served model first, then local folders, downloaded repos and the catalog."""
+        return self.models.listing(self._served_or_none(), int(self.started))
+
+    def model_entry(self, name: str) -> dict[str, object]:
+        return self.models.entry(name, self._served_or_none(), int(self.started))
+
+    def _served_or_none(self) -> LoadedModel | None:
+        try:
+            return self.model
+        except ExoLikeError:
+            return None  # the model cannot be read here: the cluster's `problem` says why
 
     def cluster_json(self) -> dict[str, object] | None:
         """GET /v1/cluster and the dashboard's picture: the cluster, plus what only this node knows about it."""

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from exo_like.download_progress import DownloadStatus
+
 
 @dataclass(frozen=True)
 class NodeLoad:
@@ -13,11 +15,15 @@ class NodeLoad:
     generated_per_second: float = 0.0  # tokens recently streamed to this node's own clients
     in_flight: int = 0  # requests this node's API is serving
     busy: bool = False  # its layers hold at least one request
+    download: DownloadStatus | None = None  # the download of its layers' weight files, if it had one
 
     def to_json(self) -> dict[str, Any]:
-        return {"tokens_per_second": round(self.tokens_per_second, 2),
+        load = {"tokens_per_second": round(self.tokens_per_second, 2),
                 "generated_per_second": round(self.generated_per_second, 2),
                 "in_flight": self.in_flight, "busy": self.busy}
+        if self.download is not None:  # only nodes that fetched layers from the hub say anything about it
+            load["download"] = self.download.to_json()
+        return load
 
     @classmethod
     def from_json(cls, data: Any) -> "NodeLoad":
@@ -25,4 +31,5 @@ class NodeLoad:
         if not isinstance(data, dict):
             return cls()
         return cls(float(data.get("tokens_per_second", 0.0)), float(data.get("generated_per_second", 0.0)),
-                   int(data.get("in_flight", 0)), bool(data.get("busy", False)))
+                   int(data.get("in_flight", 0)), bool(data.get("busy", False)),
+                   DownloadStatus.from_json(data.get("download")))

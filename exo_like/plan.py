@@ -10,7 +10,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from exo_like.checkpoint import local_tensor_name, safetensors_header, weight_map
 from exo_like.shard import Shard
@@ -85,28 +85,44 @@ class ModelFootprint:
             return total
         return total * DTYPE_BYTES.get(dtype, self.stored_dtype_bytes) // self.stored_dtype_bytes
 
+    def to_json(self) -> dict[str, Any]:
+        return {"layer_bytes": list(self.layer_bytes), "embed_bytes": self.embed_bytes,
+                "head_bytes": self.head_bytes, "tied": self.tied, "stored_dtype_bytes": self.stored_dtype_bytes}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "ModelFootprint":
+        return cls(tuple(int(n) for n in data["layer_bytes"]), int(data["embed_bytes"]), int(data["head_bytes"]),
+                   bool(data["tied"]), int(data["stored_dtype_bytes"]))
+
 
 def model_footprint(model_dir: Path, n_layers: int, tied: bool) -> ModelFootprint:
     """Read sizes from the safetensors headers (no tensor data is read)."""
+    files = sorted(set(weight_map(model_dir).values()))
+    tensors = ((name, entry["dtype"], entry["data_offsets"][1] - entry["data_offsets"][0])
+               for file in files for name, entry in safetensors_header(model_dir / file).items())
+    return footprint_from_tensors(tensors, n_layers, tied)
+
+
+def footprint_from_tensors(tensors: Iterable[tuple[str, str, int]], n_layers: int, tied: bool) -> ModelFootprint:
+    """The footprint of a checkpoint from its tensors' (name, safetensors dtype, stored bytes).
+
+    Works from headers read locally or fetched from the hub, so a node can plan before it downloads."""
     layers = [0] * n_layers
     embed = head = 0
     itemsizes: set[int] = set()
-    files = sorted(set(weight_map(model_dir).values()))
     whole = Shard("footprint", 0, n_layers, n_layers)
-    for file in files:
-        for name, entry in safetensors_header(model_dir / file).items():
-            size = entry["data_offsets"][1] - entry["data_offsets"][0]
-            local = local_tensor_name(name, whole, tied)
-            if local is None:
-                continue
-            if entry["dtype"] in ("F32", "BF16", "F16"):
-                itemsizes.add(4 if entry["dtype"] == "F32" else 2)
-            if local.startswith("model.layers."):
-                layers[int(name.split(".")[2])] += size
-            elif local.startswith("model.embed_tokens."):
-                embed += size
-            else:
-                head += size
+    for name, dtype, size in tensors:
+        local = local_tensor_name(name, whole, tied)
+        if local is None:
+            continue
+        if dtype in ("F32", "BF16", "F16"):
+            itemsizes.add(4 if dtype == "F32" else 2)
+        if local.startswith("model.layers."):
+            layers[int(name.split(".")[2])] += size
+        elif local.startswith("model.embed_tokens."):
+            embed += size
+        else:
+            head += size
     return ModelFootprint(tuple(layers), embed, head, tied, max(itemsizes) if itemsizes else 2)
 
 

@@ -73,8 +73,10 @@ class NodeProcess:
 
 
 def start_node(home: Path, model: str | None, *extra: str, timeout: float = 180, port: int = 0,
-               threads: int = 1) -> NodeProcess:
-    """Start `exo-like` (on a free port by default) and wait until it reports its port and answers /health."""
+               threads: int = 1, env: dict[str, str | None] | None = None) -> NodeProcess:
+    """Start `exo-like` (on a free port by default) and wait until it reports its port and answers /health.
+
+    `env` adds to (or, with None values, removes from) the environment the node inherits."""
     home.mkdir(parents=True, exist_ok=True)
     fd, name = tempfile.mkstemp(prefix="node-", suffix=".log", dir=home)  # nodes may share a home
     os.close(fd)
@@ -83,7 +85,8 @@ def start_node(home: Path, model: str | None, *extra: str, timeout: float = 180,
                *extra]
     # One torch thread: the test models are tiny, and on a small shared machine two threads that wait for each
     # other at every barrier stall for whole scheduler slices whenever another process holds a core.
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    changes = {"OMP_NUM_THREADS": str(threads), **(env or {})}
+    env = {name: value for name, value in {**os.environ, **changes}.items() if value is not None}
     with open(log_path, "wb") as log_file:
         process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + timeout

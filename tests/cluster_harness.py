@@ -22,7 +22,8 @@ def free_ports(count: int) -> list[int]:
 
 
 def start_cluster(root: Path, model: str | None, memories_gb: list[float], engines: list[str] | None = None,
-                  extra: tuple[str, ...] = (), threads: int = 1) -> list[NodeProcess]:
+                  extra: tuple[str, ...] = (), threads: int = 1,
+                  envs: list[dict[str, str | None]] | None = None) -> list[NodeProcess]:
     ports = free_ports(len(memories_gb))
     peers = ",".join(f"127.0.0.1:{p}" for p in ports)
     engines = engines or ["torch"] * len(memories_gb)
@@ -31,7 +32,8 @@ def start_cluster(root: Path, model: str | None, memories_gb: list[float], engin
         for i, (memory, engine, port) in enumerate(zip(memories_gb, engines, ports)):
             nodes.append(start_node(root / f"home{i}", model, "--no-mdns", "--peers", peers, "--memory-gb",
                                     str(memory), "--node-name", f"node{i}", "--engine", engine,
-                                    "--dtype", "float32", *extra, port=port, threads=threads))
+                                    "--dtype", "float32", *extra, port=port, threads=threads,
+                                    env=envs[i] if envs else None))
     except BaseException:
         for node in nodes:
             node.stop()

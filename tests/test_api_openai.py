@@ -43,7 +43,9 @@ def chat(client: openai.OpenAI, model: str, content: str, **kwargs):  # type: ig
 
 
 def test_models_lists_the_served_model(client: openai.OpenAI, model_id: str, checkpoint: Path) -> None:  # noqa: F811
-    assert [m.id for m in client.models.list()] == [model_id]
+    models = list(client.models.list())
+    assert (models[0].id, models[0].state) == (model_id, "serving")  # first; the catalog follows
+    assert [m.id for m in models if m.state == "serving"] == [model_id]
     assert client.models.retrieve(model_id).id == model_id
     # The path the node was started with is accepted as the model name as well.
     response = chat(client, str(checkpoint), "Hello!", max_tokens=2, temperature=0)

@@ -73,7 +73,10 @@ def test_demo_node_streams_to_curl_without_content_type(demo_node: NodeProcess) 
 
 
 def test_models_health_and_index(demo_node: NodeProcess) -> None:
-    assert [m["id"] for m in demo_node.get_json("/v1/models")["data"]] == ["demo"]
+    models = demo_node.get_json("/v1/models")["data"]
+    assert (models[0]["id"], models[0]["state"]) == ("demo", "serving")  # the served model first
+    assert [m["id"] for m in models].count("demo") == 1  # not listed again as a local folder
+    assert {m["id"]: m["state"] for m in models if m["source"] == "catalog"}["llama-3.2-1b"] == "not_downloaded"
     health = demo_node.get_json("/health")
     assert health["status"] == "ok" and health["model"] == "demo" and health["engine"] in ("torch", "mlx")
     assert demo_node.get_json("/")["node_id"] == health["node_id"]

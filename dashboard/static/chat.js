@@ -60,7 +60,10 @@ export class Chat {
     let models = [];
     try {
       const response = await fetch("/v1/models");
-      if (response.ok) models = (await response.json()).data.map((model) => model.id);
+      // /v1/models also lists the catalog and cached models; only the one being served can answer now.
+      if (response.ok) {
+        models = (await response.json()).data.filter((model) => model.state === "serving").map((model) => model.id);
+      }
     } catch (error) {
       return; // the event stream shows the node as unreachable; keep the current picker
     }
@@ -69,9 +72,10 @@ export class Chat {
       this.modelField = h("select", { id: "chat-model", "aria-label": "Model" },
         models.map((id) => h("option", { value: id, selected: id === previous }, id)));
     } else {
-      // No model yet: the first request names one (demo or a folder every node can read) for the cluster.
+      // No model yet: the first request names one for the cluster (a hub repo or catalog name every node can
+      // fetch, demo, or a folder every node can read).
       this.modelField = h("input", { id: "chat-model", "aria-label": "Model", value: previous,
-        placeholder: "model: demo or a folder path" });
+        placeholder: "model: org/repo, a catalog name, demo or a folder" });
     }
     replace(this.modelSlot, this.modelField);
   }

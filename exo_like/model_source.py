@@ -1,0 +1,150 @@
+"""What a model name refers to, and the models a node knows about.
+
+A name is `demo`, a local Hugging Face folder (a path, or a folder under <home>/models), a catalog short name
+(llama-3.2-1b, qwen2.5-7b, ...), or a hub repo id (organisation/name). Hub models are keyed by their repo id
+in the cluster, so every node can fetch the same model itself.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from exo_like.catalog import CATALOG, CatalogEntry, entry_for_repo, lookup
+from exo_like.checkpoint import INDEX_FILE, SINGLE_FILE
+from exo_like.demo import DEMO_NAME
+from exo_like.errors import ExoLikeError, ModelNotFoundError, UnsupportedModelError
+from exo_like.hub import RepoManifest, cached_snapshot, download_metadata, repo_manifest
+from exo_like.model_config import ModelArgs
+
+log = logging.getLogger(__name__)
+
+# The hub's repo id rule: one slash, letters, digits, '-', '_', '.'; no '--' or '..'; not starting with '.'.
+_REPO_ID = re.compile(r"^(?!.*(--|\.\.))[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    kind: str  # "demo" | "local" | "hub"
+    spec: str
+    folder: Path | None = None  # demo and local
+    repos: tuple[str, ...] = ()  # hub: candidates, tried in order
+    catalog: CatalogEntry | None = None
+
+
+@dataclass(frozen=True)
+class HubModel:
+    repo_id: str
+    folder: Path  # the snapshot folder: small files now, weight files as the node's layers need them
+    args: ModelArgs
+    manifest: RepoManifest
+
+
+def is_repo_id(text: str) -> bool:
+    return bool(_REPO_ID.match(text))
+
+
+def locate(spec: str, home: Path) -> ModelSource:
+    """Classify a model name without touching the network (local folders win over hub names)."""
+    if spec == DEMO_NAME:
+        return ModelSource("demo", spec)
+    for candidate in (Path(spec).expanduser(), home / "models" / spec):
+        if (candidate / "config.json").is_file():
+            return ModelSource("local", spec, folder=candidate.resolve())
+    entry = lookup(spec)
+    if entry is not None:
+        return ModelSource("hub", spec, repos=entry.repos, catalog=entry)
+    if is_repo_id(spec):
+        return ModelSource("hub", spec, repos=(spec,), catalog=entry_for_repo(spec))
+    raise ModelNotFoundError(
+        f"model {spec!r} not found: give a Hugging Face repo id (organisation/name), a catalog name "
+        f"({', '.join(list(CATALOG)[:4])}, ...: see GET /v1/models), a local model folder, or 'demo'")
+
+
+def prepare_hub_model(source: ModelSource, cache_dir: Path) -> HubModel:
+    """Fetch (or read from the cache) what planning needs, from the first of the source's repos that works.
+
+    Repos already in the cache are tried first, so a catalog name keeps meaning the repo a node has."""
+    repos = sorted(source.repos, key=lambda repo: cached_snapshot(cache_dir, repo) is None)
+    failures: list[tuple[str, ExoLikeError]] = []
+    for repo in repos:
+        try:
+            return _prepare_repo(repo, cache_dir)
+        except ExoLikeError as exc:
+            if len(repos) == 1:
+                raise
+            log.warning("%s (for %s): %s", repo, source.spec, exc.message)
+            failures.append((repo, exc))
+    first = failures[0][1]
+    reasons = "; ".join(f"{repo}: {exc.message}" for repo, exc in failures)
+    raise type(first)(f"no repo of {source.spec!r} can be used: {reasons}", code=first.code)
+
+
+def _prepare_repo(repo_id: str, cache_dir: Path) -> HubModel:
+    folder = download_metadata(repo_id, cache_dir)
+    try:
+        args = ModelArgs.from_dir(folder)  # an unsupported architecture stops here, before any weights move
+    except UnsupportedModelError as exc:
+        raise UnsupportedModelError(f"{repo_id} cannot be served: {exc.message}; pick a model of a supported "
+                                    f"family (GET /v1/models lists the catalog)", code=exc.code) from None
+    if args.quantization:
+        raise UnsupportedModelError(f"{repo_id} is quantized; only float checkpoints are supported",
+                                    code="unsupported_quantization")
+    manifest = repo_manifest(repo_id, folder, args.num_hidden_layers, args.tie_word_embeddings, cache_dir)
+    return HubModel(repo_id, folder, args, manifest)
+
+
+def list_models(home: Path, cache_dir: Path, served: dict[str, Any] | None, created: int) -> list[dict[str, Any]]:
+    """GET /v1/models: the model being served first, then local folders, downloaded repos and the catalog."""
+    entries = [*_local_entries(home), *_downloaded_entries(cache_dir), *_catalog_entries(cache_dir)]
+    for entry in entries:
+        entry.update({"object": "model", "created": created, "owned_by": "exo-like"})
+    if served is None:
+        return entries
+    names = {served["id"], served.get("repo"), served.get("path")} - {None}
+    others = [entry for entry in entries if entry["id"] not in names or entry["source"] == "catalog"]
+    for entry in others:
+        if entry.get("repo") in names:
+            entry["state"] = "serving"  # the catalog name of the served repo
+    return [{**served, "state": "serving"}, *others]
+
+
+def _local_entries(home: Path) -> list[dict[str, Any]]:
+    folders = sorted((home / "models").glob("*/config.json")) if (home / "models").is_dir() else []
+    return [{"id": f.parent.name, "source": "local", "path": str(f.parent.resolve()), "state": "local"}
+            for f in folders]
+
+
+def _downloaded_entries(cache_dir: Path) -> list[dict[str, Any]]:
+    entries = []
+    for storage in sorted(cache_dir.glob("models--*--*")) if cache_dir.is_dir() else []:
+        repo_id = storage.name[len("models--"):].replace("--", "/", 1)
+        folder = cached_snapshot(cache_dir, repo_id)
+        if folder is not None:
+            entries.append({"id": repo_id, "source": "hub", "repo": repo_id, **_cache_state(folder)})
+    return entries
+
+
+def _catalog_entries(cache_dir: Path) -> list[dict[str, Any]]:
+    entries = []
+    for entry in CATALOG.values():
+        cached = [repo for repo in entry.repos if cached_snapshot(cache_dir, repo) is not None]
+        state = _cache_state(cached_snapshot(cache_dir, cached[0])) if cached else {"state": "not_downloaded"}
+        entries.append({"id": entry.name, "source": "catalog", **entry.to_json(), **state,
+                        **({"repo": cached[0]} if cached else {})})
+    return entries
+
+
+def _cache_state(folder: Path | None) -> dict[str, Any]:
+    """downloaded: every weight file is here; partial: some (a node holds its own layers' files only)."""
+    if folder is None:
+        return {"state": "not_downloaded"}
+    index = folder / INDEX_FILE
+    names = set(json.loads(index.read_text())["weight_map"].values()) if index.is_file() else {SINGLE_FILE}
+    present = sum(1 for name in names if (folder / name).exists())
+    state = "downloaded" if present == len(names) else "partial" if present else "not_downloaded"
+    return {"state": state, "weight_files": len(names), "weight_files_present": present}
