@@ -88,12 +88,22 @@ class ShardDownloader:
         log.info("node %s: %s: downloading %d of %d weight files (%d bytes)", self.node_id, label, len(missing),
                  len(names), sum(manifest.files[n].size - on_disk[n] for n in missing))
         try:
-            await asyncio.gather(*(asyncio.wrap_future(self._submit(manifest, name)) for name in missing))
+            await self._fetch_all(manifest, missing)
         except ExoLikeError as exc:
             self.progress.fail(exc.message)
             raise
         self.progress.finish()
         log.info("node %s: %s: download complete", self.node_id, label)
+
+    async def _fetch_all(self, manifest: RepoManifest, names: list[str]) -> None:
+        try:
+            await asyncio.gather(*(asyncio.wrap_future(self._submit(manifest, name)) for name in names))
+        except DownloadStopped:
+            if self._stopped.is_set():
+                raise
+            # An earlier plan's transfer of a file stopped just as this plan asked for it: start it again (it
+            # resumes from its partial file); transfers still running are joined, not repeated.
+            await asyncio.gather(*(asyncio.wrap_future(self._submit(manifest, name)) for name in names))
 
     def close(self) -> None:
         self._stopped.set()
@@ -110,6 +120,8 @@ class ShardDownloader:
     def _fetch(self, manifest: RepoManifest, name: str) -> None:
         """One file, in a download thread; every failure becomes an error that says what to do."""
         remote = manifest.files[name]
+        if _key(manifest, name) not in self._wanted:  # queued for a plan that has changed since
+            raise DownloadStopped(f"the plan changed and no longer needs {name}")
         try:
             with hub_errors(manifest.repo_id, self.cache_dir, name):
                 fetch_file(self.cache_dir, manifest.repo_id, manifest.commit, name, remote,

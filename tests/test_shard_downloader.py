@@ -3,6 +3,7 @@ repo with a token, and the disk check. (Whole nodes against the same hub are in 
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
@@ -12,16 +13,16 @@ import pytest
 
 from exo_like import download as download_module
 from exo_like.checkpoint import files_for_shard, weight_map
-from exo_like.download import ShardDownloader
+from exo_like.download import WRITE_CHUNK, ShardDownloader
 from exo_like.download_progress import DownloadProgress
 from exo_like.errors import DownloadError, InsufficientDiskError, ModelAccessError
 from exo_like.hub import storage_folder
-from exo_like.model_source import HubModel, locate, prepare_hub_model
+from exo_like.model_source import HubModel, list_models, locate, prepare_hub_model
 from exo_like.shard import Shard
 from tests.checkpoints import make_checkpoint
 from tests.hub_server import TOKEN, HubServer
 
-REPO, GATED = "test-org/qwen5", "gated-org/qwen5"
+REPO, GATED, WIDE = "test-org/qwen5", "gated-org/qwen5", "test-org/wide"
 
 
 @pytest.fixture(scope="module")
@@ -30,10 +31,18 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def hub(checkpoint: Path) -> Iterator[HubServer]:
+def wide(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """About one 4 MB file per layer: several write chunks each, so a transfer can stop half way."""
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "wide", "llama", n_layers=4, hidden_size=256,
+                           intermediate_size=1024, max_shard_size="4MB")
+
+
+@pytest.fixture(scope="module")
+def hub(checkpoint: Path, wide: Path) -> Iterator[HubServer]:
     server = HubServer()
     server.add_repo(REPO, checkpoint)
     server.add_repo(GATED, checkpoint, gated=True)
+    server.add_repo(WIDE, wide)
     server.start()
     yield server
     server.stop()
@@ -63,6 +72,8 @@ async def test_a_new_plan_fetches_only_the_files_it_adds(hub: HubServer, checkpo
     seen = len(hub.requests())
     await downloader.ensure(model.manifest, model.folder, first, tied=True)
     assert {r.file for r in hub.weight_downloads(since=seen)} == needed(checkpoint, first)
+    listed = {m["id"]: m for m in list_models(online.parent, online, None, 0)}[REPO]
+    assert (listed["state"], listed["weight_files_present"]) == ("partial", len(needed(checkpoint, first)))
     seen = len(hub.requests())
     await downloader.ensure(model.manifest, model.folder, second, tied=True)
     fetched = [r.file for r in hub.weight_downloads(since=seen)]
@@ -70,7 +81,59 @@ async def test_a_new_plan_fetches_only_the_files_it_adds(hub: HubServer, checkpo
     seen = len(hub.requests())
     await downloader.ensure(model.manifest, model.folder, first, tied=True)  # back to the smaller range: all here
     assert hub.weight_downloads(since=seen) == []
+    await downloader.ensure(model.manifest, model.folder, Shard(REPO, 0, 5, 5), tied=True)
+    assert {m["id"]: m for m in list_models(online.parent, online, None, 0)}[REPO]["state"] == "downloaded"
     downloader.close()
+
+
+async def test_a_new_plan_stops_transfers_it_does_not_need_and_a_later_one_resumes_them(
+        hub: HubServer, wide: Path, online: Path) -> None:
+    model = prepare(WIDE, online)
+    whole, first = Shard(WIDE, 0, 4, 4), Shard(WIDE, 0, 1, 4)
+    dropped = sorted(files_for_shard(weight_map(wide), whole, False) - files_for_shard(weight_map(wide), first, False))
+    assert dropped and all(model.manifest.files[name].size > WRITE_CHUNK for name in dropped)
+    downloader = ShardDownloader(online, "n", DownloadProgress())
+    hub.throttle = 2 * WRITE_CHUNK  # bytes per second per transfer: each file takes a couple of seconds
+    try:
+        everything = asyncio.ensure_future(downloader.ensure(model.manifest, model.folder, whole, tied=False))
+        assert await wait_until(lambda: (status := downloader.progress.status()) is not None
+                                and status.done_bytes >= 2 * WRITE_CHUNK)
+        everything.cancel()  # what the cluster does when the plan changes
+        await downloader.ensure(model.manifest, model.folder, first, tied=False)
+        parts = {name: _part(online, model, name) for name in dropped}
+        assert await wait_until(lambda: all(downloader_idle(downloader, model, name) for name in dropped))
+        sizes = {name: part.stat().st_size if part.exists() else 0 for name, part in parts.items()}
+        assert all(sizes[name] < model.manifest.files[name].size for name in dropped), sizes  # stopped early
+        assert not any((model.folder / name).exists() for name in dropped)
+    except BaseException:
+        downloader.close()  # stop the transfers this test started
+        raise
+    finally:
+        hub.throttle = None
+    seen = len(hub.requests())
+    await downloader.ensure(model.manifest, model.folder, whole, tied=False)
+    resumed = {r.file: r.range_start for r in hub.weight_downloads(since=seen)}
+    assert resumed == {name: sizes[name] or None for name in dropped}  # each from where it stopped
+    assert all((model.folder / name).read_bytes() == (wide / name).read_bytes() for name in dropped)
+    downloader.close()
+
+
+def _part(cache: Path, model: HubModel, name: str) -> Path:
+    return storage_folder(cache, model.repo_id) / "blobs" / f"{model.manifest.files[name].sha256}.part"
+
+
+def downloader_idle(downloader: ShardDownloader, model: HubModel, name: str) -> bool:
+    running = downloader._running.get(f"{model.repo_id}@{model.manifest.commit}/{name}")
+    return running is None or running.done()
+
+
+async def wait_until(predicate, timeout: float = 20.0) -> bool:  # type: ignore[no-untyped-def]
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            return False
+        await asyncio.sleep(0.05)
+    return True
 
 
 async def test_a_corrupt_partial_file_is_caught_by_its_hash_deleted_and_fetched_again(
