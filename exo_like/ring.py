@@ -150,13 +150,16 @@ class StageWorker:
         state.generated += 1
         self.tokens_sampled += 1
         done = token in state.eos or state.generated >= state.max_tokens
-        await self._send(state.origin, {"type": "token", "rid": rid, "token": token, "done": done}, rid, state)
+        token_message = {"type": "token", "rid": rid, "token": token, "done": done}
         if done:
+            await self._send(state.origin, token_message, rid, state)
             await release_everywhere(self.router, rid, plan)
-        else:
-            await self._send(plan.stages[0].node_id, {"type": "forward", "rid": rid, "digest": plan.digest,
-                                                      "origin": state.origin, "tokens": [token], "sample": True},
-                             rid, state)
+            return
+        # The next step first: it is on the critical path, streaming the token to the origin is not.
+        await self._send(plan.stages[0].node_id, {"type": "forward", "rid": rid, "digest": plan.digest,
+                                                  "origin": state.origin, "tokens": [token], "sample": True},
+                         rid, state)
+        await self._send(state.origin, token_message, rid, state)
 
     async def _send(self, node_id: str, message: dict[str, Any], rid: str, state: _StageRequest) -> None:
         try:
