@@ -261,6 +261,21 @@ def test_stop_cancels_the_request_on_every_node(three_nodes: list[NodeProcess], 
     dashboard.wait_for("() => [...document.querySelectorAll('#nodes .node')].every(c => c.dataset.status === 'ready')")
 
 
+def test_a_downloading_node_says_how_far_it_is(three_nodes: list[NodeProcess], open_page) -> None:
+    """The page's own status rules, run in the browser on the download object /v1/cluster reports per node."""
+    dashboard = open_page(three_nodes[0])
+    result = dashboard.page.evaluate("""async () => {
+        const m = await import('/dashboard/topology.js');
+        const downloading = {status: 'loading', busy: false, problem: null,
+                             download: {state: 'downloading', percent: 42.7}};
+        const finished = {...downloading, download: {state: 'done', percent: 100}};
+        const failing = {...downloading, problem: 'cannot reach the hub'};
+        const status = m.displayStatus(downloading);
+        return [status, m.statusLabel(downloading, status), m.displayStatus(finished), m.displayStatus(failing)];
+    }""")
+    assert result == ["downloading", "downloading 42 %", "loading", "problem"]
+
+
 @pytest.fixture
 def fresh_three_nodes(seven_layers: Path, tmp_path: Path) -> Iterator[list[NodeProcess]]:
     """A cluster of its own for a test that kills a node (requested before open_page: pages close first)."""

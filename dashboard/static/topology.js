@@ -11,13 +11,22 @@ const STATUS_LABELS = {
   idle: "idle",
   problem: "can't serve",
   unreachable: "unreachable",
+  downloading: "downloading",
 };
 
 // The status people need: a ready node computing right now is "busy"; one that reports a problem (its
 // layers do not fit, or failed to load) will not finish loading, so it does not say "loading".
 export function displayStatus(node) {
   if (node.status === "ready") return node.busy ? "busy" : "ready";
-  return node.problem ? "problem" : node.status;
+  if (node.problem) return "problem";
+  if (node.download && node.download.state === "downloading") return "downloading";
+  return node.status;
+}
+
+// The pill's words: a downloading node says how far it is.
+export function statusLabel(node, status) {
+  if (status === "downloading") return `downloading ${Math.floor(node.download.percent)} %`;
+  return STATUS_LABELS[status] || status;
 }
 
 // Nodes in pipeline order (the plan's stages), then members the plan does not use yet.
@@ -191,7 +200,7 @@ function cardHead(node, status, me) {
     h("span", { class: "swatch", "aria-hidden": "true" }),
     h("span", { class: "node-name" }, node.name),
     me ? h("span", { class: "you", title: "the node serving this page" }, "you") : null,
-    h("span", { class: `status-pill status-${status}` }, STATUS_LABELS[status] || status));
+    h("span", { class: `status-pill status-${status}` }, statusLabel(node, status)));
 }
 
 const ENGINES = { torch: "PyTorch", mlx: "MLX" };
