@@ -44,9 +44,14 @@ class ModelArgs:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     quantization: dict[str, Any] | None = field(default=None)
+    sliding_window: int | None = None
 
     @property
     def context_length(self) -> int:
+        """Positions a request may use. Within a sliding window, full attention is exactly sliding-window
+        attention, so capping the context at the window keeps every result exact instead of silently wrong."""
+        if self.sliding_window:
+            return min(self.max_position_embeddings, self.sliding_window)
         return self.max_position_embeddings
 
     @classmethod
@@ -87,6 +92,7 @@ class ModelArgs:
             eos_token_ids=_as_id_tuple(config.get("eos_token_id")),
             bos_token_id=config.get("bos_token_id"),
             quantization=config.get("quantization") or config.get("quantization_config"),
+            sliding_window=_sliding_window(config),
         )
 
     @classmethod
@@ -100,6 +106,14 @@ class ModelArgs:
             merged = tuple(dict.fromkeys(args.eos_token_ids + gen_eos))
             args = replace(args, eos_token_ids=merged)
         return args
+
+
+def _sliding_window(config: dict[str, Any]) -> int | None:
+    """Mistral sets `sliding_window` when it uses one; Qwen2/3 carry a size but use it only if `use_sliding_window`."""
+    window = config.get("sliding_window")
+    if not window or config.get("use_sliding_window") is False:
+        return None
+    return int(window)
 
 
 def _as_id_tuple(value: Any) -> tuple[int, ...]:

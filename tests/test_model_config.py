@@ -70,3 +70,12 @@ def test_eos_ids_merge_config_and_generation_config(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(config_dict("llama")))
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
     assert ModelArgs.from_dir(tmp_path).eos_token_ids == (2, 7)
+
+
+def test_sliding_window_caps_the_context() -> None:
+    mistral = ModelArgs.from_dict(config_dict("mistral", sliding_window=4096, max_position_embeddings=32768))
+    assert mistral.context_length == 4096
+    no_window = ModelArgs.from_dict(config_dict("mistral", sliding_window=None, max_position_embeddings=32768))
+    assert no_window.sliding_window is None and no_window.context_length == 32768
+    qwen2 = ModelArgs.from_dict(config_dict("qwen2", sliding_window=1024, use_sliding_window=False))
+    assert qwen2.sliding_window is None and qwen2.context_length == 4096
