@@ -58,7 +58,7 @@ class ModelPendingError(ServiceUnavailableError):
 class ModelAccessError(ExoLikeError):
     """The hub refuses this node the model's files: gated or private, and no (accepted) token."""
 
-    status = 403
+    status = 401  # as the hub answers; the body's code `gated_model` tells it apart from a bad API key
     type = "permission_error"
 
 

@@ -205,7 +205,7 @@ def test_hub_errors_are_clear_and_the_node_keeps_serving(hub: HubServer, tmp_pat
     try:
         for model, status, code, words in [
             (MISSING, 404, "model_not_found", "was not found on"),
-            (GATED, 403, "gated_model", "HF_TOKEN"),
+            (GATED, 401, "gated_model", "HF_TOKEN"),
             (UNSUPPORTED, 400, "unsupported_architecture", "gpt_neox"),
         ]:
             got, body = chat(node, model)
