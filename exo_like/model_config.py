@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from exo_like.errors import UnsupportedModelError
+from exo_like.quantization import QuantSpec, quant_spec
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -91,9 +92,14 @@ class ModelArgs:
             torch_dtype=str(config.get("torch_dtype") or config.get("dtype") or "float32"),
             eos_token_ids=_as_id_tuple(config.get("eos_token_id")),
             bos_token_id=config.get("bos_token_id"),
-            quantization=config.get("quantization") or config.get("quantization_config"),
+            quantization=_quantization(config),
             sliding_window=_sliding_window(config),
         )
+
+    @property
+    def quant(self) -> QuantSpec | None:
+        """The uniform MLX quantization of the checkpoint (validated in from_dict), None for float."""
+        return quant_spec(self.quantization)
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> "ModelArgs":
@@ -167,3 +173,10 @@ def rope_inv_freq(args: ModelArgs) -> np.ndarray:
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
     return np.where(is_medium, smoothed, scaled).astype(np.float32)
+
+
+def _quantization(config: dict[str, Any]) -> dict[str, Any] | None:
+    """The config's quantization entry, checked now so an unsupported form fails before any weights move."""
+    quantization = config.get("quantization") or config.get("quantization_config")
+    quant_spec(quantization)
+    return quantization

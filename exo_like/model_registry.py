@@ -18,7 +18,7 @@ from typing import Any, Callable
 from exo_like.catalog import entry_for_repo
 from exo_like.cluster import ModelDescription
 from exo_like.demo import DEMO_NAME, ensure_demo_model
-from exo_like.errors import ExoLikeError, ModelNotFoundError, ModelPendingError, UnsupportedModelError
+from exo_like.errors import ExoLikeError, ModelNotFoundError, ModelPendingError
 from exo_like.hub import RepoManifest
 from exo_like.model_config import ModelArgs
 from exo_like.model_source import HubModel, list_models, locate, prepare_hub_model
@@ -93,9 +93,6 @@ class ModelRegistry:
             return self._remember(self._hub_model(prepare_hub_model(source, self.cache_dir), spec))
         model_id, folder = resolve_model_dir(spec, self.home)
         args = ModelArgs.from_dir(folder)
-        if args.quantization:
-            raise UnsupportedModelError(f"{model_id} is quantized; only float checkpoints are supported",
-                                        code="unsupported_quantization")
         key = DEMO_NAME if spec == DEMO_NAME else str(folder)
         return self._remember(LoadedModel(model_id, key, folder, args, ModelTokenizer.from_dir(folder),
                                           frozenset({spec, str(folder), key})))

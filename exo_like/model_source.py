@@ -91,9 +91,6 @@ def _prepare_repo(repo_id: str, cache_dir: Path) -> HubModel:
     except UnsupportedModelError as exc:
         raise UnsupportedModelError(f"{repo_id} cannot be served: {exc.message}; pick a model of a supported "
                                     f"family (GET /v1/models lists the catalog)", code=exc.code) from None
-    if args.quantization:
-        raise UnsupportedModelError(f"{repo_id} is quantized; only float checkpoints are supported",
-                                    code="unsupported_quantization")
     manifest = repo_manifest(repo_id, folder, args.num_hidden_layers, args.tie_word_embeddings, cache_dir)
     return HubModel(repo_id, folder, args, manifest)
 

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
@@ -70,6 +71,22 @@ def _is_derived(name: str, tied_embeddings: bool) -> bool:
     return tied_embeddings and name.startswith("lm_head.")
 
 
+def quantize_like_checkpoint(model: ShardModel, args: ModelArgs, weights: dict[str, mx.array]) -> None:
+    """Swap in quantized layers where the checkpoint stores quantized matrices, before loading them.
+
+    As mlx-lm does, a layer is quantized exactly when the checkpoint has its `.scales`: converters leave some
+    layers in float (e.g. ones whose input size is not a multiple of the group size)."""
+    spec = args.quant
+    if spec is None:
+        return
+    nn.quantize(model, spec.group_size, spec.bits, class_predicate=lambda path, _: f"{path}.scales" in weights)
+
+
+def _cast(array: mx.array, dtype: mx.Dtype) -> mx.array:
+    """Floating tensors take the engine's dtype; packed quantized weights (uint32) stay as stored."""
+    return array.astype(dtype) if mx.issubdtype(array.dtype, mx.floating) else array
+
+
 class MLXEngine(Engine):
     name = "mlx"
 
@@ -85,10 +102,6 @@ class MLXEngine(Engine):
     # ---- loading -------------------------------------------------------------------------------------------
 
     def load(self, model_dir: Path, args: ModelArgs, shard: Shard) -> None:
-        if args.quantization:
-            raise UnsupportedModelError(
-                "quantized checkpoints are not supported by the MLX engine yet", code="unsupported_quantization"
-            )
         if shard.n_layers != args.num_hidden_layers:
             raise ValueError(f"shard {shard} does not match the model's {args.num_hidden_layers} layers")
         started = time.perf_counter()
@@ -98,8 +111,9 @@ class MLXEngine(Engine):
         with mx.stream(self._device):
             model = ShardModel(args, shard)
             weights = read_plan_tensors(plan, args.tie_word_embeddings)
+            quantize_like_checkpoint(model, args, weights)
             dtype = MX_DTYPES[dtype_name]
-            model.load_weights([(name, w.astype(dtype)) for name, w in weights.items()], strict=True)
+            model.load_weights([(name, _cast(w, dtype)) for name, w in weights.items()], strict=True)
             # Read everything now, so the first request does not pay for loading and the files can be closed.
             mx.eval(model.parameters())
         self._model, self._dtype_name = model, dtype_name

@@ -18,9 +18,11 @@ from safetensors import safe_open
 from exo_like.activations import Activations
 from exo_like.checkpoint import ShardLoadPlan, plan_shard_load
 from exo_like.engines.base import Engine
+from exo_like.engines.torch_dequantize import dequantize_tensors
 from exo_like.engines.torch_model import KVCache, ShardModel, fuse_checkpoint_weights
 from exo_like.errors import InvalidRequestError
 from exo_like.model_config import DTYPES, ModelArgs
+from exo_like.quantization import QuantSpec
 from exo_like.shard import Shard
 
 log = logging.getLogger(__name__)
@@ -53,9 +55,12 @@ def pick_dtype(requested: str | None, checkpoint_dtype: str, device: torch.devic
 
 
 def read_planned_tensors(
-    plan: ShardLoadPlan, skip: set[str], device: torch.device, dtype: torch.dtype
+    plan: ShardLoadPlan, skip: set[str], device: torch.device, dtype: torch.dtype, quant: QuantSpec | None = None
 ) -> dict[str, torch.Tensor]:
-    """Read exactly the plan's tensors from exactly the plan's files, converted to the engine's device/dtype."""
+    """Read exactly the plan's tensors from exactly the plan's files, converted to the engine's device/dtype.
+
+    A quantized checkpoint's matrices are dequantized here, one at a time, so only the packed shard plus one
+    float matrix is ever held beyond the result."""
     weights: dict[str, torch.Tensor] = {}
     for path, names in plan.files.items():
         wanted = [(name, local) for name, local in names if name not in skip]
@@ -65,8 +70,20 @@ def read_planned_tensors(
             for name, local in wanted:
                 # get_tensor may return a view of the file's memory map; a private copy lets the mapping close,
                 # so resident memory ends at the shard's bytes instead of also keeping the file pages mapped.
-                weights[local] = f.get_tensor(name).to(device=device, dtype=dtype, copy=True)
-    return weights
+                tensor = f.get_tensor(name)
+                # Packed tensors keep their stored form (a copy still) until all parts of a matrix are read.
+                weights[local] = tensor.clone() if quant else tensor.to(device=device, dtype=dtype, copy=True)
+    if quant is None:
+        return weights
+    return {name: tensor.to(device=device, dtype=dtype) for name, tensor in dequantize_tensors(weights, quant)}
+
+
+def checkpoint_skips(plan: ShardLoadPlan, tied_embeddings: bool) -> set[str]:
+    """A tied model's stored LM head (and, when quantized, its scales and biases) duplicates the embedding,
+    which is what we use."""
+    if not tied_embeddings:
+        return set()
+    return {name for names in plan.files.values() for name, _ in names if name.startswith("lm_head.")}
 
 
 def activations_to_tensor(activations: Activations, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -107,12 +124,11 @@ class TorchEngine(Engine):
         started = time.perf_counter()
         self.dtype = pick_dtype(self.requested_dtype, args.torch_dtype, self.device)
         plan = plan_shard_load(Path(model_dir), shard, args.tie_word_embeddings)
-        # A tied model's stored lm_head (if any) duplicates the embedding, which is what we use.
-        skip = {"lm_head.weight"} if args.tie_word_embeddings else set()
+        skip = checkpoint_skips(plan, args.tie_word_embeddings)
         log.info("loading %s from %d files on %s as %s", shard, len(plan.files), self.device, DTYPE_NAMES[self.dtype])
         with torch.device("meta"):  # no memory, no random init: every parameter is replaced by a loaded tensor
             model = ShardModel(args, shard.layer_count, shard.is_first, shard.is_last)
-        weights = read_planned_tensors(plan, skip, self.device, self.dtype)
+        weights = read_planned_tensors(plan, skip, self.device, self.dtype, args.quant)
         state = fuse_checkpoint_weights(weights, args, shard.is_first, shard.is_last)
         model.load_state_dict(state, assign=True)
         # Drop our references so prepare()'s relayout frees each old tensor as it goes.
