@@ -3,7 +3,7 @@
 The shapes are copied from each model's published config.json, so the parameter count (and the bf16 size)
 follows from them instead of being typed in by hand. `repos` are tried in order: the publisher's own repo
 first, then ungated mirrors of the same weights (a node without a token still gets the model), then the
-mlx-community 4-bit conversion (quantized: usable once the engine runs quantized checkpoints).
+mlx-community 4-bit conversion (quantized: MLX nodes run it quantized, torch nodes dequantize it at load).
 """
 
 from __future__ import annotations
