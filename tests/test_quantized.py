@@ -172,3 +172,27 @@ def test_the_registry_serves_a_quantized_folder(quantized_dir, tmp_path):
     registry = ModelRegistry(tmp_path / "home", tmp_path / "cache", "node-a", lambda _: None)
     model = registry.resolve(str(quantized_dir("qwen2")))
     assert model.args.quant == QuantSpec(64, 4)
+
+
+def test_a_torch_node_and_an_mlx_node_serve_one_quantized_folder_as_mlx_lm_does(quantized_dir, reference_tokens,
+                                                                               tmp_path):
+    """The issue's ring, as processes: a torch node (dequantizing) and an MLX node (quantized) on one folder."""
+    from tokenizers import Tokenizer
+
+    from tests.cluster_harness import cluster_of, start_cluster, wait_until_ready
+
+    path = quantized_dir("llama")
+    expected = reference_tokens("llama")
+    nodes = start_cluster(tmp_path, str(path), [2, 1], engines=["torch", "mlx"])
+    try:
+        wait_until_ready(nodes, members=2)
+        assert [n["engine"] for n in cluster_of(nodes[0])["nodes"]] == ["torch", "mlx"]
+        body = json.dumps({"model": path.name, "prompt": prompt_ids(path).tolist(), "max_tokens": len(expected),
+                           "temperature": 0, "ignore_eos": True}).encode()
+        status, _, raw = nodes[1].request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        assert status == 200, raw
+        text = json.loads(raw)["choices"][0]["text"]
+        assert text == Tokenizer.from_file(str(path / "tokenizer.json")).decode(expected)
+    finally:
+        for node in nodes:
+            node.stop()
