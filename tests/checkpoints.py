@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -115,3 +116,15 @@ def to_hub_style_config(config_path: Path) -> None:
     config["rope_scaling"] = None if rope_type == "default" else rope
     config["torch_dtype"] = config.pop("dtype", "float32")
     config_path.write_text(json.dumps(config, indent=2))
+
+
+def built_once(root: Path, build: Callable[[str, Path], Path]) -> Callable[[str], Path]:
+    """name -> checkpoint folder, built by `build(name, root / name)` on first use and reused after."""
+    made: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in made:
+            made[name] = build(name, root / name)
+        return made[name]
+
+    return get

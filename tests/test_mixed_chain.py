@@ -19,7 +19,7 @@ from tokenizers import Tokenizer  # noqa: E402
 from exo_like.engines.base import Engine, create_engine  # noqa: E402
 from exo_like.model_config import ModelArgs  # noqa: E402
 from exo_like.shard import Shard  # noqa: E402
-from tests.checkpoints import make_checkpoint  # noqa: E402
+from tests.checkpoints import built_once, make_checkpoint  # noqa: E402
 
 N_LAYERS = 6
 N_TOKENS = 32
@@ -40,16 +40,8 @@ CASES = {
 @pytest.fixture(scope="session")
 def mixed_model_dir(tmp_path_factory) -> Callable[[str], Path]:
     """name -> checkpoint folder, each written once per session on first use."""
-    root = tmp_path_factory.mktemp("mixed_chain_checkpoints")
-    made: dict[str, Path] = {}
-
-    def get(name: str) -> Path:
-        if name not in made:
-            arch, kwargs = CASES[name]
-            made[name] = make_checkpoint(root / name, arch, n_layers=N_LAYERS, seed=SEED, **kwargs)
-        return made[name]
-
-    return get
+    return built_once(tmp_path_factory.mktemp("mixed_chain_checkpoints"), lambda name, path: make_checkpoint(
+        path, CASES[name][0], n_layers=N_LAYERS, seed=SEED, **CASES[name][1]))
 
 
 @pytest.fixture(scope="session")

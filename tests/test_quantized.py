@@ -23,7 +23,7 @@ from exo_like.errors import UnsupportedModelError  # noqa: E402
 from exo_like.model_config import ModelArgs  # noqa: E402
 from exo_like.quantization import BITS, QuantSpec, quant_spec  # noqa: E402
 from exo_like.shard import Shard  # noqa: E402
-from tests.checkpoints import make_checkpoint  # noqa: E402
+from tests.checkpoints import built_once, make_checkpoint  # noqa: E402
 from tests.test_mixed_chain import chain_greedy  # noqa: E402
 from tests.test_mlx_engine import N_LAYERS, SEED, UNEVEN_SHARDS, greedy, mlx_lm_greedy, prompt_ids  # noqa: E402
 
@@ -48,18 +48,13 @@ def quantize_checkpoint(float_dir: Path, out_dir: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def quantized_dir(tmp_path_factory) -> Callable[[str], Path]:
-    root = tmp_path_factory.mktemp("quantized_checkpoints")
-    made: dict[str, Path] = {}
+    def build(name: str, path: Path) -> Path:
+        arch, kwargs = CASES[name]
+        float_dir = make_checkpoint(path.with_name(f"{name}-float"), arch, n_layers=N_LAYERS, seed=SEED,
+                                    hub_style_config=True, **kwargs)
+        return quantize_checkpoint(float_dir, path)
 
-    def get(name: str) -> Path:
-        if name not in made:
-            arch, kwargs = CASES[name]
-            float_dir = make_checkpoint(root / f"{name}-float", arch, n_layers=N_LAYERS, seed=SEED,
-                                        hub_style_config=True, **kwargs)
-            made[name] = quantize_checkpoint(float_dir, root / name)
-        return made[name]
-
-    return get
+    return built_once(tmp_path_factory.mktemp("quantized_checkpoints"), build)
 
 
 @pytest.fixture(scope="session")
