@@ -159,10 +159,7 @@ def test_incomplete_tail_is_flushed_not_lost(tokenizer: ModelTokenizer) -> None:
     assert "".join(deltas) == tokenizer.decode(ids) == "x\ufffd"
 
 
-@settings(max_examples=300, deadline=None)
-@given(st.lists(st.integers(min_value=0, max_value=1023), max_size=40))
-def test_deltas_concatenate_to_the_full_decode(ids: list[int]) -> None:
-    tokenizer = _demo_tokenizer()
+def assert_deltas_are_the_full_decode(tokenizer: ModelTokenizer, ids: list[int]) -> None:
     deltas = stream(tokenizer, ids)
     full = tokenizer.decode(ids)
     assert "".join(deltas) == full
@@ -170,6 +167,12 @@ def test_deltas_concatenate_to_the_full_decode(ids: list[int]) -> None:
     for delta in deltas[:-1]:
         emitted += delta
         assert full.startswith(emitted)  # nothing emitted is ever taken back
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(min_value=0, max_value=1023), max_size=40))
+def test_deltas_concatenate_to_the_full_decode(ids: list[int]) -> None:
+    assert_deltas_are_the_full_decode(_demo_tokenizer(), ids)
 
 
 _CACHE: dict[str, ModelTokenizer] = {}
@@ -224,11 +227,4 @@ def test_byte_fallback_group_that_turns_invalid_is_not_emitted_early() -> None:
 @given(st.lists(st.integers(min_value=0, max_value=271), max_size=30))
 @example([3, 1, 131])  # <0x00> <s> <0x80>: the skipped special token does not end the byte run
 def test_sentencepiece_style_deltas_concatenate_to_the_full_decode(ids: list[int]) -> None:
-    tokenizer = _sentencepiece_style_tokenizer()
-    deltas = stream(tokenizer, ids)
-    full = tokenizer.decode(ids)
-    assert "".join(deltas) == full
-    emitted = ""
-    for delta in deltas[:-1]:
-        emitted += delta
-        assert full.startswith(emitted)
+    assert_deltas_are_the_full_decode(_sentencepiece_style_tokenizer(), ids)
