@@ -6,6 +6,7 @@ its 16-bit pattern and each engine reinterprets it natively.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +29,7 @@ class Activations:
     def __post_init__(self) -> None:
         if self.dtype not in WIRE_DTYPES:
             raise ValueError(f"unsupported activation dtype {self.dtype!r}")
-        expected = int(np.prod(self.shape)) * WIRE_DTYPES[self.dtype].itemsize
+        expected = math.prod(self.shape) * WIRE_DTYPES[self.dtype].itemsize
         if len(self.data) != expected:
             raise ValueError(f"activation payload is {len(self.data)} bytes, shape {self.shape} needs {expected}")
 

@@ -14,6 +14,7 @@ from aiohttp import web
 
 from discovery import parse_peers
 from exo_like.api import create_app
+from exo_like.engines.openmp import limit_worker_spin
 from exo_like.errors import ExoLikeError
 from exo_like.node import DEFAULT_CLUSTER_KEY, Node, NodeOptions, default_home
 
@@ -127,6 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     home = (args.home or default_home()).expanduser()
     node_filter = setup_logging(args.log_level, "-")  # the node id is stamped once the node has claimed it
+    limit_worker_spin()  # before anything imports torch: idle stages must not spin on the cores others need
     options = NodeOptions(home=home, engine=args.engine, device=args.device, dtype=args.dtype,
                           node_name=args.node_name, memory_gb=args.memory_gb, peers=args.peers,
                           mdns=not args.no_mdns, cluster_key=args.cluster_key or DEFAULT_CLUSTER_KEY, model=args.model,

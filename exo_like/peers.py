@@ -110,6 +110,7 @@ class PeerNetwork:
         self.max_frame_bytes = max_frame_bytes
         self.links: dict[str, PeerLink] = {}
         self._dialing: set[str] = set()
+        self._own_addresses: set[str] = set()  # addresses that turned out to reach this node itself
         self._tasks: set[asyncio.Task] = set()
         self._session: aiohttp.ClientSession | None = None
 
@@ -131,8 +132,8 @@ class PeerNetwork:
     async def dial(self, host: str, port: int) -> PeerLink | None:
         """Connect and authenticate; returns the live link, or None if refused, unreachable or to ourselves."""
         address = f"{host}:{port}"
-        if address in self._dialing:
-            return None
+        if address in self._dialing or address in self._own_addresses:
+            return None  # a `--peers` list shared by every node names this node too: dial it once, not forever
         self._dialing.add(address)
         try:
             return await self._dial(host, port, address)
@@ -156,6 +157,8 @@ class PeerNetwork:
             await ws.close()
             raise
         link = PeerLink(remote, ws, self.me.node_id, address, self.max_frame_bytes)
+        if remote.node_id == self.me.node_id:
+            self._own_addresses.add(address)
         if not self._register(link):
             await ws.close()
             return self.links.get(remote.node_id)

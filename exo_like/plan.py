@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -26,7 +27,7 @@ class Plan:
     stages: tuple[Stage, ...]
     memories: tuple[tuple[str, int], ...]  # (node id, memory bytes) of every member the plan was made from
 
-    @property
+    @cached_property  # read on every message of every request; the plan never changes
     def digest(self) -> str:
         body = json.dumps([self.model_id, self.n_layers, [(s.node_id, s.start_layer, s.end_layer)
                                                           for s in self.stages], self.memories])

@@ -101,9 +101,19 @@ async def test_simultaneous_dials_keep_one_link_on_both_sides(peers) -> None:
     await wait_for(lambda: b.received)
 
 
-async def test_dialing_yourself_makes_no_link(peers) -> None:
+async def test_dialing_yourself_makes_no_link_and_is_not_repeated(peers, monkeypatch) -> None:
     a = await peers("aaa")
+    connections = []
+    real_dial = a.net._dial
+
+    async def counting_dial(*args):
+        connections.append(args)
+        return await real_dial(*args)
+
+    monkeypatch.setattr(a.net, "_dial", counting_dial)
     assert await a.net.dial("127.0.0.1", a.port) is None
+    assert await a.net.dial("127.0.0.1", a.port) is None  # the redial loop asks again every few seconds
+    assert len(connections) == 1  # ... but a --peers list naming this node costs one handshake, not one per ask
     assert not a.net.links
 
 
