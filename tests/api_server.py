@@ -81,8 +81,8 @@ def start_node(home: Path, model: str | None, *extra: str, timeout: float = 180,
     fd, name = tempfile.mkstemp(prefix="node-", suffix=".log", dir=home)  # nodes may share a home
     os.close(fd)
     log_path = Path(name)
-    command = [*exo_like_command(), *(["--model", model] if model else []), "--home", str(home), "--host", "127.0.0.1", "--port", str(port),
-               *extra]
+    command = [*exo_like_command(), *(["--model", model] if model else []), "--home", str(home),
+               "--host", "127.0.0.1", "--port", str(port), *extra]
     # One torch thread: the test models are tiny, and on a small shared machine two threads that wait for each
     # other at every barrier stall for whole scheduler slices whenever another process holds a core.
     changes = {"OMP_NUM_THREADS": str(threads), **(env or {})}

@@ -33,7 +33,8 @@ def test_every_tensor_lands_in_exactly_the_right_shards(tied: bool) -> None:
 
 def test_layers_renumbered_from_zero() -> None:
     shard = Shard("m", 5, 8, 8)
-    assert local_tensor_name("model.layers.6.mlp.down_proj.weight", shard, False) == "model.layers.1.mlp.down_proj.weight"
+    local = local_tensor_name("model.layers.6.mlp.down_proj.weight", shard, False)
+    assert local == "model.layers.1.mlp.down_proj.weight"
     assert local_tensor_name("model.layers.4.mlp.down_proj.weight", shard, False) is None
     assert local_tensor_name("model.rotary_emb.inv_freq", shard, False) is None
 

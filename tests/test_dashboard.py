@@ -337,7 +337,8 @@ def test_no_model_and_a_model_that_does_not_fit_are_explained(tiny_pair_without_
     assert problem.startswith("the model does not fit: ") and "bytes available" in problem
     assert problem in page.inner_text(".msg.assistant .msg-meta")  # the server's reason, in words
     dashboard.wait_for("problem => document.querySelector('#banners').textContent.includes(problem)", problem)
-    dashboard.wait_for("() => [...document.querySelectorAll('#nodes .node')].every(c => c.dataset.status === 'problem')")
+    dashboard.wait_for(
+        "() => [...document.querySelectorAll('#nodes .node')].every(c => c.dataset.status === 'problem')")
     assert "needs" in dashboard.cards()[0]["text"]
     dashboard.screenshot("dashboard-does-not-fit-1280x800.png", DESKTOP)
 

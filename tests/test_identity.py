@@ -23,7 +23,8 @@ def test_restart_keeps_id_and_concurrent_nodes_differ(tmp_path: Path) -> None:
 
 def test_lock_is_held_across_processes(tmp_path: Path) -> None:
     holder = claim_identity(tmp_path)
-    code = f"from pathlib import Path; from exo_like.identity import claim_identity; print(claim_identity(Path({str(tmp_path)!r})).node_id)"
+    code = ("from pathlib import Path; from exo_like.identity import claim_identity; "
+            f"print(claim_identity(Path({str(tmp_path)!r})).node_id)")
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert other and other != holder.node_id
     holder.release()
