@@ -135,8 +135,9 @@ class Node:
             self.stage.activate(None, None)
             if model.manifest is not None:  # a hub model: fetch the files this shard needs that are not here yet
                 await self.downloader.ensure(model.manifest, model.path, shard, model.args.tie_word_embeddings)
-            await asyncio.get_running_loop().run_in_executor(self.executor, self.engine.load, model.path,
-                                                             model.args, shard)
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(self.executor, self.engine.load, model.path, model.args, shard)
+            await loop.run_in_executor(self.executor, self.engine.place_threads)
             self._loaded = (plan.model_id, shard)
             log.info("node %s: loaded %s layers [%d, %d) on %s %s (%.1f MB) in %.1fs", self.node_id, model.model_id,
                      shard.start_layer, shard.end_layer, self.engine.device_name, self.engine.dtype_name,

@@ -48,6 +48,10 @@ class Engine(ABC):
         position, shape [vocab].
         """
 
+    def place_threads(self) -> None:
+        """Called on the engine thread after each load: settle where the framework's compute threads run.
+        Most engines leave that to the operating system."""
+
     @abstractmethod
     def release(self, request_id: str) -> None:
         """Free the request's KV cache. Unknown ids are ignored."""

@@ -18,6 +18,7 @@ from safetensors import safe_open
 from exo_like.activations import Activations
 from exo_like.checkpoint import ShardLoadPlan, plan_shard_load
 from exo_like.engines.base import Engine
+from exo_like.engines.openmp import pin_openmp_team
 from exo_like.engines.torch_dequantize import dequantize_tensors
 from exo_like.engines.torch_model import KVCache, ShardModel, fuse_checkpoint_weights
 from exo_like.errors import InvalidRequestError
@@ -115,6 +116,7 @@ class TorchEngine(Engine):
         self.dtype: torch.dtype = TORCH_DTYPES[dtype or "float32"]  # until load() reads the checkpoint's
         self.model: ShardModel | None = None
         self.caches: dict[str, KVCache] = {}
+        self._threads_placed = False
 
     def load(self, model_dir: Path, args: ModelArgs, shard: Shard) -> None:
         if shard.n_layers != args.num_hidden_layers:
@@ -154,6 +156,15 @@ class TorchEngine(Engine):
             if model.is_last:
                 return out.float().cpu().numpy()
             return tensor_to_activations(out)
+
+    def place_threads(self) -> None:
+        """On CPU, one core per OpenMP thread of this (the engine) thread's team: see engines/openmp.py."""
+        if self.device.type != "cpu" or self._threads_placed:
+            return
+        self._threads_placed = True
+        cpus = pin_openmp_team(torch.get_num_threads())
+        if cpus is not None:
+            log.info("pinned %d torch threads to cpus %s", len(cpus), ",".join(map(str, cpus)))
 
     def release(self, request_id: str) -> None:
         cache = self.caches.pop(request_id, None)
