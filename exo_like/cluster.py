@@ -153,7 +153,7 @@ class Cluster:
             return None, f"cannot serve {self.model_id}: {exc.message}"
         capacities = [NodeCapacity(m.node_id, m.memory_bytes) for m in self.members()]
         plan = make_plan(self.model_id, description.n_layers, capacities)
-        problems = fit_problems(plan, description.footprint, {})
+        problems = fit_problems(plan, description.footprint, {m.node_id: m.engine for m in self.members()})
         return plan, ("the model does not fit: " + "; ".join(problems)) if problems else None
 
     def _start_loading(self) -> None:
@@ -346,10 +346,11 @@ class Cluster:
             return None  # already reported as the cluster's problem
 
     def _used_bytes(self, member: NodeInfo) -> int:
-        """Parameter bytes of the member's layers in the current plan, as stored (what the fit check counts)."""
+        """Parameter bytes of the member's layers in the current plan, as its engine holds them (what the fit
+        check counts)."""
         description = self._description()
         shard = self.plan.shard_for(member.node_id) if self.plan else None
-        return description.footprint.shard_bytes(shard) if description and shard else 0
+        return description.footprint.held_by(member.engine).shard_bytes(shard) if description and shard else 0
 
     def _model_bytes(self) -> int | None:
         description = self._description()

@@ -129,17 +129,18 @@ def download_metadata(repo_id: str, cache_dir: Path) -> Path:
     return folder
 
 
-def repo_manifest(repo_id: str, folder: Path, n_layers: int, tied: bool, cache_dir: Path) -> RepoManifest:
+def repo_manifest(repo_id: str, folder: Path, n_layers: int, tied: bool, cache_dir: Path,
+                  quant_bits: int | None = None) -> RepoManifest:
     """The repo's weight files and per-layer bytes at the snapshot's commit: from the cache, else the hub."""
     commit = folder.name
     path = storage_folder(cache_dir, repo_id) / MANIFEST_FOLDER / f"{commit}.json"
     if path.is_file():
         return RepoManifest.from_json(json.loads(path.read_text()))
     if offline():
-        manifest = _local_manifest(repo_id, folder, n_layers, tied, cache_dir)
+        manifest = _local_manifest(repo_id, folder, n_layers, tied, cache_dir, quant_bits)
     else:
         with hub_errors(repo_id, cache_dir, "the layer sizes"):
-            manifest = _fetch_manifest(repo_id, commit, folder, n_layers, tied)
+            manifest = _fetch_manifest(repo_id, commit, folder, n_layers, tied, quant_bits)
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     temporary.write_text(json.dumps(manifest.to_json()))
@@ -147,7 +148,8 @@ def repo_manifest(repo_id: str, folder: Path, n_layers: int, tied: bool, cache_d
     return manifest
 
 
-def _fetch_manifest(repo_id: str, commit: str, folder: Path, n_layers: int, tied: bool) -> RepoManifest:
+def _fetch_manifest(repo_id: str, commit: str, folder: Path, n_layers: int, tied: bool,
+                    quant_bits: int | None) -> RepoManifest:
     api = HfApi(endpoint=endpoint(), **LIBRARY)
     info = api.model_info(repo_id, revision=commit, files_metadata=True)
     listed = {s.rfilename: RemoteFile(s.lfs.size if s.lfs else int(s.size or 0), s.lfs.sha256 if s.lfs else None)
@@ -160,7 +162,8 @@ def _fetch_manifest(repo_id: str, commit: str, folder: Path, n_layers: int, tied
                for header in headers for name, tensor in header.tensors.items())
     log.info("%s@%s: %d weight files, %.1f MB; layer sizes read from their headers", repo_id, commit[:8],
              len(names), sum(listed[n].size for n in names) / 1e6)
-    return RepoManifest(repo_id, commit, {n: listed[n] for n in names}, footprint_from_tensors(tensors, n_layers, tied))
+    return RepoManifest(repo_id, commit, {n: listed[n] for n in names},
+                        footprint_from_tensors(tensors, n_layers, tied, quant_bits))
 
 
 def _weight_files(folder: Path, listed: dict[str, RemoteFile]) -> list[str]:
@@ -180,7 +183,8 @@ def _weight_files(folder: Path, listed: dict[str, RemoteFile]) -> list[str]:
     return names
 
 
-def _local_manifest(repo_id: str, folder: Path, n_layers: int, tied: bool, cache_dir: Path) -> RepoManifest:
+def _local_manifest(repo_id: str, folder: Path, n_layers: int, tied: bool, cache_dir: Path,
+                    quant_bits: int | None) -> RepoManifest:
     """Offline, without a saved manifest: only a cache that holds every weight file can describe the model."""
     present = {p.name: RemoteFile(p.stat().st_size, None) for p in folder.glob("*.safetensors")}
     try:
@@ -191,7 +195,8 @@ def _local_manifest(repo_id: str, folder: Path, n_layers: int, tied: bool, cache
         raise HubUnavailableError(
             f"HF_HUB_OFFLINE is set and the cache {cache_dir} does not hold the layer sizes of {repo_id}: unset "
             f"HF_HUB_OFFLINE so the node can read them from the hub", code="model_not_cached")
-    return RepoManifest(repo_id, folder.name, {n: present[n] for n in names}, model_footprint(folder, n_layers, tied))
+    return RepoManifest(repo_id, folder.name, {n: present[n] for n in names},
+                        model_footprint(folder, n_layers, tied, quant_bits))
 
 
 @contextmanager

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from exo_like.checkpoint import local_tensor_name, safetensors_header, weight_map
+from exo_like.quantization import QUANTIZED_SUFFIXES
 from exo_like.shard import Shard
 from partitioning import NodeCapacity, Stage, plan_ring
 
@@ -68,13 +69,17 @@ def make_plan(model_id: str, n_layers: int, members: list[NodeCapacity]) -> Plan
 
 @dataclass(frozen=True)
 class ModelFootprint:
-    """Parameter bytes of a checkpoint as stored: per layer, plus embedding and head."""
+    """Parameter bytes of a checkpoint as stored: per layer, plus embedding and head.
+
+    For a quantized checkpoint, `unpacked` is the same checkpoint with every quantized matrix expanded to its
+    float dtype: what a torch node holds, as it dequantizes at load (an MLX node keeps the packed form)."""
 
     layer_bytes: tuple[int, ...]
     embed_bytes: int
     head_bytes: int  # final norm + LM head (0 extra for the head when embeddings are tied)
     tied: bool
     stored_dtype_bytes: int
+    unpacked: "ModelFootprint | None" = None
 
     def shard_bytes(self, shard: Shard, dtype: str | None = None) -> int:
         total = sum(self.layer_bytes[shard.start_layer:shard.end_layer])
@@ -86,59 +91,90 @@ class ModelFootprint:
             return total
         return total * DTYPE_BYTES.get(dtype, self.stored_dtype_bytes) // self.stored_dtype_bytes
 
+    def held_by(self, engine: str | None) -> "ModelFootprint":
+        """The bytes a node running `engine` holds in memory."""
+        return self.unpacked if engine == "torch" and self.unpacked is not None else self
+
     def to_json(self) -> dict[str, Any]:
         return {"layer_bytes": list(self.layer_bytes), "embed_bytes": self.embed_bytes,
-                "head_bytes": self.head_bytes, "tied": self.tied, "stored_dtype_bytes": self.stored_dtype_bytes}
+                "head_bytes": self.head_bytes, "tied": self.tied, "stored_dtype_bytes": self.stored_dtype_bytes,
+                "unpacked": self.unpacked.to_json() if self.unpacked is not None else None}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "ModelFootprint":
+        unpacked = data.get("unpacked")  # absent in manifests saved before it was recorded
         return cls(tuple(int(n) for n in data["layer_bytes"]), int(data["embed_bytes"]), int(data["head_bytes"]),
-                   bool(data["tied"]), int(data["stored_dtype_bytes"]))
+                   bool(data["tied"]), int(data["stored_dtype_bytes"]),
+                   cls.from_json(unpacked) if unpacked else None)
 
 
-def model_footprint(model_dir: Path, n_layers: int, tied: bool) -> ModelFootprint:
+def model_footprint(model_dir: Path, n_layers: int, tied: bool, quant_bits: int | None = None) -> ModelFootprint:
     """Read sizes from the safetensors headers (no tensor data is read)."""
     files = sorted(set(weight_map(model_dir).values()))
     tensors = ((name, entry["dtype"], entry["data_offsets"][1] - entry["data_offsets"][0])
                for file in files for name, entry in safetensors_header(model_dir / file).items())
-    return footprint_from_tensors(tensors, n_layers, tied)
+    return footprint_from_tensors(tensors, n_layers, tied, quant_bits)
 
 
-def footprint_from_tensors(tensors: Iterable[tuple[str, str, int]], n_layers: int, tied: bool) -> ModelFootprint:
+def footprint_from_tensors(tensors: Iterable[tuple[str, str, int]], n_layers: int, tied: bool,
+                           quant_bits: int | None = None) -> ModelFootprint:
     """The footprint of a checkpoint from its tensors' (name, safetensors dtype, stored bytes).
 
-    Works from headers read locally or fetched from the hub, so a node can plan before it downloads."""
-    layers = [0] * n_layers
-    embed = head = 0
-    itemsizes: set[int] = set()
+    Works from headers read locally or fetched from the hub, so a node can plan before it downloads.
+    quant_bits: the checkpoint's quantization (see quantization.py), if it has one."""
     whole = Shard("footprint", 0, n_layers, n_layers)
+    kept = []
     for name, dtype, size in tensors:
         local = local_tensor_name(name, whole, tied)
-        if local is None:
-            continue
-        if dtype in ("F32", "BF16", "F16"):
-            itemsizes.add(4 if dtype == "F32" else 2)
+        if local is not None:
+            kept.append((name, local, dtype, size))
+    itemsizes = {4 if dtype == "F32" else 2 for _, _, dtype, _ in kept if dtype in ("F32", "BF16", "F16")}
+    float_bytes = max(itemsizes) if itemsizes else 2
+    stored = _sum_by_part(((name, local, size) for name, local, _, size in kept), n_layers, tied, float_bytes)
+    if quant_bits is None:
+        return stored
+    unpacked = _sum_by_part(((name, local, _unpacked_bytes(name, dtype, size, quant_bits, float_bytes))
+                             for name, local, dtype, size in kept), n_layers, tied, float_bytes)
+    return ModelFootprint(stored.layer_bytes, stored.embed_bytes, stored.head_bytes, tied, float_bytes, unpacked)
+
+
+def _unpacked_bytes(name: str, dtype: str, size: int, bits: int, float_bytes: int) -> int:
+    """A packed matrix becomes size*8/bits floats; its scales and biases are folded into them."""
+    if name.endswith(QUANTIZED_SUFFIXES):
+        return 0
+    if dtype == "U32" and name.endswith(".weight"):
+        return size * 8 // bits * float_bytes
+    return size
+
+
+def _sum_by_part(sizes: Iterable[tuple[str, str, int]], n_layers: int, tied: bool, float_bytes: int) -> ModelFootprint:
+    layers = [0] * n_layers
+    embed = head = 0
+    for name, local, size in sizes:
         if local.startswith("model.layers."):
             layers[int(name.split(".")[2])] += size
         elif local.startswith("model.embed_tokens."):
             embed += size
         else:
             head += size
-    return ModelFootprint(tuple(layers), embed, head, tied, max(itemsizes) if itemsizes else 2)
+    return ModelFootprint(tuple(layers), embed, head, tied, float_bytes)
 
 
-def fit_problems(plan: Plan, footprint: ModelFootprint, dtypes: dict[str, str | None]) -> list[str]:
-    """One sentence per node whose range needs more memory than it offers; empty when the plan fits."""
+def fit_problems(plan: Plan, footprint: ModelFootprint, engines: dict[str, str]) -> list[str]:
+    """One sentence per node whose range needs more memory than it offers; empty when the plan fits.
+
+    engines: each node's engine (a torch node holds a quantized model unpacked)."""
     memory = dict(plan.memories)
     problems = []
+    total_needed = 0
     for stage in plan.stages:
         shard = plan.shard_for(stage.node_id)
         assert shard is not None
-        needed = footprint.shard_bytes(shard, dtypes.get(stage.node_id))
+        needed = footprint.held_by(engines.get(stage.node_id)).shard_bytes(shard)
+        total_needed += needed
         if needed > memory[stage.node_id]:
             problems.append(f"node {stage.node_id} needs {needed} bytes for layers [{shard.start_layer}, "
                             f"{shard.end_layer}) but has {memory[stage.node_id]} bytes available")
-    total_needed = footprint.shard_bytes(Shard("total", 0, plan.n_layers, plan.n_layers))
     total_memory = sum(memory.values())
     if problems and total_needed > total_memory:
         problems.insert(0, f"the model needs {total_needed} bytes in total; the cluster has {total_memory} bytes")

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 from safetensors import safe_open
 
 from exo_like.model_config import ModelArgs
-from exo_like.plan import fit_problems, make_plan, model_footprint
+from exo_like.plan import ModelFootprint, fit_problems, footprint_from_tensors, make_plan, model_footprint
 from exo_like.shard import Shard
 from partitioning import NodeCapacity
 from tests.checkpoints import make_checkpoint
@@ -66,3 +67,20 @@ def test_fit_problems_name_bytes_per_node(tied_checkpoint: Path) -> None:
     assert problems[0].startswith("the model needs") and "the cluster has 2000 bytes" in problems[0]
     needed_a = footprint.shard_bytes(tight.shard_for("a"))
     assert f"node a needs {needed_a} bytes for layers [0, 2) but has 1000 bytes available" in problems
+
+
+def test_a_quantized_footprint_survives_the_manifest_cache_and_older_manifests_still_load() -> None:
+    tensors = [("model.embed_tokens.weight", "U32", 4096), ("model.embed_tokens.scales", "BF16", 512),
+               ("model.embed_tokens.biases", "BF16", 512), ("model.layers.0.mlp.up_proj.weight", "U32", 8192),
+               ("model.layers.0.mlp.up_proj.scales", "BF16", 1024), ("model.layers.0.mlp.up_proj.biases", "BF16", 1024),
+               ("model.layers.0.input_layernorm.weight", "BF16", 128), ("model.norm.weight", "BF16", 128)]
+    footprint = footprint_from_tensors(tensors, 1, True, quant_bits=4)
+    assert footprint.layer_bytes == (8192 + 1024 + 1024 + 128,)
+    # Unpacked: each stored byte holds two 4-bit values, each becomes a 2-byte float; scales and biases fold away.
+    assert footprint.held_by("torch").layer_bytes == (8192 * 2 * 2 + 128,)
+    assert footprint.held_by("torch").embed_bytes == 4096 * 2 * 2
+    assert footprint.held_by("mlx") == footprint
+    assert ModelFootprint.from_json(json.loads(json.dumps(footprint.to_json()))) == footprint
+    saved_earlier = {k: v for k, v in footprint.to_json().items() if k != "unpacked"}
+    assert ModelFootprint.from_json(saved_earlier).held_by("torch").layer_bytes == footprint.layer_bytes
+    assert footprint_from_tensors(tensors, 1, True).held_by("torch") == footprint_from_tensors(tensors, 1, True)

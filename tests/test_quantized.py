@@ -21,8 +21,10 @@ from exo_like.engines.base import create_engine  # noqa: E402
 from exo_like.engines.torch_dequantize import dequantize  # noqa: E402
 from exo_like.errors import UnsupportedModelError  # noqa: E402
 from exo_like.model_config import ModelArgs  # noqa: E402
+from exo_like.plan import fit_problems, make_plan, model_footprint  # noqa: E402
 from exo_like.quantization import BITS, QuantSpec, quant_spec  # noqa: E402
 from exo_like.shard import Shard  # noqa: E402
+from partitioning import NodeCapacity  # noqa: E402
 from tests.checkpoints import built_once, make_checkpoint  # noqa: E402
 from tests.test_mixed_chain import chain_greedy  # noqa: E402
 from tests.test_mlx_engine import N_LAYERS, SEED, UNEVEN_SHARDS, greedy, mlx_lm_greedy, prompt_ids  # noqa: E402
@@ -191,3 +193,25 @@ def test_a_torch_node_and_an_mlx_node_serve_one_quantized_folder_as_mlx_lm_does(
     finally:
         for node in nodes:
             node.stop()
+
+
+def test_the_fit_check_counts_what_each_engine_holds(quantized_dir):
+    # A torch node dequantizes at load, so it holds several times the stored bytes of a 4-bit checkpoint; the
+    # plan's fit check must count that, or it hands a torch node layers that exhaust its memory.
+    path = quantized_dir("qwen2")
+    args = ModelArgs.from_dir(path)
+    footprint = model_footprint(path, N_LAYERS, args.tie_word_embeddings, args.quant.bits)
+    for start, end in ((0, 1), (1, N_LAYERS - 1), (N_LAYERS - 1, N_LAYERS), (0, N_LAYERS)):
+        shard = Shard(path.name, start, end, N_LAYERS)
+        for engine_name in ("torch", "mlx"):
+            engine = create_engine(engine_name, device="cpu")  # the checkpoint's own dtype, as a node runs it
+            engine.load(path, args, shard)
+            assert footprint.held_by(engine_name).shard_bytes(shard) == engine.parameter_bytes(), (engine_name, shard)
+    whole = Shard(path.name, 0, N_LAYERS, N_LAYERS)
+    stored, unpacked = footprint.shard_bytes(whole), footprint.held_by("torch").shard_bytes(whole)
+    assert unpacked > 2 * stored  # 4-bit weights (with float32 scales and some float matrices) unpacked to float32
+    memory = (stored + unpacked) // 2
+    plan = make_plan("m", N_LAYERS, [NodeCapacity("t", memory)])
+    assert fit_problems(plan, footprint, {"t": "mlx"}) == []
+    problems = fit_problems(plan, footprint, {"t": "torch"})
+    assert f"node t needs {unpacked} bytes for layers [0, {N_LAYERS}) but has {memory} bytes available" in problems
