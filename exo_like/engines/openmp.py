@@ -18,7 +18,7 @@ often wakes one onto the core its master thread already occupies; seen with `per
 then took turns on one core for up to 30 ms while the other core stood idle, and a tenth of all ring steps
 were 25-100 % slower. When the team covers every core the node may use, `pin_openmp_team` binds thread i of
 the engine thread's team to its own core (measured: one node 3 % faster, three nodes on one host 9 %, and
-the bench's ratio from 0.92 to a median of 0.958 over seven runs).
+the bench's ratio from about 0.91 to 0.93-0.97, median 0.942 over nine runs).
 Setting OMP_PROC_BIND, OMP_PLACES or GOMP_CPU_AFFINITY (e.g. OMP_PROC_BIND=false) leaves placement to libgomp.
 """
 
