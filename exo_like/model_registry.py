@@ -120,7 +120,7 @@ class ModelRegistry:
             n_layers = model.args.num_hidden_layers
             footprint = (model.manifest.footprint if model.manifest is not None
                          else model_footprint(model.path, n_layers, model.args.tie_word_embeddings,
-                                              model.args.quant.bits if model.args.quant else None))
+                                              model.args.quant_bits))
             self._descriptions[key] = ModelDescription(n_layers, footprint)
         return self._descriptions[key]
 

@@ -200,7 +200,7 @@ def test_the_fit_check_counts_what_each_engine_holds(quantized_dir):
     # plan's fit check must count that, or it hands a torch node layers that exhaust its memory.
     path = quantized_dir("qwen2")
     args = ModelArgs.from_dir(path)
-    footprint = model_footprint(path, N_LAYERS, args.tie_word_embeddings, args.quant.bits)
+    footprint = model_footprint(path, N_LAYERS, args.tie_word_embeddings, args.quant_bits)
     for start, end in ((0, 1), (1, N_LAYERS - 1), (N_LAYERS - 1, N_LAYERS), (0, N_LAYERS)):
         shard = Shard(path.name, start, end, N_LAYERS)
         for engine_name in ("torch", "mlx"):
