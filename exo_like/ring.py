@@ -71,6 +71,7 @@ class StageWorker:
         self.plan: Plan | None = None
         self._requests: dict[str, _StageRequest] = {}
         self._finished: OrderedDict[str, None] = OrderedDict()
+        self._releasing: set[str] = set()  # released here, the engine thread not yet done freeing the cache
         self.tokens_sampled = 0
         self.throughput = RateMeter()  # generated tokens that passed through this stage, recently
 
@@ -81,7 +82,8 @@ class StageWorker:
             self._finish(rid)
 
     def active_requests(self) -> int:
-        return len(self._requests)
+        """Requests whose KV cache this node may still hold: running, or released with the free still queued."""
+        return len(self._requests.keys() | self._releasing)
 
     async def handle(self, message: dict[str, Any]) -> None:
         kind = message["type"]
@@ -180,11 +182,16 @@ class StageWorker:
     def _release(self, rid: str) -> None:
         self._finish(rid)
         engine = self.engine
-        if engine is not None:
-            try:
-                self.executor.submit(engine.release, rid)
-            except RuntimeError:
-                pass  # executor shut down: the engine is going away
+        if engine is None:
+            return
+        self._releasing.add(rid)  # before submitting: the free may finish before submit returns
+        try:
+            freed = self.executor.submit(engine.release, rid)
+        except RuntimeError:  # executor shut down: the engine is going away
+            self._releasing.discard(rid)
+            return
+        # Runs on the engine thread; set.discard is a single atomic operation under the GIL.
+        freed.add_done_callback(lambda _: self._releasing.discard(rid))
 
     def _finish(self, rid: str) -> None:
         self._requests.pop(rid, None)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -19,7 +20,8 @@ from tests.api_server import checkpoint  # noqa: F401  (fixture)
 
 
 class EngineFault:
-    """Makes the node's real engine raise on its `fail_at`-th forward call from now on."""
+    """Makes the node's real engine raise on its `fail_at`-th forward call from now on, and free caches slowly
+    (so a status that counts a cache as gone before the engine thread freed it is caught, not a rare race)."""
 
     def __init__(self, node: Node):
         assert node.engine is not None
@@ -27,7 +29,9 @@ class EngineFault:
         self.real_forward = self.engine.forward
         self.calls = 0
         self.fail_at: int | None = None
+        self.real_release = self.engine.release
         self.engine.forward = self._forward  # type: ignore[method-assign]
+        self.engine.release = self._release  # type: ignore[method-assign]
 
     def arm(self, fail_at: int) -> None:
         self.calls, self.fail_at = 0, fail_at
@@ -38,6 +42,10 @@ class EngineFault:
             self.fail_at = None
             raise RuntimeError("simulated device failure")
         return self.real_forward(request_id, inputs)
+
+    def _release(self, request_id: str) -> None:
+        time.sleep(0.3)
+        self.real_release(request_id)
 
 
 @pytest.fixture
