@@ -20,7 +20,7 @@ from exo_like.download_progress import DownloadStatus
 from exo_like.errors import ExoLikeError, ModelPendingError, ServiceUnavailableError
 from exo_like.node_load import NodeLoad
 from exo_like.peers import NodeInfo, PeerNetwork
-from exo_like.plan import ModelFootprint, Plan, fit_problems, make_plan
+from exo_like.plan import Holder, ModelFootprint, Plan, fit_problems, make_plan
 from exo_like.shard import Shard
 from partitioning import NodeCapacity
 
@@ -153,7 +153,8 @@ class Cluster:
             return None, f"cannot serve {self.model_id}: {exc.message}"
         capacities = [NodeCapacity(m.node_id, m.memory_bytes) for m in self.members()]
         plan = make_plan(self.model_id, description.n_layers, capacities)
-        problems = fit_problems(plan, description.footprint, {m.node_id: m.engine for m in self.members()})
+        holders = {m.node_id: Holder(m.engine, m.dtype) for m in self.members()}
+        problems = fit_problems(plan, description.footprint, holders)
         return plan, ("the model does not fit: " + "; ".join(problems)) if problems else None
 
     def _start_loading(self) -> None:
@@ -346,11 +347,13 @@ class Cluster:
             return None  # already reported as the cluster's problem
 
     def _used_bytes(self, member: NodeInfo) -> int:
-        """Parameter bytes of the member's layers in the current plan, as its engine holds them (what the fit
-        check counts)."""
+        """Parameter bytes of the member's layers in the current plan, as its engine and dtype hold them (what
+        the fit check counts)."""
         description = self._description()
         shard = self.plan.shard_for(member.node_id) if self.plan else None
-        return description.footprint.held_by(member.engine).shard_bytes(shard) if description and shard else 0
+        if description is None or shard is None:
+            return 0
+        return description.footprint.held_by(member.engine, member.dtype).shard_bytes(shard)
 
     def _model_bytes(self) -> int | None:
         description = self._description()
@@ -361,4 +364,5 @@ class Cluster:
 
 def _info_json(m: NodeInfo) -> dict[str, Any]:
     return {"id": m.node_id, "name": m.name, "address": f"{m.host}:{m.port}", "engine": m.engine,
-            "device": m.device, "chip": m.chip, "memory_bytes": m.memory_bytes, "version": m.version}
+            "device": m.device, "dtype": m.dtype, "chip": m.chip, "memory_bytes": m.memory_bytes,
+            "version": m.version}

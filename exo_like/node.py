@@ -179,7 +179,8 @@ class Node:
         advertised = host if host not in ("", "0.0.0.0", "::") else (local_ipv4_addresses() or ["127.0.0.1"])[0]
         return NodeInfo(node_id=self.node_id, name=self.options.node_name or default_node_name(), host=advertised,
                         port=port, engine=self.engine.name, device=self.engine.device_name,
-                        chip=platform.processor() or platform.machine(), memory_bytes=memory, version=__version__)
+                        chip=platform.processor() or platform.machine(), memory_bytes=memory, version=__version__,
+                        dtype=self.options.dtype)
 
     async def close(self) -> None:
         self.stopping = True

@@ -43,6 +43,7 @@ class NodeInfo:
     chip: str
     memory_bytes: int
     version: str
+    dtype: str | None = None  # --dtype: weights held in this float dtype; None: as the checkpoint stores them
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -53,7 +54,12 @@ class NodeInfo:
             node_id=str(data["node_id"]), name=str(data["name"]), host=str(data["host"]), port=int(data["port"]),
             engine=str(data["engine"]), device=str(data["device"]), chip=str(data["chip"]),
             memory_bytes=int(data["memory_bytes"]), version=str(data["version"]),
+            dtype=_dtype_or_none(data.get("dtype")),  # absent from peers of versions before it was sent
         )
+
+
+def _dtype_or_none(value: Any) -> str | None:
+    return str(value) if value is not None else None
 
 
 def cluster_key_digest(cluster_key: str) -> str:

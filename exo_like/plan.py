@@ -81,19 +81,27 @@ class ModelFootprint:
     stored_dtype_bytes: int
     unpacked: "ModelFootprint | None" = None
 
-    def shard_bytes(self, shard: Shard, dtype: str | None = None) -> int:
+    def shard_bytes(self, shard: Shard) -> int:
         total = sum(self.layer_bytes[shard.start_layer:shard.end_layer])
         if shard.is_first:
             total += self.embed_bytes
         if shard.is_last:
             total += self.head_bytes + (self.embed_bytes if self.tied and not shard.is_first else 0)
-        if dtype is None:
-            return total
-        return total * DTYPE_BYTES.get(dtype, self.stored_dtype_bytes) // self.stored_dtype_bytes
+        return total
 
-    def held_by(self, engine: str | None) -> "ModelFootprint":
-        """The bytes a node running `engine` holds in memory."""
-        return self.unpacked if engine == "torch" and self.unpacked is not None else self
+    def held_by(self, engine: str | None, dtype: str | None = None) -> "ModelFootprint":
+        """The bytes a node running `engine` holds in memory, with its weights cast to `dtype` (None: as stored)."""
+        held = self.unpacked if engine == "torch" and self.unpacked is not None else self
+        if dtype is None or held.unpacked is not None:  # kept packed: integer matrices, which no cast changes
+            return held
+        return held._in_dtype(DTYPE_BYTES.get(dtype, held.stored_dtype_bytes))
+
+    def _in_dtype(self, itemsize: int) -> "ModelFootprint":
+        def scale(n: int) -> int:
+            return n * itemsize // self.stored_dtype_bytes
+
+        return ModelFootprint(tuple(scale(n) for n in self.layer_bytes), scale(self.embed_bytes),
+                              scale(self.head_bytes), self.tied, itemsize)
 
     def to_json(self) -> dict[str, Any]:
         return {"layer_bytes": list(self.layer_bytes), "embed_bytes": self.embed_bytes,
@@ -160,17 +168,26 @@ def _sum_by_part(sizes: Iterable[tuple[str, str, int]], n_layers: int, tied: boo
     return ModelFootprint(tuple(layers), embed, head, tied, float_bytes)
 
 
-def fit_problems(plan: Plan, footprint: ModelFootprint, engines: dict[str, str]) -> list[str]:
+@dataclass(frozen=True)
+class Holder:
+    """How a node holds its layers: its engine (a torch node unpacks a quantized model) and its --dtype."""
+
+    engine: str | None = None
+    dtype: str | None = None
+
+
+def fit_problems(plan: Plan, footprint: ModelFootprint, holders: dict[str, Holder]) -> list[str]:
     """One sentence per node whose range needs more memory than it offers; empty when the plan fits.
 
-    engines: each node's engine (a torch node holds a quantized model unpacked)."""
+    holders: how each node holds its layers (missing: as stored)."""
     memory = dict(plan.memories)
     problems = []
     total_needed = 0
     for stage in plan.stages:
         shard = plan.shard_for(stage.node_id)
         assert shard is not None
-        needed = footprint.held_by(engines.get(stage.node_id)).shard_bytes(shard)
+        holder = holders.get(stage.node_id, Holder())
+        needed = footprint.held_by(holder.engine, holder.dtype).shard_bytes(shard)
         total_needed += needed
         if needed > memory[stage.node_id]:
             problems.append(f"node {stage.node_id} needs {needed} bytes for layers [{shard.start_layer}, "

@@ -16,10 +16,10 @@ from exo_like.wire import FrameError
 class Peer:
     """A PeerNetwork behind a real aiohttp server on 127.0.0.1, recording what it receives."""
 
-    def __init__(self, node_id: str, key: str, max_frame: int = 1 << 20):
+    def __init__(self, node_id: str, key: str, max_frame: int = 1 << 20, dtype: str | None = None):
         self.received: list[tuple[str, dict[str, Any]]] = []
         self.changes = 0
-        self.info = NodeInfo(node_id, f"name-{node_id}", "127.0.0.1", 0, "torch", "cpu", "test", 1 << 30, "0")
+        self.info = NodeInfo(node_id, f"name-{node_id}", "127.0.0.1", 0, "torch", "cpu", "test", 1 << 30, "0", dtype)
         self.net = PeerNetwork(self.info, key, self._handle, self._changed, max_frame_bytes=max_frame)
         self.port = 0
 
@@ -67,11 +67,12 @@ async def peers():
 
 
 async def test_link_exchanges_info_and_frames_both_ways(peers) -> None:
-    a, b = await peers("aaa"), await peers("bbb")
+    a, b = await peers("aaa", dtype="float32"), await peers("bbb")
     link = await a.net.dial("127.0.0.1", b.port)
-    assert link is not None and link.remote.name == "name-bbb"
+    assert link is not None and link.remote.name == "name-bbb" and link.remote.dtype is None
     await wait_for(lambda: b.net.linked("aaa"))
     assert b.net.links["aaa"].remote.memory_bytes == 1 << 30
+    assert b.net.links["aaa"].remote.dtype == "float32"  # the fit check needs it: --dtype changes a node's bytes
     await a.net.send("bbb", {"type": "ping", "data": b"\x00\xff" * 10})
     await b.net.send("aaa", {"type": "pong", "n": 3})
     await wait_for(lambda: a.received and b.received)

@@ -9,7 +9,7 @@ import pytest
 from safetensors import safe_open
 
 from exo_like.model_config import ModelArgs
-from exo_like.plan import ModelFootprint, fit_problems, footprint_from_tensors, make_plan, model_footprint
+from exo_like.plan import Holder, ModelFootprint, fit_problems, footprint_from_tensors, make_plan, model_footprint
 from exo_like.shard import Shard
 from partitioning import NodeCapacity
 from tests.checkpoints import make_checkpoint
@@ -54,7 +54,31 @@ def test_footprint_matches_tensor_bytes(tied_checkpoint: Path) -> None:
     norm = tensor_bytes(tied_checkpoint, lambda n: n.startswith("model.norm."))
     last = Shard("m", 3, 4, 4)
     assert footprint.shard_bytes(last) == footprint.layer_bytes[3] + norm + embed  # tied head = embedding
-    assert footprint.shard_bytes(last, "bfloat16") == footprint.shard_bytes(last) // 2
+    assert footprint.held_by("torch", "bfloat16").shard_bytes(last) == footprint.shard_bytes(last) // 2
+
+
+@pytest.mark.parametrize("engine_name", ["torch", "mlx"])
+def test_footprint_in_a_chosen_dtype_is_what_the_engine_holds(tied_checkpoint: Path, engine_name: str) -> None:
+    pytest.importorskip(engine_name)
+    from exo_like.engines import create_engine
+
+    args = ModelArgs.from_dir(tied_checkpoint)
+    footprint = model_footprint(tied_checkpoint, 4, args.tie_word_embeddings)
+    for dtype in (None, "float32", "bfloat16", "float16"):
+        for shard in (Shard("m", 0, 1, 4), Shard("m", 1, 3, 4), Shard("m", 3, 4, 4)):
+            engine = create_engine(engine_name, device="cpu", dtype=dtype)
+            engine.load(tied_checkpoint, args, shard)
+            assert footprint.held_by(engine_name, dtype).shard_bytes(shard) == engine.parameter_bytes(), (dtype, shard)
+
+
+def test_the_fit_check_counts_a_nodes_dtype(tied_checkpoint: Path) -> None:
+    args = ModelArgs.from_dir(tied_checkpoint)
+    footprint = model_footprint(tied_checkpoint, 4, args.tie_word_embeddings)  # a float32 checkpoint
+    whole = footprint.shard_bytes(Shard("m", 0, 4, 4))
+    plan = make_plan("m", 4, [NodeCapacity("a", whole * 3 // 4)])
+    assert fit_problems(plan, footprint, {"a": Holder("torch", "bfloat16")}) == []
+    problems = fit_problems(plan, footprint, {"a": Holder("torch")})
+    assert f"node a needs {whole} bytes for layers [0, 4) but has {whole * 3 // 4} bytes available" in problems
 
 
 def test_fit_problems_name_bytes_per_node(tied_checkpoint: Path) -> None:

@@ -21,7 +21,7 @@ from exo_like.engines.base import create_engine  # noqa: E402
 from exo_like.engines.torch_dequantize import dequantize  # noqa: E402
 from exo_like.errors import UnsupportedModelError  # noqa: E402
 from exo_like.model_config import ModelArgs  # noqa: E402
-from exo_like.plan import fit_problems, make_plan, model_footprint  # noqa: E402
+from exo_like.plan import Holder, fit_problems, make_plan, model_footprint  # noqa: E402
 from exo_like.quantization import BITS, QuantSpec, quant_spec  # noqa: E402
 from exo_like.shard import Shard  # noqa: E402
 from partitioning import NodeCapacity  # noqa: E402
@@ -212,6 +212,6 @@ def test_the_fit_check_counts_what_each_engine_holds(quantized_dir):
     assert unpacked > 2 * stored  # 4-bit weights (with float32 scales and some float matrices) unpacked to float32
     memory = (stored + unpacked) // 2
     plan = make_plan("m", N_LAYERS, [NodeCapacity("t", memory)])
-    assert fit_problems(plan, footprint, {"t": "mlx"}) == []
-    problems = fit_problems(plan, footprint, {"t": "torch"})
+    assert fit_problems(plan, footprint, {"t": Holder("mlx")}) == []
+    problems = fit_problems(plan, footprint, {"t": Holder("torch")})
     assert f"node t needs {unpacked} bytes for layers [0, {N_LAYERS}) but has {memory} bytes available" in problems

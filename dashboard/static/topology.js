@@ -207,7 +207,7 @@ const ENGINES = { torch: "PyTorch", mlx: "MLX" };
 
 function deviceText(node) {
   const device = node.device.replace(/^cpu\b/i, "CPU").replace(/^cuda/i, "CUDA").replace(/^mlx /i, "");
-  return [ENGINES[node.engine] || node.engine, device, node.chip, node.address].filter(Boolean).join(" · ");
+  return [ENGINES[node.engine] || node.engine, device, node.dtype, node.chip, node.address].filter(Boolean).join(" · ");
 }
 
 function layersText(stage, nLayers) {
