@@ -133,6 +133,9 @@ class Node:
             model = self.models.resolve(plan.model_id)  # described already: no network here
             started = time.monotonic()
             self.stage.activate(None, None)
+            # A load replaces what the engine holds from its first step. Forget the old range now: if a newer plan
+            # cancels this load (and wants the old range back), the engine must load that range again.
+            self._loaded = None
             if model.manifest is not None:  # a hub model: fetch the files this shard needs that are not here yet
                 await self.downloader.ensure(model.manifest, model.path, shard, model.args.tie_word_embeddings)
             loop = asyncio.get_running_loop()
