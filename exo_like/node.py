@@ -9,6 +9,7 @@ import asyncio
 import logging
 import os
 import platform
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -139,7 +140,12 @@ class Node:
             if model.manifest is not None:  # a hub model: fetch the files this shard needs that are not here yet
                 await self.downloader.ensure(model.manifest, model.path, shard, model.args.tie_word_embeddings)
             loop = asyncio.get_running_loop()
-            await loop.run_in_executor(self.executor, self.engine.load, model.path, model.args, shard)
+            cancel = threading.Event()
+            try:
+                await loop.run_in_executor(self.executor, self.engine.load, model.path, model.args, shard, cancel)
+            except asyncio.CancelledError:
+                cancel.set()  # a newer plan replaced this one: the engine thread gives up at its next tensor
+                raise
             await loop.run_in_executor(self.executor, self.engine.place_threads)
             self._loaded = (plan.model_id, shard)
             log.info("node %s: loaded %s layers [%d, %d) on %s %s (%.1f MB) in %.1fs", self.node_id, model.model_id,

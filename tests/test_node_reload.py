@@ -1,5 +1,5 @@
-"""A node whose plan changes while it is still loading: the range it ends up holding is the newest plan's.
-In-process, because the race needs a load that is slow on purpose."""
+"""Loads replaced by newer plans: the range a node ends up holding is the newest plan's, and a load nobody
+wants any more stops early instead of running to the end. In-process, because the race needs a slow load."""
 
 from __future__ import annotations
 
@@ -8,11 +8,15 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from exo_like.api import create_app
+from exo_like.engines.base import LoadCancelled, create_engine
+from exo_like.model_config import ModelArgs
 from exo_like.node import Node, NodeOptions
 from exo_like.plan import make_plan
+from exo_like.shard import Shard
 from partitioning import NodeCapacity
 from tests.api_server import checkpoint  # noqa: F401  (fixture)
 
@@ -34,11 +38,17 @@ async def test_a_load_cancelled_by_a_newer_plan_does_not_leave_its_range_behind(
         assert whole is not None and half is not None and half != whole
         loading = threading.Event()
         real_load = node.engine.load
+        outcomes: list[str] = []
 
         def slow_load(*args: object) -> None:
             loading.set()
             time.sleep(0.3)
-            real_load(*args)  # type: ignore[arg-type]
+            try:
+                real_load(*args)  # type: ignore[arg-type]
+            except LoadCancelled:
+                outcomes.append("cancelled")
+                raise
+            outcomes.append("loaded")
 
         node.engine.load = slow_load  # type: ignore[method-assign]
         superseded = asyncio.ensure_future(node._load_shard(with_peer, half))
@@ -47,8 +57,39 @@ async def test_a_load_cancelled_by_a_newer_plan_does_not_leave_its_range_behind(
         await node._load_shard(plan, whole)
         await asyncio.get_running_loop().run_in_executor(node.executor, lambda: None)  # engine thread idle
         assert node.engine.shard == whole
+        assert outcomes == ["cancelled", "loaded"]  # the superseded load gave up; the newest plan's range loaded
 
         response = await client.post("/v1/chat/completions", json={
             "model": node.model.model_id, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3})
         assert response.status == 200, await response.text()
     await node.close()
+
+
+class CancelledAfter(threading.Event):
+    """A cancel event that reads as set from its `checks`+1-th look on: cancels a load part of the way in."""
+
+    def __init__(self, checks: int):
+        super().__init__()
+        self.checks = checks
+        self.looks = 0
+
+    def is_set(self) -> bool:
+        self.looks += 1
+        return self.looks > self.checks
+
+
+@pytest.mark.parametrize("engine_name", ["torch", "mlx"])
+def test_an_engine_stops_a_cancelled_load_part_way_and_holds_nothing(checkpoint: Path,  # noqa: F811
+                                                                     engine_name: str) -> None:
+    pytest.importorskip(engine_name)
+    args = ModelArgs.from_dir(checkpoint)
+    whole = Shard("m", 0, args.num_hidden_layers, args.num_hidden_layers)
+    engine = create_engine(engine_name, device="cpu", dtype="float32")
+    engine.load(checkpoint, args, whole)
+    cancel = CancelledAfter(checks=1)
+    with pytest.raises(LoadCancelled):
+        engine.load(checkpoint, args, whole, cancel)
+    assert cancel.looks == 2  # it looked again after its first step, and stopped there
+    assert engine.shard is None and engine.parameter_bytes() == 0
+    engine.load(checkpoint, args, whole)  # and loads normally afterwards
+    assert engine.shard == whole

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import threading
 from abc import ABC, abstractmethod
 from pathlib import Path
 
@@ -26,6 +27,16 @@ class EngineUnavailableError(ExoLikeError):
     type = "service_unavailable"
 
 
+class LoadCancelled(Exception):
+    """A load given up because its `cancel` event was set (a newer plan wants another range)."""
+
+
+def check_cancel(cancel: threading.Event | None) -> None:
+    """Call between a load's steps: raises LoadCancelled once the load is no longer wanted."""
+    if cancel is not None and cancel.is_set():
+        raise LoadCancelled
+
+
 class Engine(ABC):
     name: str = ""
 
@@ -36,8 +47,10 @@ class Engine(ABC):
         self.args: ModelArgs | None = None
 
     @abstractmethod
-    def load(self, model_dir: Path, args: ModelArgs, shard: Shard) -> None:
-        """Load the shard's tensors (only those, from only the files holding them). Replaces any loaded shard."""
+    def load(self, model_dir: Path, args: ModelArgs, shard: Shard, cancel: threading.Event | None = None) -> None:
+        """Load the shard's tensors (only those, from only the files holding them). Replaces any loaded shard.
+
+        Once `cancel` is set, stop at the next tensor (or group of tensors) with LoadCancelled, holding nothing."""
 
     @abstractmethod
     def forward(self, request_id: str, inputs: np.ndarray | Activations) -> Activations | np.ndarray:

@@ -7,6 +7,7 @@ file lazily, so tensors that are never touched are never read). One KV cache per
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from pathlib import Path
 
@@ -17,13 +18,15 @@ from mlx.utils import tree_flatten
 
 from exo_like.activations import Activations
 from exo_like.checkpoint import ShardLoadPlan, plan_shard_load
-from exo_like.engines.base import Engine, EngineUnavailableError
+from exo_like.engines.base import Engine, EngineUnavailableError, check_cancel
 from exo_like.engines.mlx_model import KVCache, ShardModel
 from exo_like.errors import InvalidRequestError, UnsupportedModelError
 from exo_like.model_config import DTYPES, ModelArgs
 from exo_like.shard import Shard
 
 log = logging.getLogger(__name__)
+
+EVAL_GROUP = 16  # tensors read per step of a load: a cancelled load stops after at most this many
 
 MX_DTYPES: dict[str, mx.Dtype] = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
@@ -101,7 +104,7 @@ class MLXEngine(Engine):
 
     # ---- loading -------------------------------------------------------------------------------------------
 
-    def load(self, model_dir: Path, args: ModelArgs, shard: Shard) -> None:
+    def load(self, model_dir: Path, args: ModelArgs, shard: Shard, cancel: threading.Event | None = None) -> None:
         if shard.n_layers != args.num_hidden_layers:
             raise ValueError(f"shard {shard} does not match the model's {args.num_hidden_layers} layers")
         started = time.perf_counter()
@@ -114,8 +117,13 @@ class MLXEngine(Engine):
             quantize_like_checkpoint(model, args, weights)
             dtype = MX_DTYPES[dtype_name]
             model.load_weights([(name, _cast(w, dtype)) for name, w in weights.items()], strict=True)
-            # Read everything now, so the first request does not pay for loading and the files can be closed.
-            mx.eval(model.parameters())
+            # Read everything now, so the first request does not pay for loading and the files can be closed;
+            # a few tensors at a time, so that a cancelled load stops soon.
+            parameters = [array for _, array in tree_flatten(model.parameters())]
+            for start in range(0, len(parameters), EVAL_GROUP):
+                check_cancel(cancel)
+                mx.eval(parameters[start:start + EVAL_GROUP])
+            del parameters
         self._model, self._dtype_name = model, dtype_name
         self.shard, self.args = shard, args
         log.info(

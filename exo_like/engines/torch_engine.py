@@ -8,6 +8,7 @@ another thread of this process at the same moment.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from safetensors import safe_open
 
 from exo_like.activations import Activations
 from exo_like.checkpoint import ShardLoadPlan, plan_shard_load
-from exo_like.engines.base import Engine
+from exo_like.engines.base import Engine, check_cancel
 from exo_like.engines.openmp import pin_openmp_team
 from exo_like.engines.torch_dequantize import dequantize_tensors
 from exo_like.engines.torch_model import KVCache, ShardModel, fuse_checkpoint_weights
@@ -56,7 +57,8 @@ def pick_dtype(requested: str | None, checkpoint_dtype: str, device: torch.devic
 
 
 def read_planned_tensors(
-    plan: ShardLoadPlan, skip: set[str], device: torch.device, dtype: torch.dtype, quant: QuantSpec | None = None
+    plan: ShardLoadPlan, skip: set[str], device: torch.device, dtype: torch.dtype, quant: QuantSpec | None = None,
+    cancel: threading.Event | None = None,
 ) -> dict[str, torch.Tensor]:
     """Read exactly the plan's tensors from exactly the plan's files, converted to the engine's device/dtype.
 
@@ -69,6 +71,7 @@ def read_planned_tensors(
             continue
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name, local in wanted:
+                check_cancel(cancel)
                 # get_tensor may return a view of the file's memory map; a private copy lets the mapping close,
                 # so resident memory ends at the shard's bytes instead of also keeping the file pages mapped.
                 tensor = f.get_tensor(name)
@@ -118,7 +121,7 @@ class TorchEngine(Engine):
         self.caches: dict[str, KVCache] = {}
         self._threads_placed = False
 
-    def load(self, model_dir: Path, args: ModelArgs, shard: Shard) -> None:
+    def load(self, model_dir: Path, args: ModelArgs, shard: Shard, cancel: threading.Event | None = None) -> None:
         if shard.n_layers != args.num_hidden_layers:
             raise ValueError(f"shard {shard} does not match the model's {args.num_hidden_layers} layers")
         self.model, self.shard, self.args = None, None, None
@@ -130,7 +133,7 @@ class TorchEngine(Engine):
         log.info("loading %s from %d files on %s as %s", shard, len(plan.files), self.device, DTYPE_NAMES[self.dtype])
         with torch.device("meta"):  # no memory, no random init: every parameter is replaced by a loaded tensor
             model = ShardModel(args, shard.layer_count, shard.is_first, shard.is_last)
-        weights = read_planned_tensors(plan, skip, self.device, self.dtype, args.quant)
+        weights = read_planned_tensors(plan, skip, self.device, self.dtype, args.quant, cancel)
         state = fuse_checkpoint_weights(weights, args, shard.is_first, shard.is_last)
         model.load_state_dict(state, assign=True)
         # Drop our references so prepare()'s relayout frees each old tensor as it goes.
