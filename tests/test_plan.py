@@ -77,8 +77,9 @@ def test_the_fit_check_counts_a_nodes_dtype(tied_checkpoint: Path) -> None:
     whole = footprint.shard_bytes(Shard("m", 0, 4, 4))
     plan = make_plan("m", 4, [NodeCapacity("a", whole * 3 // 4)])
     assert fit_problems(plan, footprint, {"a": Holder("torch", "bfloat16")}) == []
-    problems = fit_problems(plan, footprint, {"a": Holder("torch")})
-    assert f"node a needs {whole} bytes for layers [0, 4) but has {whole * 3 // 4} bytes available" in problems
+    assert fit_problems(plan, footprint, {"a": Holder("torch")}) == [
+        f"the model needs {whole} bytes in total; the cluster has {whole * 3 // 4} bytes",
+        f"node a needs {whole} bytes for layers [0, 4) but has {whole * 3 // 4} bytes available"]
 
 
 def test_fit_problems_name_bytes_per_node(tied_checkpoint: Path) -> None:
