@@ -118,10 +118,11 @@ class RepoManifest:
         return cls(data["repo_id"], data["commit"], files, ModelFootprint.from_json(data["footprint"]))
 
 
-def download_metadata(repo_id: str, cache_dir: Path) -> Path:
-    """The snapshot folder holding the repo's small files (fetched, or from the cache when offline)."""
-    with hub_errors(repo_id, cache_dir, "the description"):
-        folder = Path(snapshot_download(repo_id, cache_dir=cache_dir, allow_patterns=META_FILES,
+def download_metadata(repo_id: str, cache_dir: Path, revision: str | None = None) -> Path:
+    """The snapshot folder holding the repo's small files at `revision` (default main), fetched or from the
+    cache when offline. The folder's name is the commit."""
+    with hub_errors(repo_id, cache_dir, "the description", revision):
+        folder = Path(snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, allow_patterns=META_FILES,
                                         local_files_only=offline(), endpoint=endpoint(), **LIBRARY))
     if not (folder / "config.json").is_file():
         raise UnsupportedModelError(f"{repo_id} has no config.json: it is not a transformers model repo",
@@ -200,7 +201,7 @@ def _local_manifest(repo_id: str, folder: Path, n_layers: int, tied: bool, cache
 
 
 @contextmanager
-def hub_errors(repo_id: str, cache_dir: Path, what: str) -> Iterator[None]:
+def hub_errors(repo_id: str, cache_dir: Path, what: str, revision: str | None = None) -> Iterator[None]:
     """Turn huggingface_hub's errors into ones that name the cause and what to do about it."""
     try:
         yield
@@ -210,13 +211,18 @@ def hub_errors(repo_id: str, cache_dir: Path, what: str) -> Iterator[None]:
         raise ModelNotFoundError(f"model repo {repo_id!r} was not found on {endpoint()} (404): check the repo id "
                                  f"(organisation/name), or set HF_TOKEN if the repo is private") from None
     except RevisionNotFoundError:
-        raise ModelNotFoundError(f"model repo {repo_id!r} has no branch 'main' on {endpoint()}") from None
+        raise ModelNotFoundError(f"model repo {repo_id!r} has no revision {revision or 'main'!r} on {endpoint()}"
+                                 ) from None
     except (LocalEntryNotFoundError, OfflineModeIsEnabled) as exc:
-        raise not_cached_error(repo_id, cache_dir, what, exc) from None
+        raise not_cached_error(_at(repo_id, revision), cache_dir, what, exc) from None
     except HfHubHTTPError as exc:
         raise http_error(repo_id, what, exc) from None
     except httpx2.TransportError as exc:
-        raise not_cached_error(repo_id, cache_dir, what, exc) from None
+        raise not_cached_error(_at(repo_id, revision), cache_dir, what, exc) from None
+
+
+def _at(repo_id: str, revision: str | None) -> str:
+    return repo_id if revision is None else f"{repo_id}@{revision}"
 
 
 def gated_error(repo_id: str) -> ExoLikeError:

@@ -21,7 +21,7 @@ from exo_like.demo import DEMO_NAME, ensure_demo_model
 from exo_like.errors import ExoLikeError, ModelNotFoundError, ModelPendingError
 from exo_like.hub import RepoManifest
 from exo_like.model_config import ModelArgs
-from exo_like.model_source import HubModel, list_models, locate, prepare_hub_model
+from exo_like.model_source import HubModel, list_models, locate, pinned_key, prepare_hub_model
 from exo_like.plan import model_footprint
 from exo_like.tokenizer import ModelTokenizer
 
@@ -35,7 +35,7 @@ class LoadedModel:
     """A model this node can serve: its id, the names requests may use for it, and what describes it."""
 
     model_id: str
-    key: str  # how peers name it: "demo", the folder's absolute path, or the hub repo id
+    key: str  # how peers name it: "demo", the folder's absolute path, or repo id@commit (model_source.pinned_key)
     path: Path  # for a hub model: its snapshot folder in the cache, where the shard's weight files arrive
     args: ModelArgs
     tokenizer: ModelTokenizer
@@ -52,8 +52,8 @@ class LoadedModel:
 
     def listing(self) -> dict[str, object]:
         """Its entry in GET /v1/models."""
-        where = ({"source": "hub", "repo": self.key} if self.manifest is not None
-                 else {"source": "local", "path": str(self.path.resolve())})
+        where = ({"source": "hub", "repo": self.manifest.repo_id, "revision": self.manifest.commit}
+                 if self.manifest is not None else {"source": "local", "path": str(self.path.resolve())})
         return {**self.to_json(), **where}
 
 
@@ -142,8 +142,9 @@ class ModelRegistry:
 
     def _hub_model(self, hub: HubModel, spec: str) -> LoadedModel:
         entry = entry_for_repo(hub.repo_id)
-        aliases = {spec, hub.repo_id} | ({entry.name} if entry else set())
-        return LoadedModel(hub.repo_id, hub.repo_id, hub.folder, hub.args, ModelTokenizer.from_dir(hub.folder),
+        key = pinned_key(hub.repo_id, hub.commit)
+        aliases = {spec, hub.repo_id, key} | ({entry.name} if entry else set())
+        return LoadedModel(hub.repo_id, key, hub.folder, hub.args, ModelTokenizer.from_dir(hub.folder),
                            frozenset(aliases), hub.manifest)
 
     def _remember(self, model: LoadedModel) -> LoadedModel:

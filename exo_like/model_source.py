@@ -1,8 +1,10 @@
 """What a model name refers to, and the models a node knows about.
 
 A name is `demo`, a local Hugging Face folder (a path, or a folder under <home>/models), a catalog short name
-(llama-3.2-1b, qwen2.5-7b, ...), or a hub repo id (organisation/name). Hub models are keyed by their repo id
-in the cluster, so every node can fetch the same model itself.
+(llama-3.2-1b, qwen2.5-7b, ...), or a hub repo id (organisation/name), optionally at a revision
+(organisation/name@branch-tag-or-commit). In the cluster a hub model is keyed by its repo id and the commit
+the first node resolved it to (organisation/name@<commit>): every node fetches the model itself, and that key
+makes them all fetch the same weights, even if the repo changes meanwhile or one node's cache is older.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ log = logging.getLogger(__name__)
 
 # The hub's repo id rule: one slash, letters, digits, '-', '_', '.'; no '--' or '..'; not starting with '.'.
 _REPO_ID = re.compile(r"^(?!.*(--|\.\.))[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")
+# A git branch, tag or commit as the hub takes it in a URL path (branches may hold '/', e.g. refs/pr/1).
+_REVISION = re.compile(r"^(?!.*\.\.)\w[\w./-]{0,199}$")
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,7 @@ class ModelSource:
     folder: Path | None = None  # demo and local
     repos: tuple[str, ...] = ()  # hub: candidates, tried in order
     catalog: CatalogEntry | None = None
+    revision: str | None = None  # hub: a branch, tag or commit of the (single) repo; None: main
 
 
 @dataclass(frozen=True)
@@ -43,9 +48,26 @@ class HubModel:
     args: ModelArgs
     manifest: RepoManifest
 
+    @property
+    def commit(self) -> str:
+        return self.manifest.commit
+
 
 def is_repo_id(text: str) -> bool:
     return bool(_REPO_ID.match(text))
+
+
+def split_revision(spec: str) -> tuple[str, str | None]:
+    """'org/name@rev' -> ('org/name', 'rev'); anything else -> (spec, None). Repo ids cannot hold '@'."""
+    repo_id, at, revision = spec.partition("@")
+    if at and is_repo_id(repo_id) and _REVISION.match(revision):
+        return repo_id, revision
+    return spec, None
+
+
+def pinned_key(repo_id: str, commit: str) -> str:
+    """The cluster's name for a hub model: the repo at the commit the first node resolved."""
+    return f"{repo_id}@{commit}"
 
 
 def locate(spec: str, home: Path) -> ModelSource:
@@ -58,11 +80,12 @@ def locate(spec: str, home: Path) -> ModelSource:
     entry = lookup(spec)
     if entry is not None:
         return ModelSource("hub", spec, repos=entry.repos, catalog=entry)
-    if is_repo_id(spec):
-        return ModelSource("hub", spec, repos=(spec,), catalog=entry_for_repo(spec))
+    repo_id, revision = split_revision(spec)
+    if is_repo_id(repo_id):
+        return ModelSource("hub", spec, repos=(repo_id,), catalog=entry_for_repo(repo_id), revision=revision)
     raise ModelNotFoundError(
-        f"model {spec!r} not found: give a Hugging Face repo id (organisation/name), a catalog name "
-        f"({', '.join(list(CATALOG)[:4])}, ...: see GET /v1/models), a local model folder, or 'demo'")
+        f"model {spec!r} not found: give a Hugging Face repo id (organisation/name, optionally @revision), a "
+        f"catalog name ({', '.join(list(CATALOG)[:4])}, ...: see GET /v1/models), a local model folder, or 'demo'")
 
 
 def prepare_hub_model(source: ModelSource, cache_dir: Path) -> HubModel:
@@ -73,7 +96,7 @@ def prepare_hub_model(source: ModelSource, cache_dir: Path) -> HubModel:
     failures: list[tuple[str, ExoLikeError]] = []
     for repo in repos:
         try:
-            return _prepare_repo(repo, cache_dir)
+            return _prepare_repo(repo, cache_dir, source.revision)
         except ExoLikeError as exc:
             if len(repos) == 1:
                 raise
@@ -84,8 +107,8 @@ def prepare_hub_model(source: ModelSource, cache_dir: Path) -> HubModel:
     raise type(first)(f"no repo of {source.spec!r} can be used: {reasons}", code=first.code)
 
 
-def _prepare_repo(repo_id: str, cache_dir: Path) -> HubModel:
-    folder = download_metadata(repo_id, cache_dir)
+def _prepare_repo(repo_id: str, cache_dir: Path, revision: str | None = None) -> HubModel:
+    folder = download_metadata(repo_id, cache_dir, revision)
     try:
         args = ModelArgs.from_dir(folder)  # an unsupported architecture stops here, before any weights move
     except UnsupportedModelError as exc:

@@ -81,15 +81,27 @@ class _Cut:
 @dataclass
 class HubServer:
     repos: dict[str, HubRepo] = field(default_factory=dict)
+    earlier: dict[str, dict[str, HubRepo]] = field(default_factory=dict)  # repo id -> commit -> older version
     log: list[Served] = field(default_factory=list)
     throttle: float | None = None  # bytes/s for file downloads from the CDN (header peeks are never slowed)
     _cuts: dict[str, _Cut] = field(default_factory=dict)  # sha256 -> cut
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def add_repo(self, repo_id: str, folder: Path, gated: bool = False) -> HubRepo:
+        """Publish `folder` as the repo's main. Publishing again is a new commit; older ones stay fetchable."""
         files = {p.name: _hub_file(p) for p in sorted(folder.iterdir()) if p.is_file()}
+        if repo_id in self.repos:
+            old = self.repos[repo_id]
+            self.earlier.setdefault(repo_id, {})[old.commit] = old
         self.repos[repo_id] = HubRepo(repo_id, files, gated)
         return self.repos[repo_id]
+
+    def version(self, repo_id: str, revision: str | None) -> HubRepo | None:
+        """The repo at a revision: main (None or "main"), its current commit, or an earlier commit."""
+        repo = self.repos.get(repo_id)
+        if repo is None or revision in (None, "main", repo.commit):
+            return repo
+        return self.earlier.get(repo_id, {}).get(revision)
 
     def start(self) -> "HubServer":
         self._hub = _server(self, cdn=False)
@@ -145,7 +157,8 @@ class HubServer:
             return result
 
     def file_by_sha(self, sha256: str) -> HubFile | None:
-        for repo in self.repos.values():
+        versions = [*self.repos.values(), *(old for by_commit in self.earlier.values() for old in by_commit.values())]
+        for repo in versions:
             for file in repo.files.values():
                 if file.sha256 == sha256:
                     return file
@@ -194,13 +207,12 @@ class _Handler(BaseHTTPRequestHandler):
         self._error(404, None, f"no route {path}")
 
     def _repo(self, repo_id: str, revision: str | None) -> HubRepo | None:
-        repo = self.hub.repos.get(repo_id)
-        if repo is None:
+        if repo_id not in self.hub.repos:
             self._error(404, "RepoNotFound", "Repository not found")
             return None
-        if revision is not None and revision not in ("main", repo.commit):
+        repo = self.hub.version(repo_id, revision)
+        if repo is None:
             self._error(404, "RevisionNotFound", "Invalid rev id")
-            return None
         return repo
 
     def _api(self, repo_id: str, kind: str | None, revision: str | None, query: dict[str, list[str]]) -> None:

@@ -53,7 +53,13 @@ def test_names_are_classified_without_the_network(tmp_path: Path) -> None:
     qwen = locate("Qwen2.5-7B", tmp_path)  # catalog names ignore case
     assert (qwen.kind, qwen.repos[0], qwen.catalog) == ("hub", "Qwen/Qwen2.5-7B-Instruct", lookup("qwen2.5-7b"))
     repo = locate("someone/some-model_v1.5", tmp_path)
-    assert (repo.kind, repo.repos, repo.catalog) == ("hub", ("someone/some-model_v1.5",), None)
-    for bad in ("not a model", "/no/such/folder", "a/b/c", "org--x/y", "../x"):
+    assert (repo.kind, repo.repos, repo.catalog, repo.revision) == ("hub", ("someone/some-model_v1.5",), None, None)
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    for revision in (commit, "v1.0", "refs/pr/1"):
+        pinned = locate(f"Qwen/Qwen2.5-7B-Instruct@{revision}", tmp_path)
+        assert (pinned.kind, pinned.repos, pinned.revision) == ("hub", ("Qwen/Qwen2.5-7B-Instruct",), revision)
+        assert pinned.catalog is lookup("qwen2.5-7b")
+    for bad in ("not a model", "/no/such/folder", "a/b/c", "org--x/y", "../x", "org/name@", "org/name@a b",
+                "org/name@../x", "org/name@-x", "qwen2.5-7b@main", "org/name@x@y"):
         with pytest.raises(ModelNotFoundError):
             locate(bad, tmp_path)

@@ -27,6 +27,7 @@ from tests.oracle import Oracle
 
 REPO, GATED, UNSUPPORTED, MISSING = "test-org/llama7", "gated-org/llama7", "test-org/gpt-neox", "test-org/missing"
 BIG = "test-org/big"  # files of several write chunks (WRITE_CHUNK), so a cut leaves a partial file
+EVOLVING = "test-org/evolving"  # gets a second commit mid-test
 PROMPT = "What is the capital of France?"
 MAX_TOKENS = 16
 
@@ -179,6 +180,41 @@ def test_cut_download_resumes_on_restart_and_the_warm_cache_serves_offline(hub: 
         stop_cleanly(node)
 
 
+def test_a_node_that_joins_after_a_new_commit_fetches_the_commit_the_cluster_serves(
+        hub: HubServer, llama7: Path, oracle: Oracle, tmp_path: Path) -> None:
+    # Mixed weights would be silent: each node would plan and answer without error, the tokens would be wrong.
+    first = hub.add_repo(EVOLVING, llama7)
+    retrained = make_checkpoint(tmp_path / "retrained", "llama", n_layers=7, max_shard_size="200KB", seed=1)
+    expected = expected_text(oracle)
+    assert expected_text(Oracle(retrained)) != expected  # else this test could not tell the commits apart
+    ports = free_ports(2)
+    common = ("--no-mdns", "--dtype", "float32", "--memory-gb", "4")
+    nodes = [start_node(tmp_path / "home0", EVOLVING, *common, "--node-name", "first", port=ports[0],
+                        env=hub_env(hub.endpoint, "first", tmp_path))]
+    try:
+        wait_until_ready(nodes, members=1, timeout=60)
+        pinned = f"{EVOLVING}@{first.commit}"
+        assert cluster_of(nodes[0])["plan"]["model"] == pinned
+        second = hub.add_repo(EVOLVING, retrained)  # pushed while the cluster runs
+        assert second.commit != first.commit
+        nodes.append(start_node(tmp_path / "home1", None, *common, "--node-name", "joiner", "--peers",
+                                f"127.0.0.1:{ports[0]}", port=ports[1], env=hub_env(hub.endpoint, "joiner", tmp_path)))
+        wait_until_ready(nodes, members=2, timeout=60)
+        for node in nodes:
+            view = cluster_of(node)
+            assert view["plan"]["model"] == pinned and len(view["plan"]["stages"]) == 2, view
+            assert answer(node, EVOLVING) == expected
+        joiner_cache = tmp_path / "home1" / "hub" / "models--test-org--evolving" / "snapshots"
+        assert [p.name for p in joiner_cache.iterdir()] == [first.commit]
+        fetched = {r.path.removeprefix("/cdn/") for r in hub.weight_downloads("joiner")}
+        assert fetched and fetched <= {f.sha256 for f in first.files.values()}  # the first commit's blobs only
+        served = nodes[1].get_json("/v1/models")["data"][0]
+        assert (served["id"], served["repo"], served["revision"]) == (EVOLVING, EVOLVING, first.commit)
+    finally:
+        for node in nodes:
+            stop_cleanly(node)
+
+
 def test_offline_with_a_cold_cache_fails_clearly(hub: HubServer, tmp_path: Path) -> None:
     env = hub_env(hub.endpoint, "cold", tmp_path, HF_HUB_OFFLINE="1")
     process_env = {k: v for k, v in {**os.environ, **env}.items() if v is not None}
@@ -205,12 +241,13 @@ def test_hub_errors_are_clear_and_the_node_keeps_serving(hub: HubServer, tmp_pat
     try:
         for model, status, code, words in [
             (MISSING, 404, "model_not_found", "was not found on"),
+            (f"{REPO}@no-such-branch", 404, "model_not_found", "has no revision 'no-such-branch'"),
             (GATED, 401, "gated_model", "HF_TOKEN"),
             (UNSUPPORTED, 400, "unsupported_architecture", "gpt_neox"),
         ]:
             got, body = chat(node, model)
             assert (got, body["error"]["code"]) == (status, code), body
-            assert model in body["error"]["message"] and words in body["error"]["message"], body
+            assert model.partition("@")[0] in body["error"]["message"] and words in body["error"]["message"], body
             assert body["error"]["message"] in node.log()  # and in the node's log
         # A request that has to wait for the download says what it waits for.
         hub.throttle = 100_000  # per transfer: the 1.5 MB take several seconds, longer than --request-wait
