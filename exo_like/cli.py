@@ -16,7 +16,7 @@ from discovery import parse_peers
 from exo_like.api import create_app
 from exo_like.engines.openmp import limit_worker_spin
 from exo_like.errors import ExoLikeError
-from exo_like.node import DEFAULT_CLUSTER_KEY, Node, NodeOptions, default_home
+from exo_like.node import DEFAULT_CLUSTER_KEY, DEFAULT_STEP_TIMEOUT, Node, NodeOptions, default_home
 
 log = logging.getLogger("exo_like")
 
@@ -48,6 +48,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--request-wait", type=float, default=None,
                         help="seconds a request waits for the cluster to be ready (e.g. while layers download) "
                              "before a 503 that says what it waits for (default: 30)")
+    parser.add_argument("--step-timeout", type=float, default=DEFAULT_STEP_TIMEOUT,
+                        help="seconds a stage may spend in one engine step (a token, or a prefill chunk) before "
+                             "requests through it fail with a 504: a hung engine (default: %(default)g)")
     parser.add_argument("--engine", choices=("auto", "torch", "mlx"), default="auto")
     parser.add_argument("--device", default=None, help="e.g. cpu, cuda, cuda:1, mps (default: best available)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
@@ -70,6 +73,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--memory-gb must be positive")
     if args.request_wait is not None and args.request_wait <= 0:
         parser.error("--request-wait must be positive")
+    if not args.step_timeout > 0:  # also refuses nan
+        parser.error("--step-timeout must be positive")
     return args
 
 
@@ -132,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     options = NodeOptions(home=home, engine=args.engine, device=args.device, dtype=args.dtype,
                           node_name=args.node_name, memory_gb=args.memory_gb, peers=args.peers,
                           mdns=not args.no_mdns, cluster_key=args.cluster_key or DEFAULT_CLUSTER_KEY, model=args.model,
-                          hub_cache=args.hub_cache, request_wait=args.request_wait)
+                          hub_cache=args.hub_cache, request_wait=args.request_wait, step_timeout=args.step_timeout)
     try:
         node = Node(options)
         node_filter.node_id = node.node_id

@@ -48,6 +48,13 @@ class StageFailedError(ExoLikeError):
     type = "server_error"
 
 
+class StageStalledError(ExoLikeError):
+    """A stage has spent longer than --step-timeout in one engine step: its engine is most likely hung."""
+
+    status = 504
+    type = "server_error"
+
+
 class ModelPendingError(ServiceUnavailableError):
     """The model's description is still being fetched (a wait, not a problem)."""
 

@@ -42,6 +42,10 @@ log = logging.getLogger(__name__)
 
 # Zero-config default: every node without --cluster-key joins the same cluster. Set a key to keep clusters apart.
 DEFAULT_CLUSTER_KEY = "exo-like-default-cluster-key"
+# A stage inside one engine step (a decode token, or one prefill chunk) for this long is taken to be hung. Generous:
+# a big model's prefill chunk on a slow CPU takes minutes, and a false alarm kills a healthy request.
+DEFAULT_STEP_TIMEOUT = 300.0
+STEP_WATCH_SECONDS = 1.0
 
 
 def default_home() -> Path:
@@ -63,6 +67,7 @@ class NodeOptions:
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     hub_cache: Path | None = None  # default: $HF_HUB_CACHE, else <home>/hub
     request_wait: float | None = None  # seconds a request waits for the cluster to be ready (default: the cluster's)
+    step_timeout: float = DEFAULT_STEP_TIMEOUT  # seconds in one engine step after which a stage counts as hung
 
 
 class Node:
@@ -167,6 +172,7 @@ class Node:
             self.cluster.plan_wait_seconds = self.options.request_wait
         self.generator = RingGenerator(self.node_id, self, self.cluster.wait_ready, self.stage, self.cluster.name_of)
         self._spawn(show_progress(self.download_progress, self.node_id))
+        self._spawn(self._watch_steps())
         mdns = None
         if self.options.mdns:
             mdns = MdnsDiscovery(self.node_id, port, cluster_key_digest(self.options.cluster_key), __version__,
@@ -246,6 +252,21 @@ class Node:
         if self.cluster is not None:
             self.cluster.links_changed()
 
+    async def _watch_steps(self) -> None:
+        """Stop requests whose ring has a hung stage: one whose node is alive (so its link stays up) while its
+        engine has been inside one step for longer than --step-timeout."""
+        while True:
+            await asyncio.sleep(STEP_WATCH_SECONDS)
+            if isinstance(self.generator, RingGenerator):
+                self.generator.fail_stalled(self._step_seconds, self.options.step_timeout)
+
+    def _step_seconds(self, node_id: str) -> float:
+        """How long a member's engine has been inside its current step: ours now, a peer's as last announced."""
+        if node_id == self.node_id:
+            return self.stage.step_seconds() if self.stage is not None else 0.0
+        announcement = self.cluster.announcement_of(node_id) if self.cluster is not None else None
+        return announcement.load.step_seconds if announcement is not None else 0.0
+
     def _members_changed(self, live: set[str]) -> None:
         if isinstance(self.generator, RingGenerator):
             self.generator.members_changed(live)
@@ -283,7 +304,7 @@ class Node:
             return NodeLoad(download=self.download_progress.status())
         return NodeLoad(self.stage.throughput.rate(), self.generator.throughput.rate(),
                         len(self.generator.in_flight), self.stage.active_requests() > 0,
-                        self.download_progress.status())
+                        self.download_progress.status(), self.stage.step_seconds())
 
     def models_json(self) -> list[dict[str, object]]:
         """GET /v1/models: the served model first, then local folders, downloaded repos and the catalog."""

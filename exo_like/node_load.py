@@ -16,11 +16,12 @@ class NodeLoad:
     in_flight: int = 0  # requests this node's API is serving
     busy: bool = False  # its layers hold at least one request
     download: DownloadStatus | None = None  # the download of its layers' weight files, if it had one
+    step_seconds: float = 0.0  # how long its engine has been inside the step it is running (0: idle)
 
     def to_json(self) -> dict[str, Any]:
         load = {"tokens_per_second": round(self.tokens_per_second, 2),
                 "generated_per_second": round(self.generated_per_second, 2),
-                "in_flight": self.in_flight, "busy": self.busy}
+                "in_flight": self.in_flight, "busy": self.busy, "step_seconds": round(self.step_seconds, 1)}
         if self.download is not None:  # only nodes that fetched layers from the hub say anything about it
             load["download"] = self.download.to_json()
         return load
@@ -32,4 +33,4 @@ class NodeLoad:
             return cls()
         return cls(float(data.get("tokens_per_second", 0.0)), float(data.get("generated_per_second", 0.0)),
                    int(data.get("in_flight", 0)), bool(data.get("busy", False)),
-                   DownloadStatus.from_json(data.get("download")))
+                   DownloadStatus.from_json(data.get("download")), float(data.get("step_seconds", 0.0)))

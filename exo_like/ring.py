@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Collection
 from concurrent.futures import ThreadPoolExecutor
@@ -26,7 +27,7 @@ import numpy as np
 
 from exo_like.activations import Activations
 from exo_like.engines.base import Engine
-from exo_like.errors import ServiceUnavailableError, StageFailedError
+from exo_like.errors import ServiceUnavailableError, StageFailedError, StageStalledError
 from exo_like.generation import RequestProgress, TokenGenerator
 from exo_like.meter import RateMeter
 from exo_like.plan import Plan
@@ -73,6 +74,7 @@ class StageWorker:
         self._finished: OrderedDict[str, None] = OrderedDict()
         self._releasing: set[str] = set()  # released here, the engine thread not yet done freeing the cache
         self.tokens_sampled = 0
+        self._step_started: float | None = None  # monotonic time the engine thread began its current step
         self.throughput = RateMeter()  # generated tokens that passed through this stage, recently
 
     def activate(self, plan: Plan | None, engine: Engine | None) -> None:
@@ -80,6 +82,11 @@ class StageWorker:
         self.plan, self.engine = plan, engine
         for rid in list(self._requests):
             self._finish(rid)
+
+    def step_seconds(self) -> float:
+        """How long the engine has been inside the step it is running now (0 when it is not running one)."""
+        started = self._step_started
+        return 0.0 if started is None else time.monotonic() - started
 
     def active_requests(self) -> int:
         """Requests whose KV cache this node may still hold: running, or released with the free still queued."""
@@ -145,8 +152,12 @@ class StageWorker:
         """Engine thread: forward (and sample on the last stage), unless the request was released meanwhile."""
         if rid in self._finished or self.engine is None:
             return None
-        out = self.engine.forward(rid, chunk)
-        return state.sampler(out) if sample else out
+        self._step_started = time.monotonic()
+        try:
+            out = self.engine.forward(rid, chunk)
+            return state.sampler(out) if sample else out
+        finally:
+            self._step_started = None
 
     async def _emit(self, rid: str, state: _StageRequest, plan: Plan, token: int) -> None:
         state.generated += 1
@@ -297,6 +308,19 @@ class RingGenerator(TokenGenerator):
                 pending.queue.put_nowait(ServiceUnavailableError(
                     f"node {names} left the cluster during the request; retry once the ring has re-formed",
                     code="node_lost"))
+
+    def fail_stalled(self, step_seconds: Callable[[str], float], limit: float) -> None:
+        """Fail every request whose ring has a stage that has been inside one step for more than `limit`
+        seconds. Its engine is most likely hung while the node itself (and so its link) stays alive."""
+        for pending in self._pending.values():
+            for node_id in dict.fromkeys(pending.plan.node_ids):
+                seconds = step_seconds(node_id)
+                if seconds > limit:
+                    pending.queue.put_nowait(StageStalledError(
+                        f"node {self.names(node_id)} ({node_id}) has been inside one step of its layers for "
+                        f"{seconds:.0f} s, over the {limit:g} s limit (--step-timeout): its engine looks hung, so "
+                        f"the request was stopped; restart that node if this repeats", code="stage_stalled"))
+                    break
 
     def active_kv_caches(self) -> int:
         return self.stage.active_requests()

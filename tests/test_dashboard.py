@@ -276,6 +276,19 @@ def test_a_downloading_node_says_how_far_it_is(three_nodes: list[NodeProcess], o
     assert result == ["downloading", "downloading 42 %", "loading", "problem"]
 
 
+def test_a_node_long_inside_one_step_says_so(three_nodes: list[NodeProcess], open_page) -> None:
+    """A hung engine keeps its node alive: the page tells it apart from an ordinary busy node by step_seconds."""
+    dashboard = open_page(three_nodes[0])
+    result = dashboard.page.evaluate("""async () => {
+        const m = await import('/dashboard/topology.js');
+        const computing = {status: 'ready', busy: true, problem: null, step_seconds: 0.4};
+        const stuck = {...computing, step_seconds: 42.9};
+        const status = m.displayStatus(stuck);
+        return [m.displayStatus(computing), status, m.statusLabel(stuck, status)];
+    }""")
+    assert result == ["busy", "slow-step", "one step for 42 s"]
+
+
 @pytest.fixture
 def fresh_three_nodes(seven_layers: Path, tmp_path: Path) -> Iterator[list[NodeProcess]]:
     """A cluster of its own for a test that kills a node (requested before open_page: pages close first)."""

@@ -47,8 +47,8 @@ def test_rate_meter_counts_the_last_window_only() -> None:
 
 
 def test_node_load_round_trips_and_tolerates_old_peers() -> None:
-    load = NodeLoad(tokens_per_second=12.345, generated_per_second=3.0, in_flight=2, busy=True)
-    assert NodeLoad.from_json(load.to_json()) == NodeLoad(12.35, 3.0, 2, True)
+    load = NodeLoad(tokens_per_second=12.345, generated_per_second=3.0, in_flight=2, busy=True, step_seconds=4.26)
+    assert NodeLoad.from_json(load.to_json()) == NodeLoad(12.35, 3.0, 2, True, step_seconds=4.3)
     assert NodeLoad.from_json(None) == NodeLoad()
 
 
@@ -105,7 +105,7 @@ async def test_picture_has_bytes_per_node_and_every_members_shared_load() -> Non
     assert picture["requests_in_flight"] == 1
     await asyncio.sleep(0)  # let the announcement tasks run
     assert peers.links["b"].sent[-1]["load"] == {"tokens_per_second": 8.0, "generated_per_second": 8.0,
-                                                 "in_flight": 1, "busy": True}
+                                                 "in_flight": 1, "busy": True, "step_seconds": 0.0}
 
 
 async def test_lost_member_is_listed_unreachable_for_a_while_then_dropped(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -13,10 +13,12 @@ const STATUS_LABELS = {
   unreachable: "unreachable",
   downloading: "downloading",
 };
+const SLOW_STEP_SECONDS = 10;  // one engine step (a token, a prefill chunk) this long is worth showing: hung?
 
 // The status people need: a ready node computing right now is "busy"; one that reports a problem (its
 // layers do not fit, or failed to load) will not finish loading, so it does not say "loading".
 export function displayStatus(node) {
+  if (node.status === "ready" && node.step_seconds >= SLOW_STEP_SECONDS) return "slow-step";
   if (node.status === "ready") return node.busy ? "busy" : "ready";
   if (node.problem) return "problem";
   if (node.download && node.download.state === "downloading") return "downloading";
@@ -26,6 +28,7 @@ export function displayStatus(node) {
 // The pill's words: a downloading node says how far it is.
 export function statusLabel(node, status) {
   if (status === "downloading") return `downloading ${Math.floor(node.download.percent)} %`;
+  if (status === "slow-step") return `one step for ${Math.floor(node.step_seconds)} s`;
   return STATUS_LABELS[status] || status;
 }
 
