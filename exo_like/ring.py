@@ -165,8 +165,10 @@ class StageWorker:
         done = token in state.eos or state.generated >= state.max_tokens
         token_message = {"type": "token", "rid": rid, "token": token, "done": done}
         if done:
-            await self._send(state.origin, token_message, rid, state)
+            # Release first: every stage (the origin's too) then has its free queued before the origin hears
+            # the request is done, so the origin can end the response with its own cache already freed.
             await release_everywhere(self.router, rid, plan)
+            await self._send(state.origin, token_message, rid, state)
             return
         # The next step first: it is on the critical path, streaming the token to the origin is not.
         await self._send(plan.stages[0].node_id, {"type": "forward", "rid": rid, "digest": plan.digest,
@@ -190,6 +192,15 @@ class StageWorker:
         else:
             self._release(rid)
 
+    async def cache_freed(self, rid: str) -> None:
+        """Return once this node's engine has freed the request's cache, if a free of it is queued."""
+        if rid in self._releasing:
+            # The engine thread runs its work in order: a no-op queued now finishes after that free.
+            try:
+                await asyncio.get_running_loop().run_in_executor(self.executor, _nothing)
+            except RuntimeError:  # executor shut down: the node is stopping and its engine with it
+                pass
+
     def _release(self, rid: str) -> None:
         self._finish(rid)
         engine = self.engine
@@ -209,6 +220,10 @@ class StageWorker:
         self._finished[rid] = None
         while len(self._finished) > _REMEMBERED_FINISHED:
             self._finished.popitem(last=False)
+
+
+def _nothing() -> None:
+    pass
 
 
 async def release_everywhere(router: Router, rid: str, plan: Plan) -> None:
@@ -280,6 +295,7 @@ class RingGenerator(TokenGenerator):
                 self.tokens_generated_total += 1
                 self.throughput.add()
                 yield token
+            await self.stage.cache_freed(request_id)  # the response ends with this node's cache freed
         except ConnectionError as exc:
             raise ServiceUnavailableError(f"the first stage is unreachable: {exc}") from exc
         finally:
