@@ -3,6 +3,9 @@
 It only decides whom to dial and when; the dialing itself (and the authentication) is a callable from the
 transport. Unlinked peers are redialled every few seconds, so a restarted or briefly unreachable peer comes
 back without anyone doing anything. mDNS peers that stay unreachable are forgotten after a while.
+
+Nodes advertising another cluster key are never dialed; while their advertisement lasts, every round reports
+them (`report`), so a user who set a key on one machine and not on another sees why they stay apart.
 """
 
 from __future__ import annotations
@@ -21,18 +24,24 @@ REDIAL_SECONDS = 2.0
 FORGET_AFTER_SECONDS = 60.0
 
 Dial = Callable[[str, int], Awaitable[str | None]]  # (host, port) -> linked node id, or None
+Report = Callable[[PeerAddress, str, str], None]  # a peer this node will not link with: (peer, code, reason)
+
+OTHER_CLUSTER = ("in another cluster: it advertises a different cluster key on mDNS, so this node does not dial "
+                 "it (set the same --cluster-key or EXO_LIKE_CLUSTER_KEY on every node that should join)")
 
 
 class PeerFinder:
     def __init__(self, node_id: str, dial: Dial, is_linked: Callable[[str], bool], static_peers: list[PeerAddress],
-                 mdns: MdnsDiscovery | None):
+                 mdns: MdnsDiscovery | None, report: Report = lambda peer, code, reason: None):
         self.node_id = node_id
         self._dial = dial
         self._is_linked = is_linked
         self._static = static_peers
         self._static_ids: dict[PeerAddress, str] = {}
         self._mdns_peers: dict[str, tuple[PeerAddress, float]] = {}  # node id -> (address, last seen)
+        self._other_clusters: dict[str, PeerAddress] = {}  # node id -> address, while it advertises
         self._mdns = mdns
+        self._report = report
         self._task: asyncio.Task | None = None
         self._wake = asyncio.Event()
 
@@ -41,6 +50,14 @@ class PeerFinder:
             return
         self._mdns_peers[peer.node_id] = (peer, time.monotonic())
         self._wake.set()
+
+    def found_other_cluster(self, peer: PeerAddress) -> None:
+        if peer.node_id is not None:
+            self._other_clusters[peer.node_id] = peer
+            self._report(peer, "other_cluster", OTHER_CLUSTER)
+
+    def gone_from_mdns(self, node_id: str) -> None:
+        self._other_clusters.pop(node_id, None)
 
     async def start(self) -> None:
         if self._mdns is not None:
@@ -64,6 +81,8 @@ class PeerFinder:
                 pass
 
     async def _dial_unlinked(self) -> None:
+        for peer in self._other_clusters.values():
+            self._report(peer, "other_cluster", OTHER_CLUSTER)
         attempts = [self._dial_static(peer) for peer in self._static
                     if not self._is_linked(self._static_ids.get(peer, ""))]
         now = time.monotonic()

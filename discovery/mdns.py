@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 
 SERVICE_TYPE = "_exo-like._tcp.local."
 LOOKUP_TIMEOUT_MS = 3000
+INSTANCE_PREFIX = "exo-like-"  # a node's service instance is exo-like-<node id>
 
 
 def local_ipv4_addresses() -> list[str]:
@@ -36,12 +37,17 @@ def local_ipv4_addresses() -> list[str]:
 
 class MdnsDiscovery:
     def __init__(self, node_id: str, port: int, cluster_digest: str, version: str,
-                 on_found: Callable[[PeerAddress], None], addresses: list[str] | None = None):
+                 on_found: Callable[[PeerAddress], None], addresses: list[str] | None = None,
+                 on_other_cluster: Callable[[PeerAddress], None] | None = None,
+                 on_removed: Callable[[str], None] | None = None):
         self.node_id = node_id
         self.port = port
         self.cluster_digest = cluster_digest
         self.version = version
         self._on_found = on_found
+        self._on_other_cluster = on_other_cluster  # nodes seen with another cluster key: not dialed, but reported
+        self._other_cluster_ids: set[str] = set()  # logged once each
+        self._on_removed = on_removed  # a node's advertisement went away (it said goodbye, or its records expired)
         self._addresses = addresses
         self._zeroconf: AsyncZeroconf | None = None
         self._browser: AsyncServiceBrowser | None = None
@@ -53,7 +59,7 @@ class MdnsDiscovery:
         self._zeroconf = AsyncZeroconf(ip_version=IPVersion.V4Only)
         self._info = AsyncServiceInfo(
             SERVICE_TYPE,
-            f"exo-like-{self.node_id}.{SERVICE_TYPE}",
+            f"{INSTANCE_PREFIX}{self.node_id}.{SERVICE_TYPE}",
             addresses=[socket.inet_aton(a) for a in addresses],
             port=self.port,
             properties={"id": self.node_id, "v": self.version, "port": str(self.port), "key": self.cluster_digest},
@@ -68,6 +74,10 @@ class MdnsDiscovery:
             task = asyncio.ensure_future(self._resolve(zeroconf, service_type, name))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+        elif state_change == ServiceStateChange.Removed and self._on_removed is not None:
+            instance = name.removesuffix(f".{SERVICE_TYPE}")
+            if instance.startswith(INSTANCE_PREFIX):
+                self._on_removed(instance.removeprefix(INSTANCE_PREFIX))
 
     async def _resolve(self, zeroconf: Zeroconf, service_type: str, name: str) -> None:
         info = AsyncServiceInfo(service_type, name)
@@ -77,12 +87,20 @@ class MdnsDiscovery:
         node_id = props.get("id")
         if not node_id or node_id == self.node_id:
             return
+        port = int(info.port or 0)
+        addresses = [PeerAddress(host, port, node_id) for host in info.parsed_addresses(IPVersion.V4Only)]
         if props.get("key") != self.cluster_digest:
-            log.warning("node %s: refusing peer %s found on mDNS: it has a different cluster key",
-                     self.node_id, node_id)
+            self._found_other_cluster(node_id, addresses)
             return
-        for host in info.parsed_addresses(IPVersion.V4Only):
-            self._on_found(PeerAddress(host, int(info.port or 0), node_id))
+        for peer in addresses:
+            self._on_found(peer)
+
+    def _found_other_cluster(self, node_id: str, addresses: list[PeerAddress]) -> None:
+        if node_id not in self._other_cluster_ids:
+            self._other_cluster_ids.add(node_id)
+            log.info("node %s: refusing peer %s found on mDNS: it has a different cluster key", self.node_id, node_id)
+        if self._on_other_cluster is not None and addresses:
+            self._on_other_cluster(addresses[0])
 
     async def stop(self) -> None:
         for task in list(self._tasks):

@@ -318,6 +318,8 @@ class Cluster:
             "nodes": nodes,
             "departed": [{**_info_json(info), "status": "unreachable", "lost_seconds_ago": round(now - lost, 1)}
                          for info, lost in self.departed.values() if now - lost <= DEPARTED_SHOWN_SECONDS],
+            # This node's own view (unlike the rest): peers it knows of but could not link with, and why.
+            "unlinked": self.peers.problems.to_json(),
             "plan": self.plan.to_json() if self.plan else None,
             "agreed": self.agreed,
             "ready": self.ready,

@@ -176,8 +176,11 @@ class Node:
         mdns = None
         if self.options.mdns:
             mdns = MdnsDiscovery(self.node_id, port, cluster_key_digest(self.options.cluster_key), __version__,
-                                 lambda peer: self.finder and self.finder.found_on_mdns(peer))
-        self.finder = PeerFinder(self.node_id, self._dial, self.peers.linked, self.options.peers, mdns)
+                                 lambda peer: self.finder and self.finder.found_on_mdns(peer),
+                                 on_other_cluster=lambda peer: self.finder and self.finder.found_other_cluster(peer),
+                                 on_removed=lambda node_id: self.finder and self.finder.gone_from_mdns(node_id))
+        self.finder = PeerFinder(self.node_id, self._dial, self.peers.linked, self.options.peers, mdns,
+                                 self._report_unlinked)
         log.info("node %s (%s): %s engine on %s, %.1f GiB for layers, cluster key %s", self.node_id,
                  self.info.name, self.engine.name, self.engine.device_name, self.info.memory_bytes / 2**30,
                  "set" if self.options.cluster_key != DEFAULT_CLUSTER_KEY else "default")
@@ -247,6 +250,10 @@ class Node:
         assert self.peers is not None
         link = await self.peers.dial(host, port)
         return link.remote.node_id if link else None
+
+    def _report_unlinked(self, peer: PeerAddress, code: str, reason: str) -> None:
+        assert self.peers is not None
+        self.peers.problems.note(peer.host, peer.port, code, reason, peer.node_id)
 
     def _links_changed(self) -> None:
         if self.cluster is not None:

@@ -5,6 +5,10 @@ accepts work from) a peer that does not hold the same key. Only then do both sid
 Frames are msgpack maps (see wire.py). aiohttp's websocket heartbeat detects a silent peer in ~1.5 s; a
 killed process is noticed at once because its sockets close.
 
+Before that, both sides compare their peer protocol numbers (wire.PROTOCOL): nodes of exo-like versions that
+would misread each other's frames refuse the link and say which versions met. Every failed dial and refused
+peer is recorded, with its reason, in `problems` (shown in GET /v1/cluster and on the dashboard).
+
 When two nodes dial each other at the same time, both keep the link dialed by the smaller node id, so they
 always agree on which one survives.
 """
@@ -22,13 +26,18 @@ from typing import Any, Awaitable, Callable
 import aiohttp
 from aiohttp import web
 
-from exo_like.wire import DEFAULT_MAX_FRAME_BYTES, FrameError, decode_frame, encode_frame
+from exo_like import __version__
+from exo_like.link_problems import LinkProblems
+from exo_like.wire import DEFAULT_MAX_FRAME_BYTES, PROTOCOL, FrameError, decode_frame, encode_frame
 
 log = logging.getLogger(__name__)
 
 PEER_PATH = "/v1/peer"
 HEARTBEAT_SECONDS = 1.0
 HANDSHAKE_TIMEOUT = 5.0
+# A dial to an address that drops packets (firewall, machine gone) would otherwise wait for the kernel's SYN
+# retries, about two minutes; a peer on the same LAN or VPN answers well within this.
+CONNECT_TIMEOUT = 3.0
 CLOSE_REFUSED = 4001
 
 
@@ -72,7 +81,32 @@ def _proof(key: bytes, role: bytes, first: bytes, second: bytes) -> bytes:
 
 
 class HandshakeRefused(Exception):
-    pass
+    def __init__(self, message: str, code: str = "handshake_failed"):
+        super().__init__(message)
+        self.code = code  # as in LinkProblem.code
+
+
+KEY_ADVICE = "set the same --cluster-key (or EXO_LIKE_CLUSTER_KEY) on every node"
+
+
+def _protocol_mismatch(theirs: Any, their_version: Any, ours: int) -> HandshakeRefused:
+    spoken = f"peer protocol {theirs} (exo-like {their_version})" if theirs is not None else \
+        "no peer protocol number (an older exo-like)"
+    return HandshakeRefused(f"different exo-like versions: it speaks {spoken}, this node peer protocol "
+                            f"{ours} (exo-like {__version__}); run the same exo-like version on every node",
+                            "version_mismatch")
+
+
+def _dial_failure(exc: BaseException) -> tuple[str, str]:
+    """Why a dial failed, in words a user can act on: (code, reason)."""
+    if isinstance(exc, aiohttp.WSServerHandshakeError):
+        return "not_exo_like", f"not an exo-like node (HTTP {exc.status} where its peer link should be)"
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return "unreachable", f"cannot connect ({exc.os_error.strerror or exc.os_error}): is exo-like running " \
+                              "there, and its port open in the firewall?"
+    if isinstance(exc, asyncio.TimeoutError):
+        return "unreachable", "no answer in time: a firewall dropping the traffic, or the machine is down"
+    return "handshake_failed", f"link set-up failed: {exc or type(exc).__name__}"
 
 
 MessageHandler = Callable[["PeerLink", dict[str, Any]], Awaitable[None]]
@@ -115,6 +149,8 @@ class PeerNetwork:
         self._on_change = on_change
         self.max_frame_bytes = max_frame_bytes
         self.links: dict[str, PeerLink] = {}
+        self.problems = LinkProblems(me.node_id)
+        self.protocol = PROTOCOL
         self._dialing: set[str] = set()
         self._own_addresses: set[str] = set()  # addresses that turned out to reach this node itself
         self._tasks: set[asyncio.Task] = set()
@@ -144,10 +180,10 @@ class PeerNetwork:
         try:
             return await self._dial(host, port, address)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, FrameError, KeyError, ValueError) as exc:
-            log.debug("node %s: cannot link to %s: %s", self.me.node_id, address, exc)
+            self.problems.note(host, port, *_dial_failure(exc))
             return None
         except HandshakeRefused as exc:
-            log.warning("node %s: refused link with %s: %s", self.me.node_id, address, exc)
+            self.problems.note(host, port, exc.code, str(exc))
             return None
         finally:
             self._dialing.discard(address)
@@ -168,19 +204,28 @@ class PeerNetwork:
         if not self._register(link):
             await ws.close()
             return self.links.get(remote.node_id)
+        self.problems.clear(host, port, remote.node_id)
         self._spawn(self._read_loop(link))
         return link
 
     async def _dialer_handshake(self, ws: aiohttp.ClientWebSocketResponse) -> NodeInfo:
         hello = await self._receive(ws)
+        if hello.get("protocol") != self.protocol:
+            await self._refuse(ws, "different exo-like versions")
+            raise _protocol_mismatch(hello.get("protocol"), hello.get("version"), self.protocol)
         nonce = os.urandom(16)
-        await ws.send_bytes(encode_frame({"type": "auth", "nonce": nonce,
+        await ws.send_bytes(encode_frame({"type": "auth", "nonce": nonce, "protocol": self.protocol,
+                                          "version": __version__,
                                           "proof": _proof(self._key, b"dialer", hello["nonce"], nonce)}))
         welcome = await self._receive(ws)
         if welcome["type"] == "refused":
-            raise HandshakeRefused(f"peer says: {welcome.get('reason')}")
+            if "protocol" in welcome:
+                raise _protocol_mismatch(welcome["protocol"], welcome.get("version"), self.protocol)
+            if welcome.get("reason") == "cluster key mismatch":
+                raise HandshakeRefused(f"refused: it holds a different cluster key ({KEY_ADVICE})", "key_mismatch")
+            raise HandshakeRefused(f"refused: the peer says {welcome.get('reason')}")
         if not hmac.compare_digest(welcome["proof"], _proof(self._key, b"acceptor", nonce, hello["nonce"])):
-            raise HandshakeRefused("peer does not hold our cluster key")
+            raise HandshakeRefused(f"it does not hold this cluster's key ({KEY_ADVICE})", "key_mismatch")
         await ws.send_bytes(encode_frame({"type": "info", "info": self.me.to_dict()}))
         return NodeInfo.from_dict(welcome["info"])
 
@@ -194,6 +239,7 @@ class PeerNetwork:
             remote = await self._acceptor_handshake(ws, address)
         except HandshakeRefused as exc:
             log.warning("node %s: refused peer at %s: %s", self.me.node_id, address, exc)
+            self.problems.note(address, None, exc.code, f"it dialed this node and was refused: {exc}")
             await ws.close(code=CLOSE_REFUSED, message=b"refused")
             return ws
         except (asyncio.TimeoutError, FrameError, KeyError, ValueError, TypeError, ConnectionError) as exc:
@@ -202,6 +248,7 @@ class PeerNetwork:
             return ws
         link = PeerLink(remote, ws, remote.node_id, address, self.max_frame_bytes)
         if self._register(link):
+            self.problems.clear(address, None, remote.node_id)
             await self._read_loop(link)
         else:
             await ws.close()
@@ -209,17 +256,30 @@ class PeerNetwork:
 
     async def _acceptor_handshake(self, ws: web.WebSocketResponse, address: str) -> NodeInfo:
         nonce = os.urandom(16)
-        await ws.send_bytes(encode_frame({"type": "hello", "nonce": nonce}))
+        await ws.send_bytes(encode_frame({"type": "hello", "nonce": nonce, "protocol": self.protocol,
+                                          "version": __version__}))
         auth = await self._receive(ws)
+        if auth.get("type") == "refused" and "protocol" in auth:
+            raise _protocol_mismatch(auth["protocol"], auth.get("version"), self.protocol)
+        if auth.get("protocol") != self.protocol:  # a dialer too old to check the hello's protocol itself
+            await self._refuse(ws, "different exo-like versions")
+            raise _protocol_mismatch(auth.get("protocol"), auth.get("version"), self.protocol)
         if auth.get("type") != "auth" or not isinstance(auth.get("proof"), bytes):
             raise HandshakeRefused("no authentication offered")
         if not hmac.compare_digest(auth["proof"], _proof(self._key, b"dialer", nonce, auth["nonce"])):
             await ws.send_bytes(encode_frame({"type": "refused", "reason": "cluster key mismatch"}))
-            raise HandshakeRefused("cluster key mismatch")
+            raise HandshakeRefused(f"cluster key mismatch: it holds a different cluster key ({KEY_ADVICE})",
+                                   "key_mismatch")
         await ws.send_bytes(encode_frame({"type": "welcome", "info": self.me.to_dict(),
                                           "proof": _proof(self._key, b"acceptor", auth["nonce"], nonce)}))
         info = await self._receive(ws)
         return NodeInfo.from_dict(info["info"])
+
+    async def _refuse(self, ws: web.WebSocketResponse | aiohttp.ClientWebSocketResponse, reason: str) -> None:
+        """Tell the other side why (with our protocol and version, so it can say which versions met)."""
+        await ws.send_bytes(encode_frame({"type": "refused", "reason": f"{reason}: this node speaks peer protocol "
+                                          f"{self.protocol} (exo-like {__version__})", "protocol": self.protocol,
+                                          "version": __version__}))
 
     async def _receive(self, ws: web.WebSocketResponse | aiohttp.ClientWebSocketResponse) -> dict[str, Any]:
         msg = await ws.receive(timeout=HANDSHAKE_TIMEOUT)
@@ -275,7 +335,9 @@ class PeerNetwork:
 
     async def _client_session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession()
+            # The timeouts bound the connect and the websocket upgrade only, not the link's life afterwards.
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(
+                total=CONNECT_TIMEOUT + HANDSHAKE_TIMEOUT, sock_connect=CONNECT_TIMEOUT))
         return self._session
 
     async def close(self) -> None:

@@ -12,6 +12,11 @@ import msgpack
 
 DEFAULT_MAX_FRAME_BYTES = 64 * 1024 * 1024
 
+# The peer protocol: raise it whenever a frame or message changes so that a node of the previous version would
+# misread it. Nodes link only with nodes of the same number (checked first thing at link set-up, see peers.py).
+# 1: the first numbered protocol (exo-like 0.1.0: hub models keyed org/name@commit, plan digests, step times).
+PROTOCOL = 1
+
 
 class FrameError(ValueError):
     """A frame that is too large, not msgpack, or not a typed map."""

@@ -106,7 +106,13 @@ function clusterBanners(picture) {
   } else if (!picture.ready && !picture.problem && picture.waiting_for) {
     banners.push(banner("info", `Waiting: ${picture.waiting_for}.`, "Forming the ring"));
   }
-  if (picture.nodes.length === 1 && picture.departed.length === 0) {
+  for (const peer of picture.unlinked) {
+    const who = peer.node_id ? `${peer.address} (node ${peer.node_id})` : peer.address;
+    // Another cluster on the same LAN may be on purpose; everything else keeps nodes apart by mistake.
+    banners.push(banner(peer.code === "other_cluster" ? "info" : "warn", `${who}: ${peer.reason}.`,
+      "Not linked"));
+  }
+  if (picture.nodes.length === 1 && picture.departed.length === 0 && picture.unlinked.length === 0) {
     banners.push(banner("info", "This node is on its own. Run exo-like on another machine on the same " +
       "network and it joins by itself (or pass --peers host:port where multicast cannot reach).", "Alone"));
   }
