@@ -49,10 +49,12 @@ class PeerFinder:
         if peer.node_id is None or peer.node_id == self.node_id:
             return
         self._mdns_peers[peer.node_id] = (peer, time.monotonic())
+        self._other_clusters.pop(peer.node_id, None)  # it now advertises our key (restarted with it)
         self._wake.set()
 
     def found_other_cluster(self, peer: PeerAddress) -> None:
         if peer.node_id is not None:
+            self._mdns_peers.pop(peer.node_id, None)  # it now advertises another key: stop dialing it
             self._other_clusters[peer.node_id] = peer
             self._report(peer, "other_cluster", OTHER_CLUSTER)
 

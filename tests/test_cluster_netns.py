@@ -124,6 +124,12 @@ def test_different_cluster_keys_do_not_link_and_the_refusal_is_logged(checkpoint
             assert [len(v["nodes"]) for v in views] == [1, 1]
             for _, log_path in nodes:
                 assert "different cluster key" in log_path.read_text()
+            # Each node names the other, and why they stay apart, in /v1/cluster (and so on its dashboard).
+            for view, other_view, other_host in ((views[0], views[1], hosts[1]), (views[1], views[0], hosts[0])):
+                [unlinked] = view["unlinked"]
+                assert unlinked["node_id"] == other_view["node_id"] and unlinked["code"] == "other_cluster"
+                assert unlinked["address"] == f"{other_host.address}:{PORT}"
+                assert "different cluster key" in unlinked["reason"]
         finally:
             for process, _ in nodes:
                 process.kill()

@@ -376,3 +376,22 @@ def test_page_reconnects_by_itself_when_its_node_restarts(seven_layers: Path, tm
         assert "Lost contact" not in dashboard.page.inner_text("#banners")
     finally:
         node.stop()
+
+
+def test_a_peer_that_cannot_be_linked_is_named_with_the_reason(tmp_path: Path, open_page) -> None:
+    missing = f"127.0.0.1:{free_ports(1)[0]}"  # say, a --peers entry for a machine where exo-like is not running
+    node = start_node(tmp_path, None, "--no-mdns", "--peers", missing)
+    try:
+        assert wait_for(lambda: cluster_of(node)["unlinked"], timeout=10)
+        [unlinked] = cluster_of(node)["unlinked"]
+        assert unlinked["address"] == missing and unlinked["code"] == "unreachable"
+        assert unlinked["reason"].startswith("cannot connect (Connection refused)")
+        dashboard = open_page(node)
+        dashboard.wait_for("() => document.querySelector('#banners').textContent.includes('Not linked')")
+        banners = dashboard.page.inner_text("#banners")
+        assert f"{missing}: {unlinked['reason']}." in banners
+        assert "on its own" not in banners  # it is alone because of that peer: the generic advice would mislead
+        assert f"not linked with {missing}: cannot connect" in node.log()
+        dashboard.page.close()  # before its node stops, which would cut the page's event stream
+    finally:
+        node.stop()

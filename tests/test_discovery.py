@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from discovery import PeerAddress, parse_peers
+from discovery import PeerAddress, PeerFinder, parse_peers
 from tests.netns import requires_netns, netns_hosts
 
 REPO = Path(__file__).resolve().parent.parent
@@ -59,3 +59,28 @@ def test_mdns_finds_same_cluster_and_refuses_other_cluster(tmp_path: Path) -> No
     assert "refusing peer n2" in outputs[0] and "different cluster key" in outputs[0]
     leftover = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert all(h.namespace not in leftover for h in hosts)
+
+
+async def test_a_node_of_another_cluster_is_reported_not_dialed_until_it_advertises_our_key() -> None:
+    dialed: list[tuple[str, int]] = []
+    reports: list[tuple[str | None, str]] = []
+
+    async def dial(host: str, port: int) -> str | None:
+        dialed.append((host, port))
+        return None
+
+    finder = PeerFinder("me", dial, lambda node_id: False, [], None,
+                        lambda peer, code, reason: reports.append((peer.node_id, code)))
+    finder.found_other_cluster(PeerAddress("10.0.0.7", 52415, "other"))
+    await finder._dial_unlinked()  # one round of the redial loop
+    assert dialed == [] and reports == [("other", "other_cluster")] * 2  # when found, and again each round
+    finder.found_on_mdns(PeerAddress("10.0.0.7", 52415, "other"))  # restarted with this cluster's key
+    reports.clear()
+    await finder._dial_unlinked()
+    assert dialed == [("10.0.0.7", 52415)] and reports == []
+    finder.found_other_cluster(PeerAddress("10.0.0.7", 52415, "other"))  # and back to another key
+    finder.gone_from_mdns("other")  # then it left the network
+    dialed.clear()
+    reports.clear()
+    await finder._dial_unlinked()
+    assert dialed == [] and reports == []

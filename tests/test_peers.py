@@ -1,16 +1,25 @@
-"""Peer links over real loopback sockets: authentication, refusal, duplicates, frame limits, loss."""
+"""Peer links over real loopback sockets: authentication, refusal, duplicates, frame limits, loss, and the
+reasons a node gives for peers it cannot link with."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
+import aiohttp
 import pytest
 from aiohttp import web
 
-from exo_like.peers import NodeInfo, PeerLink, PeerNetwork
-from exo_like.wire import FrameError
+from discovery import PeerAddress, PeerFinder
+from discovery.finder import REDIAL_SECONDS
+from exo_like.peers import CONNECT_TIMEOUT, PEER_PATH, NodeInfo, PeerLink, PeerNetwork
+from exo_like.wire import PROTOCOL, FrameError, decode_frame, encode_frame
+from tests.cluster_harness import free_ports
 
 
 class Peer:
@@ -29,12 +38,12 @@ class Peer:
     def _changed(self) -> None:
         self.changes += 1
 
-    async def start(self) -> None:
+    async def start(self, port: int = 0) -> None:
         app = web.Application()
         self.net.add_routes(app)
         self.runner = web.AppRunner(app)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        site = web.TCPSite(self.runner, "127.0.0.1", port)
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]
 
@@ -55,9 +64,9 @@ async def wait_for(predicate, timeout: float = 5.0) -> None:
 async def peers():
     started: list[Peer] = []
 
-    async def make(node_id: str, key: str = "secret", **kwargs) -> Peer:
+    async def make(node_id: str, key: str = "secret", port: int = 0, **kwargs) -> Peer:
         peer = Peer(node_id, key, **kwargs)
-        await peer.start()
+        await peer.start(port)
         started.append(peer)
         return peer
 
@@ -89,6 +98,11 @@ async def test_wrong_cluster_key_is_refused_and_logged(peers, caplog) -> None:
     refusals = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
     assert any("cluster key mismatch" in m for m in refusals), refusals
     assert not b.received  # nothing was accepted from the impostor
+    # Both sides list the other with the reason, for GET /v1/cluster and the dashboard.
+    seen_by_dialer, seen_by_acceptor = problems_of(a)[f"127.0.0.1:{b.port}"], problems_of(b)["127.0.0.1"]
+    assert seen_by_dialer["code"] == seen_by_acceptor["code"] == "key_mismatch"
+    assert "different cluster key" in seen_by_dialer["reason"] and "--cluster-key" in seen_by_dialer["reason"]
+    assert seen_by_acceptor["reason"].startswith("it dialed this node and was refused: cluster key mismatch")
 
 
 async def test_simultaneous_dials_keep_one_link_on_both_sides(peers) -> None:
@@ -143,3 +157,142 @@ async def test_lost_peer_noticed_and_reported(peers) -> None:
     await b.stop()
     await wait_for(lambda: not a.net.linked("bbb"), timeout=3.0)
     assert a.changes > changes_before
+
+
+# -- peers this node cannot link with ------------------------------------------------------------------------
+
+def problems_of(peer: Peer) -> dict[str, dict[str, Any]]:
+    return {problem["address"]: problem for problem in peer.net.problems.to_json()}
+
+
+@contextmanager
+def black_hole() -> Iterator[int]:
+    """A loopback port whose new connections go unanswered, like an address behind a firewall that drops packets:
+    a listener that never accepts, with its one-connection queue already full."""
+    listener = socket.socket()
+    fillers: list[socket.socket] = []
+    try:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        port = listener.getsockname()[1]
+        for _ in range(3):
+            filler = socket.socket()
+            filler.setblocking(False)
+            filler.connect_ex(("127.0.0.1", port))
+            fillers.append(filler)
+        time.sleep(0.1)
+        yield port
+    finally:
+        for sock in [*fillers, listener]:
+            sock.close()
+
+
+@pytest.mark.parametrize("newer", ["dialer", "acceptor"])
+async def test_nodes_of_different_protocols_refuse_each_other_and_both_name_the_versions(peers, newer) -> None:
+    a, b = await peers("aaa"), await peers("bbb")
+    (a if newer == "dialer" else b).net.protocol = PROTOCOL + 1
+    assert await a.net.dial("127.0.0.1", b.port) is None
+    await wait_for(lambda: b.net.problems.to_json())
+    assert not a.net.links and not b.net.links and not b.received
+    seen_by_dialer, seen_by_acceptor = problems_of(a)[f"127.0.0.1:{b.port}"], problems_of(b)["127.0.0.1"]
+    for problem, mine, theirs in ((seen_by_dialer, a.net.protocol, b.net.protocol),
+                                  (seen_by_acceptor, b.net.protocol, a.net.protocol)):
+        assert problem["code"] == "version_mismatch", problem
+        assert f"it speaks peer protocol {theirs} (exo-like " in problem["reason"], problem
+        assert f"this node peer protocol {mine} (exo-like " in problem["reason"], problem
+        assert "run the same exo-like version on every node" in problem["reason"]
+
+
+async def test_a_dialer_too_old_to_check_protocols_is_told_why_it_is_refused(peers) -> None:
+    b = await peers("bbb")
+    async with aiohttp.ClientSession() as session:
+        async with session.ws_connect(f"http://127.0.0.1:{b.port}{PEER_PATH}") as ws:
+            hello = decode_frame((await ws.receive(timeout=5)).data)
+            assert hello["protocol"] == PROTOCOL
+            # The handshake of a version before protocol numbers: it ignores the hello's number and sends none.
+            await ws.send_bytes(encode_frame({"type": "auth", "nonce": b"n" * 16, "proof": b"p" * 32}))
+            answer = decode_frame((await ws.receive(timeout=5)).data)
+    assert answer["type"] == "refused" and answer["reason"].startswith("different exo-like versions")
+    problem = problems_of(b)["127.0.0.1"]
+    assert problem["code"] == "version_mismatch" and "it speaks no peer protocol number" in problem["reason"]
+    assert not b.net.links
+
+
+async def test_an_acceptor_too_old_to_send_a_protocol_is_not_linked(peers) -> None:
+    async def old_acceptor(request: web.Request) -> web.WebSocketResponse:
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        await ws.send_bytes(encode_frame({"type": "hello", "nonce": b"n" * 16}))
+        await ws.receive(timeout=5)
+        return ws
+
+    app = web.Application()
+    app.router.add_get(PEER_PATH, old_acceptor)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    try:
+        a = await peers("aaa")
+        assert await a.net.dial("127.0.0.1", port) is None
+    finally:
+        await runner.cleanup()
+    problem = problems_of(a)[f"127.0.0.1:{port}"]
+    assert problem["code"] == "version_mismatch" and "it speaks no peer protocol number" in problem["reason"]
+
+
+async def test_an_address_nobody_listens_on_is_listed_once_and_logged_once(peers, caplog) -> None:
+    a = await peers("aaa")
+    closed_port = free_ports(1)[0]
+    with caplog.at_level(logging.DEBUG):
+        for _ in range(3):  # the finder redials every few seconds
+            assert await a.net.dial("127.0.0.1", closed_port) is None
+    problem = problems_of(a)[f"127.0.0.1:{closed_port}"]
+    assert problem["code"] == "unreachable" and "cannot connect (Connection refused)" in problem["reason"]
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "not linked with" in r.getMessage()]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    assert len(a.net.problems.to_json()) == 1
+
+
+async def test_a_dial_to_an_address_that_drops_packets_gives_up_and_says_so(peers) -> None:
+    a = await peers("aaa")
+    with black_hole() as port:
+        started = time.monotonic()
+        assert await a.net.dial("127.0.0.1", port) is None
+        waited = time.monotonic() - started
+    assert waited < CONNECT_TIMEOUT + 2
+    problem = problems_of(a)[f"127.0.0.1:{port}"]
+    assert problem["code"] == "unreachable" and problem["reason"].startswith("no answer in time"), problem
+
+
+async def test_problems_are_cleared_on_both_sides_once_the_peers_link(peers) -> None:
+    a, b = await peers("aaa"), await peers("bbb")
+    b.net.protocol = PROTOCOL + 1  # say, b was upgraded first ...
+    assert await a.net.dial("127.0.0.1", b.port) is None
+    await wait_for(lambda: a.net.problems.to_json() and b.net.problems.to_json())
+    b.net.protocol = PROTOCOL  # ... and then a too
+    assert await a.net.dial("127.0.0.1", b.port) is not None
+    await wait_for(lambda: b.net.linked("aaa"))
+    assert a.net.problems.to_json() == [] and b.net.problems.to_json() == []
+
+
+async def test_a_peer_that_drops_packets_does_not_hold_up_linking_the_others(peers) -> None:
+    a = await peers("aaa")
+
+    async def dial(host: str, port: int) -> str | None:
+        link = await a.net.dial(host, port)
+        return link.remote.node_id if link else None
+
+    late_port = free_ports(1)[0]
+    with black_hole() as dead_port:
+        finder = PeerFinder("aaa", dial, a.net.linked, [PeerAddress("127.0.0.1", dead_port),
+                                                        PeerAddress("127.0.0.1", late_port)], None)
+        await finder.start()
+        try:
+            await asyncio.sleep(0.5)  # the first round is under way: one dial refused, the other unanswered
+            await peers("bbb", port=late_port)  # a peer that starts a little later
+            await wait_for(lambda: a.net.linked("bbb"), timeout=CONNECT_TIMEOUT + REDIAL_SECONDS + 3)
+        finally:
+            await finder.stop()
+    assert problems_of(a)[f"127.0.0.1:{dead_port}"]["code"] == "unreachable"
