@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -21,7 +21,7 @@ from exo_like.demo import DEMO_NAME, ensure_demo_model
 from exo_like.errors import ExoLikeError, ModelNotFoundError, ModelPendingError
 from exo_like.hub import RepoManifest
 from exo_like.model_config import ModelArgs
-from exo_like.model_source import HubModel, list_models, locate, pinned_key, prepare_hub_model
+from exo_like.model_source import HubModel, list_models, locate, pinned_key, prepare_hub_model, split_revision
 from exo_like.plan import model_footprint
 from exo_like.tokenizer import ModelTokenizer
 
@@ -111,6 +111,21 @@ class ModelRegistry:
             return known
         return await asyncio.shield(self._preparation(spec))
 
+    async def by_name(self, name: str, served: LoadedModel) -> LoadedModel:
+        """`served` if a request's model `name` refers to it, else ModelNotFoundError. Besides the served model's
+        own names, `org/name@revision` of its repo counts when the revision is the served commit: another node
+        may have been started with that name. Such a revision is resolved once, then kept as a name."""
+        if served.answers_to(name):
+            return served
+        repo_id, revision = split_revision(name)
+        if revision is not None and served.manifest is not None and served.answers_to(repo_id):
+            named = await self.prepare(name)
+            if named.key == served.key:
+                return named
+            raise ModelNotFoundError(f"the model {name!r} is {named.key} at the hub; this cluster serves "
+                                     f"{served.key!r}")
+        raise ModelNotFoundError(f"the model {name!r} does not exist; this cluster serves {served.key!r}")
+
     def describe(self, key: str) -> ModelDescription:
         """What planning needs. A hub model not described yet is fetched in the background meanwhile."""
         if key not in self._descriptions:
@@ -148,6 +163,9 @@ class ModelRegistry:
                            frozenset(aliases), hub.manifest)
 
     def _remember(self, model: LoadedModel) -> LoadedModel:
+        known = self._models.get(model.key)
+        if known is not None:  # the same model by another name (a revision that resolved to the same commit)
+            model = replace(known, aliases=known.aliases | model.aliases)
         self._models[model.key] = model
         return model
 

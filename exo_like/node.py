@@ -125,9 +125,9 @@ class Node:
         else:
             current = await self.models.prepare(self.cluster.model_id)
         served = self.cluster.model_id
-        if current.key != served or not current.answers_to(name):
+        if current.key != served:
             raise ModelNotFoundError(f"the model {name!r} does not exist; this cluster serves {served!r}")
-        return current, self.generator
+        return await self.models.by_name(name, current), self.generator
 
     async def _load_shard(self, plan: Plan, shard: Shard | None) -> None:
         """Hold this plan's shard (reloading only if the range changed), then serve the plan."""

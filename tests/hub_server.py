@@ -82,6 +82,7 @@ class _Cut:
 class HubServer:
     repos: dict[str, HubRepo] = field(default_factory=dict)
     earlier: dict[str, dict[str, HubRepo]] = field(default_factory=dict)  # repo id -> commit -> older version
+    tags: dict[str, dict[str, str]] = field(default_factory=dict)  # repo id -> tag (or branch) -> commit
     log: list[Served] = field(default_factory=list)
     throttle: float | None = None  # bytes/s for file downloads from the CDN (header peeks are never slowed)
     _cuts: dict[str, _Cut] = field(default_factory=dict)  # sha256 -> cut
@@ -96,9 +97,14 @@ class HubServer:
         self.repos[repo_id] = HubRepo(repo_id, files, gated)
         return self.repos[repo_id]
 
+    def tag(self, repo_id: str, name: str, commit: str) -> None:
+        """Name a commit of the repo (a tag, or a branch other than main)."""
+        self.tags.setdefault(repo_id, {})[name] = commit
+
     def version(self, repo_id: str, revision: str | None) -> HubRepo | None:
-        """The repo at a revision: main (None or "main"), its current commit, or an earlier commit."""
+        """The repo at a revision: main (None or "main"), a tag, its current commit, or an earlier commit."""
         repo = self.repos.get(repo_id)
+        revision = self.tags.get(repo_id, {}).get(revision or "", revision)
         if repo is None or revision in (None, "main", repo.commit):
             return repo
         return self.earlier.get(repo_id, {}).get(revision)

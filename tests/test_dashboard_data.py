@@ -11,6 +11,7 @@ import pytest
 
 import exo_like.cluster as cluster_module
 from exo_like.cluster import DEPARTED_SHOWN_SECONDS, Cluster, ModelDescription
+from exo_like.link_problems import LinkProblems
 from exo_like.meter import RateMeter
 from exo_like.node_load import NodeLoad
 from exo_like.peers import NodeInfo
@@ -71,7 +72,7 @@ async def no_load(plan: Plan, shard: Shard | None) -> None:
 
 
 def make_cluster(local_load: NodeLoad | Callable[[], NodeLoad]) -> tuple[Cluster, SimpleNamespace]:
-    peers = SimpleNamespace(links={})
+    peers = SimpleNamespace(links={}, problems=LinkProblems("a"))
     current = local_load if callable(local_load) else lambda: local_load
     cluster = Cluster(info("a", 2 * GIB), peers, lambda key: ModelDescription(7, FOOTPRINT), no_load,
                       lambda live: None, current)

@@ -210,6 +210,15 @@ def test_a_node_that_joins_after_a_new_commit_fetches_the_commit_the_cluster_ser
         assert fetched and fetched <= {f.sha256 for f in first.files.values()}  # the first commit's blobs only
         served = nodes[1].get_json("/v1/models")["data"][0]
         assert (served["id"], served["repo"], served["revision"]) == (EVOLVING, EVOLVING, first.commit)
+        # A revision of the served repo is answered on every node when it names the served commit (say, the
+        # first node was started with it), and refused with both commits named when it does not.
+        hub.tag(EVOLVING, "v1", first.commit)
+        hub.tag(EVOLVING, "v2", second.commit)
+        assert answer(nodes[1], f"{EVOLVING}@v1") == expected
+        for revision, commit in (("v2", second.commit), ("main", second.commit)):
+            status, body = chat(nodes[1], f"{EVOLVING}@{revision}")
+            message = body["error"]["message"]
+            assert status == 404 and f"{EVOLVING}@{commit}" in message and pinned in message, message
     finally:
         for node in nodes:
             stop_cleanly(node)
