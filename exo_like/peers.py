@@ -104,8 +104,8 @@ def _dial_failure(exc: BaseException) -> tuple[str, str]:
     if isinstance(exc, aiohttp.ClientConnectorError):
         errno = exc.os_error.errno
         detail = os.strerror(errno) if errno else str(exc.os_error)  # "Connection refused", "No route to host"
-        return "unreachable", f"cannot connect ({detail}): is exo-like running there, and its port open in the " \
-                              "firewall?"
+        return "unreachable", f"cannot connect ({detail}): check that exo-like runs there and that its port is " \
+                              "open in the firewall"
     if isinstance(exc, asyncio.TimeoutError):
         return "unreachable", "no answer in time: a firewall dropping the traffic, or the machine is down"
     return "handshake_failed", f"link set-up failed: {exc or type(exc).__name__}"

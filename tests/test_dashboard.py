@@ -391,6 +391,7 @@ def test_a_peer_that_cannot_be_linked_is_named_with_the_reason(tmp_path: Path, o
         banners = dashboard.page.inner_text("#banners")
         assert f"{missing}: {unlinked['reason']}." in banners
         assert "on its own" not in banners  # it is alone because of that peer: the generic advice would mislead
+        dashboard.screenshot("dashboard-not-linked-1280x800.png", DESKTOP)
         assert f"not linked with {missing}: cannot connect" in node.log()
         dashboard.page.close()  # before its node stops, which would cut the page's event stream
     finally:
