@@ -35,8 +35,8 @@ log = logging.getLogger(__name__)
 PEER_PATH = "/v1/peer"
 HEARTBEAT_SECONDS = 1.0
 HANDSHAKE_TIMEOUT = 5.0
-# A dial to an address that drops packets (firewall, machine gone) would otherwise wait for the kernel's SYN
-# retries, about two minutes; a peer on the same LAN or VPN answers well within this.
+# A dial to an address that drops packets (firewall, machine gone) would otherwise hang for aiohttp's default
+# 30 s, holding up the finder's redial round for every other peer; a peer on a LAN or VPN answers well within this.
 CONNECT_TIMEOUT = 3.0
 CLOSE_REFUSED = 4001
 
