@@ -55,10 +55,11 @@ class LinkProblems:
         log.warning("node %s: not linked with %s%s: %s", self.node_id, problem.address,
                     f" (node {node_id})" if node_id else "", reason)
 
-    def clear(self, host: str, port: int | None, node_id: str) -> None:
-        """A link to `node_id` now exists (made with host:port): whatever kept them apart is gone."""
+    def clear(self, node_id: str, *addresses: tuple[str, int | None]) -> None:
+        """A link to `node_id` now exists: whatever kept this node from it is gone, whether it was recorded
+        under the node's id or under one of the (host, port) addresses it is known by."""
         for key, problem in list(self._by_address.items()):
-            if key == (host, port) or problem.node_id == node_id:
+            if key in addresses or problem.node_id == node_id:
                 del self._by_address[key]
 
     def to_json(self) -> list[dict[str, Any]]:

@@ -206,7 +206,7 @@ class PeerNetwork:
         if not self._register(link):
             await ws.close()
             return self.links.get(remote.node_id)
-        self.problems.clear(host, port, remote.node_id)
+        self.problems.clear(remote.node_id, (host, port))
         self._spawn(self._read_loop(link))
         return link
 
@@ -250,7 +250,9 @@ class PeerNetwork:
             return ws
         link = PeerLink(remote, ws, remote.node_id, address, self.max_frame_bytes)
         if self._register(link):
-            self.problems.clear(address, None, remote.node_id)
+            # A failed dial of this peer (e.g. made before it started) is recorded under the address dialed,
+            # which is its listening port at the host it advertises or at the host it dialed in from.
+            self.problems.clear(remote.node_id, (address, None), (remote.host, remote.port), (address, remote.port))
             await self._read_loop(link)
         else:
             await ws.close()

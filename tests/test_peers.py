@@ -4,6 +4,7 @@ reasons a node gives for peers it cannot link with."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import socket
 import time
@@ -46,6 +47,7 @@ class Peer:
         site = web.TCPSite(self.runner, "127.0.0.1", port)
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]
+        self.info = self.net.me = dataclasses.replace(self.info, port=self.port)  # advertised, as a node does
 
     async def stop(self) -> None:
         await self.net.close()
@@ -275,6 +277,19 @@ async def test_problems_are_cleared_on_both_sides_once_the_peers_link(peers) -> 
     assert await a.net.dial("127.0.0.1", b.port) is not None
     await wait_for(lambda: b.net.linked("aaa"))
     assert a.net.problems.to_json() == [] and b.net.problems.to_json() == []
+
+
+async def test_a_failed_dial_is_cleared_when_that_peer_dials_in(peers) -> None:
+    """Nodes started one after another: the first one's dial of a later one fails, then the later one links
+    with it from its side. The first must not go on listing a linked peer as unreachable."""
+    a = await peers("aaa")
+    late_port = free_ports(1)[0]
+    assert await a.net.dial("127.0.0.1", late_port) is None  # nothing there yet
+    assert problems_of(a)[f"127.0.0.1:{late_port}"]["code"] == "unreachable"
+    b = await peers("bbb", port=late_port)
+    assert await b.net.dial("127.0.0.1", a.port) is not None
+    await wait_for(lambda: a.net.linked("bbb"))
+    assert a.net.problems.to_json() == []
 
 
 async def test_a_peer_that_drops_packets_does_not_hold_up_linking_the_others(peers) -> None:
