@@ -1,7 +1,8 @@
-"""Recent rates (tokens per second) for the dashboard: events counted over a short sliding window."""
+"""Recent numbers for the dashboard: rates (events counted over a short sliding window) and step times."""
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections import deque
 from typing import Callable
@@ -31,3 +32,19 @@ class RateMeter:
         horizon = self._clock() - self.window
         while self._events and self._events[0][0] <= horizon:
             self._count -= self._events.popleft()[1]
+
+
+class RecentMedian:
+    """The median of the last `size` values added (None before the first): robust to the odd slow step."""
+
+    def __init__(self, size: int = 32):
+        self._values: deque[float] = deque(maxlen=size)
+
+    def add(self, value: float) -> None:
+        self._values.append(value)
+
+    def median(self) -> float | None:
+        # tuple() copies in one C call under the GIL, so a value added meanwhile by another thread cannot
+        # disturb it.
+        values = tuple(self._values)
+        return statistics.median(values) if values else None

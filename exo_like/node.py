@@ -309,9 +309,11 @@ class Node:
         """What this node is doing now (shared with peers in its announcements)."""
         if self.generator is None or self.stage is None:
             return NodeLoad(download=self.download_progress.status())
+        decode_step = self.stage.decode_step_seconds.median()
         return NodeLoad(self.stage.throughput.rate(), self.generator.throughput.rate(),
                         len(self.generator.in_flight), self.stage.active_requests() > 0,
-                        self.download_progress.status(), self.stage.step_seconds())
+                        self.download_progress.status(), self.stage.step_seconds(),
+                        None if decode_step is None else decode_step * 1000)
 
     def models_json(self) -> list[dict[str, object]]:
         """GET /v1/models: the served model first, then local folders, downloaded repos and the catalog."""

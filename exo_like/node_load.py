@@ -17,11 +17,15 @@ class NodeLoad:
     busy: bool = False  # its layers hold at least one request
     download: DownloadStatus | None = None  # the download of its layers' weight files, if it had one
     step_seconds: float = 0.0  # how long its engine has been inside the step it is running (0: idle)
+    # Median time its layers took per generated token over its recent decode steps (sampling included on the
+    # last stage), None before its first: which node a ring's tokens spend their time on.
+    decode_step_ms: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         load = {"tokens_per_second": round(self.tokens_per_second, 2),
                 "generated_per_second": round(self.generated_per_second, 2),
-                "in_flight": self.in_flight, "busy": self.busy, "step_seconds": round(self.step_seconds, 1)}
+                "in_flight": self.in_flight, "busy": self.busy, "step_seconds": round(self.step_seconds, 1),
+                "decode_step_ms": None if self.decode_step_ms is None else round(self.decode_step_ms, 2)}
         if self.download is not None:  # only nodes that fetched layers from the hub say anything about it
             load["download"] = self.download.to_json()
         return load
@@ -31,6 +35,8 @@ class NodeLoad:
         """Tolerant: a peer of an older version announces no load at all."""
         if not isinstance(data, dict):
             return cls()
+        decode_step_ms = data.get("decode_step_ms")
         return cls(float(data.get("tokens_per_second", 0.0)), float(data.get("generated_per_second", 0.0)),
                    int(data.get("in_flight", 0)), bool(data.get("busy", False)),
-                   DownloadStatus.from_json(data.get("download")), float(data.get("step_seconds", 0.0)))
+                   DownloadStatus.from_json(data.get("download")), float(data.get("step_seconds", 0.0)),
+                   None if decode_step_ms is None else float(decode_step_ms))

@@ -29,7 +29,7 @@ from exo_like.activations import Activations
 from exo_like.engines.base import Engine
 from exo_like.errors import ServiceUnavailableError, StageFailedError, StageStalledError
 from exo_like.generation import RequestProgress, TokenGenerator
-from exo_like.meter import RateMeter
+from exo_like.meter import RateMeter, RecentMedian
 from exo_like.plan import Plan
 from exo_like.sampling import Sampler, SamplingParams
 
@@ -76,10 +76,12 @@ class StageWorker:
         self.tokens_sampled = 0
         self._step_started: float | None = None  # monotonic time the engine thread began its current step
         self.throughput = RateMeter()  # generated tokens that passed through this stage, recently
+        self.decode_step_seconds = RecentMedian()  # engine time of recent one-position steps (sampling included)
 
     def activate(self, plan: Plan | None, engine: Engine | None) -> None:
         """Serve `plan` with `engine` (already holding this node's shard of it)."""
         self.plan, self.engine = plan, engine
+        self.decode_step_seconds = RecentMedian()  # steps of another layer range would mislead
         for rid in list(self._requests):
             self._finish(rid)
 
@@ -152,12 +154,15 @@ class StageWorker:
         """Engine thread: forward (and sample on the last stage), unless the request was released meanwhile."""
         if rid in self._finished or self.engine is None:
             return None
-        self._step_started = time.monotonic()
+        started = self._step_started = time.monotonic()
         try:
             out = self.engine.forward(rid, chunk)
-            return state.sampler(out) if sample else out
+            result = state.sampler(out) if sample else out
         finally:
             self._step_started = None
+        if chunk.shape[0] == 1:  # a decode step: one position, one generated token
+            self.decode_step_seconds.add(time.monotonic() - started)
+        return result
 
     async def _emit(self, rid: str, state: _StageRequest, plan: Plan, token: int) -> None:
         state.generated += 1

@@ -240,10 +240,12 @@ def test_stop_cancels_the_request_on_every_node(three_nodes: list[NodeProcess], 
     dashboard.wait_for(f"() => document.querySelector('{text}')?.textContent.length > 0", timeout=30)
     first = len(page.eval_on_selector(text, "e => e.textContent"))
     dashboard.wait_for(f"n => document.querySelector('{text}')?.textContent.length > n", first)  # it streams
-    # While it runs, every node's card is busy with a live rate: numbers shared in the announcements.
+    # While it runs, every node's card is busy with a live rate and its layers' time per token: numbers shared
+    # in the announcements.
     dashboard.wait_for("() => { const cards = [...document.querySelectorAll('#nodes .node')];"
                        " return cards.length === 3 && cards.every(c => c.dataset.status === 'busy'"
-                       " && c.querySelector('.node-tps').textContent !== '0 tok/s'); }")
+                       " && c.querySelector('.node-tps').textContent !== '0 tok/s'"
+                       " && /^[0-9.]+ ms per token$/.test(c.querySelector('.node-step')?.textContent ?? '')); }")
     assert "1 in flight" in dashboard.tile("requests")
     assert three_nodes[0].get_json("/v1/debug/requests")["in_flight_requests"] == 1
     dashboard.screenshot("dashboard-generating-1280x800.png", DESKTOP)

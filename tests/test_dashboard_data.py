@@ -12,7 +12,7 @@ import pytest
 import exo_like.cluster as cluster_module
 from exo_like.cluster import DEPARTED_SHOWN_SECONDS, Cluster, ModelDescription
 from exo_like.link_problems import LinkProblems
-from exo_like.meter import RateMeter
+from exo_like.meter import RateMeter, RecentMedian
 from exo_like.node_load import NodeLoad
 from exo_like.peers import NodeInfo
 from exo_like.plan import ModelFootprint, Plan
@@ -47,9 +47,24 @@ def test_rate_meter_counts_the_last_window_only() -> None:
     assert meter.rate() == 0.0
 
 
+def test_recent_median_keeps_the_last_values_only() -> None:
+    steps = RecentMedian(size=3)
+    assert steps.median() is None
+    for value in (0.5, 0.01, 0.02):
+        steps.add(value)
+    assert steps.median() == 0.02  # one slow step does not move it
+    steps.add(0.03)  # 0.5 falls out
+    assert steps.median() == 0.02
+    steps.add(0.04)
+    assert steps.median() == 0.03
+
+
 def test_node_load_round_trips_and_tolerates_old_peers() -> None:
-    load = NodeLoad(tokens_per_second=12.345, generated_per_second=3.0, in_flight=2, busy=True, step_seconds=4.26)
-    assert NodeLoad.from_json(load.to_json()) == NodeLoad(12.35, 3.0, 2, True, step_seconds=4.3)
+    load = NodeLoad(tokens_per_second=12.345, generated_per_second=3.0, in_flight=2, busy=True, step_seconds=4.26,
+                    decode_step_ms=12.3456)
+    assert NodeLoad.from_json(load.to_json()) == NodeLoad(12.35, 3.0, 2, True, step_seconds=4.3,
+                                                          decode_step_ms=12.35)
+    assert NodeLoad.from_json(NodeLoad().to_json()).decode_step_ms is None  # no decode step yet
     assert NodeLoad.from_json(None) == NodeLoad()
 
 
@@ -106,7 +121,8 @@ async def test_picture_has_bytes_per_node_and_every_members_shared_load() -> Non
     assert picture["requests_in_flight"] == 1
     await asyncio.sleep(0)  # let the announcement tasks run
     assert peers.links["b"].sent[-1]["load"] == {"tokens_per_second": 8.0, "generated_per_second": 8.0,
-                                                 "in_flight": 1, "busy": True, "step_seconds": 0.0}
+                                                 "in_flight": 1, "busy": True, "step_seconds": 0.0,
+                                                 "decode_step_ms": None}
 
 
 async def test_lost_member_is_listed_unreachable_for_a_while_then_dropped(monkeypatch: pytest.MonkeyPatch) -> None:

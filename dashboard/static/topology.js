@@ -172,9 +172,11 @@ function nodeCard(node, picture) {
     cardHead(node, status, node.id === picture.node_id),
     h("div", { class: "node-sub" },
       h("span", { class: "node-device" }, deviceText(node)),
-      h("span", { class: "node-tps", title: "generated tokens passing through this node's layers" },
-        formatRate(node.tokens_per_second),
-        node.in_flight ? ` · serving ${plural(node.in_flight, "request")}` : "")),
+      h("span", { class: "node-speed" },
+        h("span", { class: "node-tps", title: "generated tokens passing through this node's layers" },
+          formatRate(node.tokens_per_second),
+          node.in_flight ? ` · serving ${plural(node.in_flight, "request")}` : ""),
+        stepText(node))),
     h("div", { class: "node-row" },
       h("span", { class: "node-layers" }, layersText(stage, nLayers)),
       nLayers ? layerStrip(stage, nLayers) : null),
@@ -183,6 +185,18 @@ function nodeCard(node, picture) {
       meter(node.used_bytes, node.memory_bytes)),
     // The cluster-wide problem is in the banner already; only say what is particular to this node.
     node.problem && node.problem !== picture.problem ? h("div", { class: "node-problem" }, node.problem) : null);
+}
+
+// Which node a ring's tokens spend their time on: its layers' median time per generated token, recently.
+function stepText(node) {
+  if (node.decode_step_ms == null) return null;
+  return h("span", { class: "node-step", title: "median time this node's layers took per generated token over "
+    + "its recent steps (sampling included on the last stage); the rest of a token's time is the hops between nodes" },
+    `${formatMs(node.decode_step_ms)} per token`);
+}
+
+function formatMs(ms) {
+  return ms >= 100 ? `${Math.round(ms)} ms` : `${ms.toFixed(1)} ms`;
 }
 
 function departedCard(node) {
