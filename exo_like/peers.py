@@ -10,7 +10,9 @@ would misread each other's frames refuse the link and say which versions met. Ev
 peer is recorded, with its reason, in `problems` (shown in GET /v1/cluster and on the dashboard).
 
 When two nodes dial each other at the same time, both keep the link dialed by the smaller node id, so they
-always agree on which one survives.
+always agree on which one survives. The other link is retired, not cut: each side sends a last `retire` frame on
+it and reads it until the other's `retire` arrives, so no frame already on its way is lost. A dial of an address
+where a linked peer already listens makes no second link at all.
 """
 
 from __future__ import annotations
@@ -39,6 +41,13 @@ HANDSHAKE_TIMEOUT = 5.0
 # 30 s, holding up the finder's redial round for every other peer; a peer on a LAN or VPN answers well within this.
 CONNECT_TIMEOUT = 3.0
 CLOSE_REFUSED = 4001
+# How long a retired duplicate link waits for the other side's `retire` before it is closed anyway (a peer that
+# kept that link as its only one then sees it close, re-plans and redials, rather than waiting on it forever).
+RETIRE_GRACE_SECONDS = 5.0
+
+
+class LinkRetired(ConnectionError):
+    """The link was replaced by a duplicate link to the same peer: send on the peer's current link instead."""
 
 
 @dataclass(frozen=True)
@@ -123,18 +132,29 @@ class PeerLink:
         self.address = address  # host:port as seen from this side
         self.max_frame_bytes = max_frame_bytes
         self._send_lock = asyncio.Lock()
+        self.retired = False  # this side sends nothing more on it: a duplicate link to the same peer is kept
+        self.peer_retired = asyncio.Event()  # the other side said the same: nothing more will arrive on it
 
     @property
     def closed(self) -> bool:
         return self.ws.closed
 
     async def send(self, message: dict[str, Any]) -> None:
-        """Send one frame. Raises ConnectionError if the link is gone, FrameError if the frame is too big."""
+        """Send one frame. Raises ConnectionError if the link is gone (LinkRetired if it was replaced),
+        FrameError if the frame is too big."""
         data = encode_frame(message, self.max_frame_bytes)
         async with self._send_lock:
+            if self.retired:
+                raise LinkRetired(f"link to {self.remote.node_id} was replaced")
             if self.ws.closed:
                 raise ConnectionError(f"link to {self.remote.node_id} is closed")
             await self.ws.send_bytes(data)
+
+    async def send_retire(self) -> None:
+        """The last frame this side sends on the link (after every frame whose send began before it was retired)."""
+        async with self._send_lock:
+            if not self.ws.closed:
+                await self.ws.send_bytes(encode_frame({"type": "retire"}))
 
     async def close(self) -> None:
         await self.ws.close()
@@ -154,6 +174,7 @@ class PeerNetwork:
         self.problems = LinkProblems(me.node_id)
         self.protocol = PROTOCOL
         self._dialing: set[str] = set()
+        self._retired: set[PeerLink] = set()  # duplicates being drained before they close
         self._own_addresses: set[str] = set()  # addresses that turned out to reach this node itself
         self._tasks: set[asyncio.Task] = set()
         self._session: aiohttp.ClientSession | None = None
@@ -169,7 +190,13 @@ class PeerNetwork:
         link = self.links.get(node_id)
         if link is None:
             raise ConnectionError(f"no link to node {node_id}")
-        await link.send(message)
+        try:
+            await link.send(message)
+        except LinkRetired:  # replaced while this send waited for its turn: the frame goes on the new link
+            current = self.links.get(node_id)
+            if current is None or current is link:
+                raise
+            await current.send(message)
 
     # -- dialing ------------------------------------------------------------------------------------------
 
@@ -178,6 +205,9 @@ class PeerNetwork:
         address = f"{host}:{port}"
         if address in self._dialing or address in self._own_addresses:
             return None  # a `--peers` list shared by every node names this node too: dial it once, not forever
+        already = self._link_listening_at(host, port)
+        if already is not None:
+            return already  # it dialed in first: a second link would only replace this one
         self._dialing.add(address)
         try:
             return await self._dial(host, port, address)
@@ -203,12 +233,20 @@ class PeerNetwork:
         link = PeerLink(remote, ws, self.me.node_id, address, self.max_frame_bytes)
         if remote.node_id == self.me.node_id:
             self._own_addresses.add(address)
-        if not self._register(link):
             await ws.close()
+            return None
+        self._spawn(self._read_loop(link))
+        if not self._register(link):
+            self._retire(link)  # the other side may have kept this one for a moment and sent on it
             return self.links.get(remote.node_id)
         self.problems.clear(remote.node_id, (host, port))
-        self._spawn(self._read_loop(link))
         return link
+
+    def _link_listening_at(self, host: str, port: int) -> PeerLink | None:
+        for link in self.links.values():
+            if not link.closed and not link.retired and (link.remote.host, link.remote.port) == (host, port):
+                return link
+        return None
 
     async def _dialer_handshake(self, ws: aiohttp.ClientWebSocketResponse) -> NodeInfo:
         hello = await self._receive(ws)
@@ -249,13 +287,16 @@ class PeerNetwork:
             await ws.close()
             return ws
         link = PeerLink(remote, ws, remote.node_id, address, self.max_frame_bytes)
+        if remote.node_id == self.me.node_id:
+            await ws.close()
+            return ws
         if self._register(link):
             # A failed dial of this peer (e.g. made before it started) is recorded under the address dialed,
             # which is its listening port at the host it advertises or at the host it dialed in from.
             self.problems.clear(remote.node_id, (address, None), (remote.host, remote.port), (address, remote.port))
-            await self._read_loop(link)
         else:
-            await ws.close()
+            self._retire(link)  # the other side may have kept this one for a moment and sent on it
+        await self._read_loop(link)
         return ws
 
     async def _acceptor_handshake(self, ws: web.WebSocketResponse, address: str) -> NodeInfo:
@@ -294,20 +335,36 @@ class PeerNetwork:
     # -- link lifetime ------------------------------------------------------------------------------------
 
     def _register(self, link: PeerLink) -> bool:
-        """Add a new authenticated link; False if it must be dropped (ourselves, or the losing duplicate)."""
+        """Make a new authenticated link the peer's current one; False if it is the losing duplicate."""
         remote_id = link.remote.node_id
-        if remote_id == self.me.node_id:
-            return False
         existing = self.links.get(remote_id)
         if existing is not None and not existing.closed:
             preferred_dialer = min(self.me.node_id, remote_id)
             if link.dialer_id != preferred_dialer or existing.dialer_id == preferred_dialer:
                 return False
-            self._spawn(existing.close())
+            self._retire(existing)
         self.links[remote_id] = link
         log.info("node %s: linked with %s (%s) at %s", self.me.node_id, remote_id, link.remote.name, link.address)
         self._on_change()
         return True
+
+    def _retire(self, link: PeerLink) -> None:
+        """Stop sending on a duplicate link; close it once the other side has said it sends nothing more."""
+        if link.retired:
+            return
+        link.retired = True
+        self._retired.add(link)
+        self._spawn(self._drain_and_close(link))
+
+    async def _drain_and_close(self, link: PeerLink) -> None:
+        try:
+            await link.send_retire()
+            await asyncio.wait_for(link.peer_retired.wait(), RETIRE_GRACE_SECONDS)
+        except (ConnectionError, OSError, asyncio.TimeoutError):
+            pass  # gone already, or the other side kept it: closing it tells that side to re-plan
+        finally:
+            self._retired.discard(link)
+            await link.close()
 
     async def _read_loop(self, link: PeerLink) -> None:
         try:
@@ -319,6 +376,9 @@ class PeerNetwork:
                 except FrameError as exc:
                     log.warning("node %s: bad frame from %s: %s", self.me.node_id, link.remote.node_id, exc)
                     break
+                if message["type"] == "retire":
+                    link.peer_retired.set()
+                    continue
                 try:
                     await self._handler(link, message)
                 except Exception:  # a bug in one handler must not cut the link for every request on it
@@ -345,7 +405,7 @@ class PeerNetwork:
         return self._session
 
     async def close(self) -> None:
-        for link in list(self.links.values()):
+        for link in [*self.links.values(), *self._retired]:
             await link.close()
         for task in list(self._tasks):
             task.cancel()

@@ -118,6 +118,80 @@ async def test_simultaneous_dials_keep_one_link_on_both_sides(peers) -> None:
     await wait_for(lambda: b.received)
 
 
+async def test_dialing_a_peer_that_already_dialed_in_keeps_the_link_it_made(peers) -> None:
+    """Nodes started one after another: the later one dials in first, then the earlier one's redial round reaches
+    the later one's --peers address. A second link would replace the first under requests already using it."""
+    a, b = await peers("aaa"), await peers("bbb")
+    assert await b.net.dial("127.0.0.1", a.port) is not None
+    await wait_for(lambda: a.net.linked("bbb"))
+    first = a.net.links["bbb"]
+    assert await a.net.dial("127.0.0.1", b.port) is first
+    await asyncio.sleep(0.3)
+    assert a.net.links["bbb"] is first and not first.closed
+    assert b.net.links["aaa"].dialer_id == "bbb"
+
+
+def counted_stream(peer: Peer, to: str, sent: list[int], stop: asyncio.Event) -> Any:
+    async def run() -> None:
+        while not stop.is_set():
+            await peer.net.send(to, {"type": "numbered", "n": len(sent)})  # raises if the link is lost
+            sent.append(len(sent))
+            await asyncio.sleep(0)
+    return asyncio.ensure_future(run())
+
+
+def numbers_from(peer: Peer, sender: str) -> list[int]:
+    return sorted(m["n"] for who, m in peer.received if who == sender and m["type"] == "numbered")
+
+
+async def test_a_duplicate_link_replaces_the_first_without_losing_a_frame(peers) -> None:
+    """b advertises an address other than the one a dials (bound to all interfaces, say), so a cannot tell it is
+    already linked and a second link is made; it is dialed by the smaller id, so both sides switch to it while
+    frames flow both ways. Every frame sent on either link arrives exactly once and the old link closes."""
+    a, b = await peers("aaa"), await peers("bbb")
+    b.net.me = b.info = dataclasses.replace(b.info, host="192.0.2.7")  # advertised only: never contacted
+    assert await b.net.dial("127.0.0.1", a.port) is not None
+    await wait_for(lambda: a.net.linked("bbb"))
+    old = a.net.links["bbb"]
+    stop = asyncio.Event()
+    sent_by_a: list[int] = []
+    sent_by_b: list[int] = []
+    streams = [counted_stream(a, "bbb", sent_by_a, stop), counted_stream(b, "aaa", sent_by_b, stop)]
+    await asyncio.sleep(0.1)
+    assert (await a.net.dial("127.0.0.1", b.port)) is not old
+    await wait_for(lambda: a.net.links["bbb"].dialer_id == "aaa" == b.net.links["aaa"].dialer_id)
+    await wait_for(lambda: old.closed, timeout=2.0)  # both sides retired it: no waiting out the grace period
+    await asyncio.sleep(0.1)
+    stop.set()
+    await asyncio.gather(*streams)
+    await wait_for(lambda: len(numbers_from(b, "aaa")) >= len(sent_by_a) and
+                   len(numbers_from(a, "bbb")) >= len(sent_by_b))
+    assert numbers_from(b, "aaa") == sent_by_a and numbers_from(a, "bbb") == sent_by_b
+    assert len(sent_by_a) > 100 and len(sent_by_b) > 100
+    assert not [m for _, m in a.received + b.received if m["type"] == "retire"]  # link control, not a message
+
+
+async def test_a_retired_link_closes_even_if_the_peer_never_says_it_is_done(peers, monkeypatch) -> None:
+    import exo_like.peers as peers_module
+
+    monkeypatch.setattr(peers_module, "RETIRE_GRACE_SECONDS", 0.5)
+    real_send_retire = PeerLink.send_retire
+
+    async def silent_on_b(link: PeerLink) -> None:  # b: an exo-like that predates retiring links
+        if link.remote.node_id != "aaa":
+            await real_send_retire(link)
+
+    monkeypatch.setattr(PeerLink, "send_retire", silent_on_b)
+    a, b = await peers("aaa"), await peers("bbb")
+    b.net.me = b.info = dataclasses.replace(b.info, host="192.0.2.7")
+    assert await b.net.dial("127.0.0.1", a.port) is not None
+    await wait_for(lambda: a.net.linked("bbb"))
+    old = a.net.links["bbb"]
+    await a.net.dial("127.0.0.1", b.port)
+    await wait_for(lambda: old.closed, timeout=2.0)
+    assert a.net.linked("bbb") and b.net.linked("aaa")
+
+
 async def test_dialing_yourself_makes_no_link_and_is_not_repeated(peers, monkeypatch) -> None:
     a = await peers("aaa")
     connections = []
