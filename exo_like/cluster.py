@@ -19,7 +19,8 @@ from typing import Any, Awaitable, Callable
 from exo_like.download_progress import DownloadStatus
 from exo_like.errors import ExoLikeError, ModelPendingError, ServiceUnavailableError
 from exo_like.node_load import NodeLoad
-from exo_like.peers import NodeInfo, PeerNetwork
+from exo_like.node_info import NodeInfo
+from exo_like.peers import PeerNetwork
 from exo_like.plan import Holder, ModelFootprint, Plan, fit_problems, make_plan
 from exo_like.shard import Shard
 from partitioning import NodeCapacity

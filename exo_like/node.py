@@ -32,7 +32,8 @@ from exo_like.hub import default_cache_dir
 from exo_like.identity import claim_identity, default_node_name
 from exo_like.model_registry import LoadedModel, ModelRegistry
 from exo_like.node_load import NodeLoad
-from exo_like.peers import NodeInfo, PeerLink, PeerNetwork, cluster_key_digest
+from exo_like.node_info import NodeInfo
+from exo_like.peers import PeerLink, PeerNetwork, cluster_key_digest
 from exo_like.plan import Plan
 from exo_like.ring import RingGenerator, StageWorker
 from exo_like.shard import Shard

@@ -11,8 +11,9 @@ peer is recorded, with its reason, in `problems` (shown in GET /v1/cluster and o
 
 When two nodes dial each other at the same time, both keep the link dialed by the smaller node id, so they
 always agree on which one survives. The other link is retired, not cut: each side sends a last `retire` frame on
-it and reads it until the other's `retire` arrives, so no frame already on its way is lost. A dial of an address
-where a linked peer already listens makes no second link at all.
+it and reads it until the other's `retire` arrives, so no frame already on its way is lost (a peer that does not
+retire it in time is cut off entirely and relinked, so nothing it sends can vanish unnoticed). A dial of an
+address where a linked peer already listens makes no second link at all.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import hashlib
 import hmac
 import logging
 import os
-from dataclasses import asdict, dataclass
 from typing import Any, Awaitable, Callable
 
 import aiohttp
@@ -30,6 +30,7 @@ from aiohttp import web
 
 from exo_like import __version__
 from exo_like.link_problems import LinkProblems
+from exo_like.node_info import NodeInfo
 from exo_like.wire import DEFAULT_MAX_FRAME_BYTES, PROTOCOL, FrameError, decode_frame, encode_frame
 
 log = logging.getLogger(__name__)
@@ -41,43 +42,14 @@ HANDSHAKE_TIMEOUT = 5.0
 # 30 s, holding up the finder's redial round for every other peer; a peer on a LAN or VPN answers well within this.
 CONNECT_TIMEOUT = 3.0
 CLOSE_REFUSED = 4001
-# How long a retired duplicate link waits for the other side's `retire` before it is closed anyway (a peer that
-# kept that link as its only one then sees it close, re-plans and redials, rather than waiting on it forever).
+# How long a retired duplicate link waits for the other side's `retire`. A peer that has not said it by then still
+# sends on that link, and what it sends after the close would vanish: so the peer's current link is cut as well,
+# both sides see the peer lost (requests through it fail at once, clearly) and the finder links them afresh.
 RETIRE_GRACE_SECONDS = 5.0
 
 
 class LinkRetired(ConnectionError):
     """The link was replaced by a duplicate link to the same peer: send on the peer's current link instead."""
-
-
-@dataclass(frozen=True)
-class NodeInfo:
-    node_id: str
-    name: str
-    host: str
-    port: int
-    engine: str
-    device: str
-    chip: str
-    memory_bytes: int
-    version: str
-    dtype: str | None = None  # --dtype: weights held in this float dtype; None: as the checkpoint stores them
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "NodeInfo":
-        return cls(
-            node_id=str(data["node_id"]), name=str(data["name"]), host=str(data["host"]), port=int(data["port"]),
-            engine=str(data["engine"]), device=str(data["device"]), chip=str(data["chip"]),
-            memory_bytes=int(data["memory_bytes"]), version=str(data["version"]),
-            dtype=_dtype_or_none(data.get("dtype")),  # absent from peers of versions before it was sent
-        )
-
-
-def _dtype_or_none(value: Any) -> str | None:
-    return str(value) if value is not None else None
 
 
 def cluster_key_digest(cluster_key: str) -> str:
@@ -133,7 +105,8 @@ class PeerLink:
         self.max_frame_bytes = max_frame_bytes
         self._send_lock = asyncio.Lock()
         self.retired = False  # this side sends nothing more on it: a duplicate link to the same peer is kept
-        self.peer_retired = asyncio.Event()  # the other side said the same: nothing more will arrive on it
+        self.peer_retired = False  # the other side said the same: nothing more will arrive on it
+        self.read_ended = asyncio.Event()  # its read loop is over: the peer's retire came, or the link closed
 
     @property
     def closed(self) -> bool:
@@ -359,9 +332,16 @@ class PeerNetwork:
     async def _drain_and_close(self, link: PeerLink) -> None:
         try:
             await link.send_retire()
-            await asyncio.wait_for(link.peer_retired.wait(), RETIRE_GRACE_SECONDS)
-        except (ConnectionError, OSError, asyncio.TimeoutError):
-            pass  # gone already, or the other side kept it: closing it tells that side to re-plan
+            if not link.peer_retired:
+                await asyncio.wait_for(link.read_ended.wait(), RETIRE_GRACE_SECONDS)
+        except asyncio.TimeoutError:
+            log.warning("node %s: %s did not retire a duplicate link in %.0f s; relinking", self.me.node_id,
+                        link.remote.node_id, RETIRE_GRACE_SECONDS)
+            current = self.links.get(link.remote.node_id)
+            if current is not None:
+                self._spawn(current.close())
+        except (ConnectionError, OSError):
+            pass  # closed under us: the peer went away, and its current link with it
         finally:
             self._retired.discard(link)
             await link.close()
@@ -377,14 +357,17 @@ class PeerNetwork:
                     log.warning("node %s: bad frame from %s: %s", self.me.node_id, link.remote.node_id, exc)
                     break
                 if message["type"] == "retire":
-                    link.peer_retired.set()
-                    continue
+                    link.peer_retired = True
+                    if link.retired:
+                        break  # both sides are done with it
+                    continue  # this side still uses it until its duplicate registers here
                 try:
                     await self._handler(link, message)
                 except Exception:  # a bug in one handler must not cut the link for every request on it
                     log.exception("node %s: error handling %s from %s", self.me.node_id, message.get("type"),
                                   link.remote.node_id)
         finally:
+            link.read_ended.set()
             await link.close()
             if self.links.get(link.remote.node_id) is link:
                 del self.links[link.remote.node_id]

@@ -14,7 +14,7 @@ from exo_like.cluster import DEPARTED_SHOWN_SECONDS, Cluster, ModelDescription
 from exo_like.link_problems import LinkProblems
 from exo_like.meter import RateMeter, RecentMedian
 from exo_like.node_load import NodeLoad
-from exo_like.peers import NodeInfo
+from exo_like.node_info import NodeInfo
 from exo_like.plan import ModelFootprint, Plan
 from exo_like.shard import Shard
 

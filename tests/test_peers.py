@@ -18,7 +18,8 @@ from aiohttp import web
 
 from discovery import PeerAddress, PeerFinder
 from discovery.finder import REDIAL_SECONDS
-from exo_like.peers import CONNECT_TIMEOUT, PEER_PATH, NodeInfo, PeerLink, PeerNetwork
+from exo_like.node_info import NodeInfo
+from exo_like.peers import CONNECT_TIMEOUT, PEER_PATH, PeerLink, PeerNetwork
 from exo_like.wire import PROTOCOL, FrameError, decode_frame, encode_frame
 from tests.cluster_harness import free_ports
 
@@ -171,25 +172,23 @@ async def test_a_duplicate_link_replaces_the_first_without_losing_a_frame(peers)
     assert not [m for _, m in a.received + b.received if m["type"] == "retire"]  # link control, not a message
 
 
-async def test_a_retired_link_closes_even_if_the_peer_never_says_it_is_done(peers, monkeypatch) -> None:
+async def test_a_peer_that_does_not_retire_the_duplicate_is_cut_off_and_seen_lost(peers, monkeypatch) -> None:
+    """If the other side goes on using the old link, frames it sends after the close would vanish without a trace:
+    its current link is cut too, so both sides see the peer lost (failing requests through it) and relink."""
     import exo_like.peers as peers_module
 
     monkeypatch.setattr(peers_module, "RETIRE_GRACE_SECONDS", 0.5)
-    real_send_retire = PeerLink.send_retire
-
-    async def silent_on_b(link: PeerLink) -> None:  # b: an exo-like that predates retiring links
-        if link.remote.node_id != "aaa":
-            await real_send_retire(link)
-
-    monkeypatch.setattr(PeerLink, "send_retire", silent_on_b)
     a, b = await peers("aaa"), await peers("bbb")
+    monkeypatch.setattr(b.net, "_retire", lambda link: None)  # b keeps its old link open and never says retire
     b.net.me = b.info = dataclasses.replace(b.info, host="192.0.2.7")
     assert await b.net.dial("127.0.0.1", a.port) is not None
     await wait_for(lambda: a.net.linked("bbb"))
     old = a.net.links["bbb"]
-    await a.net.dial("127.0.0.1", b.port)
-    await wait_for(lambda: old.closed, timeout=2.0)
-    assert a.net.linked("bbb") and b.net.linked("aaa")
+    new = await a.net.dial("127.0.0.1", b.port)
+    assert new is not None and new is not old
+    changes = a.changes, b.changes
+    await wait_for(lambda: old.closed and not a.net.linked("bbb") and not b.net.linked("aaa"), timeout=3.0)
+    assert a.changes > changes[0] and b.changes > changes[1]
 
 
 async def test_dialing_yourself_makes_no_link_and_is_not_repeated(peers, monkeypatch) -> None:
