@@ -77,13 +77,20 @@ class StageWorker:
         self._step_started: float | None = None  # monotonic time the engine thread began its current step
         self.throughput = RateMeter()  # generated tokens that passed through this stage, recently
         self.decode_step_seconds = RecentMedian()  # engine time of recent one-position steps (sampling included)
+        self._notices: set[asyncio.Task] = set()  # errors on their way to origins (strong references)
 
     def activate(self, plan: Plan | None, engine: Engine | None) -> None:
-        """Serve `plan` with `engine` (already holding this node's shard of it)."""
+        """Serve `plan` with `engine` (already holding this node's shard of it).
+
+        Requests of the previous plan end here: their caches are freed and each origin is told at once, so a
+        request whose ring re-formed (a node joined, or this node's view changed) fails clearly, not silently."""
+        for rid, state in list(self._requests.items()):
+            self._release(rid)
+            self._notify_origin(rid, state.origin, f"the cluster's plan changed during the request (node "
+                                f"{self.node_id} re-planned: a node joined or left); retry once the ring is ready",
+                                "plan_changed")
         self.plan, self.engine = plan, engine
         self.decode_step_seconds = RecentMedian()  # steps of another layer range would mislead
-        for rid in list(self._requests):
-            self._finish(rid)
 
     def step_seconds(self) -> float:
         """How long the engine has been inside the step it is running now (0 when it is not running one)."""
@@ -188,14 +195,22 @@ class StageWorker:
             await self._fail(rid, state.origin, f"node {node_id} is unreachable: {exc}", "node_unreachable")
 
     async def _fail(self, rid: str, origin: str, reason: str, code: str) -> None:
-        try:
-            await self.router.send(origin, {"type": "error", "rid": rid, "message": reason, "code": code})
-        except (ConnectionError, OSError):
-            pass  # the origin is gone too: nobody is waiting
+        await self._send_error(rid, origin, reason, code)
         if self.plan is not None:
             await release_everywhere(self.router, rid, self.plan)
         else:
             self._release(rid)
+
+    async def _send_error(self, rid: str, origin: str, reason: str, code: str) -> None:
+        try:
+            await self.router.send(origin, {"type": "error", "rid": rid, "message": reason, "code": code})
+        except (ConnectionError, OSError):
+            pass  # the origin is gone too: nobody is waiting
+
+    def _notify_origin(self, rid: str, origin: str, reason: str, code: str) -> None:
+        task = asyncio.ensure_future(self._send_error(rid, origin, reason, code))
+        self._notices.add(task)
+        task.add_done_callback(self._notices.discard)
 
     async def cache_freed(self, rid: str) -> None:
         """Return once this node's engine has freed the request's cache, if a free of it is queued."""

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.api_server import NodeProcess
+from tests.api_server import NodeProcess, start_node
 from tests.checkpoints import make_checkpoint
 from tests.cluster_harness import cluster_of, start_cluster, wait_until_ready
 from tests.oracle import Oracle
@@ -121,6 +121,35 @@ def test_node_killed_mid_request_fails_that_request_clearly_within_5s(three_node
     assert "left the cluster" in str(failure.value)
     wait_until_ready([three_nodes[0], three_nodes[2]], members=2, timeout=10)
     assert greedy_chat(three_nodes[0], seven_layers.name)["choices"][0]["message"]["content"] == expected_text(oracle)
+
+
+def test_node_joining_mid_request_fails_that_request_clearly_and_then_serves(three_nodes, seven_layers: Path,
+                                                                           oracle: Oracle, tmp_path: Path) -> None:
+    """Every stage re-plans when a node joins: a request of the old ring must end with a clear error the moment its
+    stages drop it (it used to wait for tokens that never came), and the new ring must serve the next one."""
+    import openai
+
+    wait_until_ready(three_nodes, members=3)
+    client = openai.OpenAI(base_url=three_nodes[0].base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    stream = client.chat.completions.create(model=seven_layers.name, stream=True, max_tokens=100000,
+                                            messages=[{"role": "user", "content": PROMPT}],
+                                            extra_body={"ignore_eos": True})
+    peers = ",".join(f"127.0.0.1:{node.port}" for node in three_nodes)
+    late: list[NodeProcess] = []
+    try:
+        with pytest.raises(openai.APIError) as failure:
+            for received, _ in enumerate(stream, start=1):
+                if received == 20:
+                    late.append(start_node(tmp_path / "home-late", str(seven_layers), "--no-mdns", "--peers", peers,
+                                           "--memory-gb", "2", "--node-name", "late", "--engine", "torch",
+                                           "--dtype", "float32"))
+        assert late and "plan changed during the request" in str(failure.value)
+        nodes = [*three_nodes, *late]
+        wait_until_ready(nodes, members=4)
+        for node in (three_nodes[0], late[0]):
+            assert greedy_chat(node, seven_layers.name)["choices"][0]["message"]["content"] == expected_text(oracle)
+    finally:
+        stop_all(late)
 
 
 def test_16k_token_prompt_is_prefilled_in_chunks_across_the_ring(seven_layers: Path, oracle: Oracle,
