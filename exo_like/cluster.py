@@ -85,10 +85,12 @@ class Cluster:
         return {m.node_id for m in self.members()}
 
     def name_of(self, node_id: str) -> str:
+        """A node's name: a member's, or a departed one's (errors about a lost node name it)."""
         for member in self.members():
             if member.node_id == node_id:
                 return member.name
-        return node_id
+        departed = self.departed.get(node_id)
+        return departed[0].name if departed is not None else node_id
 
     def start(self) -> None:
         self._announcer = asyncio.ensure_future(self._announce_forever())
