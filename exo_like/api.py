@@ -44,7 +44,7 @@ def create_app(node: Node) -> web.Application:
     app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
     app[NODE_KEY] = node
     app[GENERATING_KEY] = set()
-    app.on_shutdown.append(_finish_generations)
+    app.on_shutdown.append(finish_generations)  # if serving ends another way than serve()'s own shutdown
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", list_models)
@@ -58,8 +58,11 @@ def create_app(node: Node) -> web.Application:
     return app
 
 
-async def _finish_generations(app: web.Application) -> None:
-    """On shutdown (no new connections any more): let running generations finish briefly, then cancel them."""
+async def finish_generations(app: web.Application) -> None:
+    """On shutdown (no new connections any more): let running generations finish briefly, then cancel them.
+
+    Run it before aiohttp's own shutdown, which stops reading every connection this node accepted: peer links
+    included, so the ring would stall under the very requests the grace period is for."""
     app[NODE_KEY].stopping = True
     tasks: set[asyncio.Task[object]] = set(app[GENERATING_KEY])
     if not tasks:

@@ -13,7 +13,7 @@ from pathlib import Path
 from aiohttp import web
 
 from discovery import parse_peers
-from exo_like.api import create_app
+from exo_like.api import create_app, finish_generations
 from exo_like.engines.openmp import limit_worker_spin
 from exo_like.errors import ExoLikeError
 from exo_like.node import DEFAULT_CLUSTER_KEY, DEFAULT_STEP_TIMEOUT, Node, NodeOptions, default_home
@@ -124,6 +124,9 @@ async def serve(node: Node, host: str, port: int) -> None:
         await stop.wait()
         log.info("shutting down (press Ctrl-C again to stop at once)")
         loop.remove_signal_handler(signal.SIGINT)  # a second Ctrl-C interrupts the graceful shutdown
+        for site in list(runner.sites):
+            await site.stop()  # no new connections; open ones (running requests, peer links) carry on
+        await finish_generations(runner.app)
     finally:
         await runner.cleanup()
         await node.close()

@@ -26,7 +26,7 @@ from exo_like.cluster import Cluster
 from exo_like.download import ShardDownloader
 from exo_like.download_progress import DownloadProgress, show_progress
 from exo_like.engines.base import Engine, create_engine
-from exo_like.errors import ExoLikeError, ModelNotFoundError
+from exo_like.errors import ExoLikeError, ModelNotFoundError, ServiceUnavailableError
 from exo_like.generation import TokenGenerator
 from exo_like.hub import default_cache_dir
 from exo_like.identity import claim_identity, default_node_name
@@ -119,6 +119,9 @@ class Node:
         With no model chosen yet, the first request's model becomes the cluster's model."""
         if self.cluster is None or self.generator is None:
             raise ModelNotFoundError(f"the model {name!r} does not exist: the node is still starting")
+        if self.stopping:
+            raise ServiceUnavailableError("the node is shutting down; send the request to another node of the "
+                                          "cluster", code="shutting_down")
         if self.cluster.model_id is None:
             current = await self.models.prepare(name)
             if self.cluster.model_id is None:  # still: no other request chose while this one was fetching

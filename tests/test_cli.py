@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import shutil
@@ -129,7 +130,8 @@ def test_python_dash_m_shows_the_options() -> None:
 @pytest.mark.skipif(shutil.which("curl") is None, reason="needs curl")
 def test_shutdown_lets_short_requests_finish_and_ends_long_streams_cleanly(demo_home: Path) -> None:
     """SIGTERM: a request that finishes within the grace period completes; a stream that would not gets an
-    in-band 'shutting down' error and [DONE]; the process exits 0."""
+    in-band 'shutting down' error and [DONE]; a new request on a connection still open is refused with a 503
+    (shutting_down) rather than started; the process exits 0."""
     process = start_node(demo_home, "demo")
     long_body = json.dumps({"model": "demo", "messages": [{"role": "user", "content": "Go on."}], "stream": True,
                             "max_tokens": 4000, "ignore_eos": True})
@@ -137,11 +139,18 @@ def test_shutdown_lets_short_requests_finish_and_ends_long_streams_cleanly(demo_
                                     stdout=subprocess.PIPE, text=True)
     short_body = json.dumps({"model": "demo", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 100,
                              "ignore_eos": True}).encode()
+    kept_alive = http.client.HTTPConnection("127.0.0.1", process.port, timeout=30)
+    kept_alive.request("GET", "/health")
+    assert kept_alive.getresponse().read()
     with ThreadPoolExecutor(1) as pool:
         short = pool.submit(process.request, "POST", "/v1/chat/completions", short_body)
         assert wait_for(lambda: len(process.get_json("/v1/debug/requests")["requests"]) == 2)
         started = time.monotonic()
         process.process.send_signal(signal.SIGTERM)
+        assert wait_for(lambda: "shutting down" in process.log())
+        kept_alive.request("POST", "/v1/chat/completions", short_body, {"Content-Type": "application/json"})
+        refused = kept_alive.getresponse()
+        assert refused.status == 503 and json.loads(refused.read())["error"]["code"] == "shutting_down"
         status, _, raw = short.result(timeout=60)
     assert status == 200 and json.loads(raw)["choices"][0]["finish_reason"] == "length"
     out, _ = long_request.communicate(timeout=60)

@@ -152,6 +152,34 @@ def test_node_joining_mid_request_fails_that_request_clearly_and_then_serves(thr
         stop_all(late)
 
 
+def test_a_node_shutting_down_keeps_its_ring_going_through_the_grace_period(seven_layers: Path,
+                                                                            tmp_path: Path) -> None:
+    """SIGTERM gives running requests a grace period. node0 started first, so its link with node1 is one node1
+    dialed: aiohttp's own shutdown stops reading such connections, which stalled the ring at once and failed the
+    stream with 'node1 left the cluster'. It must instead stream on and end with the in-band shutting-down error."""
+    import openai
+
+    nodes = start_cluster(tmp_path, str(seven_layers), [6, 3])
+    try:
+        wait_until_ready(nodes, members=2)
+        assert cluster_of(nodes[0])["nodes"][1]["name"] == "node1"
+        client = openai.OpenAI(base_url=nodes[0].base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        stream = client.chat.completions.create(model=seven_layers.name, stream=True, max_tokens=100000,
+                                                messages=[{"role": "user", "content": PROMPT}],
+                                                extra_body={"ignore_eos": True})
+        after_signal = 0
+        with pytest.raises(openai.APIError) as failure:
+            for received, _ in enumerate(stream, start=1):
+                if received == 20:
+                    nodes[0].process.send_signal(signal.SIGTERM)
+                after_signal += received > 20
+        assert "the node is shutting down" in str(failure.value)
+        assert after_signal > 20  # tokens kept coming from the ring during the grace period
+        assert nodes[0].process.wait(timeout=30) == 0
+    finally:
+        stop_all(nodes)
+
+
 def test_16k_token_prompt_is_prefilled_in_chunks_across_the_ring(seven_layers: Path, oracle: Oracle,
                                                                   tmp_path: Path) -> None:
     nodes = start_cluster(tmp_path, str(seven_layers), [2, 1])
