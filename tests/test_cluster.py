@@ -38,6 +38,15 @@ def greedy_chat(node: NodeProcess, model: str, content: str = PROMPT, max_tokens
     return {"status": status, **json.loads(raw)}
 
 
+def endless_stream(node: NodeProcess, model: str):  # type: ignore[no-untyped-def]
+    """A streamed chat completion that runs until something stops it (ignore_eos, no practical max_tokens)."""
+    import openai
+
+    client = openai.OpenAI(base_url=node.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    return client.chat.completions.create(model=model, stream=True, max_tokens=100000, extra_body={"ignore_eos": True},
+                                          messages=[{"role": "user", "content": PROMPT}])
+
+
 def expected_text(oracle: Oracle, content: str = PROMPT, max_tokens: int = MAX_TOKENS) -> str:
     return oracle.expected(oracle.chat_ids(content), max_tokens)[0]
 
@@ -105,10 +114,7 @@ def test_node_killed_mid_request_fails_that_request_clearly_within_5s(three_node
     import openai
 
     wait_until_ready(three_nodes, members=3)
-    client = openai.OpenAI(base_url=three_nodes[0].base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
-    stream = client.chat.completions.create(model=seven_layers.name, stream=True, max_tokens=100000,
-                                            messages=[{"role": "user", "content": PROMPT}],
-                                            extra_body={"ignore_eos": True})
+    stream = endless_stream(three_nodes[0], seven_layers.name)
     received = 0
     with pytest.raises(openai.APIError) as failure:
         for chunk in stream:
@@ -130,10 +136,7 @@ def test_node_joining_mid_request_fails_that_request_clearly_and_then_serves(thr
     import openai
 
     wait_until_ready(three_nodes, members=3)
-    client = openai.OpenAI(base_url=three_nodes[0].base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
-    stream = client.chat.completions.create(model=seven_layers.name, stream=True, max_tokens=100000,
-                                            messages=[{"role": "user", "content": PROMPT}],
-                                            extra_body={"ignore_eos": True})
+    stream = endless_stream(three_nodes[0], seven_layers.name)
     peers = ",".join(f"127.0.0.1:{node.port}" for node in three_nodes)
     late: list[NodeProcess] = []
     try:
@@ -163,10 +166,7 @@ def test_a_node_shutting_down_keeps_its_ring_going_through_the_grace_period(seve
     try:
         wait_until_ready(nodes, members=2)
         assert cluster_of(nodes[0])["nodes"][1]["name"] == "node1"
-        client = openai.OpenAI(base_url=nodes[0].base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
-        stream = client.chat.completions.create(model=seven_layers.name, stream=True, max_tokens=100000,
-                                                messages=[{"role": "user", "content": PROMPT}],
-                                                extra_body={"ignore_eos": True})
+        stream = endless_stream(nodes[0], seven_layers.name)
         after_signal = 0
         with pytest.raises(openai.APIError) as failure:
             for received, _ in enumerate(stream, start=1):
