@@ -1,8 +1,9 @@
-"""Soak a four-node loopback cluster: random kills, SIGTERMs and (re)starts while requests stream through it.
+"""Soak a four-node loopback cluster: random kills, SIGTERMs, freezes and (re)starts under streaming requests.
 
-Each round starts one to three requests (streamed or not) on random live nodes, then kills, stops or starts a
-node. Every request must end within the client's timeout, with its tokens or with a clear error, and the ring
-must re-form within 30 s. A request that times out is a hang: the script says so and exits 1.
+Each round starts one to three requests (streamed or not) on random live nodes, then kills, stops, freezes
+(SIGSTOP for 3 s, as a machine that sleeps or stalls) or starts a node. Every request must end within the
+client's timeout, with its tokens or with a clear error, and the ring must re-form within 30 s. A request that
+times out is a hang: the script says so and exits 1.
 
 Node 0 is never stopped, so there is always a ring to serve. Nodes restart on their own port and home, so a
 restarted node comes back with the same id, as after a crash.
@@ -88,7 +89,7 @@ class Soak:
             self.outcomes.append(outcome)
 
     def disturb(self) -> str:
-        action = self.rng.choice(["kill", "term", "start", "start", "none"])
+        action = self.rng.choice(["kill", "term", "freeze", "start", "start", "none"])
         others = [i for i in self.live() if i != 0]
         down = [i for i in range(len(self.nodes)) if i not in self.live()]
         if action in ("kill", "term") and others:
@@ -99,6 +100,14 @@ class Soak:
             node.process.wait(30)
             self.nodes[i] = None
             return f"{action} n{i}"
+        if action == "freeze" and others:
+            i = self.rng.choice(others)
+            node = self.nodes[i]
+            assert node is not None
+            node.process.send_signal(signal.SIGSTOP)
+            time.sleep(3)
+            node.process.send_signal(signal.SIGCONT)
+            return f"freeze n{i}"
         if action == "start" and down:
             i = self.rng.choice(down)
             self.start(i)
