@@ -122,6 +122,7 @@ async def serve(node: Node, host: str, port: int) -> None:
         log.info("serving the OpenAI API on http://%s:%d/v1 (model: %s)", host, bound_port,
                  node.model.model_id if node.model else "none")
         await stop.wait()
+        node.stopping = True  # before the log line: from here on, new requests are refused (503 shutting_down)
         log.info("shutting down (press Ctrl-C again to stop at once)")
         loop.remove_signal_handler(signal.SIGINT)  # a second Ctrl-C interrupts the graceful shutdown
         for site in list(runner.sites):
