@@ -27,8 +27,10 @@ import numpy as np
 import torch
 
 from exo_like.engines.torch_engine import TorchEngine
+from exo_like.kv_blocks import blocks_for
 from exo_like.model_config import ModelArgs
 from exo_like.shard import Shard
+from tests.engine_driver import Driver
 
 QWEN25_05B = {
     "hidden_size": 896,
@@ -125,15 +127,17 @@ def run_transformers(model, prompt: np.ndarray, new_tokens: int) -> Run:
 
 
 def run_engine(engine: TorchEngine, prompt: np.ndarray, new_tokens: int) -> Run:
+    """One request's engine steps, as the ring's first (and last) stage runs them: KV blocks from a pool."""
+    driver = Driver([engine], n_blocks=blocks_for(len(prompt) + new_tokens))
     times, tokens = [], []
     start = time.perf_counter()
     inputs = prompt
     for _ in range(new_tokens):
-        token = int(np.argmax(engine.forward("bench", inputs)))
+        token = int(np.argmax(driver.forward("bench", inputs)))
         times.append(time.perf_counter())
         tokens.append(token)
         inputs = np.array([token], dtype=np.int64)
-    engine.release("bench")
+    driver.release("bench")
     return Run(start, times, tokens)
 
 

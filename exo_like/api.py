@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API every node serves (aiohttp).
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{id}], GET /health,
-GET /v1/debug/requests, GET /v1/cluster, and the dashboard (GET /, its assets, GET /v1/events).
+GET /v1/debug/requests, GET /v1/cluster, GET /metrics, and the dashboard (GET /, its assets, GET /v1/events).
 Every error, including unknown routes and wrong methods, is an OpenAI error body;
 bad input is always a 4xx. Generation stops and frees its KV cache as soon as the client goes away.
 """
@@ -27,6 +27,7 @@ from exo_like.completion import (
 )
 from exo_like.errors import ExoLikeError, InvalidRequestError, ServiceUnavailableError
 from exo_like.generation import TokenGenerator
+from exo_like.metrics import CONTENT_TYPE, FinishedRequest
 from exo_like.node import LoadedModel, Node
 from exo_like.openai_requests import GenerationOptions, parse_chat_request, parse_completion_request
 from exo_like.openai_responses import ResponseFormat, error_body
@@ -52,6 +53,7 @@ def create_app(node: Node) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/v1/debug/requests", debug_requests)
     app.router.add_get("/v1/cluster", cluster_view)
+    app.router.add_get("/metrics", metrics)
     app.router.add_get(PEER_PATH, peer_link)
     app.router.add_get("/", index)
     dashboard.add_routes(app, node.cluster_json, node.wait_cluster_change)
@@ -161,6 +163,7 @@ async def _respond(request: web.Request, generation: TextGeneration, fmt: Respon
         if stream:
             return await _stream(request, generation, fmt)
         text = await generation.text()
+        _record(request.app[NODE_KEY], generation)
         return web.json_response(fmt.whole(text, generation.finish_reason or "length", generation.usage()))
     except asyncio.CancelledError:
         # The handler is cancelled when the client disconnects (or at shutdown); the generation is closed by now.
@@ -171,6 +174,18 @@ async def _respond(request: web.Request, generation: TextGeneration, fmt: Respon
     finally:
         request.app[GENERATING_KEY].discard(task)
         _log_done(fmt.response_id, generation, time.monotonic() - started)
+        _record(request.app[NODE_KEY], generation)  # a request that failed or was cancelled
+
+
+def _record(node: Node, generation: TextGeneration) -> None:
+    """Count a request in /metrics once: as soon as its tokens are all out (before its response ends, so a
+    client that scrapes right after sees it), or when it ends otherwise."""
+    if generation.recorded:
+        return
+    generation.recorded = True
+    node.metrics.observe_request(FinishedRequest(
+        len(generation.prompt_tokens), generation.completion_tokens, generation.finish_reason or "abort",
+        generation.started, tuple(generation.token_times), time.monotonic()))
 
 
 def _log_done(response_id: str, generation: TextGeneration, seconds: float) -> None:
@@ -187,6 +202,7 @@ async def _stream(request: web.Request, generation: TextGeneration, fmt: Respons
     await response.prepare(request)
     try:
         await _stream_events(response, generation, fmt)
+        _record(request.app[NODE_KEY], generation)
         await _end_stream(response)
     except ConnectionResetError:
         log.info("request %s: client disconnected after %d tokens; generation stopped", fmt.response_id,
@@ -255,6 +271,11 @@ async def cluster_view(request: web.Request) -> web.Response:
     if picture is None:
         raise ServiceUnavailableError("the node is still starting")
     return web.json_response(picture)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """Prometheus text format, vLLM's metric names with the prefix exo_like: (see exo_like/metrics.py)."""
+    return web.Response(body=request.app[NODE_KEY].metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
 
 async def peer_link(request: web.Request) -> web.StreamResponse:

@@ -17,6 +17,7 @@ from exo_like.api import create_app, finish_generations
 from exo_like.engines.openmp import limit_worker_spin
 from exo_like.errors import ExoLikeError
 from exo_like.node import DEFAULT_CLUSTER_KEY, DEFAULT_STEP_TIMEOUT, Node, NodeOptions, default_home
+from exo_like.scheduler import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_RUNNING, SchedulerLimits
 
 log = logging.getLogger("exo_like")
 
@@ -63,6 +64,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-mdns", action="store_true", help="do not advertise or browse on mDNS")
     parser.add_argument("--cluster-key", default=os.environ.get("EXO_LIKE_CLUSTER_KEY"),
                         help="shared secret peers must hold (env EXO_LIKE_CLUSTER_KEY; default: a built-in key)")
+    parser.add_argument("--kv-cache-gb", type=float, default=None,
+                        help="memory for the KV cache of this node's layers (default: 30%% of the memory left after "
+                             "loading them, at most 2 GiB); requests wait for room when it is full")
+    parser.add_argument("--max-batch-tokens", type=int, default=DEFAULT_MAX_BATCH_TOKENS,
+                        help="positions one engine step may compute, decode tokens first, then prompt chunks: "
+                             "smaller keeps streams smooth while long prompts arrive (default: %(default)d)")
+    parser.add_argument("--max-running", type=int, default=DEFAULT_MAX_RUNNING,
+                        help="requests batched at once; more wait in a queue (default: %(default)d)")
+    parser.add_argument("--no-prefix-cache", action="store_true",
+                        help="do not reuse the KV cache of a prompt's start that an earlier request computed")
     parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     args = parser.parse_args(argv)
     try:
@@ -75,6 +86,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--request-wait must be positive")
     if not args.step_timeout > 0:  # also refuses nan
         parser.error("--step-timeout must be positive")
+    if args.kv_cache_gb is not None and not args.kv_cache_gb > 0:
+        parser.error("--kv-cache-gb must be positive")
+    if args.max_batch_tokens < 1 or args.max_running < 1:
+        parser.error("--max-batch-tokens and --max-running must be at least 1")
     return args
 
 
@@ -141,7 +156,9 @@ def main(argv: list[str] | None = None) -> None:
     options = NodeOptions(home=home, engine=args.engine, device=args.device, dtype=args.dtype,
                           node_name=args.node_name, memory_gb=args.memory_gb, peers=args.peers,
                           mdns=not args.no_mdns, cluster_key=args.cluster_key or DEFAULT_CLUSTER_KEY, model=args.model,
-                          hub_cache=args.hub_cache, request_wait=args.request_wait, step_timeout=args.step_timeout)
+                          hub_cache=args.hub_cache, request_wait=args.request_wait, step_timeout=args.step_timeout,
+                          kv_cache_gb=args.kv_cache_gb,
+                          limits=SchedulerLimits(args.max_batch_tokens, args.max_running, not args.no_prefix_cache))
     try:
         node = Node(options)
         node_filter.node_id = node.node_id

@@ -22,6 +22,7 @@ from exo_like.node_load import NodeLoad
 from exo_like.node_info import NodeInfo
 from exo_like.peers import PeerNetwork
 from exo_like.plan import Holder, ModelFootprint, Plan, fit_problems, make_plan
+from exo_like.protocol import PlanState
 from exo_like.shard import Shard
 from partitioning import NodeCapacity
 
@@ -47,18 +48,21 @@ class Announcement:
     ready: bool
     problem: str | None
     load: NodeLoad = field(default_factory=NodeLoad)
+    kv_blocks: int | None = None  # KV cache blocks the node's pool holds for its layers (None: not loaded, or not said)
 
 
 class Cluster:
     def __init__(self, me: NodeInfo, peers: PeerNetwork, describe: Callable[[str], ModelDescription],
                  load_shard: Callable[[Plan, Shard | None], Awaitable[None]],
-                 on_members: Callable[[set[str]], None], current_load: Callable[[], NodeLoad] = NodeLoad):
+                 on_members: Callable[[set[str]], None], current_load: Callable[[], NodeLoad] = NodeLoad,
+                 kv_blocks: Callable[[], int | None] = lambda: None):
         self.me = me
         self.peers = peers
         self._describe = describe
         self._load_shard = load_shard
         self._on_members = on_members
         self._current_load = current_load
+        self._kv_blocks = kv_blocks  # this node's KV pool, announced with `ready` (the first stage sizes by it)
         self.model_id: str | None = None
         self.clock: tuple[int, str] = (0, "")
         self.plan: Plan | None = None
@@ -189,16 +193,17 @@ class Cluster:
 
     def my_announcement(self) -> Announcement:
         digest = self.plan.digest if self.plan else None
-        return Announcement(self.model_id, self.clock, digest, digest is not None and self.loaded_digest == digest,
-                            self.problem, self._current_load())
+        ready = digest is not None and self.loaded_digest == digest
+        return Announcement(self.model_id, self.clock, digest, ready, self.problem, self._current_load(),
+                            self._kv_blocks() if ready else None)
 
-    def receive(self, node_id: str, message: dict[str, Any]) -> None:
-        clock = (int(message["clock"][0]), str(message["clock"][1]))
-        announcement = Announcement(message.get("model"), clock, message.get("digest"), bool(message["ready"]),
-                                    message.get("problem"), NodeLoad.from_json(message.get("load")))
+    def receive(self, node_id: str, message: PlanState) -> None:
+        """A peer's announcement (fields checked by protocol.decode)."""
+        announcement = Announcement(message.model, message.clock, message.digest, message.ready, message.problem,
+                                    NodeLoad.from_json(message.load), message.kv_blocks)
         self.announcements[node_id] = announcement
-        if announcement.model is not None and clock > self.clock:
-            self.clock, self.model_id = clock, announcement.model
+        if announcement.model is not None and message.clock > self.clock:
+            self.clock, self.model_id = message.clock, announcement.model
             log.info("node %s: adopting model %s from %s", self.me.node_id, announcement.model, node_id)
             self.replan()
         self._notify()
@@ -278,8 +283,8 @@ class Cluster:
     async def _announce(self) -> None:
         mine = self.my_announcement()
         self._announced = (time.monotonic(), mine.load.in_flight, mine.load.busy)
-        message = {"type": "plan_state", "model": mine.model, "clock": list(mine.clock), "digest": mine.digest,
-                   "ready": mine.ready, "problem": mine.problem, "load": mine.load.to_json()}
+        message = PlanState(mine.model, mine.clock, mine.digest, mine.ready, mine.problem, mine.load.to_json(),
+                            kv_blocks=mine.kv_blocks)
         for link in list(self.peers.links.values()):
             try:
                 await link.send(message)

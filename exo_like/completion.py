@@ -6,10 +6,11 @@ between streamed and non-streamed output is whether the deltas are sent as they 
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import AsyncIterator, Collection
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from exo_like.errors import InvalidRequestError
 from exo_like.generation import TokenGenerator
@@ -65,6 +66,9 @@ class TextGeneration:
     request_id: str = ""
     finish_reason: str | None = None
     completion_tokens: int = 0
+    started: float = field(default_factory=time.monotonic)
+    token_times: list[float] = field(default_factory=list)  # when each token arrived (monotonic), for /metrics
+    recorded: bool = False  # counted in /metrics already
 
     def __post_init__(self) -> None:
         self.request_id = self.request_id or uuid.uuid4().hex
@@ -84,6 +88,7 @@ class TextGeneration:
         async with aclosing(tokens):
             async for token in tokens:
                 self.completion_tokens += 1
+                self.token_times.append(time.monotonic())
                 if token in eos:  # the EOS token counts as generated but is not part of the text
                     self.finish_reason = "stop"
                     break

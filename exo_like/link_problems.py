@@ -9,10 +9,14 @@ a problem that stops recurring is dropped after SHOWN_SECONDS.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
+
+import aiohttp
 
 log = logging.getLogger(__name__)
 
@@ -77,3 +81,17 @@ class LinkProblems:
 def _order(item: tuple[tuple[str, int | None], LinkProblem]) -> tuple[str, int]:
     (host, port), _ = item
     return host, port or 0
+
+
+def dial_failure(exc: BaseException) -> tuple[str, str]:
+    """Why a dial failed, in words a user can act on: (code, reason)."""
+    if isinstance(exc, aiohttp.WSServerHandshakeError):
+        return "not_exo_like", f"not an exo-like node (HTTP {exc.status} where its peer link should be)"
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        errno = exc.os_error.errno
+        detail = os.strerror(errno) if errno else str(exc.os_error)  # "Connection refused", "No route to host"
+        return "unreachable", f"cannot connect ({detail}): check that exo-like runs there and that its port is " \
+                              "open in the firewall"
+    if isinstance(exc, asyncio.TimeoutError):
+        return "unreachable", "no answer in time: a firewall dropping the traffic, or the machine is down"
+    return "handshake_failed", f"link set-up failed: {exc or type(exc).__name__}"

@@ -30,14 +30,18 @@ from exo_like.errors import ExoLikeError, ModelNotFoundError, ServiceUnavailable
 from exo_like.generation import TokenGenerator
 from exo_like.hub import default_cache_dir
 from exo_like.identity import claim_identity, default_node_name
+from exo_like.metrics import Metrics
 from exo_like.model_registry import LoadedModel, ModelRegistry
 from exo_like.node_load import NodeLoad
 from exo_like.node_info import NodeInfo
 from exo_like.peers import PeerLink, PeerNetwork, cluster_key_digest
 from exo_like.plan import Plan
-from exo_like.ring import RingGenerator, StageWorker
+from exo_like.protocol import (DEFAULT_MAX_FRAME_BYTES, Error, Forward, Message, PlanState, Release, Sampled, Submit,
+                               Tokens)
+from exo_like.ring import RingGenerator
+from exo_like.scheduler import SchedulerLimits
 from exo_like.shard import Shard
-from exo_like.wire import DEFAULT_MAX_FRAME_BYTES
+from exo_like.stage import RingResources, StageWorker
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +51,10 @@ DEFAULT_CLUSTER_KEY = "exo-like-default-cluster-key"
 # a big model's prefill chunk on a slow CPU takes minutes, and a false alarm kills a healthy request.
 DEFAULT_STEP_TIMEOUT = 300.0
 STEP_WATCH_SECONDS = 1.0
+# KV cache per node unless --kv-cache-gb says otherwise: this share of the memory left after loading the layers,
+# at most DEFAULT_KV_CAP bytes (pages are only taken as blocks are used; see engines' pools).
+DEFAULT_KV_SHARE = 0.3
+DEFAULT_KV_CAP = 2 * 2**30
 
 
 def default_home() -> Path:
@@ -69,6 +77,8 @@ class NodeOptions:
     hub_cache: Path | None = None  # default: $HF_HUB_CACHE, else <home>/hub
     request_wait: float | None = None  # seconds a request waits for the cluster to be ready (default: the cluster's)
     step_timeout: float = DEFAULT_STEP_TIMEOUT  # seconds in one engine step after which a stage counts as hung
+    kv_cache_gb: float | None = None  # KV cache budget for this node's layers (default: see kv_budget_bytes)
+    limits: SchedulerLimits = field(default_factory=SchedulerLimits)  # used when this node is the first stage
 
 
 class Node:
@@ -94,6 +104,7 @@ class Node:
         self.stage: StageWorker | None = None
         self.generator: TokenGenerator | None = None
         self.finder: PeerFinder | None = None
+        self.metrics = Metrics(self.current_load, self._peer_rtts)
 
     # -- models -------------------------------------------------------------------------------------------
 
@@ -156,11 +167,39 @@ class Node:
                 cancel.set()  # a newer plan replaced this one: the engine thread gives up at its next tensor
                 raise
             await loop.run_in_executor(self.executor, self.engine.place_threads)
+            await loop.run_in_executor(self.executor, self._allocate_kv)
             self._loaded = (plan.model_id, shard)
             log.info("node %s: loaded %s layers [%d, %d) on %s %s (%.1f MB) in %.1fs", self.node_id, model.model_id,
                      shard.start_layer, shard.end_layer, self.engine.device_name, self.engine.dtype_name,
                      self.engine.parameter_bytes() / 1e6, time.monotonic() - started)
         self.stage.activate(plan, self.engine)
+
+    def _allocate_kv(self) -> None:
+        """Engine thread, after a load: the KV pool for this node's layers, within the budget."""
+        budget = self.kv_budget_bytes()
+        blocks = max(1, budget // self.engine.kv_block_bytes())
+        self.engine.allocate_kv(blocks)
+
+    def kv_budget_bytes(self) -> int:
+        if self.options.kv_cache_gb is not None:
+            return int(self.options.kv_cache_gb * 2**30)
+        return int(min(DEFAULT_KV_CAP, DEFAULT_KV_SHARE * psutil.virtual_memory().available))
+
+    def _ring_resources(self, plan: Plan) -> RingResources | None:
+        """What the first stage may use: the smallest KV pool among the plan's stages (None until each has said),
+        and how many batches to keep in flight (one per machine the stages run on)."""
+        assert self.cluster is not None
+        pools = []
+        for node_id in plan.node_ids:
+            if node_id == self.node_id:
+                pools.append(self.engine.kv_blocks or None)
+            else:
+                announcement = self.cluster.announcement_of(node_id)
+                pools.append(announcement.kv_blocks if announcement is not None else None)
+        if any(blocks is None for blocks in pools):
+            return None
+        hosts = {m.host for m in self.cluster.members() if m.node_id in plan.node_ids}
+        return RingResources(min(pools), max(1, len(hosts)))
 
     # -- start and stop -----------------------------------------------------------------------------------
 
@@ -169,9 +208,10 @@ class Node:
         self.info = self._node_info(host, port)
         self.peers = PeerNetwork(self.info, self.options.cluster_key, self._on_peer_message, self._links_changed,
                                  self.options.max_frame_bytes)
-        self.stage = StageWorker(self.node_id, self, self.executor)
+        self.stage = StageWorker(self.node_id, self, self.executor, self._ring_resources, self.options.limits,
+                                 self.metrics.observe_step)
         self.cluster = Cluster(self.info, self.peers, self.models.describe, self._load_shard, self._members_changed,
-                               self.current_load)
+                               self.current_load, lambda: self.engine.kv_blocks or None)
         if self.options.request_wait is not None:
             self.cluster.plan_wait_seconds = self.options.request_wait
         self.generator = RingGenerator(self.node_id, self, self.cluster.wait_ready, self.stage, self.cluster.name_of)
@@ -208,6 +248,8 @@ class Node:
         self.stopping = True
         if self.generator is not None:
             await self.generator.close()
+        if self.stage is not None:
+            await self.stage.close()
         if self.finder is not None:
             await self.finder.stop()
         if self.cluster is not None:
@@ -223,32 +265,38 @@ class Node:
 
     # -- messages -----------------------------------------------------------------------------------------
 
-    async def send(self, node_id: str, message: dict[str, Any]) -> None:
+    async def send(self, node_id: str, message: Message) -> None:
         """The ring's router: deliver to a peer, or to ourselves without touching the network."""
         if node_id == self.node_id:
-            self._spawn(self._dispatch(node_id, message))
+            self._deliver(message)
             return
         assert self.peers is not None
         await self.peers.send(node_id, message)
 
-    async def _on_peer_message(self, link: PeerLink, message: dict[str, Any]) -> None:
-        if message["type"] == "plan_state":
+    async def _on_peer_message(self, link: PeerLink, message: Message) -> None:
+        if isinstance(message, PlanState):
             assert self.cluster is not None
             self.cluster.receive(link.remote.node_id, message)
+            if self.stage is not None:
+                self.stage.wake()  # a stage's KV pool may have become known: the first stage can schedule
         else:
             # Not awaited: a stage's compute must not stop this link from reading (tasks start in arrival
             # order, and each submits to the single engine thread first, so per-request order is kept).
             self._spawn(self._dispatch(link.remote.node_id, message))
 
-    async def _dispatch(self, sender: str, message: dict[str, Any]) -> None:
+    async def _dispatch(self, sender: str, message: Message) -> None:
+        self._deliver(message, sender)
+
+    def _deliver(self, message: Message, sender: str | None = None) -> None:
+        """The one place a ring message goes to the part of this node that handles it (all of them queue work or
+        wake a loop, none blocks)."""
         assert self.stage is not None and self.generator is not None
-        kind = message["type"]
-        if kind in ("forward", "release"):
-            await self.stage.handle(message)
-        elif kind in ("token", "error") and isinstance(self.generator, RingGenerator):
-            await self.generator.handle(message)
+        if isinstance(message, (Tokens, Error)):  # Tokens first: it is a kind of Sampled
+            self.generator.handle(message)
+        elif isinstance(message, (Submit, Forward, Sampled, Release)):
+            self.stage.handle(message)
         else:
-            log.warning("node %s: unknown message %r from %s", self.node_id, kind, sender)
+            log.warning("node %s: unexpected %s message from %s", self.node_id, message.type, sender or "itself")
 
     async def _dial(self, host: str, port: int) -> str | None:
         assert self.peers is not None
@@ -315,9 +363,16 @@ class Node:
             return NodeLoad(download=self.download_progress.status())
         decode_step = self.stage.decode_step_seconds.median()
         return NodeLoad(self.stage.throughput.rate(), self.generator.throughput.rate(),
-                        len(self.generator.in_flight), self.stage.active_requests() > 0,
+                        len(self.generator.in_flight), self.stage.busy(),
                         self.download_progress.status(), self.stage.step_seconds(),
-                        None if decode_step is None else decode_step * 1000)
+                        None if decode_step is None else decode_step * 1000, self.engine.kv_blocks,
+                        **self.stage.scheduler_counts())
+
+    def _peer_rtts(self) -> dict[str, float]:
+        """Seconds of the last measured round trip on each peer link (by peer node id)."""
+        if self.peers is None:
+            return {}
+        return {node_id: link.rtt for node_id, link in self.peers.links.items() if link.rtt is not None}
 
     def models_json(self) -> list[dict[str, object]]:
         """GET /v1/models: the served model first, then local folders, downloaded repos and the catalog."""

@@ -20,12 +20,25 @@ class NodeLoad:
     # Median time its layers took per generated token over its recent decode steps (sampling included on the
     # last stage), None before its first: which node a ring's tokens spend their time on.
     decode_step_ms: float | None = None
+    # KV cache: blocks of this node's pool, and blocks the ring's requests and prefix cache hold (as the first
+    # stage counts them; every stage holds the same block ids).
+    kv_blocks: int = 0
+    kv_used: int = 0
+    # The first stage's scheduler: requests batched and queued, and prompt tokens found in the prefix cache.
+    running: int = 0
+    waiting: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    preemptions: int = 0  # requests the first stage put back to wait (their KV blocks went to others)
 
     def to_json(self) -> dict[str, Any]:
         load = {"tokens_per_second": round(self.tokens_per_second, 2),
                 "generated_per_second": round(self.generated_per_second, 2),
                 "in_flight": self.in_flight, "busy": self.busy, "step_seconds": round(self.step_seconds, 1),
-                "decode_step_ms": None if self.decode_step_ms is None else round(self.decode_step_ms, 2)}
+                "decode_step_ms": None if self.decode_step_ms is None else round(self.decode_step_ms, 2),
+                "kv_blocks": self.kv_blocks, "kv_used": self.kv_used, "running": self.running, "waiting": self.waiting,
+                "prefix_queries": self.prefix_queries, "prefix_hits": self.prefix_hits,
+                "preemptions": self.preemptions}
         if self.download is not None:  # only nodes that fetched layers from the hub say anything about it
             load["download"] = self.download.to_json()
         return load
@@ -36,7 +49,11 @@ class NodeLoad:
         if not isinstance(data, dict):
             return cls()
         decode_step_ms = data.get("decode_step_ms")
+        counts = {key: int(data.get(key, 0)) for key in _COUNTS}
         return cls(float(data.get("tokens_per_second", 0.0)), float(data.get("generated_per_second", 0.0)),
                    int(data.get("in_flight", 0)), bool(data.get("busy", False)),
                    DownloadStatus.from_json(data.get("download")), float(data.get("step_seconds", 0.0)),
-                   None if decode_step_ms is None else float(decode_step_ms))
+                   None if decode_step_ms is None else float(decode_step_ms), **counts)
+
+
+_COUNTS = ("kv_blocks", "kv_used", "running", "waiting", "prefix_queries", "prefix_hits", "preemptions")

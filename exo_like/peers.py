@@ -2,12 +2,14 @@
 
 Set-up is a mutual HMAC challenge-response over the cluster key, so a node never learns anything about (or
 accepts work from) a peer that does not hold the same key. Only then do both sides exchange NodeInfo.
-Frames are msgpack maps (see wire.py). aiohttp's websocket heartbeat detects a silent peer in ~1.5 s; a
-killed process is noticed at once because its sockets close.
+Before that, both sides compare their peer protocol numbers (protocol.PROTOCOL): nodes of exo-like versions
+that would misread each other's frames refuse the link and say which versions met (see handshake.py). Every
+failed dial and refused peer is recorded, with its reason, in `problems` (shown in GET /v1/cluster and on the
+dashboard). aiohttp's websocket heartbeat detects a silent peer in ~1.5 s; a killed process is noticed at once
+because its sockets close.
 
-Before that, both sides compare their peer protocol numbers (wire.PROTOCOL): nodes of exo-like versions that
-would misread each other's frames refuse the link and say which versions met. Every failed dial and refused
-peer is recorded, with its reason, in `problems` (shown in GET /v1/cluster and on the dashboard).
+Frames are typed messages (protocol.py). A frame that does not decode is refused with a warning and the link
+goes on: one bad frame (a bug, a peer of a slightly different build) must not fail every request on the link.
 
 When two nodes dial each other at the same time, both keep the link dialed by the smaller node id, so they
 always agree on which one survives. The other link is retired, not cut: each side sends a last `retire` frame on
@@ -20,24 +22,23 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import hmac
 import logging
-import os
+import time
 from typing import Any, Awaitable, Callable
 
 import aiohttp
 from aiohttp import web
 
-from exo_like import __version__
-from exo_like.link_problems import LinkProblems
+from exo_like.handshake import HANDSHAKE_TIMEOUT, Handshake, HandshakeRefused
+from exo_like.link_problems import LinkProblems, dial_failure
 from exo_like.node_info import NodeInfo
-from exo_like.wire import DEFAULT_MAX_FRAME_BYTES, PROTOCOL, FrameError, decode_frame, encode_frame
+from exo_like.protocol import (DEFAULT_MAX_FRAME_BYTES, PROTOCOL, Auth, Hello, Info, Message, Ping, Pong,
+                               ProtocolError, Refused, Retire, Welcome, decode, encode)
 
 log = logging.getLogger(__name__)
 
 PEER_PATH = "/v1/peer"
 HEARTBEAT_SECONDS = 1.0
-HANDSHAKE_TIMEOUT = 5.0
 # A dial to an address that drops packets (firewall, machine gone) would otherwise hang for aiohttp's default
 # 30 s, holding up the finder's redial round for every other peer; a peer on a LAN or VPN answers well within this.
 CONNECT_TIMEOUT = 3.0
@@ -46,6 +47,19 @@ CLOSE_REFUSED = 4001
 # sends on that link, and what it sends after the close would vanish: so the peer's current link is cut as well,
 # both sides see the peer lost (requests through it fail at once, clearly) and the finder links them afresh.
 RETIRE_GRACE_SECONDS = 5.0
+# Refused frames are logged as warnings this many times per link, then at debug level (said once): a peer whose
+# every frame is refused (another build, a bug) must not flood the log at its message rate.
+REFUSALS_LOGGED_PER_LINK = 5
+PING_SECONDS = 2.0  # how often each link's round-trip time is measured
+_SET_UP = (Hello, Auth, Welcome, Info, Refused)  # link set-up messages: refused once the link is up
+
+
+def websocket_limit(max_frame_bytes: int) -> int:
+    """The websocket's own message size limit, somewhat above the protocol's. A frame between the two is read
+    whole and refused by `decode` while the link goes on (a peer configured with a larger frame limit, say).
+    One past this limit aiohttp does not read at all: it closes the connection (code 1009, logged by both
+    sides), and the finder links the peers afresh. The margin bounds what an oversized frame costs to read."""
+    return max_frame_bytes + max(max_frame_bytes // 4, 64 * 1024)
 
 
 class LinkRetired(ConnectionError):
@@ -57,42 +71,7 @@ def cluster_key_digest(cluster_key: str) -> str:
     return hashlib.sha256(b"exo-like cluster id|" + cluster_key.encode()).hexdigest()[:16]
 
 
-def _proof(key: bytes, role: bytes, first: bytes, second: bytes) -> bytes:
-    return hmac.new(key, role + b"|" + first + b"|" + second, hashlib.sha256).digest()
-
-
-class HandshakeRefused(Exception):
-    def __init__(self, message: str, code: str = "handshake_failed"):
-        super().__init__(message)
-        self.code = code  # as in LinkProblem.code
-
-
-KEY_ADVICE = "set the same --cluster-key (or EXO_LIKE_CLUSTER_KEY) on every node"
-
-
-def _protocol_mismatch(theirs: Any, their_version: Any, ours: int) -> HandshakeRefused:
-    spoken = f"peer protocol {theirs} (exo-like {their_version})" if theirs is not None else \
-        "no peer protocol number (an older exo-like)"
-    return HandshakeRefused(f"different exo-like versions: it speaks {spoken}, this node peer protocol "
-                            f"{ours} (exo-like {__version__}); run the same exo-like version on every node",
-                            "version_mismatch")
-
-
-def _dial_failure(exc: BaseException) -> tuple[str, str]:
-    """Why a dial failed, in words a user can act on: (code, reason)."""
-    if isinstance(exc, aiohttp.WSServerHandshakeError):
-        return "not_exo_like", f"not an exo-like node (HTTP {exc.status} where its peer link should be)"
-    if isinstance(exc, aiohttp.ClientConnectorError):
-        errno = exc.os_error.errno
-        detail = os.strerror(errno) if errno else str(exc.os_error)  # "Connection refused", "No route to host"
-        return "unreachable", f"cannot connect ({detail}): check that exo-like runs there and that its port is " \
-                              "open in the firewall"
-    if isinstance(exc, asyncio.TimeoutError):
-        return "unreachable", "no answer in time: a firewall dropping the traffic, or the machine is down"
-    return "handshake_failed", f"link set-up failed: {exc or type(exc).__name__}"
-
-
-MessageHandler = Callable[["PeerLink", dict[str, Any]], Awaitable[None]]
+MessageHandler = Callable[["PeerLink", Message], Awaitable[None]]
 
 
 class PeerLink:
@@ -107,15 +86,18 @@ class PeerLink:
         self.retired = False  # this side sends nothing more on it: a duplicate link to the same peer is kept
         self.peer_retired = False  # the other side said the same: nothing more will arrive on it
         self.read_ended = asyncio.Event()  # its read loop is over: the peer's retire came, or the link closed
+        self.refused_frames = 0  # frames from the peer refused as invalid (see PeerNetwork._message_in)
+        self.broken = False  # this side's websocket failed (e.g. a frame past its size limit) and closed it
+        self.rtt: float | None = None  # seconds of the last Ping's round trip (GET /metrics)
 
     @property
     def closed(self) -> bool:
         return self.ws.closed
 
-    async def send(self, message: dict[str, Any]) -> None:
-        """Send one frame. Raises ConnectionError if the link is gone (LinkRetired if it was replaced),
-        FrameError if the frame is too big."""
-        data = encode_frame(message, self.max_frame_bytes)
+    async def send(self, message: Message) -> None:
+        """Send one message. Raises ConnectionError if the link is gone (LinkRetired if it was replaced),
+        ProtocolError if its frame is too big."""
+        data = encode(message, self.max_frame_bytes)
         async with self._send_lock:
             if self.retired:
                 raise LinkRetired(f"link to {self.remote.node_id} was replaced")
@@ -127,7 +109,7 @@ class PeerLink:
         """The last frame this side sends on the link (after every frame whose send began before it was retired)."""
         async with self._send_lock:
             if not self.ws.closed:
-                await self.ws.send_bytes(encode_frame({"type": "retire"}))
+                await self.ws.send_bytes(encode(Retire()))
 
     async def close(self) -> None:
         await self.ws.close()
@@ -159,7 +141,7 @@ class PeerNetwork:
         link = self.links.get(node_id)
         return link is not None and not link.closed
 
-    async def send(self, node_id: str, message: dict[str, Any]) -> None:
+    async def send(self, node_id: str, message: Message) -> None:
         link = self.links.get(node_id)
         if link is None:
             raise ConnectionError(f"no link to node {node_id}")
@@ -184,8 +166,8 @@ class PeerNetwork:
         self._dialing.add(address)
         try:
             return await self._dial(host, port, address)
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, FrameError, KeyError, ValueError) as exc:
-            self.problems.note(host, port, *_dial_failure(exc))
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ProtocolError) as exc:
+            self.problems.note(host, port, *dial_failure(exc))
             return None
         except HandshakeRefused as exc:
             self.problems.note(host, port, exc.code, str(exc))
@@ -196,10 +178,10 @@ class PeerNetwork:
     async def _dial(self, host: str, port: int, address: str) -> PeerLink | None:
         session = await self._client_session()
         ws = await session.ws_connect(f"http://{address}{PEER_PATH}", heartbeat=HEARTBEAT_SECONDS,
-                                      max_msg_size=self.max_frame_bytes,
+                                      max_msg_size=websocket_limit(self.max_frame_bytes),
                                       timeout=aiohttp.ClientWSTimeout(ws_close=2.0))
         try:
-            remote = await self._dialer_handshake(ws)
+            remote = await self._handshake().dial(ws)
         except BaseException:
             await ws.close()
             raise
@@ -221,41 +203,20 @@ class PeerNetwork:
                 return link
         return None
 
-    async def _dialer_handshake(self, ws: aiohttp.ClientWebSocketResponse) -> NodeInfo:
-        hello = await self._receive(ws)
-        if hello.get("protocol") != self.protocol:
-            await self._refuse(ws, "different exo-like versions")
-            raise _protocol_mismatch(hello.get("protocol"), hello.get("version"), self.protocol)
-        nonce = os.urandom(16)
-        await ws.send_bytes(encode_frame({"type": "auth", "nonce": nonce, "protocol": self.protocol,
-                                          "version": __version__,
-                                          "proof": _proof(self._key, b"dialer", hello["nonce"], nonce)}))
-        welcome = await self._receive(ws)
-        if welcome["type"] == "refused":
-            if "protocol" in welcome:
-                raise _protocol_mismatch(welcome["protocol"], welcome.get("version"), self.protocol)
-            if welcome.get("reason") == "cluster key mismatch":
-                raise HandshakeRefused(f"refused: it holds a different cluster key ({KEY_ADVICE})", "key_mismatch")
-            raise HandshakeRefused(f"refused: the peer says {welcome.get('reason')}")
-        if not hmac.compare_digest(welcome["proof"], _proof(self._key, b"acceptor", nonce, hello["nonce"])):
-            raise HandshakeRefused(f"it does not hold this cluster's key ({KEY_ADVICE})", "key_mismatch")
-        await ws.send_bytes(encode_frame({"type": "info", "info": self.me.to_dict()}))
-        return NodeInfo.from_dict(welcome["info"])
-
     # -- accepting ----------------------------------------------------------------------------------------
 
     async def accept(self, request: web.Request) -> web.StreamResponse:
-        ws = web.WebSocketResponse(heartbeat=HEARTBEAT_SECONDS, max_msg_size=self.max_frame_bytes)
+        ws = web.WebSocketResponse(heartbeat=HEARTBEAT_SECONDS, max_msg_size=websocket_limit(self.max_frame_bytes))
         await ws.prepare(request)
         address = f"{request.remote}"
         try:
-            remote = await self._acceptor_handshake(ws, address)
+            remote = await self._handshake().accept(ws)
         except HandshakeRefused as exc:
             log.warning("node %s: refused peer at %s: %s", self.me.node_id, address, exc)
             self.problems.note(address, None, exc.code, f"it dialed this node and was refused: {exc}")
             await ws.close(code=CLOSE_REFUSED, message=b"refused")
             return ws
-        except (asyncio.TimeoutError, FrameError, KeyError, ValueError, TypeError, ConnectionError) as exc:
+        except (asyncio.TimeoutError, ProtocolError, ConnectionError) as exc:
             log.info("node %s: handshake with %s failed: %s", self.me.node_id, address, exc)
             await ws.close()
             return ws
@@ -272,38 +233,8 @@ class PeerNetwork:
         await self._read_loop(link)
         return ws
 
-    async def _acceptor_handshake(self, ws: web.WebSocketResponse, address: str) -> NodeInfo:
-        nonce = os.urandom(16)
-        await ws.send_bytes(encode_frame({"type": "hello", "nonce": nonce, "protocol": self.protocol,
-                                          "version": __version__}))
-        auth = await self._receive(ws)
-        if auth.get("type") == "refused" and "protocol" in auth:
-            raise _protocol_mismatch(auth["protocol"], auth.get("version"), self.protocol)
-        if auth.get("protocol") != self.protocol:  # a dialer too old to check the hello's protocol itself
-            await self._refuse(ws, "different exo-like versions")
-            raise _protocol_mismatch(auth.get("protocol"), auth.get("version"), self.protocol)
-        if auth.get("type") != "auth" or not isinstance(auth.get("proof"), bytes):
-            raise HandshakeRefused("no authentication offered")
-        if not hmac.compare_digest(auth["proof"], _proof(self._key, b"dialer", nonce, auth["nonce"])):
-            await ws.send_bytes(encode_frame({"type": "refused", "reason": "cluster key mismatch"}))
-            raise HandshakeRefused(f"cluster key mismatch: it holds a different cluster key ({KEY_ADVICE})",
-                                   "key_mismatch")
-        await ws.send_bytes(encode_frame({"type": "welcome", "info": self.me.to_dict(),
-                                          "proof": _proof(self._key, b"acceptor", auth["nonce"], nonce)}))
-        info = await self._receive(ws)
-        return NodeInfo.from_dict(info["info"])
-
-    async def _refuse(self, ws: web.WebSocketResponse | aiohttp.ClientWebSocketResponse, reason: str) -> None:
-        """Tell the other side why (with our protocol and version, so it can say which versions met)."""
-        await ws.send_bytes(encode_frame({"type": "refused", "reason": f"{reason}: this node speaks peer protocol "
-                                          f"{self.protocol} (exo-like {__version__})", "protocol": self.protocol,
-                                          "version": __version__}))
-
-    async def _receive(self, ws: web.WebSocketResponse | aiohttp.ClientWebSocketResponse) -> dict[str, Any]:
-        msg = await ws.receive(timeout=HANDSHAKE_TIMEOUT)
-        if msg.type != aiohttp.WSMsgType.BINARY:
-            raise ConnectionError(f"handshake interrupted ({msg.type.name})")
-        return decode_frame(msg.data, self.max_frame_bytes)
+    def _handshake(self) -> Handshake:
+        return Handshake(self.me, self._key, self.protocol, self.max_frame_bytes)
 
     # -- link lifetime ------------------------------------------------------------------------------------
 
@@ -318,6 +249,7 @@ class PeerNetwork:
             self._retire(existing)
         self.links[remote_id] = link
         log.info("node %s: linked with %s (%s) at %s", self.me.node_id, remote_id, link.remote.name, link.address)
+        self._spawn(self._ping_forever(link))
         self._on_change()
         return True
 
@@ -349,31 +281,94 @@ class PeerNetwork:
     async def _read_loop(self, link: PeerLink) -> None:
         try:
             async for msg in link.ws:
-                if msg.type != aiohttp.WSMsgType.BINARY:
+                message = self._message_in(link, msg)
+                if message is None:
                     continue
-                try:
-                    message = decode_frame(msg.data, self.max_frame_bytes)
-                except FrameError as exc:
-                    log.warning("node %s: bad frame from %s: %s", self.me.node_id, link.remote.node_id, exc)
-                    break
-                if message["type"] == "retire":
+                if isinstance(message, Retire):
                     link.peer_retired = True
                     if link.retired:
                         break  # both sides are done with it
                     continue  # this side still uses it until its duplicate registers here
+                if isinstance(message, Ping):
+                    self._answer_ping(link, message)
+                    continue
                 try:
                     await self._handler(link, message)
                 except Exception:  # a bug in one handler must not cut the link for every request on it
-                    log.exception("node %s: error handling %s from %s", self.me.node_id, message.get("type"),
+                    log.exception("node %s: error handling %s from %s", self.me.node_id, message.type,
                                   link.remote.node_id)
         finally:
             link.read_ended.set()
             await link.close()
             if self.links.get(link.remote.node_id) is link:
                 del self.links[link.remote.node_id]
-                log.info("node %s: lost link with %s (%s)", self.me.node_id, link.remote.node_id,
-                         link.ws.exception() or "closed")
+                self._log_lost(link)
                 self._on_change()
+
+    def _answer_ping(self, link: PeerLink, message: Ping) -> None:
+        if isinstance(message, Pong):
+            link.rtt = max(0.0, time.monotonic() - message.sent)
+        elif not link.retired:
+            self._spawn(link.send(Pong(message.sent)))
+
+    async def _ping_forever(self, link: PeerLink) -> None:
+        """Measure the link's round-trip time every few seconds, for as long as it is this peer's link."""
+        while self.links.get(link.remote.node_id) is link and not link.closed:
+            try:
+                await link.send(Ping(time.monotonic()))
+            except (ConnectionError, OSError):
+                return
+            await asyncio.sleep(PING_SECONDS)
+
+    def _message_in(self, link: PeerLink, msg: aiohttp.WSMessage) -> Message | None:
+        """The message a websocket message carries; None for one refused (and logged) or that is no frame."""
+        if msg.type == aiohttp.WSMsgType.ERROR:
+            self._log_broken(link, msg.data)  # aiohttp closes the link itself: the read loop ends next
+            return None
+        if msg.type == aiohttp.WSMsgType.TEXT:
+            self._refuse_frame(link, "a text frame (frames are binary msgpack)")
+            return None
+        if msg.type != aiohttp.WSMsgType.BINARY:
+            return None
+        try:
+            message = decode(msg.data, self.max_frame_bytes)
+        except ProtocolError as exc:
+            self._refuse_frame(link, str(exc))
+            return None
+        if isinstance(message, _SET_UP):
+            self._refuse_frame(link, f"a {message.type} frame on a link already set up")
+            return None
+        return message
+
+    def _refuse_frame(self, link: PeerLink, reason: str) -> None:
+        link.refused_frames += 1
+        count = link.refused_frames
+        level = logging.WARNING if count <= REFUSALS_LOGGED_PER_LINK else logging.DEBUG
+        more = " (further refused frames on this link are logged at debug level)" \
+            if count == REFUSALS_LOGGED_PER_LINK else ""
+        log.log(level, "node %s: refused a frame from %s at %s: %s%s", self.me.node_id, link.remote.node_id,
+                link.address, _one_line(reason), more)
+
+    def _log_broken(self, link: PeerLink, exc: BaseException) -> None:
+        link.broken = True
+        if getattr(exc, "code", None) == aiohttp.WSCloseCode.MESSAGE_TOO_BIG:
+            log.warning("node %s: closing the link with %s at %s: it sent a frame past this node's %d-byte "
+                        "websocket limit (%s; peer protocol limit %d bytes); the peers link again",
+                        self.me.node_id, link.remote.node_id, link.address, websocket_limit(self.max_frame_bytes),
+                        _one_line(str(exc)), self.max_frame_bytes)
+        else:
+            log.warning("node %s: closing the link with %s at %s: %s", self.me.node_id, link.remote.node_id,
+                        link.address, _one_line(str(exc) or type(exc).__name__))
+
+    def _log_lost(self, link: PeerLink) -> None:
+        refused = f"; {link.refused_frames} frames from it refused" if link.refused_frames else ""
+        if not link.broken and link.ws.close_code == aiohttp.WSCloseCode.MESSAGE_TOO_BIG:
+            log.warning("node %s: lost link with %s: it closed the link because a frame from this node was past its "
+                        "websocket size limit (peer protocol limit here %d bytes); the peers link again%s",
+                        self.me.node_id, link.remote.node_id, self.max_frame_bytes, refused)
+        else:
+            log.info("node %s: lost link with %s (%s)%s", self.me.node_id, link.remote.node_id,
+                     link.ws.exception() or "closed", refused)
 
     def _spawn(self, coro: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(coro)
@@ -395,3 +390,9 @@ class PeerNetwork:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._session is not None:
             await self._session.close()
+
+
+def _one_line(text: str, limit: int = 500) -> str:
+    """A reason as one bounded log line, whatever a peer put in the frame."""
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit] + "..."

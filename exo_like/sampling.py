@@ -1,6 +1,9 @@
 """Token sampling on the last stage's logits: greedy, temperature, top-k, top-p, seeded.
 
-Pure numpy so every engine samples identically and a seed reproduces across MLX and PyTorch nodes.
+Pure numpy so every engine samples identically and a seed reproduces across MLX and PyTorch nodes. The random
+draw for a request's n-th generated token comes from (seed, n) alone, not from a stream the last stage keeps:
+the token is the same whatever else shares the batch, and a request recomputed from its tokens (preempted, or
+moved to another ring) continues exactly as it would have.
 """
 
 from __future__ import annotations
@@ -25,15 +28,11 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-class Sampler:
-    """One per request: owns the request's random stream so a seed gives the same tokens every time."""
-
-    def __init__(self, params: SamplingParams):
-        self.params = params
-        self.rng = np.random.default_rng(params.seed)
-
-    def __call__(self, logits: np.ndarray) -> int:
-        return sample(logits, self.params, self.rng)
+def sample_nth(logits: np.ndarray, params: SamplingParams, seed: int, index: int) -> int:
+    """The request's token number `index` (0 = the first generated) from its logits."""
+    if params.greedy:
+        return int(np.argmax(logits))
+    return sample(logits, params, np.random.default_rng([seed, index]))
 
 
 def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Callable
 
 import pytest
 
@@ -16,6 +16,7 @@ from exo_like.meter import RateMeter, RecentMedian
 from exo_like.node_load import NodeLoad
 from exo_like.node_info import NodeInfo
 from exo_like.plan import ModelFootprint, Plan
+from exo_like.protocol import PlanState
 from exo_like.shard import Shard
 
 GIB = 1 << 30
@@ -72,9 +73,9 @@ class FakeLink:
     def __init__(self, remote: NodeInfo):
         self.remote = remote
         self.closed = False
-        self.sent: list[dict[str, Any]] = []
+        self.sent: list[PlanState] = []
 
-    async def send(self, message: dict[str, Any]) -> None:
+    async def send(self, message: PlanState) -> None:
         self.sent.append(message)
 
 
@@ -94,11 +95,10 @@ def make_cluster(local_load: NodeLoad | Callable[[], NodeLoad]) -> tuple[Cluster
     return cluster, peers
 
 
-def announcement_from(cluster: Cluster, load: NodeLoad) -> dict[str, Any]:
+def announcement_from(cluster: Cluster, load: NodeLoad) -> PlanState:
     """What peer b sends once it has the same plan (built from our own announcement: same model and digest)."""
     mine = cluster.my_announcement()
-    return {"type": "plan_state", "model": mine.model, "clock": list(mine.clock), "digest": mine.digest,
-            "ready": True, "problem": None, "load": load.to_json()}
+    return PlanState(mine.model, mine.clock, mine.digest, True, None, load.to_json())
 
 
 async def test_picture_has_bytes_per_node_and_every_members_shared_load() -> None:
@@ -120,9 +120,11 @@ async def test_picture_has_bytes_per_node_and_every_members_shared_load() -> Non
     assert picture["tokens_per_second"] == 8.0  # counted once, where it is streamed
     assert picture["requests_in_flight"] == 1
     await asyncio.sleep(0)  # let the announcement tasks run
-    assert peers.links["b"].sent[-1]["load"] == {"tokens_per_second": 8.0, "generated_per_second": 8.0,
+    assert peers.links["b"].sent[-1].load == {"tokens_per_second": 8.0, "generated_per_second": 8.0,
                                                  "in_flight": 1, "busy": True, "step_seconds": 0.0,
-                                                 "decode_step_ms": None}
+                                                 "decode_step_ms": None, "kv_blocks": 0, "kv_used": 0, "running": 0,
+                                                 "waiting": 0, "prefix_queries": 0, "prefix_hits": 0,
+                                                 "preemptions": 0}
 
 
 async def test_lost_member_is_listed_unreachable_for_a_while_then_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -174,7 +176,7 @@ async def test_a_node_announces_at_once_when_it_starts_or_stops_working() -> Non
             await asyncio.sleep(0.05)
             load = NodeLoad(in_flight=int(working), busy=working)
             changed = time.monotonic()
-            while not link.sent or link.sent[-1]["load"]["busy"] != working:
+            while not link.sent or link.sent[-1].load["busy"] != working:
                 assert time.monotonic() - changed < 0.5, "not announced within the activity poll"
                 await asyncio.sleep(0.01)
     finally:

@@ -20,6 +20,7 @@ from exo_like.engines.base import Engine, create_engine  # noqa: E402
 from exo_like.model_config import ModelArgs  # noqa: E402
 from exo_like.shard import Shard  # noqa: E402
 from tests.checkpoints import built_once, make_checkpoint  # noqa: E402
+from tests.engine_driver import Driver  # noqa: E402
 
 N_LAYERS = 6
 N_TOKENS = 32
@@ -89,13 +90,12 @@ def load_chain(model_dir: Path, engine_names: tuple[str, ...]) -> list[Engine]:
 
 
 def chain_greedy(chain: list[Engine], prompt: np.ndarray) -> list[int]:
+    """Greedy tokens of one request, one step through every shard of the chain each (the prompt in one)."""
+    driver = Driver(chain)
     tokens: list[int] = []
     inputs = prompt
     for _ in range(N_TOKENS):
-        x = inputs
-        for engine in chain:
-            x = engine.forward("r", x)
-        token = int(np.argmax(x))
+        token = int(np.argmax(driver.forward("r", inputs)))
         tokens.append(token)
         inputs = np.array([token])
     return tokens

@@ -1,10 +1,11 @@
-"""Peer links over real loopback sockets: authentication, refusal, duplicates, frame limits, loss, and the
-reasons a node gives for peers it cannot link with."""
+"""Peer links over real loopback sockets: authentication, refusal, duplicates, frame limits, invalid frames, loss,
+and the reasons a node gives for peers it cannot link with."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import socket
 import time
@@ -13,28 +14,33 @@ from contextlib import contextmanager
 from typing import Any
 
 import aiohttp
+import msgpack
 import pytest
 from aiohttp import web
 
 from discovery import PeerAddress, PeerFinder
 from discovery.finder import REDIAL_SECONDS
 from exo_like.node_info import NodeInfo
+from exo_like.node_load import NodeLoad
 from exo_like.peers import CONNECT_TIMEOUT, PEER_PATH, PeerLink, PeerNetwork
-from exo_like.wire import PROTOCOL, FrameError, decode_frame, encode_frame
-from tests.cluster_harness import free_ports
+from exo_like.protocol import (DEFAULT_MAX_FRAME_BYTES, PROTOCOL, Error, Hello, Message, PlanState, ProtocolError,
+                               Refused, Release, Retire, decode, encode)
+from tests.api_server import NodeProcess, checkpoint, start_node  # noqa: F401  (checkpoint: a fixture)
+from tests.api_server import wait_for as node_wait_for
+from tests.cluster_harness import free_ports, wait_until_ready
 
 
 class Peer:
     """A PeerNetwork behind a real aiohttp server on 127.0.0.1, recording what it receives."""
 
     def __init__(self, node_id: str, key: str, max_frame: int = 1 << 20, dtype: str | None = None):
-        self.received: list[tuple[str, dict[str, Any]]] = []
+        self.received: list[tuple[str, Message]] = []
         self.changes = 0
         self.info = NodeInfo(node_id, f"name-{node_id}", "127.0.0.1", 0, "torch", "cpu", "test", 1 << 30, "0", dtype)
         self.net = PeerNetwork(self.info, key, self._handle, self._changed, max_frame_bytes=max_frame)
         self.port = 0
 
-    async def _handle(self, link: PeerLink, message: dict[str, Any]) -> None:
+    async def _handle(self, link: PeerLink, message: Message) -> None:
         self.received.append((link.remote.node_id, message))
 
     def _changed(self) -> None:
@@ -85,11 +91,11 @@ async def test_link_exchanges_info_and_frames_both_ways(peers) -> None:
     await wait_for(lambda: b.net.linked("aaa"))
     assert b.net.links["aaa"].remote.memory_bytes == 1 << 30
     assert b.net.links["aaa"].remote.dtype == "float32"  # the fit check needs it: --dtype changes a node's bytes
-    await a.net.send("bbb", {"type": "ping", "data": b"\x00\xff" * 10})
-    await b.net.send("aaa", {"type": "pong", "n": 3})
+    await a.net.send("bbb", Release("r1"))
+    await b.net.send("aaa", Error("r2", "it broke \u2603", "stage_failed"))
     await wait_for(lambda: a.received and b.received)
-    assert b.received == [("aaa", {"type": "ping", "data": b"\x00\xff" * 10})]
-    assert a.received == [("bbb", {"type": "pong", "n": 3})]
+    assert b.received == [("aaa", Release("r1"))]
+    assert a.received == [("bbb", Error("r2", "it broke \u2603", "stage_failed"))]
 
 
 async def test_wrong_cluster_key_is_refused_and_logged(peers, caplog) -> None:
@@ -115,7 +121,7 @@ async def test_simultaneous_dials_keep_one_link_on_both_sides(peers) -> None:
     assert a.net.linked("bbb") and b.net.linked("aaa")
     # Both kept the link dialed by the smaller id, so it is the same connection seen from both ends.
     assert a.net.links["bbb"].dialer_id == "aaa" == b.net.links["aaa"].dialer_id
-    await a.net.send("bbb", {"type": "hello-again"})
+    await a.net.send("bbb", Release("again"))
     await wait_for(lambda: b.received)
 
 
@@ -135,14 +141,14 @@ async def test_dialing_a_peer_that_already_dialed_in_keeps_the_link_it_made(peer
 def counted_stream(peer: Peer, to: str, sent: list[int], stop: asyncio.Event) -> Any:
     async def run() -> None:
         while not stop.is_set():
-            await peer.net.send(to, {"type": "numbered", "n": len(sent)})  # raises if the link is lost
+            await peer.net.send(to, Release(str(len(sent))))  # raises if the link is lost
             sent.append(len(sent))
             await asyncio.sleep(0)
     return asyncio.ensure_future(run())
 
 
 def numbers_from(peer: Peer, sender: str) -> list[int]:
-    return sorted(m["n"] for who, m in peer.received if who == sender and m["type"] == "numbered")
+    return sorted(int(m.rid) for who, m in peer.received if who == sender and isinstance(m, Release))
 
 
 async def test_a_duplicate_link_replaces_the_first_without_losing_a_frame(peers) -> None:
@@ -169,7 +175,7 @@ async def test_a_duplicate_link_replaces_the_first_without_losing_a_frame(peers)
                    len(numbers_from(a, "bbb")) >= len(sent_by_b))
     assert numbers_from(b, "aaa") == sent_by_a and numbers_from(a, "bbb") == sent_by_b
     assert len(sent_by_a) > 100 and len(sent_by_b) > 100
-    assert not [m for _, m in a.received + b.received if m["type"] == "retire"]  # link control, not a message
+    assert not [m for _, m in a.received + b.received if isinstance(m, Retire)]  # link control, not a message
 
 
 async def test_a_peer_that_does_not_retire_the_duplicate_is_cut_off_and_seen_lost(peers, monkeypatch) -> None:
@@ -210,18 +216,137 @@ async def test_dialing_yourself_makes_no_link_and_is_not_repeated(peers, monkeyp
 async def test_oversized_frame_refused_by_sender(peers) -> None:
     a, b = await peers("aaa", max_frame=4096), await peers("bbb", max_frame=4096)
     await a.net.dial("127.0.0.1", b.port)
-    with pytest.raises(FrameError, match="exceeds"):
-        await a.net.send("bbb", {"type": "big", "data": b"x" * 5000})
+    with pytest.raises(ProtocolError, match="exceeds"):
+        await a.net.send("bbb", Error("r", "x" * 5000, "c"))
     assert a.net.linked("bbb")
 
 
-async def test_oversized_frame_refused_by_receiver(peers) -> None:
+# -- frames that are not valid messages ----------------------------------------------------------------------
+
+def bad_frames(limit: int) -> list[tuple[str, bytes, str]]:
+    """(what, frame, what its refusal says): one frame for each way a frame can fail to be a message, for a
+    receiver whose protocol limit is `limit` (the oversized one stays under its websocket limit)."""
+    return [
+        ("malformed msgpack", b"\xc1\x00\xff", "undecodable frame"),
+        ("unknown type", msgpack.packb({"type": "teleport", "to": "mars"}), "unknown message type 'teleport'"),
+        ("truncated", encode(Error("r", "boom", "stage_failed"))[:-2], "undecodable frame"),
+        ("oversized", msgpack.packb({"type": "release", "rid": "x" * (limit + 100)}), f"{limit}-byte limit"),
+        ("semantically invalid", msgpack.packb({"type": "release", "rid": 7}), "invalid release: field 'rid'"),
+    ]
+
+
+def more_bad_frames() -> list[tuple[str, bytes, str]]:
+    plan_state = {"type": "plan_state", "model": None, "clock": [0, ""], "digest": None, "ready": False,
+                  "problem": None}
+    forward = {"type": "forward", "digest": "d", "kv_used": 0,
+               "items": [{"rid": "r", "origin": "o", "start": 0, "count": 2, "blocks": [0]}],
+               "hidden": {"dtype": "float32", "shape": [1, 4], "data": b"\0" * 16}}
+    return [
+        ("not a map", msgpack.packb([1, 2]), "a frame must be a map"),
+        ("missing field", msgpack.packb({"type": "error", "rid": "r", "code": "c"}), "missing field 'message'"),
+        ("ill-typed load", msgpack.packb({**plan_state, "load": {"in_flight": "many"}}), "field 'in_flight'"),
+        ("rows and items disagree", msgpack.packb(forward), "does not hold the items' 2 rows"),
+        ("link set-up after set-up", encode(Hello(b"n" * 16, PROTOCOL, "0")), "a hello frame on a link already"),
+    ]
+
+
+def refusals(caplog: pytest.LogCaptureFixture, level: int = logging.WARNING) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == level and "refused a frame" in r.getMessage()]
+
+
+def assert_no_errors(caplog: pytest.LogCaptureFixture) -> None:
+    bad = [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+    assert not bad, [r.getMessage() for r in bad]
+
+
+@pytest.mark.parametrize("sender", ["dialer", "acceptor"])
+async def test_invalid_frames_are_refused_one_warning_each_and_the_link_goes_on(peers, caplog, monkeypatch,
+                                                                               sender) -> None:
+    import exo_like.peers as peers_module
+
+    monkeypatch.setattr(peers_module, "REFUSALS_LOGGED_PER_LINK", 100)  # every refusal as a warning, to count
     a, b = await peers("aaa", max_frame=1 << 20), await peers("bbb", max_frame=4096)
+    (a, b) = (a, b) if sender == "dialer" else (b, a)  # b receives, over the link a dialed (or accepted)
+    dialer, acceptor = (a, b) if sender == "dialer" else (b, a)
+    assert await dialer.net.dial("127.0.0.1", acceptor.port) is not None
+    await wait_for(lambda: a.net.linked(b.info.node_id) and b.net.linked(a.info.node_id))
+    link_at_a, link_at_b = a.net.links[b.info.node_id], b.net.links[a.info.node_id]
+    cases = bad_frames(b.net.max_frame_bytes) + more_bad_frames()
+    with caplog.at_level(logging.DEBUG):
+        for _, frame, _ in cases:
+            await link_at_a.ws.send_bytes(frame)
+        await link_at_a.ws.send_str("not a frame")
+        await wait_for(lambda: len(refusals(caplog)) == len(cases) + 1)
+        await a.net.send(b.info.node_id, Release("after"))
+        await wait_for(lambda: b.received)
+    warnings = refusals(caplog)
+    for (what, _, says), warning in zip(cases, warnings):
+        assert warning.startswith(f"node {b.info.node_id}: refused a frame from {a.info.node_id} at "), warning
+        assert says in warning, (what, warning)
+        assert "\n" not in warning
+    assert "a text frame" in warnings[-1]
+    assert len(warnings) == len(cases) + 1  # one line per frame
+    assert_no_errors(caplog)
+    assert b.received == [(a.info.node_id, Release("after"))]  # nothing invalid reached the handler
+    assert a.net.links[b.info.node_id] is link_at_a and b.net.links[a.info.node_id] is link_at_b
+    assert not link_at_a.closed and not link_at_b.closed and link_at_b.refused_frames == len(cases) + 1
+
+
+async def test_a_peer_sending_only_invalid_frames_does_not_flood_the_log(peers, caplog) -> None:
+    import exo_like.peers as peers_module
+
+    a, b = await peers("aaa"), await peers("bbb")
     await a.net.dial("127.0.0.1", b.port)
     await wait_for(lambda: b.net.linked("aaa"))
-    await a.net.links["bbb"].send({"type": "big", "data": b"x" * 8000})
-    await wait_for(lambda: not b.net.linked("aaa") and not a.net.linked("bbb"))
-    assert not b.received
+    sent = peers_module.REFUSALS_LOGGED_PER_LINK + 20
+    with caplog.at_level(logging.DEBUG):
+        for n in range(sent):
+            await a.net.links["bbb"].ws.send_bytes(msgpack.packb({"type": "teleport", "n": n}))
+        await wait_for(lambda: len(refusals(caplog, logging.DEBUG)) == 20)
+        await a.net.send("bbb", Release("after"))
+        await wait_for(lambda: b.received)
+        await a.net.links["bbb"].close()
+        await wait_for(lambda: not b.net.linked("aaa"))
+    warnings = refusals(caplog)
+    assert len(warnings) == peers_module.REFUSALS_LOGGED_PER_LINK
+    assert warnings[-1].endswith("(further refused frames on this link are logged at debug level)")
+    assert not any("debug level" in w for w in warnings[:-1])
+    lost = [r.getMessage() for r in caplog.records if "lost link with aaa" in r.getMessage()]
+    assert lost and lost[0].endswith(f"{sent} frames from it refused"), lost
+
+
+async def test_a_frame_past_the_websocket_limit_closes_the_link_says_why_and_the_peers_relink(peers, caplog) -> None:
+    """Past the websocket's own limit aiohttp does not read the frame: it closes the link. Both sides say why,
+    and the finder links them again (a node's finder redials every peer it is not linked with)."""
+    from exo_like.peers import websocket_limit
+
+    a, b = await peers("aaa", max_frame=1 << 20), await peers("bbb", max_frame=4096)
+    finder = PeerFinder("aaa", lambda host, port: _dial_id(a, host, port), a.net.linked,
+                        [PeerAddress("127.0.0.1", b.port)], None)
+    await finder.start()
+    try:
+        await wait_for(lambda: a.net.linked("bbb") and b.net.linked("aaa"))
+        first = a.net.links["bbb"]
+        with caplog.at_level(logging.INFO):
+            await first.ws.send_bytes(msgpack.packb({"type": "release", "rid": "x" * websocket_limit(4096)}))
+            await wait_for(lambda: first.closed)
+            await wait_for(lambda: a.net.linked("bbb") and b.net.linked("aaa"), timeout=REDIAL_SECONDS + 5)
+        await a.net.send("bbb", Release("after"))
+        await wait_for(lambda: b.received)
+    finally:
+        await finder.stop()
+    messages = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(m.startswith("node bbb: closing the link with aaa at 127.0.0.1: it sent a frame past this node's "
+                            f"{websocket_limit(4096)}-byte websocket limit") for m in messages), messages
+    assert any(m.startswith("node aaa: lost link with bbb: it closed the link because a frame from this node was "
+                            "past its websocket size limit") for m in messages), messages
+    assert_no_errors(caplog)
+    assert a.net.links["bbb"] is not first and b.received == [("aaa", Release("after"))]
+
+
+async def _dial_id(peer: Peer, host: str, port: int) -> str | None:
+    link = await peer.net.dial(host, port)
+    return link.remote.node_id if link else None
 
 
 async def test_lost_peer_noticed_and_reported(peers) -> None:
@@ -282,12 +407,13 @@ async def test_a_dialer_too_old_to_check_protocols_is_told_why_it_is_refused(pee
     b = await peers("bbb")
     async with aiohttp.ClientSession() as session:
         async with session.ws_connect(f"http://127.0.0.1:{b.port}{PEER_PATH}") as ws:
-            hello = decode_frame((await ws.receive(timeout=5)).data)
-            assert hello["protocol"] == PROTOCOL
+            hello = decode((await ws.receive(timeout=5)).data)
+            assert isinstance(hello, Hello) and hello.protocol == PROTOCOL
             # The handshake of a version before protocol numbers: it ignores the hello's number and sends none.
-            await ws.send_bytes(encode_frame({"type": "auth", "nonce": b"n" * 16, "proof": b"p" * 32}))
-            answer = decode_frame((await ws.receive(timeout=5)).data)
-    assert answer["type"] == "refused" and answer["reason"].startswith("different exo-like versions")
+            await ws.send_bytes(msgpack.packb({"type": "auth", "nonce": b"n" * 16, "proof": b"p" * 32}))
+            answer = decode((await ws.receive(timeout=5)).data)
+    assert isinstance(answer, Refused) and answer.reason.startswith("different exo-like versions")
+    assert answer.protocol == PROTOCOL
     problem = problems_of(b)["127.0.0.1"]
     assert problem["code"] == "version_mismatch" and "it speaks no peer protocol number" in problem["reason"]
     assert not b.net.links
@@ -297,7 +423,7 @@ async def test_an_acceptor_too_old_to_send_a_protocol_is_not_linked(peers) -> No
     async def old_acceptor(request: web.Request) -> web.WebSocketResponse:
         ws = web.WebSocketResponse()
         await ws.prepare(request)
-        await ws.send_bytes(encode_frame({"type": "hello", "nonce": b"n" * 16}))
+        await ws.send_bytes(msgpack.packb({"type": "hello", "nonce": b"n" * 16}))
         await ws.receive(timeout=5)
         return ws
 
@@ -384,3 +510,55 @@ async def test_a_peer_that_drops_packets_does_not_hold_up_linking_the_others(pee
         finally:
             await finder.stop()
     assert problems_of(a)[f"127.0.0.1:{dead_port}"]["code"] == "unreachable"
+
+
+# -- a running node --------------------------------------------------------------------------------------------
+
+async def test_a_running_node_refuses_invalid_frames_and_goes_on_serving(checkpoint, tmp_path) -> None:  # noqa: F811
+    """The same frames, sent to a real `exo-like` process over a link authenticated with its cluster key: it
+    refuses each with one warning and no traceback, keeps the link (a valid announcement sent after them
+    arrives), and serves requests as before."""
+    key = "invalid-frames-test-key"
+    node = await asyncio.to_thread(start_node, tmp_path / "home", str(checkpoint), "--no-mdns", "--cluster-key", key,
+                                   "--dtype", "float32")
+    received: list[Message] = []
+
+    async def keep(link: PeerLink, message: Message) -> None:
+        received.append(message)
+
+    me = NodeInfo("frame-tester", "tester", "127.0.0.1", 9, "torch", "cpu", "test", 1 << 20, "0")
+    net = PeerNetwork(me, key, keep, lambda: None)
+    try:
+        link = await net.dial("127.0.0.1", node.port)
+        assert link is not None
+        cases = bad_frames(DEFAULT_MAX_FRAME_BYTES)
+        for _, frame, _ in cases:
+            await link.ws.send_bytes(frame)
+        await link.send(PlanState(None, (0, ""), None, False, None, NodeLoad(tokens_per_second=12.5).to_json()))
+        assert await asyncio.to_thread(node_wait_for, lambda: _announced_rate(node, "frame-tester") == 12.5)
+        assert net.linked(link.remote.node_id) and not link.closed  # the same link all along
+        refused = [line for line in node.log().splitlines() if "refused a frame from frame-tester" in line]
+        assert len(refused) == len(cases), refused
+        for (what, _, says), line in zip(cases, refused):
+            assert " WARNING " in line and f"node {link.remote.node_id}: refused a frame" in line, line
+            assert says in line, (what, line)
+        assert any(isinstance(m, PlanState) for m in received)  # and the node's announcements still come
+    finally:
+        await net.close()
+    try:
+        await asyncio.to_thread(wait_until_ready, [node], 1)
+        assert (await asyncio.to_thread(node.get_json, "/health"))["status"] == "ok"
+        body = json.dumps({"model": str(checkpoint), "messages": [{"role": "user", "content": "Hello!"}],
+                           "max_tokens": 4}).encode()
+        status, _, answer = await asyncio.to_thread(node.request, "POST", "/v1/chat/completions", body,
+                                                    {"Content-Type": "application/json"})
+        assert status == 200, answer
+        assert json.loads(answer)["choices"][0]["message"]["content"] is not None
+    finally:
+        assert node.stop() == 0, node.log()
+    assert "Traceback" not in node.log() and " ERROR " not in node.log(), node.log()
+
+
+def _announced_rate(node: NodeProcess, node_id: str) -> float | None:
+    members = {member["id"]: member for member in node.get_json("/v1/cluster")["nodes"]}
+    return members[node_id]["tokens_per_second"] if node_id in members else None

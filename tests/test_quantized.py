@@ -26,6 +26,7 @@ from exo_like.quantization import BITS, QuantSpec, quant_spec  # noqa: E402
 from exo_like.shard import Shard  # noqa: E402
 from partitioning import NodeCapacity  # noqa: E402
 from tests.checkpoints import built_once, make_checkpoint  # noqa: E402
+from tests.engine_driver import Driver  # noqa: E402
 from tests.test_mixed_chain import chain_greedy  # noqa: E402
 from tests.test_mlx_engine import N_LAYERS, SEED, UNEVEN_SHARDS, greedy, mlx_lm_greedy, prompt_ids  # noqa: E402
 
@@ -97,9 +98,9 @@ def test_mlx_engine_runs_quantized_and_matches_mlx_lm(quantized_dir, reference_t
     whole = load("mlx", path, 0, N_LAYERS)
     assert isinstance(whole._model.model.layers[0].self_attn.q_proj, nn.QuantizedLinear)
     assert isinstance(whole._model.model.embed_tokens, nn.QuantizedEmbedding)
-    assert greedy([whole], prompt_ids(path)) == reference_tokens(name)
+    assert greedy(Driver([whole]), prompt_ids(path)) == reference_tokens(name)
     chain = [load("mlx", path, start, end) for start, end in UNEVEN_SHARDS]
-    assert greedy(chain, prompt_ids(path)) == reference_tokens(name)
+    assert greedy(Driver(chain), prompt_ids(path)) == reference_tokens(name)
 
 
 @pytest.mark.parametrize("chain_name", list(CHAINS))

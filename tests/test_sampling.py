@@ -7,30 +7,29 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from exo_like.sampling import Sampler, SamplingParams, sample
+from exo_like.sampling import SamplingParams, sample, sample_nth
 
 
 def draw_many(logits: np.ndarray, params: SamplingParams, n: int = 4000) -> np.ndarray:
-    sampler = Sampler(SamplingParams(params.temperature, params.top_p, params.top_k, seed=1234))
-    return np.array([sampler(logits) for _ in range(n)])
+    """The first n tokens of one request seeded 1234 (token i drawn from (seed, i))."""
+    return np.array([sample_nth(logits, params, 1234, i) for i in range(n)])
 
 
 def test_greedy_is_argmax_and_ignores_seed() -> None:
     logits = np.array([0.1, 3.0, 2.9, -1.0], dtype=np.float32)
-    for seed in (None, 0, 7):
-        assert Sampler(SamplingParams(temperature=0.0, seed=seed))(logits) == 1
+    for seed in (0, 7, 2**63 - 1):
+        assert sample_nth(logits, SamplingParams(temperature=0.0), seed, 3) == 1
 
 
-def test_same_seed_same_tokens_different_seed_differs() -> None:
+def test_a_token_depends_on_its_seed_and_index_only() -> None:
     logits = np.random.default_rng(0).standard_normal(1000).astype(np.float32)
-    params = SamplingParams(temperature=1.0, seed=42)
-    first = [Sampler(params)(logits) for _ in range(1)]
-    a, b = Sampler(params), Sampler(params)
-    run_a = [a(logits) for _ in range(50)]
-    run_b = [b(logits) for _ in range(50)]
-    assert run_a == run_b and run_a[0] == first[0]
-    c = Sampler(SamplingParams(temperature=1.0, seed=43))
-    assert [c(logits) for _ in range(50)] != run_a
+    params = SamplingParams(temperature=1.0)
+    run_a = [sample_nth(logits, params, 42, i) for i in range(50)]
+    # In any order, and whatever was drawn before (no stream is kept between tokens).
+    run_b = [sample_nth(logits, params, 42, i) for i in reversed(range(50))][::-1]
+    assert run_a == run_b
+    assert len(set(run_a)) > 10  # the index moves the draw
+    assert [sample_nth(logits, params, 43, i) for i in range(50)] != run_a
 
 
 def test_temperature_one_matches_softmax_frequencies() -> None:

@@ -25,14 +25,14 @@ HANG_LIMIT = 60.0  # a hung step gives up by itself after this long, so a failin
 
 
 class Hang:
-    """Makes a node's engine block inside its next forward call until `release()`."""
+    """Makes a node's engine block inside its next step until `release()`."""
 
     def __init__(self, node: Node):
-        self.real_forward = node.engine.forward
+        self.real_step = node.engine.step
         self.armed = False
         self.entered = threading.Event()
         self.released = threading.Event()
-        node.engine.forward = self._forward  # type: ignore[method-assign]
+        node.engine.step = self._step  # type: ignore[method-assign]
 
     def arm(self) -> None:
         self.entered.clear()
@@ -42,12 +42,12 @@ class Hang:
     def release(self) -> None:
         self.released.set()
 
-    def _forward(self, request_id: str, inputs: np.ndarray):  # type: ignore[no-untyped-def]
+    def _step(self, items, inputs: np.ndarray):  # type: ignore[no-untyped-def]
         if self.armed:
             self.armed = False
             self.entered.set()
             self.released.wait(HANG_LIMIT)
-        return self.real_forward(request_id, inputs)
+        return self.real_step(items, inputs)
 
 
 async def start_node(stack: AsyncExitStack, home: Path, model: Path, memory_gb: float,

@@ -183,6 +183,8 @@ function nodeCard(node, picture) {
     h("div", { class: "node-row" },
       h("span", { class: "node-memory" }, memoryText(node.used_bytes, node.memory_bytes)),
       meter(node.used_bytes, node.memory_bytes)),
+    kvRow(node),
+    schedulerText(node),
     // The cluster-wide problem is in the banner already; only say what is particular to this node.
     node.problem && node.problem !== picture.problem ? h("div", { class: "node-problem" }, node.problem) : null);
 }
@@ -193,6 +195,30 @@ function stepText(node) {
   return h("span", { class: "node-step", title: "median time this node's layers took per generated token over "
     + "its recent steps (sampling included on the last stage); the rest of a token's time is the hops between nodes" },
     `${formatMs(node.decode_step_ms)} per token`);
+}
+
+// The KV cache: blocks of this node's pool that the ring's requests and its prefix cache hold.
+function kvRow(node) {
+  if (!node.kv_blocks) return null;
+  const used = Math.min(node.kv_used, node.kv_blocks);
+  return h("div", { class: "node-row" },
+    h("span", { class: "node-kv", title: "KV cache blocks (16 positions each) held by running requests and the "
+      + "prefix cache; requests wait in a queue when it is full" },
+      `KV cache ${used} of ${node.kv_blocks} blocks`),
+    meter(used, node.kv_blocks));
+}
+
+// The first stage batches the ring's requests and keeps the prefix cache.
+function schedulerText(node) {
+  if (!node.running && !node.waiting && !node.prefix_queries) return null;
+  const parts = [`batching ${plural(node.running, "request")}`];
+  if (node.waiting) parts.push(`${node.waiting} waiting`);
+  if (node.prefix_queries) {
+    const share = Math.round((100 * node.prefix_hits) / node.prefix_queries);
+    parts.push(`prefix cache: ${share}% of prompt tokens reused`);
+  }
+  return h("div", { class: "node-scheduler", title: "this node is the ring's first stage: it schedules every "
+    + "request's tokens into batches" }, parts.join(" · "));
 }
 
 function formatMs(ms) {

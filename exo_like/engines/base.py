@@ -1,7 +1,8 @@
 """The engine interface every framework implements, and the factory that picks one.
 
-An engine holds one shard of one model and a KV cache per request. `forward` is synchronous and is called from
-one worker thread at a time (the node serialises calls), so engines need no locking of their own.
+An engine holds one shard of one model and a pool of KV blocks for every request on this stage. `step` runs one
+batch of work items (several requests' decode tokens and prompt chunks at once) and is called from one worker
+thread at a time (the node serialises calls), so engines need no locking of their own.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import importlib
 import importlib.util
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +19,7 @@ import numpy as np
 from exo_like.activations import Activations
 from exo_like.errors import ExoLikeError
 from exo_like.model_config import ModelArgs
+from exo_like.protocol import WorkItem
 from exo_like.shard import Shard
 
 ENGINE_MODULES = {"torch": "exo_like.engines.torch_engine", "mlx": "exo_like.engines.mlx_engine"}
@@ -53,25 +56,32 @@ class Engine(ABC):
         Once `cancel` is set, stop at the next tensor (or group of tensors) with LoadCancelled, holding nothing."""
 
     @abstractmethod
-    def forward(self, request_id: str, inputs: np.ndarray | Activations) -> Activations | np.ndarray:
-        """Run the shard on new positions of one request, appending to its KV cache.
+    def step(self, items: Sequence[WorkItem], inputs: np.ndarray | Activations) -> Activations | np.ndarray:
+        """Run the shard on one batch: each item's new positions, writing their keys and values to the item's
+        KV blocks and attending to the item's positions [0, end) only.
 
-        inputs: token ids (int, shape [T]) on the first shard, else the previous shard's hidden states [T, H].
-        returns: hidden states [T, H] as Activations, or on the last shard the float32 logits of the last
-        position, shape [vocab].
+        inputs: the items' rows in order: token ids (int, [R]) on the first shard, else the previous shard's
+        hidden states [R, H]. Returns hidden states [R, H] as Activations, or on the last shard the float32
+        logits [S, vocab] of the last row of each item that samples (in item order).
+        Raises InvalidRequestError if an item does not fit the pool or the context.
         """
+
+    @abstractmethod
+    def kv_block_bytes(self) -> int:
+        """Bytes one KV block takes for the loaded shard's layers."""
+
+    @abstractmethod
+    def allocate_kv(self, n_blocks: int) -> None:
+        """Make the pool `n_blocks` blocks (after load; a load drops the pool)."""
+
+    @property
+    @abstractmethod
+    def kv_blocks(self) -> int:
+        """Blocks in the pool (0 before allocate_kv)."""
 
     def place_threads(self) -> None:
         """Called on the engine thread after each load: settle where the framework's compute threads run.
         Most engines leave that to the operating system."""
-
-    @abstractmethod
-    def release(self, request_id: str) -> None:
-        """Free the request's KV cache. Unknown ids are ignored."""
-
-    @abstractmethod
-    def cached_length(self, request_id: str) -> int:
-        """Positions held in the request's KV cache (0 if none)."""
 
     @abstractmethod
     def parameter_bytes(self) -> int:

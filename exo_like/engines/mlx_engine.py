@@ -1,7 +1,8 @@
 """The MLX engine: one shard of a Llama-family model on Apple Silicon (Metal) or on CPU.
 
 Reads only the safetensors files that hold the shard's tensors and keeps only those tensors (`mx.load` maps a
-file lazily, so tensors that are never touched are never read). One KV cache per request id.
+file lazily, so tensors that are never touched are never read). Keys and values of every request on this stage
+live in one pool of KV blocks per layer.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import mlx.core as mx
@@ -19,9 +21,12 @@ from mlx.utils import tree_flatten
 from exo_like.activations import Activations
 from exo_like.checkpoint import ShardLoadPlan, plan_shard_load
 from exo_like.engines.base import Engine, EngineUnavailableError, check_cancel
-from exo_like.engines.mlx_model import KVCache, ShardModel
+from exo_like.engines.batch import layout as batch_layout
+from exo_like.engines.mlx_model import LayerPool, ShardModel, StepIndex
 from exo_like.errors import InvalidRequestError, UnsupportedModelError
+from exo_like.kv_blocks import BLOCK_SIZE
 from exo_like.model_config import DTYPES, ModelArgs
+from exo_like.protocol import WorkItem
 from exo_like.shard import Shard
 
 log = logging.getLogger(__name__)
@@ -100,7 +105,8 @@ class MLXEngine(Engine):
         self._device = resolve_device(device)
         self._dtype_name = dtype or "float32"
         self._model: ShardModel | None = None
-        self._caches: dict[str, list[KVCache]] = {}
+        self._pools: list[LayerPool] = []
+        self._kv_blocks = 0
 
     # ---- loading -------------------------------------------------------------------------------------------
 
@@ -109,7 +115,7 @@ class MLXEngine(Engine):
             raise ValueError(f"shard {shard} does not match the model's {args.num_hidden_layers} layers")
         started = time.perf_counter()
         dtype_name = self.requested_dtype or _checkpoint_dtype(args)
-        self._model, self._caches, self.shard, self.args = None, {}, None, None
+        self._model, self._pools, self.shard, self.args = None, [], None, None
         plan = plan_shard_load(Path(model_dir), shard, args.tie_word_embeddings)
         with mx.stream(self._device):
             model = ShardModel(args, shard)
@@ -134,39 +140,54 @@ class MLXEngine(Engine):
 
     # ---- running -------------------------------------------------------------------------------------------
 
-    def forward(self, request_id: str, inputs: np.ndarray | Activations) -> Activations | np.ndarray:
+    def step(self, items: Sequence[WorkItem], inputs: np.ndarray | Activations) -> Activations | np.ndarray:
         model = self._require_model()
-        cache = self._caches.get(request_id) or model.make_cache()
+        if not self._pools:
+            raise RuntimeError("no KV pool: call allocate_kv() after load()")
+        index = StepIndex(batch_layout(items, self._kv_blocks, self.args.context_length))
         with mx.stream(self._device):
-            x = self._to_mlx(inputs)
-            self._check_context(cache, x.shape[1])
-            out = model(x, cache)
-            mx.eval(out, [c.state for c in cache])
-            result = np.array(out[0, -1].astype(mx.float32)) if model.shard.is_last else self._to_activations(out[0])
-        # Only a completed step is remembered: a failed first call leaves no half-made cache behind.
-        self._caches[request_id] = cache
-        return result
+            x = self._to_mlx(inputs, index.layout.rows)
+            out = model(x, self._pools, index)
+            mx.eval(out, [pool.state for pool in self._pools])
+            return np.array(out.astype(mx.float32)) if model.shard.is_last else self._to_activations(out)
 
-    def _to_mlx(self, inputs: np.ndarray | Activations) -> mx.array:
-        """Token ids -> int32 [1, T]; activations -> engine dtype [1, T, H]."""
+    def kv_block_bytes(self) -> int:
+        args, model = self.args, self._require_model()
+        return 2 * len(model.model.layers) * args.num_key_value_heads * BLOCK_SIZE * args.head_dim * \
+            MX_DTYPES[self._dtype_name].size
+
+    def allocate_kv(self, n_blocks: int) -> None:
+        self._pools = []  # the old pool's memory goes before the new one is taken
+        with mx.stream(self._device):
+            self._pools = self._require_model().make_pools(n_blocks, MX_DTYPES[self._dtype_name])
+            mx.eval([pool.state for pool in self._pools])
+        self._kv_blocks = n_blocks
+        log.info("KV pool: %d blocks (%.1f MB) for %s", n_blocks, n_blocks * self.kv_block_bytes() / 1e6, self.shard)
+
+    @property
+    def kv_blocks(self) -> int:
+        return self._kv_blocks if self._pools else 0
+
+    def _to_mlx(self, inputs: np.ndarray | Activations, rows: int) -> mx.array:
+        """Token ids -> int32 [R]; activations -> engine dtype [R, H]."""
         shard, args = self.shard, self.args
         if shard.is_first:
-            if isinstance(inputs, Activations) or inputs.ndim != 1 or not np.issubdtype(inputs.dtype, np.integer):
-                raise InvalidRequestError(f"the first shard takes a 1-D array of token ids, got {_describe(inputs)}")
-            if inputs.size == 0:
-                raise InvalidRequestError("no tokens to run")
+            if isinstance(inputs, Activations) or inputs.shape != (rows,) or not np.issubdtype(inputs.dtype,
+                                                                                             np.integer):
+                raise InvalidRequestError(f"the first shard takes the batch's {rows} token ids, got "
+                                          f"{_describe(inputs)}")
             # MLX does not bounds-check gathers: an out-of-range id would read arbitrary memory.
             if inputs.min() < 0 or inputs.max() >= args.vocab_size:
                 raise InvalidRequestError(f"token ids must lie in [0, {args.vocab_size})")
-            return mx.array(inputs.astype(np.int32))[None]
-        if not isinstance(inputs, Activations) or len(inputs.shape) != 2 or inputs.shape[1] != args.hidden_size:
+            return mx.array(inputs.astype(np.int32))
+        if not isinstance(inputs, Activations) or tuple(inputs.shape) != (rows, args.hidden_size):
             raise InvalidRequestError(
-                f"shard {shard} takes activations [T, {args.hidden_size}], got {_describe(inputs)}"
+                f"shard {shard} takes activations [{rows}, {args.hidden_size}], got {_describe(inputs)}"
             )
         x = mx.array(inputs.bits())
         if inputs.dtype == "bfloat16":
             x = x.view(mx.bfloat16)  # the wire carries bfloat16 as its uint16 bit pattern
-        return x.astype(MX_DTYPES[self._dtype_name])[None]
+        return x.astype(MX_DTYPES[self._dtype_name])
 
     def _to_activations(self, hidden: mx.array) -> Activations:
         if hidden.dtype == mx.bfloat16:
@@ -175,27 +196,12 @@ class MLXEngine(Engine):
             bits = np.array(hidden)
         return Activations(dtype=self._dtype_name, shape=tuple(hidden.shape), data=bits.tobytes())
 
-    def _check_context(self, cache: list[KVCache], new_positions: int) -> None:
-        total = cache[0].offset + new_positions if cache else new_positions
-        if total > self.args.context_length:
-            raise InvalidRequestError(
-                f"{total} positions exceed the model's context length of {self.args.context_length}",
-                code="context_length_exceeded",
-            )
-
     def _require_model(self) -> ShardModel:
         if self._model is None:
             raise RuntimeError("MLXEngine.forward called before load")
         return self._model
 
     # ---- bookkeeping ---------------------------------------------------------------------------------------
-
-    def release(self, request_id: str) -> None:
-        self._caches.pop(request_id, None)
-
-    def cached_length(self, request_id: str) -> int:
-        cache = self._caches.get(request_id)
-        return cache[0].offset if cache else 0
 
     def parameter_bytes(self) -> int:
         if self._model is None:

@@ -10,48 +10,49 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
+from exo_like.engines.batch import BatchLayout, ItemLayout
+from exo_like.kv_blocks import BLOCK_SIZE
 from exo_like.model_config import ModelArgs, rope_inv_freq
 from exo_like.shard import Shard
 
 
-class KVCache:
-    """Keys and values of one layer for one request, in buffers that grow by whole steps.
+class LayerPool:
+    """One layer's keys and values for every request on this stage: [kv_heads, slots, head_dim] each, slots =
+    blocks * BLOCK_SIZE (see engines/batch.py for which slot holds what)."""
 
-    Growing in steps (not per token) keeps decoding from copying the whole cache on every token.
-    """
+    def __init__(self, args: ModelArgs, n_blocks: int, dtype: mx.Dtype):
+        shape = (args.num_key_value_heads, n_blocks * BLOCK_SIZE, args.head_dim)
+        self.keys = mx.zeros(shape, dtype)
+        self.values = mx.zeros(shape, dtype)
 
-    step = 256
+    def write(self, slots: mx.array, keys: mx.array, values: mx.array) -> None:
+        """Store rows' keys and values [kv_heads, R, head_dim] at their slots."""
+        self.keys[:, slots] = keys
+        self.values[:, slots] = values
 
-    def __init__(self) -> None:
-        self.keys: mx.array | None = None
-        self.values: mx.array | None = None
-        self.offset = 0
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """Append keys/values [B, n_kv_heads, T, head_dim]; return everything cached so far."""
-        start, end = self.offset, self.offset + keys.shape[2]
-        if self.keys is None or end > self.keys.shape[2]:
-            self._grow(keys, values, end)
-        self.keys[..., start:end, :] = keys
-        self.values[..., start:end, :] = values
-        self.offset = end
-        return self.keys[..., :end, :], self.values[..., :end, :]
-
-    def _grow(self, keys: mx.array, values: mx.array, needed: int) -> None:
-        capacity = (needed + self.step - 1) // self.step * self.step
-        batch, heads, _, k_dim = keys.shape
-        new_keys = mx.zeros((batch, heads, capacity, k_dim), keys.dtype)
-        new_values = mx.zeros((batch, heads, capacity, values.shape[3]), values.dtype)
-        if self.keys is not None:
-            new_keys[..., : self.offset, :] = self.keys[..., : self.offset, :]
-            new_values[..., : self.offset, :] = self.values[..., : self.offset, :]
-        self.keys, self.values = new_keys, new_values
+    def read(self, item: ItemLayout, slots: mx.array | None) -> tuple[mx.array, mx.array]:
+        """An item's keys and values for positions [0, end): a slice when its slots are consecutive."""
+        if slots is None:
+            return self.keys[:, item.base:item.base + item.end], self.values[:, item.base:item.base + item.end]
+        return mx.take(self.keys, slots, axis=1), mx.take(self.values, slots, axis=1)
 
     @property
     def state(self) -> list[mx.array]:
         """The arrays to evaluate after a step, so the next step does not drag this step's graph along."""
-        return [] if self.keys is None else [self.keys, self.values]
+        return [self.keys, self.values]
+
+
+class StepIndex:
+    """A BatchLayout as MLX arrays, built once per step and shared by every layer."""
+
+    def __init__(self, layout: BatchLayout):
+        self.layout = layout
+        self.positions = mx.array(layout.positions.astype(np.int32))
+        self.write_slots = mx.array(layout.write_slots.astype(np.int32))
+        self.gathers = [None if item.base is not None else mx.array(item.slots.astype(np.int32))
+                        for item in layout.items]
 
 
 class Attention(nn.Module):
@@ -74,24 +75,34 @@ class Attention(nn.Module):
         # rope type keeps MLX and torch shards rotating by identical angles.
         self._rope_freqs = mx.array(1.0 / rope_inv_freq(args))
 
-    def __call__(self, x: mx.array, mask: str | None, cache: KVCache) -> mx.array:
-        batch, length, _ = x.shape
-        queries = self.q_proj(x).reshape(batch, length, self.n_heads, self.head_dim)
-        keys = self.k_proj(x).reshape(batch, length, self.n_kv_heads, self.head_dim)
-        values = self.v_proj(x).reshape(batch, length, self.n_kv_heads, self.head_dim)
+    def __call__(self, x: mx.array, pool: LayerPool, index: StepIndex) -> mx.array:
+        """x: the batch's rows [R, H]."""
+        rows = x.shape[0]
+        queries = self.q_proj(x).reshape(rows, self.n_heads, self.head_dim)
+        keys = self.k_proj(x).reshape(rows, self.n_kv_heads, self.head_dim)
+        values = self.v_proj(x).reshape(rows, self.n_kv_heads, self.head_dim)
         if "q_norm" in self:
             queries, keys = self.q_norm(queries), self.k_norm(keys)
-        queries = self._rope(queries.transpose(0, 2, 1, 3), cache.offset)
-        keys = self._rope(keys.transpose(0, 2, 1, 3), cache.offset)
-        keys, values = cache.update_and_fetch(keys, values.transpose(0, 2, 1, 3))
-        # GQA: sdpa broadcasts the kv heads itself, so keys/values stay untiled.
-        out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
+        queries, keys = self._rope(queries, index.positions), self._rope(keys, index.positions)
+        pool.write(index.write_slots, keys.transpose(1, 0, 2), values.transpose(1, 0, 2))
+        outs = []
+        for item, slots in zip(index.layout.items, index.gathers):
+            item_keys, item_values = pool.read(item, slots)
+            q = queries[item.row_start:item.row_end].transpose(1, 0, 2)[None]
+            # sdpa's "causal" mask is aligned lower-right (last query sees last key): exactly the causal mask
+            # for new positions after cached ones. GQA: sdpa broadcasts the kv heads itself.
+            mask = "causal" if item.count > 1 else None
+            out = mx.fast.scaled_dot_product_attention(q, item_keys[None], item_values[None], scale=self.scale,
+                                                       mask=mask)
+            outs.append(out[0].transpose(1, 0, 2).reshape(item.count, -1))
+        out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
+        return self.o_proj(out)
 
-    def _rope(self, x: mx.array, offset: int) -> mx.array:
-        return mx.fast.rope(
-            x, self.head_dim, traditional=False, base=None, scale=1.0, offset=offset, freqs=self._rope_freqs
-        )
+    def _rope(self, x: mx.array, positions: mx.array) -> mx.array:
+        """Rotate each row [R, heads, D] by its own position (each row its own batch entry of mx.fast.rope)."""
+        rotated = mx.fast.rope(x[:, :, None, :], self.head_dim, traditional=False, base=None, scale=1.0,
+                               offset=positions, freqs=self._rope_freqs)
+        return rotated[:, :, 0, :]
 
 
 class MLP(nn.Module):
@@ -115,8 +126,8 @@ class TransformerBlock(nn.Module):
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
-    def __call__(self, x: mx.array, mask: str | None, cache: KVCache) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), mask, cache)
+    def __call__(self, x: mx.array, pool: LayerPool, index: StepIndex) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), pool, index)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -144,20 +155,18 @@ class ShardModel(nn.Module):
         if shard.is_last and not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
-    def __call__(self, inputs: mx.array, cache: list[KVCache]) -> mx.array:
-        """inputs: token ids [B, T] on the first shard, else hidden states [B, T, H]."""
+    def __call__(self, inputs: mx.array, pools: list[LayerPool], index: StepIndex) -> mx.array:
+        """One step over a batch. inputs: token ids [R] on the first shard, else hidden states [R, H]. Returns
+        hidden states [R, H], or on the last shard the logits [S, vocab] of the batch's sampled rows."""
         h = self.model.embed_tokens(inputs) if self.shard.is_first else inputs
-        # sdpa's "causal" mask is aligned lower-right (last query sees last key), which is exactly the causal
-        # mask for T new positions after `offset` cached ones; a single new position needs no mask at all.
-        mask = "causal" if h.shape[1] > 1 else None
-        for layer, layer_cache in zip(self.model.layers, cache):
-            h = layer(h, mask, layer_cache)
+        for layer, pool in zip(self.model.layers, pools):
+            h = layer(h, pool, index)
         if not self.shard.is_last:
             return h
-        h = self.model.norm(h)
+        h = self.model.norm(h[mx.array(index.layout.sample_rows.astype(np.int32))])
         if self.args.tie_word_embeddings:
             return self.model.embed_tokens.as_linear(h)
         return self.lm_head(h)
 
-    def make_cache(self) -> list[KVCache]:
-        return [KVCache() for _ in self.model.layers]
+    def make_pools(self, n_blocks: int, dtype: mx.Dtype) -> list[LayerPool]:
+        return [LayerPool(self.args, n_blocks, dtype) for _ in self.model.layers]

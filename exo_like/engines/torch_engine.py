@@ -1,4 +1,4 @@
-"""The PyTorch engine: one shard of a Llama-family model on CUDA, MPS or CPU, with a KV cache per request.
+"""The PyTorch engine: one shard of a Llama-family model on CUDA, MPS or CPU, with a pool of KV blocks.
 
 Calls are serialised by the node (see engines/base.py). A bfloat16 CPU decode step briefly switches PyTorch's
 process-wide oneDNN flag off (torch_model.native_matvec); that, too, relies on torch not being used by
@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -21,9 +22,11 @@ from exo_like.checkpoint import ShardLoadPlan, plan_shard_load
 from exo_like.engines.base import Engine, check_cancel
 from exo_like.engines.openmp import pin_openmp_team
 from exo_like.engines.torch_dequantize import dequantize_tensors
-from exo_like.engines.torch_model import KVCache, ShardModel, fuse_checkpoint_weights
+from exo_like.engines.batch import layout as batch_layout
+from exo_like.engines.torch_model import KVPool, ShardModel, StepIndex, fuse_checkpoint_weights
 from exo_like.errors import InvalidRequestError
 from exo_like.model_config import DTYPES, ModelArgs
+from exo_like.protocol import WorkItem
 from exo_like.quantization import QuantSpec
 from exo_like.shard import Shard
 
@@ -118,14 +121,13 @@ class TorchEngine(Engine):
             raise ValueError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
         self.dtype: torch.dtype = TORCH_DTYPES[dtype or "float32"]  # until load() reads the checkpoint's
         self.model: ShardModel | None = None
-        self.caches: dict[str, KVCache] = {}
+        self.pool: KVPool | None = None
         self._threads_placed = False
 
     def load(self, model_dir: Path, args: ModelArgs, shard: Shard, cancel: threading.Event | None = None) -> None:
         if shard.n_layers != args.num_hidden_layers:
             raise ValueError(f"shard {shard} does not match the model's {args.num_hidden_layers} layers")
-        self.model, self.shard, self.args = None, None, None
-        self.caches.clear()
+        self.model, self.shard, self.args, self.pool = None, None, None, None
         started = time.perf_counter()
         self.dtype = pick_dtype(self.requested_dtype, args.torch_dtype, self.device)
         plan = plan_shard_load(Path(model_dir), shard, args.tie_word_embeddings)
@@ -142,23 +144,28 @@ class TorchEngine(Engine):
         self.model, self.shard, self.args = model, shard, args
         log.info("loaded %s: %.1f MB in %.2fs", shard, self.parameter_bytes() / 1e6, time.perf_counter() - started)
 
-    def forward(self, request_id: str, inputs: np.ndarray | Activations) -> Activations | np.ndarray:
-        model = self._loaded_model()
-        x = self._input_tensor(inputs)
-        needed = self.cached_length(request_id) + x.shape[0]
-        if needed > self.args.context_length:
-            raise InvalidRequestError(
-                f"request needs {needed} positions; the model's context is {self.args.context_length}",
-                code="context_length_exceeded",
-            )
+    def step(self, items: Sequence[WorkItem], inputs: np.ndarray | Activations) -> Activations | np.ndarray:
+        model, pool = self._loaded_model(), self._pool()
+        index = StepIndex.build(batch_layout(items, pool.n_blocks, self.args.context_length), self.device)
+        x = self._input_tensor(inputs, index.layout.rows)
         with torch.inference_mode():
-            cache = self.caches.get(request_id)
-            if cache is None:
-                cache = self.caches[request_id] = model.new_cache()
-            out = model(x, cache)
+            out = model(x, pool, index)
             if model.is_last:
                 return out.float().cpu().numpy()
             return tensor_to_activations(out)
+
+    def kv_block_bytes(self) -> int:
+        model = self._loaded_model()
+        return KVPool.block_bytes(self.args, len(model.layers), self.dtype)
+
+    def allocate_kv(self, n_blocks: int) -> None:
+        self.pool = None  # the old pool's memory goes before the new one is taken
+        self.pool = self._loaded_model().new_pool(n_blocks)
+        log.info("KV pool: %d blocks (%.1f MB) for %s", n_blocks, n_blocks * self.kv_block_bytes() / 1e6, self.shard)
+
+    @property
+    def kv_blocks(self) -> int:
+        return 0 if self.pool is None else self.pool.n_blocks
 
     def place_threads(self) -> None:
         """On CPU, one core per OpenMP thread of this (the engine) thread's team: see engines/openmp.py."""
@@ -168,17 +175,6 @@ class TorchEngine(Engine):
         cpus = pin_openmp_team(torch.get_num_threads())
         if cpus is not None:
             log.info("pinned %d torch threads to cpus %s", len(cpus), ",".join(map(str, cpus)))
-
-    def release(self, request_id: str) -> None:
-        cache = self.caches.pop(request_id, None)
-        if cache is not None:
-            log.debug(
-                "released request %s (%d positions, %.1f MB of cache)", request_id, cache.length, cache.nbytes() / 1e6
-            )
-
-    def cached_length(self, request_id: str) -> int:
-        cache = self.caches.get(request_id)
-        return cache.length if cache is not None else 0
 
     def parameter_bytes(self) -> int:
         if self.model is None:
@@ -201,19 +197,25 @@ class TorchEngine(Engine):
             raise RuntimeError("no shard loaded: call load() first")
         return self.model
 
-    def _input_tensor(self, inputs: np.ndarray | Activations) -> torch.Tensor:
-        """Token ids [T] on the first shard, hidden states [T, H] (any wire dtype) on the others."""
+    def _pool(self) -> KVPool:
+        if self.pool is None:
+            raise RuntimeError("no KV pool: call allocate_kv() after load()")
+        return self.pool
+
+    def _input_tensor(self, inputs: np.ndarray | Activations, rows: int) -> torch.Tensor:
+        """Token ids [R] on the first shard, hidden states [R, H] (any wire dtype) on the others."""
         if self.model.is_first:
             ids = np.asarray(inputs)
-            if isinstance(inputs, Activations) or ids.ndim != 1 or ids.size == 0 or ids.dtype.kind not in "iu":
-                raise InvalidRequestError("the first shard takes a non-empty 1-D array of integer token ids")
+            if isinstance(inputs, Activations) or ids.shape != (rows,) or ids.dtype.kind not in "iu":
+                raise InvalidRequestError(f"the first shard takes the batch's {rows} integer token ids")
             if ids.min() < 0 or ids.max() >= self.args.vocab_size:
                 raise InvalidRequestError(f"token ids must lie in [0, {self.args.vocab_size})")
             return torch.from_numpy(ids.astype(np.int64)).to(self.device)
         if not isinstance(inputs, Activations):
             raise InvalidRequestError("a shard after the first takes hidden states as Activations")
-        if len(inputs.shape) != 2 or inputs.shape[0] == 0 or inputs.shape[1] != self.args.hidden_size:
-            raise InvalidRequestError(f"hidden states must be [T, {self.args.hidden_size}], got {list(inputs.shape)}")
+        if tuple(inputs.shape) != (rows, self.args.hidden_size):
+            raise InvalidRequestError(f"hidden states must be [{rows}, {self.args.hidden_size}], "
+                                      f"got {list(inputs.shape)}")
         return activations_to_tensor(inputs, self.device, self.dtype)
 
 

@@ -5,7 +5,7 @@ final norm + LM head if it is the last. Numerics follow Hugging Face transformer
 (RMSNorm in float32, rotate-half rotary embeddings, SwiGLU), so float32 greedy decoding matches it exactly.
 
 For speed at batch 1, where decoding streams every weight once per token: q/k/v and gate/up are each fused
-into one matrix at load time, the KV cache is preallocated and grown in chunks, rotary cos/sin come from a
+into one matrix at load time, keys and values live in one preallocated pool, rotary cos/sin come from a
 table, and on CPU each product runs on the kernel measured fastest for it (see Linear, prefers_column_major,
 native_matvec). None of this changes float32 results beyond summation order.
 """
@@ -15,14 +15,17 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from exo_like.engines.batch import BatchLayout
+from exo_like.kv_blocks import BLOCK_SIZE
 from exo_like.model_config import ModelArgs, rope_inv_freq
 
-CACHE_CHUNK = 256  # KV cache positions added per growth step: one copy per 256 tokens, not one per token
 ROPE_CHUNK = 4096  # rotary table rows added per growth step
 
 
@@ -80,11 +83,16 @@ class RotaryTable:
         sin[:, :half].neg_()
         self.cos, self.sin = emb.cos().to(self.dtype), sin.to(self.dtype)
 
-    def get(self, offset: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for positions [offset, offset + length), shaped [length, 1, head_dim] to broadcast over heads."""
-        if offset + length > self.cos.shape[0]:
-            self._extend(offset + length)
-        return self.cos[offset : offset + length, None], self.sin[offset : offset + length, None]
+    def get(self, positions: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for each row's position, shaped [rows, 1, head_dim] to broadcast over heads."""
+        highest = int(positions.max()) + 1
+        if highest > self.cos.shape[0]:
+            self._extend(highest)
+        first = int(positions[0])
+        if positions.shape[0] == 1 or bool(np.all(np.diff(positions) == 1)):  # one run (one request): a view
+            return self.cos[first:highest, None], self.sin[first:highest, None]
+        index = torch.from_numpy(positions).to(self.cos.device)
+        return self.cos[index, None], self.sin[index, None]
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -92,35 +100,39 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin
 
 
-class KVCache:
-    """Keys and values of one request for every layer of the shard: [layers, kv_heads, capacity, head_dim].
+class KVPool:
+    """Keys and values of every request on this stage, for every layer of the shard: [layers, kv_heads, slots,
+    head_dim], slots = blocks * BLOCK_SIZE (see engines/batch.py for which slot holds what).
 
-    Preallocated and grown CACHE_CHUNK positions at a time; decoding writes one position in place.
-    """
+    Allocated with `torch.empty`: memory pages are only taken as blocks are first written, and the first stage
+    hands out the lowest free block ids first, so resident memory follows use rather than the budget."""
 
-    def __init__(self, args: ModelArgs, n_layers: int, device: torch.device, dtype: torch.dtype):
-        self.shape = (n_layers, args.num_key_value_heads, 0, args.head_dim)
-        self.keys = torch.empty(self.shape, device=device, dtype=dtype)
-        self.values = torch.empty_like(self.keys)
-        self.length = 0
+    def __init__(self, args: ModelArgs, n_layers: int, n_blocks: int, device: torch.device, dtype: torch.dtype):
+        shape = (n_layers, args.num_key_value_heads, n_blocks * BLOCK_SIZE, args.head_dim)
+        self.n_blocks = n_blocks
+        self.keys = torch.empty(shape, device=device, dtype=dtype)
+        self.values = torch.empty(shape, device=device, dtype=dtype)
 
-    @property
-    def capacity(self) -> int:
-        return self.keys.shape[2]
+    @staticmethod
+    def block_bytes(args: ModelArgs, n_layers: int, dtype: torch.dtype) -> int:
+        return 2 * n_layers * args.num_key_value_heads * BLOCK_SIZE * args.head_dim * dtype.itemsize
 
-    def reserve(self, length: int) -> None:
-        if length <= self.capacity:
-            return
-        capacity = math.ceil(length / CACHE_CHUNK) * CACHE_CHUNK
-        shape = (*self.shape[:2], capacity, self.shape[3])
-        keys = self.keys.new_empty(shape)
-        values = self.values.new_empty(shape)
-        keys[:, :, : self.length] = self.keys[:, :, : self.length]
-        values[:, :, : self.length] = self.values[:, :, : self.length]
-        self.keys, self.values = keys, values
 
-    def nbytes(self) -> int:
-        return 2 * self.keys.numel() * self.keys.element_size()
+@dataclass(frozen=True)
+class StepIndex:
+    """A BatchLayout as tensors on the engine's device, built once per step and shared by every layer."""
+
+    layout: BatchLayout
+    write_slots: torch.Tensor
+    gathers: tuple[torch.Tensor | None, ...]  # per item: slots to gather, or None when they form a view
+    masks: tuple[torch.Tensor | None, ...]  # per item: causal mask for several new positions after cached ones
+
+    @classmethod
+    def build(cls, layout: BatchLayout, device: torch.device) -> "StepIndex":
+        gathers = tuple(None if item.base is not None else torch.from_numpy(item.slots).to(device)
+                        for item in layout.items)
+        masks = tuple(causal_mask(item.start, item.count, device) if item.start else None for item in layout.items)
+        return cls(layout, torch.from_numpy(layout.write_slots).to(device), gathers, masks)
 
 
 def causal_mask(offset: int, length: int, device: torch.device) -> torch.Tensor | None:
@@ -205,27 +217,29 @@ class Attention(nn.Module):
         self.qk_norm = QKNorm(self.head_dim, self.n_heads, args.rms_norm_eps) if args.qk_norm else None
         self.scale = self.head_dim**-0.5
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        mask: torch.Tensor | None,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        offset: int,
-    ) -> torch.Tensor:
-        length = x.shape[0]
-        end = offset + length
-        qkv = self.qkv_proj(x).view(length, -1, self.head_dim)
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor,
+                values: torch.Tensor, index: StepIndex) -> torch.Tensor:
+        """x: the batch's rows [R, H]; keys/values: this layer's pool [kv_heads, slots, D]."""
+        rows = x.shape[0]
+        qkv = self.qkv_proj(x).view(rows, -1, self.head_dim)
         qk = qkv[:, : self.n_heads + self.n_kv_heads]
         if self.qk_norm is not None:
             qk = self.qk_norm(qk)
         qk = rotate(qk, *rope)
-        # Write the new keys and values into the preallocated cache in place.
-        keys[:, offset:end] = qk[:, self.n_heads :].transpose(0, 1)
-        values[:, offset:end] = qkv[:, self.n_heads + self.n_kv_heads :].transpose(0, 1)
-        out = self._attend(qk[:, : self.n_heads].transpose(0, 1), keys[:, :end], values[:, :end], mask, offset)
-        return self.o_proj(out.transpose(0, 1).reshape(length, -1))
+        # Every row's new key and value go to its slot in the pool, in place, before any row attends.
+        keys.index_copy_(1, index.write_slots, qk[:, self.n_heads :].transpose(0, 1))
+        values.index_copy_(1, index.write_slots, qkv[:, self.n_heads + self.n_kv_heads :].transpose(0, 1))
+        queries = qk[:, : self.n_heads].transpose(0, 1)  # [heads, R, D]
+        outs = []
+        for item, gather, mask in zip(index.layout.items, index.gathers, index.masks):
+            if gather is None:  # the item's positions are consecutive slots: attend to a view of the pool
+                k = keys[:, item.base : item.base + item.end]
+                v = values[:, item.base : item.base + item.end]
+            else:
+                k, v = keys.index_select(1, gather), values.index_select(1, gather)
+            outs.append(self._attend(queries[:, item.row_start : item.row_end], k, v, mask, item.start))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        return self.o_proj(out.transpose(0, 1).reshape(rows, -1))
 
     def _attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, offset: int
@@ -274,16 +288,9 @@ class TransformerBlock(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        mask: torch.Tensor | None,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        offset: int,
-    ) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), rope, mask, keys, values, offset)
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor,
+                values: torch.Tensor, index: StepIndex) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), rope, keys, values, index)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -322,27 +329,24 @@ class ShardModel(nn.Module):
         self.native_matvec = weight.device.type == "cpu" and weight.dtype == torch.bfloat16
         self.rope = RotaryTable(self.args, weight.device, weight.dtype)
 
-    def new_cache(self) -> KVCache:
+    def new_pool(self, n_blocks: int) -> KVPool:
         weight = self.layers[0].mlp.down_proj.weight
-        return KVCache(self.args, len(self.layers), weight.device, weight.dtype)
+        return KVPool(self.args, len(self.layers), n_blocks, weight.device, weight.dtype)
 
-    def forward(self, inputs: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """inputs: token ids [T] (first shard) or hidden states [T, H]. Returns hidden states [T, H], or the
-        logits of the last position [vocab] on the last shard."""
+    def forward(self, inputs: torch.Tensor, pool: KVPool, index: StepIndex) -> torch.Tensor:
+        """One step over a batch. inputs: token ids [R] (first shard) or hidden states [R, H]. Returns hidden
+        states [R, H], or on the last shard the logits [S, vocab] of the batch's sampled rows."""
         h = self.embed_tokens(inputs) if self.embed_tokens is not None else inputs
-        offset, length = cache.length, h.shape[0]
-        cache.reserve(offset + length)
-        rope = self.rope.get(offset, length)
-        mask = causal_mask(offset, length, h.device) if offset else None
-        with native_matvec(self.native_matvec and length == 1):
+        rope = self.rope.get(index.layout.positions)
+        with native_matvec(self.native_matvec and h.shape[0] == 1):
             for i, layer in enumerate(self.layers):
-                h = layer(h, rope, mask, cache.keys[i], cache.values[i], offset)
-        cache.length = offset + length
+                h = layer(h, rope, pool.keys[i], pool.values[i], index)
         if self.lm_head is None:
             return h
-        # Only the last position's logits are needed to pick the next token: always a matrix-vector product.
-        with native_matvec(self.native_matvec):
-            return self.lm_head(self.norm(h[-1:]))[0]
+        sampled = torch.from_numpy(index.layout.sample_rows).to(h.device)
+        # Only the sampled rows' logits are needed: with one request, a matrix-vector product.
+        with native_matvec(self.native_matvec and sampled.shape[0] == 1):
+            return self.lm_head(self.norm(h.index_select(0, sampled)))
 
 
 def fuse_checkpoint_weights(

@@ -1,0 +1,351 @@
+"""Serving many users at once, through the HTTP API: continuous batching measured against llama.cpp and ourselves.
+
+For each dtype (float32, bfloat16) and each number of concurrent streaming requests (1, 2, 4, 8, 16), prints the
+aggregate output tokens/s and the p50/p99 time to first token and inter-token latency, for
+  (a) a SmolLM2-135M-shaped random checkpoint on one node, side by side with llama.cpp (`llama-bench`, same
+      threads) on a GGUF conversion of the same checkpoint: its `tg` (one stream's decode) and `pp8` (a batch of
+      8 tokens in one forward, the cost of one batched decode step of 8 sequences);
+  (b) the Qwen2.5-0.5B shape on one node and on a three-node ring on this host;
+then the ratios the serving targets are stated in, and two scheduling checks on the SmolLM2 shape:
+  - interleaving: while 4 streams decode, a request with a 4,000-token prompt arrives; the 4 streams' p99
+    inter-token latency during that prefill against their median;
+  - prefix cache: time to first token of a chat sharing a 1,000-token system prompt with an earlier one.
+
+The random weights are scaled to give peaky logits, and every token id that does not decode to whole text
+(ids past the tokenizer's, byte pieces of a character) gets a zero embedding row: a greedy stream then emits
+one text chunk per token, so the client sees every token's arrival time.
+
+Usage: python bench/bench_concurrency.py [--dtypes float32,bfloat16] [--streams 1,2,4,8,16] [--new-tokens 64]
+           [--threads 2] [--sections smollm,qwen,interleave,prefix] [--no-llamacpp]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_torch_vs_hf import QWEN25_05B  # noqa: E402
+
+from exo_like.demo import build_tokenizer, write_tokenizer_files  # noqa: E402
+from tests.api_server import NodeProcess, start_node  # noqa: E402
+from tests.cluster_harness import start_cluster, wait_until_ready  # noqa: E402
+
+LLAMACPP = Path(__file__).resolve().parents[2] / "shared" / "tools" / "llamacpp.sh"
+SMOLLM2_135M = {
+    "hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+    "head_dim": 64, "intermediate_size": 1536, "vocab_size": 49152, "max_position_embeddings": 8192,
+    "rope_theta": 100000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+}
+TOPICS = ["the rings of Saturn", "bread baking", "the history of Rome", "tide pools", "jazz harmony", "glaciers",
+          "chess openings", "volcanoes", "honey bees", "the printing press", "coral reefs", "sailing knots",
+          "the moon landing", "desert plants", "violins", "city trams"]
+
+
+# -- checkpoints ----------------------------------------------------------------------------------------------
+
+
+def build_checkpoint(path: Path, config: dict, arch: str) -> Path:
+    """A random checkpoint of the given shape with the demo tokenizer; only ids that decode to whole text can win
+    a greedy pick (the others' embedding rows, which are also the tied LM head, are zero)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    config_class, model_class = {"llama": (LlamaConfig, LlamaForCausalLM),
+                                 "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[arch]
+    tokenizer = build_tokenizer()
+    with torch.device("meta"):
+        model = model_class(config_class(**config))
+    generator = torch.Generator().manual_seed(0)
+    state = {}
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            value = 1.0 + (torch.rand(param.shape, generator=generator) - 0.5) * 0.2
+        elif name.endswith("bias"):
+            value = torch.randn(param.shape, generator=generator) * 0.5
+        elif "embed_tokens" in name:
+            value = torch.randn(param.shape, generator=generator)
+            value[~torch.from_numpy(_text_tokens(tokenizer, param.shape[0]))] = 0.0
+        else:
+            value = torch.randn(param.shape, generator=generator) * (1.5 / math.sqrt(param.shape[-1]))
+        state[name] = value
+    model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()
+    model.save_pretrained(path)
+    write_tokenizer_files(path, tokenizer)
+    return path
+
+
+def _text_tokens(tokenizer, vocab_size: int) -> np.ndarray:  # noqa: ANN001
+    keep = np.zeros(vocab_size, dtype=bool)
+    for token_id in range(min(vocab_size, tokenizer.get_vocab_size())):
+        text = tokenizer.decode([token_id])
+        keep[token_id] = bool(text.strip()) and "\ufffd" not in text and not text.startswith("<|")
+    return keep
+
+
+# -- one load level -------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Stream:
+    started: float
+    times: list[float] = field(default_factory=list)
+    tokens: int = 0
+
+    @property
+    def ttft(self) -> float:
+        return self.times[0] - self.started
+
+    @property
+    def gaps(self) -> list[float]:
+        return [b - a for a, b in zip(self.times, self.times[1:])]
+
+
+async def stream_chat(session, url: str, model: str, content: str, max_tokens: int,  # noqa: ANN001
+                      system: str | None = None) -> Stream:
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": content}]
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    result = Stream(time.perf_counter())
+    async with session.post(f"{url}/v1/chat/completions", json=body) as response:
+        assert response.status == 200, await response.text()
+        async for line in response.content:
+            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(chunk["error"])
+            if chunk.get("usage"):
+                result.tokens = chunk["usage"]["completion_tokens"]
+            if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                result.times.append(time.perf_counter())
+    return result
+
+
+@dataclass
+class Level:
+    streams: int
+    tokens_per_second: float
+    ttft: list[float]
+    gaps: list[float]
+    decode_rate: float  # one stream's tokens/s from its first token to its last, median over streams
+
+
+async def run_level(url: str, model: str, streams: int, new_tokens: int, round_: int) -> Level:
+    import aiohttp
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
+        started = time.perf_counter()
+        results = await asyncio.gather(*(
+            stream_chat(session, url, model, f"Request {round_}.{i}: tell me about {TOPICS[i % len(TOPICS)]}.",
+                        new_tokens) for i in range(streams)))
+        elapsed = time.perf_counter() - started
+    assert all(r.tokens == new_tokens for r in results), [r.tokens for r in results]
+    chunks = [len(r.times) for r in results]
+    assert min(chunks) >= new_tokens - 2, f"fewer text chunks than tokens: {chunks}"
+    return Level(streams, sum(r.tokens for r in results) / elapsed, [r.ttft for r in results],
+                 [g for r in results for g in r.gaps],
+                 statistics.median((len(r.times) - 1) / (r.times[-1] - r.times[0]) for r in results))
+
+
+def percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+def print_level(label: str, level: Level) -> None:
+    print(f"  {label:<26} {level.streams:>3} streams: {level.tokens_per_second:7.1f} tok/s aggregate, "
+          f"TTFT p50 {percentile(level.ttft, 50) * 1000:7.0f} ms p99 {percentile(level.ttft, 99) * 1000:7.0f} ms, "
+          f"ITL p50 {percentile(level.gaps, 50) * 1000:6.1f} ms p99 {percentile(level.gaps, 99) * 1000:6.1f} ms",
+          flush=True)
+
+
+def sweep(label: str, node: NodeProcess, model: str, stream_counts: list[int], new_tokens: int) -> dict[int, Level]:
+    asyncio.run(run_level(node.base_url, model, 2, 8, -1))  # warm-up
+    levels = {}
+    for i, count in enumerate(stream_counts):
+        levels[count] = asyncio.run(run_level(node.base_url, model, count, new_tokens, i))
+        print_level(label, levels[count])
+    return levels
+
+
+# -- llama.cpp ------------------------------------------------------------------------------------------------
+
+
+def llamacpp_rates(model_dir: Path, dtype: str, threads: int, work: Path) -> dict[str, float] | None:
+    """llama-bench's tg (decode of one stream) and pp8 (8 tokens in one forward) tokens/s on a GGUF conversion."""
+    gguf = work / f"{model_dir.name}-{dtype}.gguf"
+    outtype = {"float32": "f32", "bfloat16": "bf16"}[dtype]
+    try:
+        if not gguf.exists():
+            subprocess.run(["bash", str(LLAMACPP), "convert", str(model_dir), str(gguf), outtype], check=True,
+                           capture_output=True, text=True)
+        out = subprocess.run(["bash", str(LLAMACPP), "bench", str(gguf), "-t", str(threads), "-p", "8", "-n", "64",
+                              "-r", "3", "-o", "json"], check=True, capture_output=True, text=True).stdout
+    except (subprocess.CalledProcessError, FileNotFoundError) as exc:
+        print(f"  llama.cpp unavailable: {getattr(exc, 'stderr', exc)!s:.300}")
+        return None
+    rates = {}
+    for row in json.loads(out):
+        key = "tg" if row["n_gen"] else f"pp{row['n_prompt']}"
+        rates[key] = row["avg_ts"]
+    return rates
+
+
+# -- sections -------------------------------------------------------------------------------------------------
+
+
+def smollm_section(root: Path, args: argparse.Namespace) -> None:
+    model_dir = build_checkpoint(root / "smollm2-135m-shape", SMOLLM2_135M, "llama")
+    for dtype in args.dtypes:
+        print(f"\n(a) SmolLM2-135M shape, {dtype}, one node, {args.threads} threads", flush=True)
+        node = start_node(root / f"smollm-{dtype}", str(model_dir), "--no-mdns", "--dtype", dtype,
+                          threads=args.threads)
+        try:
+            levels = sweep("exo-like", node, model_dir.name, args.streams, args.new_tokens)
+        finally:
+            node.stop()
+        theirs = None if args.no_llamacpp else llamacpp_rates(model_dir, dtype, args.threads, root)
+        one = levels.get(1)
+        eight = levels.get(8)
+        if theirs:
+            print(f"  llama.cpp {dtype}: tg {theirs['tg']:.1f} tok/s, pp8 {theirs['pp8']:.1f} tok/s")
+        if one and theirs:
+            print(f"  ratio: one stream decode {one.decode_rate:.1f} / llama.cpp tg = "
+                  f"{one.decode_rate / theirs['tg']:.2f} (target >= 0.8)")
+        if eight and theirs:
+            print(f"  ratio: 8 streams aggregate {eight.tokens_per_second:.1f} / llama.cpp pp8 = "
+                  f"{eight.tokens_per_second / theirs['pp8']:.2f} (target >= 0.8)")
+        if eight and one:
+            print(f"  ratio: 8 streams / one stream aggregate = {eight.tokens_per_second / one.tokens_per_second:.2f} "
+                  "(target >= 3)", flush=True)
+
+
+def qwen_section(root: Path, args: argparse.Namespace) -> None:
+    model_dir = build_checkpoint(root / "qwen2.5-0.5b-shape", QWEN25_05B, "qwen2")
+    for dtype in args.dtypes:
+        print(f"\n(b) Qwen2.5-0.5B shape, {dtype}, one node and a three-node ring on this host", flush=True)
+        node = start_node(root / f"qwen-{dtype}", str(model_dir), "--no-mdns", "--dtype", dtype,
+                          threads=args.threads)
+        try:
+            single = sweep("one node", node, model_dir.name, args.streams, args.new_tokens)
+        finally:
+            node.stop()
+        ring = start_cluster(root / f"qwen-ring-{dtype}", str(model_dir), [8, 8, 8],
+                             extra=("--dtype", dtype), threads=args.threads)
+        try:
+            wait_until_ready(ring, members=3, timeout=600)
+            three = sweep("three-node ring", ring[0], model_dir.name, args.streams, args.new_tokens)
+        finally:
+            for member in ring:
+                member.stop()
+        if 8 in single and 8 in three:
+            print(f"  ratio: ring / one node at 8 streams = "
+                  f"{three[8].tokens_per_second / single[8].tokens_per_second:.2f} (target >= 0.85)", flush=True)
+
+
+async def interleave(url: str, model: str, new_tokens: int) -> tuple[list[float], list[float], float]:
+    """Gaps of 4 decoding streams before and while a 4,000-token prompt is prefilled."""
+    import aiohttp
+
+    long_prompt = " ".join(f"Line {i}: the quick brown fox jumps over the lazy dog." for i in range(330))
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
+        streams = [asyncio.ensure_future(stream_chat(session, url, model, f"Stream {i}: tell me about "
+                                                     f"{TOPICS[i]}.", new_tokens)) for i in range(4)]
+        await asyncio.sleep(2.0)  # they are decoding
+        long_started = time.perf_counter()
+        long = await stream_chat(session, url, model, long_prompt, 1)
+        prefill_end = long.times[0] if long.times else time.perf_counter()
+        results = await asyncio.gather(*streams)
+    during, before = [], []
+    for r in results:
+        for a, b in zip(r.times, r.times[1:]):
+            if a >= long_started and b <= prefill_end:
+                during.append(b - a)
+            elif b <= long_started:
+                before.append(b - a)
+    return before, during, prefill_end - long_started
+
+
+def interleave_section(root: Path, args: argparse.Namespace) -> None:
+    model_dir = root / "smollm2-135m-shape"
+    if not model_dir.exists():
+        build_checkpoint(model_dir, SMOLLM2_135M, "llama")
+    dtype = args.dtypes[0]
+    print(f"\nInterleaving, SmolLM2 shape, {dtype}: 4 streams decode while a 4,000-token prompt arrives", flush=True)
+    node = start_node(root / "interleave", str(model_dir), "--no-mdns", "--dtype", dtype, threads=args.threads)
+    try:
+        asyncio.run(run_level(node.base_url, model_dir.name, 1, 4, -1))
+        before, during, prefill = asyncio.run(interleave(node.base_url, model_dir.name, 400))
+    finally:
+        node.stop()
+    median = statistics.median(before + during)
+    print(f"  prefill took {prefill:.1f} s; the 4 streams' inter-token latency: median {median * 1000:.1f} ms, "
+          f"p99 during the prefill {percentile(during, 99) * 1000:.1f} ms over {len(during)} gaps")
+    print(f"  ratio: p99 during prefill / median = {percentile(during, 99) / median:.2f} (target <= 3)", flush=True)
+
+
+async def prefix(url: str, model: str, system: str) -> tuple[float, float]:
+    import aiohttp
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
+        first = await stream_chat(session, url, model, "What is a tide pool?", 8, system=system)
+        second = await stream_chat(session, url, model, "And what lives in one?", 8, system=system)
+    return first.ttft, second.ttft
+
+
+def prefix_section(root: Path, args: argparse.Namespace) -> None:
+    model_dir = root / "smollm2-135m-shape"
+    if not model_dir.exists():
+        build_checkpoint(model_dir, SMOLLM2_135M, "llama")
+    system = " ".join(f"Rule {i}: answer briefly and politely, in plain words." for i in range(85))
+    dtype = args.dtypes[0]
+    print(f"\nPrefix cache, SmolLM2 shape, {dtype}: two chats sharing a ~1,000-token system prompt", flush=True)
+    node = start_node(root / "prefix", str(model_dir), "--no-mdns", "--dtype", dtype, threads=args.threads)
+    try:
+        asyncio.run(run_level(node.base_url, model_dir.name, 1, 4, -1))
+        first, second = asyncio.run(prefix(node.base_url, model_dir.name, system))
+        hits = node.get_json("/v1/cluster")["nodes"][0]
+    finally:
+        node.stop()
+    print(f"  TTFT first {first * 1000:.0f} ms, second {second * 1000:.0f} ms; prefix cache reused "
+          f"{hits['prefix_hits']} of {hits['prefix_queries']} prompt tokens")
+    print(f"  ratio: second / first TTFT = {second / first:.2f} (target <= 0.3)", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--streams", default="1,2,4,8,16")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--sections", default="smollm,qwen,interleave,prefix")
+    parser.add_argument("--no-llamacpp", action="store_true")
+    args = parser.parse_args()
+    args.dtypes = args.dtypes.split(",")
+    args.streams = [int(n) for n in args.streams.split(",")]
+    sections = {"smollm": smollm_section, "qwen": qwen_section, "interleave": interleave_section,
+                "prefix": prefix_section}
+    print(f"exo-like serving bench: {args.threads} threads per process, {args.new_tokens} new tokens per stream, "
+          f"{os.cpu_count()} cpus", flush=True)
+    with tempfile.TemporaryDirectory(prefix="bench-concurrency-") as tmp:
+        for name in args.sections.split(","):
+            sections[name](Path(tmp), args)
+
+
+if __name__ == "__main__":
+    main()

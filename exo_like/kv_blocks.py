@@ -1,0 +1,137 @@
+"""The ring's KV cache as fixed-size blocks: which block ids are free, which hold what, and the prefix cache.
+
+Every stage keeps keys and values in a pool of `BLOCK_SIZE`-position blocks (its own layers only, see the
+engines). The first stage alone decides which block ids a request uses and sends the block table along with
+its rows, so all stages hold a request at the same block ids and no stage needs an allocator of its own. Equal
+block sizes mean requests of any length share the pool without fragmenting it.
+
+Prefix cache: a block whose positions are all scheduled is registered under a hash of its tokens and of every
+token before it. A finished request's registered blocks stay in the pool (least recently used first out) until
+their space is needed, and a new request whose prompt starts with the same tokens takes them instead of
+computing them again. Only full blocks are shared, and a shared block is never written again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+from collections import OrderedDict
+from collections.abc import Sequence
+
+BLOCK_SIZE = 16  # positions per KV block, the same on every node (the first stage's block tables assume it)
+
+
+def blocks_for(positions: int) -> int:
+    return -(-positions // BLOCK_SIZE)
+
+
+def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
+    """Identifies a full block by its tokens and, through `parent`, every token before it."""
+    digest = hashlib.blake2b(parent, digest_size=16)
+    digest.update(b"".join(int(t).to_bytes(4, "little") for t in tokens))
+    return digest.digest()
+
+
+ROOT_HASH = b""
+
+
+class BlockPool:
+    """Block ids 0..n_blocks-1: free ones (lowest first, so the pool's memory that is touched stays small),
+    reference counts of used ones, and the prefix cache (hash -> block) with its least-recently-used order."""
+
+    def __init__(self, n_blocks: int):
+        if n_blocks < 1:
+            raise ValueError("a KV pool needs at least one block")
+        self.n_blocks = n_blocks
+        self._free = list(range(n_blocks))  # a heap
+        self._refs = [0] * n_blocks
+        self._hash_of: dict[int, bytes] = {}
+        self._by_hash: dict[bytes, int] = {}
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks no request uses, oldest first
+        self.queries = 0  # prompt tokens looked up in the prefix cache (vLLM counts tokens too)
+        self.hits = 0  # of which were found cached
+
+    # -- counts -----------------------------------------------------------------------------------------
+
+    @property
+    def available(self) -> int:
+        """Blocks a request can get now: free ones plus cached ones nobody uses (evicted on demand)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def used(self) -> int:
+        """Blocks that hold something: used by a request, or kept by the prefix cache."""
+        return self.n_blocks - len(self._free)
+
+    @property
+    def cached(self) -> int:
+        return len(self._by_hash)
+
+    # -- allocation -------------------------------------------------------------------------------------
+
+    def allocate(self, count: int) -> list[int] | None:
+        """`count` blocks for one request's exclusive use, evicting unused cached blocks if needed; None (and
+        nothing taken) if there are not enough."""
+        if count > self.available:
+            return None
+        blocks = []
+        for _ in range(count):
+            if not self._free:
+                self._evict_oldest()
+            block = heapq.heappop(self._free)
+            self._refs[block] = 1
+            blocks.append(block)
+        return blocks
+
+    def release(self, blocks: Sequence[int]) -> None:
+        """A request is done with its blocks: cached ones stay (evictable), the others are free again."""
+        for block in blocks:
+            self._refs[block] -= 1
+            if self._refs[block] > 0:
+                continue
+            if block in self._hash_of:
+                self._evictable[block] = None
+            else:
+                heapq.heappush(self._free, block)
+
+    def _evict_oldest(self) -> None:
+        block, _ = self._evictable.popitem(last=False)
+        del self._by_hash[self._hash_of.pop(block)]
+        heapq.heappush(self._free, block)
+
+    # -- prefix cache -----------------------------------------------------------------------------------
+
+    def take_prefix(self, tokens: Sequence[int], limit: int) -> tuple[list[int], bytes]:
+        """The cached blocks holding the longest prefix of `tokens` in whole blocks, at most `limit` blocks,
+        now also used by the caller (release them as usual); and the hash of the last one."""
+        blocks: list[int] = []
+        parent = ROOT_HASH
+        self.queries += len(tokens)
+        for i in range(limit):
+            digest = block_hash(parent, tokens[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE])
+            block = self._by_hash.get(digest)
+            if block is None:
+                break
+            self.hits += BLOCK_SIZE
+            if self._refs[block] == 0:
+                del self._evictable[block]
+            self._refs[block] += 1
+            blocks.append(block)
+            parent = digest
+        return blocks, parent
+
+    def register(self, block: int, digest: bytes) -> None:
+        """`block` (used by the caller) is full and holds the tokens `digest` names: later prompts may share it.
+        If another block already holds the same tokens, this one stays private."""
+        if digest in self._by_hash or block in self._hash_of:
+            return
+        self._by_hash[digest] = block
+        self._hash_of[block] = digest
+
+    def clear_cache(self) -> None:
+        """Forget every cached block (the KV data is gone, e.g. a stage reloaded); used blocks stay used."""
+        for block in list(self._evictable):
+            heapq.heappush(self._free, block)
+        self._evictable.clear()
+        self._hash_of.clear()
+        self._by_hash.clear()

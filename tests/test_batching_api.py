@@ -1,0 +1,219 @@
+"""Continuous batching through the HTTP API of real nodes: many concurrent requests, each exactly what it is alone
+(the transformers oracle), on torch, on MLX and on a ring mixing both; seeded sampling unchanged by its batch; a
+small KV budget that queues instead of failing; the prefix cache; /metrics against what responses reported."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import openai
+import psutil
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.api_server import NodeProcess, start_node, wait_for
+from tests.checkpoints import ARCHITECTURES, built_once, make_checkpoint
+from tests.cluster_harness import start_cluster, wait_until_ready
+from tests.oracle import Oracle
+
+PROMPTS = ["Hello!", "What is the capital of France?", "Tell me a story about a fox and a crow, please.",
+           "café ±×÷ and more", "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20",
+           "Why is the sky blue? Explain it simply.", "Name three rivers.",
+           " ".join(f"word{i}" for i in range(60))]
+MAX_TOKENS = [20, 12, 24, 16, 20, 8, 24, 16]  # different lengths: requests leave the batch at different steps
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+    return built_once(tmp_path_factory.mktemp("batching-models"),
+                      lambda arch, path: make_checkpoint(path, arch, n_layers=4, seed=1))
+
+
+@pytest.fixture(scope="module")
+def oracles(models):  # noqa: ANN001, ANN201
+    made: dict[str, Oracle] = {}
+
+    def get(arch: str) -> Oracle:
+        if arch not in made:
+            made[arch] = Oracle(models(arch))
+        return made[arch]
+
+    return get
+
+
+def client(node: NodeProcess) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=node.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+async def chat(api: openai.AsyncOpenAI, model: str, content: str, max_tokens: int, **sampling) -> tuple[str, str]:  # noqa: ANN003
+    response = await api.chat.completions.create(model=model, messages=[{"role": "user", "content": content}],
+                                                 max_tokens=max_tokens, **sampling)
+    return response.choices[0].message.content, response.choices[0].finish_reason
+
+
+async def all_at_once(node: NodeProcess, model: str, **sampling) -> list[tuple[str, str]]:  # noqa: ANN003
+    api = client(node)
+    return await asyncio.gather(*(chat(api, model, p, n, **sampling) for p, n in zip(PROMPTS, MAX_TOKENS)))
+
+
+def expected(oracle: Oracle) -> list[tuple[str, str]]:
+    return [oracle.expected(oracle.chat_ids(p), n)[:2] for p, n in zip(PROMPTS, MAX_TOKENS)]
+
+
+def batched_steps(node: NodeProcess) -> float:
+    """Largest batch (rows) any step of this node's layers ran, from /metrics."""
+    families = {f.name: f for f in text_string_to_metric_families(node.request("GET", "/metrics")[2].decode())}
+    buckets = [(s.labels["le"], s.value) for s in families["exo_like:iteration_tokens_total"].samples
+               if s.name.endswith("_bucket")]
+    counts = [(float(le), value) for le, value in buckets]
+    total = counts[-1][1]
+    return next(le for le, value in counts if value == total)
+
+
+@pytest.mark.parametrize("engine", ["torch", "mlx"])
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_eight_concurrent_requests_each_equal_the_oracle(models, oracles, tmp_path: Path, engine: str,
+                                                         arch: str) -> None:
+    if engine == "mlx":
+        pytest.importorskip("mlx.core", reason="mlx is not installed")
+    node = start_node(tmp_path, str(models(arch)), "--no-mdns", "--engine", engine, "--dtype", "float32")
+    try:
+        results = asyncio.run(all_at_once(node, models(arch).name, temperature=0))
+        assert results == expected(oracles(arch))
+        assert batched_steps(node) > 1  # they really shared steps
+    finally:
+        assert node.stop() == 0
+    assert "Traceback" not in node.log()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_ring_mixing_mlx_and_torch_batches_exactly(models, oracles, tmp_path: Path, arch: str) -> None:
+    pytest.importorskip("mlx.core", reason="mlx is not installed")
+    nodes = start_cluster(tmp_path, str(models(arch)), [6, 3, 2], engines=["torch", "mlx", "torch"])
+    try:
+        wait_until_ready(nodes, members=3)
+        results = asyncio.run(all_at_once(nodes[1], models(arch).name, temperature=0))
+        assert results == expected(oracles(arch))
+    finally:
+        for node in nodes:
+            node.stop()
+
+
+def test_seeded_sampling_gives_the_same_text_alone_and_in_a_batch(models, tmp_path: Path) -> None:
+    node = start_node(tmp_path, str(models("qwen2")), "--no-mdns", "--dtype", "float32")
+    seeded = {"temperature": 0.9, "top_p": 0.95, "seed": 31}
+    try:
+        async def alone(seed: int) -> tuple[str, str]:
+            return await chat(client(node), "qwen2", PROMPTS[2], 24, **{**seeded, "seed": seed})
+
+        async def in_a_batch() -> tuple[str, str]:
+            api = client(node)
+            others = [chat(api, "qwen2", p, n, temperature=1.1) for p, n in zip(PROMPTS, MAX_TOKENS)]
+            results = await asyncio.gather(chat(api, "qwen2", PROMPTS[2], 24, **seeded), *others)
+            return results[0]
+
+        first = asyncio.run(alone(31))
+        assert asyncio.run(in_a_batch()) == first
+        assert first != asyncio.run(alone(32))
+    finally:
+        node.stop()
+
+
+def test_64_requests_against_a_small_kv_budget_all_complete(models, oracles, tmp_path: Path) -> None:
+    """128 KV blocks of 16 positions: fewer than the requests need at once, so they queue (and the newest are
+    preempted and recomputed) instead of failing."""
+    model = models("llama")
+    kv_gb = 128 * 4 * 2 * 2 * 16 * 16 * 4 / 2**30  # blocks * layers * (k, v) * kv heads * positions * head dim * 4 B
+    node = start_node(tmp_path, str(model), "--no-mdns", "--dtype", "float32", "--kv-cache-gb", repr(kv_gb))
+    try:
+        prompts = [f"Request {i}: " + " ".join(f"w{j}" for j in range(i % 7 * 10)) for i in range(64)]
+
+        async def run(prompts: list[str]) -> list[tuple[str, str]]:
+            api = client(node)
+            return await asyncio.gather(*(chat(api, "llama", p, 16, temperature=0) for p in prompts))
+
+        asyncio.run(run(prompts[:2]))  # warm-up: the first steps allocate the kernels' buffers and thread pools
+        baseline = psutil.Process(node.process.pid).memory_info().rss
+        results = asyncio.run(run(prompts))
+        oracle = oracles("llama")
+        assert [r[0] for r in results] == [oracle.expected(oracle.chat_ids(p), 16)[0] for p in prompts]
+        cluster = node.get_json("/v1/cluster")["nodes"][0]
+        assert cluster["kv_blocks"] == 128 and cluster["running"] == 0 and cluster["waiting"] == 0
+        growth = psutil.Process(node.process.pid).memory_info().rss - baseline
+        budget = kv_gb * 2**30
+        # The pool is within the budget; what else grew (allocator arenas, 64 responses' buffers) stays small.
+        assert growth < budget + 64 * 2**20, (growth, budget)
+    finally:
+        assert node.stop() == 0
+    assert "Traceback" not in node.log() and " 500 " not in node.log()
+
+
+def test_a_shared_system_prompt_is_reused_and_changes_nothing(models, tmp_path: Path) -> None:
+    model = models("mistral")
+    system = " ".join(f"Rule {i}: be brief." for i in range(40))
+    messages = [[{"role": "system", "content": system}, {"role": "user", "content": q}]
+                for q in ("What is a fox?", "And a crow?")]
+
+    def answers(node: NodeProcess) -> list[str]:
+        out = []
+        for m in messages:
+            body = json.dumps({"model": "mistral", "messages": m, "max_tokens": 16, "temperature": 0}).encode()
+            status, _, raw = node.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+            assert status == 200, raw
+            out.append(json.loads(raw)["choices"][0]["message"]["content"])
+        return out
+
+    cached = start_node(tmp_path / "cached", str(model), "--no-mdns", "--dtype", "float32")
+    uncached = start_node(tmp_path / "uncached", str(model), "--no-mdns", "--dtype", "float32", "--no-prefix-cache")
+    try:
+        assert answers(cached) == answers(uncached)
+        stats = cached.get_json("/v1/cluster")["nodes"][0]
+        assert stats["prefix_hits"] >= 160  # the system prompt's whole blocks, taken by the second chat
+        assert uncached.get_json("/v1/cluster")["nodes"][0]["prefix_hits"] == 0
+    finally:
+        cached.stop()
+        uncached.stop()
+
+
+def test_metrics_move_by_exactly_what_responses_reported(models, tmp_path: Path) -> None:
+    node = start_node(tmp_path, str(models("qwen2")), "--no-mdns", "--dtype", "float32")
+    try:
+        def scrape() -> dict[str, float]:
+            text = node.request("GET", "/metrics")[2].decode()
+            return {sample.name + json.dumps(sample.labels, sort_keys=True): sample.value
+                    for family in text_string_to_metric_families(text) for sample in family.samples}
+
+        before = scrape()
+        usages = []
+        for prompt, max_tokens in zip(PROMPTS[:4], MAX_TOKENS):
+            body = json.dumps({"model": "qwen2", "messages": [{"role": "user", "content": prompt}],
+                               "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                               "stream_options": {"include_usage": True}}).encode()
+            status, _, raw = node.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+            assert status == 200
+            chunks = [json.loads(line[6:]) for line in raw.decode().splitlines()
+                      if line.startswith("data: {")]
+            usages.append(chunks[-1]["usage"])
+        after = scrape()
+
+        def moved(name: str) -> float:
+            return after.get(name, 0.0) - before.get(name, 0.0)
+
+        prompt_total = sum(u["prompt_tokens"] for u in usages)
+        completion_total = sum(u["completion_tokens"] for u in usages)
+        assert moved("exo_like:prompt_tokens_total{}") == prompt_total
+        assert moved("exo_like:generation_tokens_total{}") == completion_total
+        assert moved("exo_like:e2e_request_latency_seconds_count{}") == len(usages)
+        assert moved("exo_like:time_to_first_token_seconds_count{}") == len(usages)
+        assert moved("exo_like:inter_token_latency_seconds_count{}") == completion_total - len(usages)
+        finished = sum(moved(f"exo_like:request_success_total{json.dumps({'finished_reason': r})}")
+                       for r in ("stop", "length"))
+        assert finished == len(usages)
+        assert after["exo_like:kv_cache_blocks{}"] > 0
+        assert after["exo_like:num_requests_running{}"] == 0
+        assert moved("exo_like:prefix_cache_queries_total{}") == prompt_total
+        assert wait_for(lambda: node.get_json("/health")["active_kv_caches"] == 0)
+    finally:
+        node.stop()
