@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -40,7 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_torch_vs_hf import QWEN25_05B  # noqa: E402
+from bench_torch_vs_hf import QWEN25_05B, peaky_state  # noqa: E402
 
 from exo_like.demo import build_tokenizer, write_tokenizer_files  # noqa: E402
 from tests.api_server import NodeProcess, start_node  # noqa: E402
@@ -70,19 +70,9 @@ def build_checkpoint(path: Path, config: dict, arch: str) -> Path:
     tokenizer = build_tokenizer()
     with torch.device("meta"):
         model = model_class(config_class(**config))
-    generator = torch.Generator().manual_seed(0)
-    state = {}
-    for name, param in model.named_parameters():
-        if "norm" in name:
-            value = 1.0 + (torch.rand(param.shape, generator=generator) - 0.5) * 0.2
-        elif name.endswith("bias"):
-            value = torch.randn(param.shape, generator=generator) * 0.5
-        elif "embed_tokens" in name:
-            value = torch.randn(param.shape, generator=generator)
-            value[~torch.from_numpy(_text_tokens(tokenizer, param.shape[0]))] = 0.0
-        else:
-            value = torch.randn(param.shape, generator=generator) * (1.5 / math.sqrt(param.shape[-1]))
-        state[name] = value
+    state = peaky_state(model)
+    embedding = state["model.embed_tokens.weight"]
+    embedding[~torch.from_numpy(_text_tokens(tokenizer, embedding.shape[0]))] = 0.0
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
     model.save_pretrained(path)
@@ -183,6 +173,14 @@ def sweep(label: str, node: NodeProcess, model: str, stream_counts: list[int], n
     return levels
 
 
+def sweep_one_node(label: str, home: Path, model_dir: Path, dtype: str, args: argparse.Namespace) -> dict[int, Level]:
+    node = start_node(home, str(model_dir), "--no-mdns", "--dtype", dtype, threads=args.threads)
+    try:
+        return sweep(label, node, model_dir.name, args.streams, args.new_tokens)
+    finally:
+        node.stop()
+
+
 # -- llama.cpp ------------------------------------------------------------------------------------------------
 
 
@@ -213,12 +211,7 @@ def smollm_section(root: Path, args: argparse.Namespace) -> None:
     model_dir = build_checkpoint(root / "smollm2-135m-shape", SMOLLM2_135M, "llama")
     for dtype in args.dtypes:
         print(f"\n(a) SmolLM2-135M shape, {dtype}, one node, {args.threads} threads", flush=True)
-        node = start_node(root / f"smollm-{dtype}", str(model_dir), "--no-mdns", "--dtype", dtype,
-                          threads=args.threads)
-        try:
-            levels = sweep("exo-like", node, model_dir.name, args.streams, args.new_tokens)
-        finally:
-            node.stop()
+        levels = sweep_one_node("exo-like", root / f"smollm-{dtype}", model_dir, dtype, args)
         theirs = None if args.no_llamacpp else llamacpp_rates(model_dir, dtype, args.threads, root)
         one = levels.get(1)
         eight = levels.get(8)
@@ -239,12 +232,7 @@ def qwen_section(root: Path, args: argparse.Namespace) -> None:
     model_dir = build_checkpoint(root / "qwen2.5-0.5b-shape", QWEN25_05B, "qwen2")
     for dtype in args.dtypes:
         print(f"\n(b) Qwen2.5-0.5B shape, {dtype}, one node and a three-node ring on this host", flush=True)
-        node = start_node(root / f"qwen-{dtype}", str(model_dir), "--no-mdns", "--dtype", dtype,
-                          threads=args.threads)
-        try:
-            single = sweep("one node", node, model_dir.name, args.streams, args.new_tokens)
-        finally:
-            node.stop()
+        single = sweep_one_node("one node", root / f"qwen-{dtype}", model_dir, dtype, args)
         ring = start_cluster(root / f"qwen-ring-{dtype}", str(model_dir), [8, 8, 8],
                              extra=("--dtype", dtype), threads=args.threads)
         try:
@@ -281,18 +269,25 @@ async def interleave(url: str, model: str, new_tokens: int) -> tuple[list[float]
     return before, during, prefill_end - long_started
 
 
-def interleave_section(root: Path, args: argparse.Namespace) -> None:
+@contextlib.contextmanager
+def smollm_node(root: Path, name: str, args: argparse.Namespace):  # noqa: ANN201
+    """A warmed-up node serving the SmolLM2-shaped checkpoint in the first dtype asked for."""
     model_dir = root / "smollm2-135m-shape"
     if not model_dir.exists():
         build_checkpoint(model_dir, SMOLLM2_135M, "llama")
-    dtype = args.dtypes[0]
-    print(f"\nInterleaving, SmolLM2 shape, {dtype}: 4 streams decode while a 4,000-token prompt arrives", flush=True)
-    node = start_node(root / "interleave", str(model_dir), "--no-mdns", "--dtype", dtype, threads=args.threads)
+    node = start_node(root / name, str(model_dir), "--no-mdns", "--dtype", args.dtypes[0], threads=args.threads)
     try:
         asyncio.run(run_level(node.base_url, model_dir.name, 1, 4, -1))
-        before, during, prefill = asyncio.run(interleave(node.base_url, model_dir.name, 400))
+        yield node, model_dir.name
     finally:
         node.stop()
+
+
+def interleave_section(root: Path, args: argparse.Namespace) -> None:
+    print(f"\nInterleaving, SmolLM2 shape, {args.dtypes[0]}: 4 streams decode while a 4,000-token prompt arrives",
+          flush=True)
+    with smollm_node(root, "interleave", args) as (node, model):
+        before, during, prefill = asyncio.run(interleave(node.base_url, model, 400))
     median = statistics.median(before + during)
     print(f"  prefill took {prefill:.1f} s; the 4 streams' inter-token latency: median {median * 1000:.1f} ms, "
           f"p99 during the prefill {percentile(during, 99) * 1000:.1f} ms over {len(during)} gaps")
@@ -309,19 +304,12 @@ async def prefix(url: str, model: str, system: str) -> tuple[float, float]:
 
 
 def prefix_section(root: Path, args: argparse.Namespace) -> None:
-    model_dir = root / "smollm2-135m-shape"
-    if not model_dir.exists():
-        build_checkpoint(model_dir, SMOLLM2_135M, "llama")
-    system = " ".join(f"Rule {i}: answer briefly and politely, in plain words." for i in range(85))
-    dtype = args.dtypes[0]
-    print(f"\nPrefix cache, SmolLM2 shape, {dtype}: two chats sharing a ~1,000-token system prompt", flush=True)
-    node = start_node(root / "prefix", str(model_dir), "--no-mdns", "--dtype", dtype, threads=args.threads)
-    try:
-        asyncio.run(run_level(node.base_url, model_dir.name, 1, 4, -1))
-        first, second = asyncio.run(prefix(node.base_url, model_dir.name, system))
+    system = " ".join(f"Rule {i}: answer briefly and politely, in plain words." for i in range(28))
+    print(f"\nPrefix cache, SmolLM2 shape, {args.dtypes[0]}: two chats sharing a ~1,000-token system prompt",
+          flush=True)
+    with smollm_node(root, "prefix", args) as (node, model):
+        first, second = asyncio.run(prefix(node.base_url, model, system))
         hits = node.get_json("/v1/cluster")["nodes"][0]
-    finally:
-        node.stop()
     print(f"  TTFT first {first * 1000:.0f} ms, second {second * 1000:.0f} ms; prefix cache reused "
           f"{hits['prefix_hits']} of {hits['prefix_queries']} prompt tokens")
     print(f"  ratio: second / first TTFT = {second / first:.2f} (target <= 0.3)", flush=True)

@@ -71,7 +71,15 @@ def build_checkpoint(path: Path) -> Path:
 
     with torch.device("meta"):
         model = Qwen2ForCausalLM(Qwen2Config(**QWEN25_05B))
-    generator = torch.Generator().manual_seed(0)
+    model.load_state_dict(peaky_state(model), strict=False, assign=True)
+    model.tie_weights()
+    model.save_pretrained(path)
+    return path
+
+
+def peaky_state(model: torch.nn.Module, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random weights for a model built on the meta device: linear std 1.5/sqrt(fan_in), norms 1 +- 0.1."""
+    generator = torch.Generator().manual_seed(seed)
     state = {}
     for name, param in model.named_parameters():  # a tied head is listed once, as the embedding
         if "norm" in name:
@@ -83,10 +91,7 @@ def build_checkpoint(path: Path) -> Path:
         else:
             value = torch.randn(param.shape, generator=generator) * (1.5 / math.sqrt(param.shape[-1]))
         state[name] = value
-    model.load_state_dict(state, strict=False, assign=True)
-    model.tie_weights()
-    model.save_pretrained(path)
-    return path
+    return state
 
 
 class TokenClock:

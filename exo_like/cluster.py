@@ -24,6 +24,7 @@ from exo_like.peers import PeerNetwork
 from exo_like.plan import Holder, ModelFootprint, Plan, fit_problems, make_plan
 from exo_like.protocol import PlanState
 from exo_like.shard import Shard
+from exo_like.stage import RingResources
 from partitioning import NodeCapacity
 
 log = logging.getLogger(__name__)
@@ -239,6 +240,16 @@ class Cluster:
         downloads = [f"node {n}: {status.describe()}" for n in loading
                      if (status := self._download_of(n)) is not None and status.state == "downloading"]
         return f"nodes {', '.join(loading)} are still loading their layers" + "".join(f"; {d}" for d in downloads)
+
+    def ring_resources(self, plan: Plan) -> RingResources | None:
+        """What the plan's first stage may use: the smallest KV pool among the plan's stages (None until each has
+        announced one), and how many batches to keep in flight (one per machine the stages run on)."""
+        pools = [self._kv_blocks() if node_id == self.me.node_id else
+                 getattr(self.announcements.get(node_id), "kv_blocks", None) for node_id in plan.node_ids]
+        if any(blocks is None for blocks in pools):
+            return None
+        hosts = {m.host for m in self.members() if m.node_id in plan.node_ids}
+        return RingResources(min(pools), max(1, len(hosts)))
 
     def _download_of(self, node_id: str) -> DownloadStatus | None:
         announcement = self.announcement_of(node_id)

@@ -23,7 +23,6 @@ from exo_like.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
-PREFILL_CHUNK = 512
 T = TypeVar("T")
 
 

@@ -18,7 +18,19 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Sequence
 
+import psutil
+
 BLOCK_SIZE = 16  # positions per KV block, the same on every node (the first stage's block tables assume it)
+# A node's KV cache unless --kv-cache-gb says otherwise: this share of the memory left after loading its layers, at
+# most DEFAULT_KV_CAP bytes (pages are only taken as blocks are first written; see the engines' pools).
+DEFAULT_KV_SHARE = 0.3
+DEFAULT_KV_CAP = 2 * 2**30
+
+
+def kv_budget_bytes(kv_cache_gb: float | None) -> int:
+    if kv_cache_gb is not None:
+        return int(kv_cache_gb * 2**30)
+    return int(min(DEFAULT_KV_CAP, DEFAULT_KV_SHARE * psutil.virtual_memory().available))
 
 
 def blocks_for(positions: int) -> int:

@@ -30,6 +30,7 @@ from exo_like.errors import ExoLikeError, ModelNotFoundError, ServiceUnavailable
 from exo_like.generation import TokenGenerator
 from exo_like.hub import default_cache_dir
 from exo_like.identity import claim_identity, default_node_name
+from exo_like.kv_blocks import kv_budget_bytes
 from exo_like.metrics import Metrics
 from exo_like.model_registry import LoadedModel, ModelRegistry
 from exo_like.node_load import NodeLoad
@@ -41,7 +42,7 @@ from exo_like.protocol import (DEFAULT_MAX_FRAME_BYTES, Error, Forward, Message,
 from exo_like.ring import RingGenerator
 from exo_like.scheduler import SchedulerLimits
 from exo_like.shard import Shard
-from exo_like.stage import RingResources, StageWorker
+from exo_like.stage import StageWorker
 
 log = logging.getLogger(__name__)
 
@@ -51,10 +52,6 @@ DEFAULT_CLUSTER_KEY = "exo-like-default-cluster-key"
 # a big model's prefill chunk on a slow CPU takes minutes, and a false alarm kills a healthy request.
 DEFAULT_STEP_TIMEOUT = 300.0
 STEP_WATCH_SECONDS = 1.0
-# KV cache per node unless --kv-cache-gb says otherwise: this share of the memory left after loading the layers,
-# at most DEFAULT_KV_CAP bytes (pages are only taken as blocks are used; see engines' pools).
-DEFAULT_KV_SHARE = 0.3
-DEFAULT_KV_CAP = 2 * 2**30
 
 
 def default_home() -> Path:
@@ -77,7 +74,7 @@ class NodeOptions:
     hub_cache: Path | None = None  # default: $HF_HUB_CACHE, else <home>/hub
     request_wait: float | None = None  # seconds a request waits for the cluster to be ready (default: the cluster's)
     step_timeout: float = DEFAULT_STEP_TIMEOUT  # seconds in one engine step after which a stage counts as hung
-    kv_cache_gb: float | None = None  # KV cache budget for this node's layers (default: see kv_budget_bytes)
+    kv_cache_gb: float | None = None  # KV cache budget for this node's layers (default: kv_blocks.kv_budget_bytes)
     limits: SchedulerLimits = field(default_factory=SchedulerLimits)  # used when this node is the first stage
 
 
@@ -176,30 +173,7 @@ class Node:
 
     def _allocate_kv(self) -> None:
         """Engine thread, after a load: the KV pool for this node's layers, within the budget."""
-        budget = self.kv_budget_bytes()
-        blocks = max(1, budget // self.engine.kv_block_bytes())
-        self.engine.allocate_kv(blocks)
-
-    def kv_budget_bytes(self) -> int:
-        if self.options.kv_cache_gb is not None:
-            return int(self.options.kv_cache_gb * 2**30)
-        return int(min(DEFAULT_KV_CAP, DEFAULT_KV_SHARE * psutil.virtual_memory().available))
-
-    def _ring_resources(self, plan: Plan) -> RingResources | None:
-        """What the first stage may use: the smallest KV pool among the plan's stages (None until each has said),
-        and how many batches to keep in flight (one per machine the stages run on)."""
-        assert self.cluster is not None
-        pools = []
-        for node_id in plan.node_ids:
-            if node_id == self.node_id:
-                pools.append(self.engine.kv_blocks or None)
-            else:
-                announcement = self.cluster.announcement_of(node_id)
-                pools.append(announcement.kv_blocks if announcement is not None else None)
-        if any(blocks is None for blocks in pools):
-            return None
-        hosts = {m.host for m in self.cluster.members() if m.node_id in plan.node_ids}
-        return RingResources(min(pools), max(1, len(hosts)))
+        self.engine.allocate_kv(max(1, kv_budget_bytes(self.options.kv_cache_gb) // self.engine.kv_block_bytes()))
 
     # -- start and stop -----------------------------------------------------------------------------------
 
@@ -208,10 +182,10 @@ class Node:
         self.info = self._node_info(host, port)
         self.peers = PeerNetwork(self.info, self.options.cluster_key, self._on_peer_message, self._links_changed,
                                  self.options.max_frame_bytes)
-        self.stage = StageWorker(self.node_id, self, self.executor, self._ring_resources, self.options.limits,
-                                 self.metrics.observe_step)
         self.cluster = Cluster(self.info, self.peers, self.models.describe, self._load_shard, self._members_changed,
                                self.current_load, lambda: self.engine.kv_blocks or None)
+        self.stage = StageWorker(self.node_id, self, self.executor, self.cluster.ring_resources, self.options.limits,
+                                 self.metrics.observe_step)
         if self.options.request_wait is not None:
             self.cluster.plan_wait_seconds = self.options.request_wait
         self.generator = RingGenerator(self.node_id, self, self.cluster.wait_ready, self.stage, self.cluster.name_of)
