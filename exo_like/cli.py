@@ -67,9 +67,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kv-cache-gb", type=float, default=None,
                         help="memory for the KV cache of this node's layers (default: 30%% of the memory left after "
                              "loading them, at most 2 GiB); requests wait for room when it is full")
-    parser.add_argument("--max-batch-tokens", type=int, default=DEFAULT_MAX_BATCH_TOKENS,
+    parser.add_argument("--max-batch-tokens", type=int, default=None,
                         help="positions one engine step may compute, decode tokens first, then prompt chunks: "
-                             "smaller keeps streams smooth while long prompts arrive (default: %(default)d)")
+                             "smaller keeps streams smooth while long prompts arrive (default: "
+                             f"{DEFAULT_MAX_BATCH_TOKENS['cpu']} when the first stage runs on a CPU, else "
+                             f"{DEFAULT_MAX_BATCH_TOKENS['accelerator']})"),
     parser.add_argument("--max-running", type=int, default=DEFAULT_MAX_RUNNING,
                         help="requests batched at once; more wait in a queue (default: %(default)d)")
     parser.add_argument("--no-prefix-cache", action="store_true",
@@ -88,7 +90,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--step-timeout must be positive")
     if args.kv_cache_gb is not None and not args.kv_cache_gb > 0:
         parser.error("--kv-cache-gb must be positive")
-    if args.max_batch_tokens < 1 or args.max_running < 1:
+    if (args.max_batch_tokens is not None and args.max_batch_tokens < 1) or args.max_running < 1:
         parser.error("--max-batch-tokens and --max-running must be at least 1")
     return args
 

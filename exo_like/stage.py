@@ -189,7 +189,8 @@ class StageWorker:
             resources = self.resources(plan)
             if resources is None:
                 return None  # some stage has not announced its KV pool yet: its announcement wakes us
-            self.scheduler = Scheduler(resources.kv_blocks, self.limits, resources.pipeline_depth)
+            self.scheduler = Scheduler(resources.kv_blocks, self.limits, resources.pipeline_depth,
+                                       self.engine is None or self.engine.on_cpu)
             for message in self._submitted:
                 self.scheduler.submit(message)
             self._submitted.clear()
@@ -212,7 +213,8 @@ class StageWorker:
         while self._inbox:
             frame = self._inbox[0]
             slots = _written_slots(frame.items)
-            fits = rows + frame.hidden.shape[0] <= self.limits.max_batch_tokens
+            limit = self.limits.for_device(self.engine is None or self.engine.on_cpu).max_batch_tokens
+            fits = rows + frame.hidden.shape[0] <= limit
             if not fits or frame.hidden.dtype != frames[0].hidden.dtype or not written.isdisjoint(slots):
                 break
             frames.append(self._inbox.popleft())

@@ -211,7 +211,7 @@ def test_with_several_machines_decoding_requests_split_into_batches_in_flight() 
 
 
 def test_a_prompt_sharing_a_cached_prefix_computes_only_the_rest() -> None:
-    scheduler = Scheduler(64)
+    scheduler = Scheduler(64, SchedulerLimits(max_batch_tokens=256))
     system = list(range(1000, 1000 + 5 * BLOCK_SIZE + 3))  # 5 full blocks and 3 more tokens
     submit(scheduler, "first", system + [1, 2, 3])
     run_step(scheduler)
@@ -275,6 +275,9 @@ def test_plan_change_drains_every_request() -> None:
     assert not scheduler.running and not scheduler.waiting and scheduler.pool.available == 64
 
 
-def test_limits_are_checked() -> None:
+def test_limits_are_checked_and_the_step_budget_follows_the_device() -> None:
     with pytest.raises(ValueError):
         SchedulerLimits(max_batch_tokens=0)
+    assert Scheduler(8, cpu=True).limits.max_batch_tokens == 64
+    assert Scheduler(8, cpu=False).limits.max_batch_tokens == 512
+    assert Scheduler(8, SchedulerLimits(max_batch_tokens=7), cpu=False).limits.max_batch_tokens == 7

@@ -88,6 +88,10 @@ class FakeEngine(Engine):
         return "fake"
 
     @property
+    def on_cpu(self) -> bool:
+        return True
+
+    @property
     def dtype_name(self) -> str:
         return "float32"
 
@@ -121,7 +125,7 @@ class FakeNode:
 class FakeNetwork:
     """In-order delivery per (sender, receiver) pair, every message through protocol.encode/decode."""
 
-    def __init__(self, n_stages: int, limits: SchedulerLimits = SchedulerLimits(), kv_blocks: int = 256,
+    def __init__(self, n_stages: int, limits: SchedulerLimits = SchedulerLimits(256), kv_blocks: int = 256,
                  delays: Sequence[float] = (), depth: int = 1):
         ids = [f"n{i}" for i in range(n_stages)]
         layers = 4
@@ -236,7 +240,7 @@ async def test_a_busy_stage_runs_queued_batches_together(expected3) -> None:
 
 
 async def test_a_small_kv_budget_queues_and_preempts_without_changing_any_text(expected) -> None:
-    async with ring(kv_blocks=6, limits=SchedulerLimits(prefix_cache=False)) as net:
+    async with ring(kv_blocks=6, limits=SchedulerLimits(256, prefix_cache=False)) as net:
         results = await together(net)
         scheduler = net.first.stage.scheduler
         assert scheduler.preemptions > 0

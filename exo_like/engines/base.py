@@ -94,6 +94,11 @@ class Engine(ABC):
 
     @property
     @abstractmethod
+    def on_cpu(self) -> bool:
+        """Whether the layers run on the CPU (the scheduler sizes its steps for it)."""
+
+    @property
+    @abstractmethod
     def dtype_name(self) -> str:
         """The dtype weights and activations use: float32, bfloat16 or float16."""
 

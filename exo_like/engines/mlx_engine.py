@@ -213,6 +213,10 @@ class MLXEngine(Engine):
         return describe_device(self._device)
 
     @property
+    def on_cpu(self) -> bool:
+        return self._device.type == mx.cpu
+
+    @property
     def dtype_name(self) -> str:
         return self._dtype_name
 

@@ -189,6 +189,10 @@ class TorchEngine(Engine):
         return str(self.device)
 
     @property
+    def on_cpu(self) -> bool:
+        return self.device.type == "cpu"
+
+    @property
     def dtype_name(self) -> str:
         return DTYPE_NAMES[self.dtype]
 

@@ -6,7 +6,7 @@ final norm + LM head if it is the last. Numerics follow Hugging Face transformer
 
 For speed at batch 1, where decoding streams every weight once per token: q/k/v and gate/up are each fused
 into one matrix at load time, keys and values live in one preallocated pool, rotary cos/sin come from a
-table, and on CPU each product runs on the kernel measured fastest for it (see Linear, prefers_column_major,
+table, and on CPU each product runs on the kernel measured fastest for it (see Linear, PACK_BATCH,
 native_matvec). None of this changes float32 results beyond summation order.
 """
 
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from exo_like.engines.batch import BatchLayout
+from exo_like.engines.batch import BatchLayout, ItemLayout
 from exo_like.kv_blocks import BLOCK_SIZE
 from exo_like.model_config import ModelArgs, rope_inv_freq
 
@@ -42,6 +42,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused op, bit-identical here to the steps below (fewer op calls)
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         return self.weight * rms_normalize(x, self.eps)
 
 
@@ -96,8 +98,8 @@ class RotaryTable:
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin
+    # roll by half a head exchanges the halves: the same values as cat((x[half:], x[:half])) in one op.
+    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin
 
 
 class KVPool:
@@ -119,20 +121,55 @@ class KVPool:
 
 
 @dataclass(frozen=True)
+class DecodeGroup:
+    """Several requests' single new positions, attended to in one call: each request's keys are gathered into
+    a row padded to the longest, and a mask hides the padding. One gather and one sdpa per layer instead of one
+    each per request: at 8 requests of ~100 positions, 0.2 ms per layer instead of 0.3."""
+
+    rows: torch.Tensor  # [B] the requests' rows in the batch
+    first_row: int | None  # when those rows are [first_row, first_row + B), as the scheduler puts decode first
+    slots: torch.Tensor  # [B * longest] pool slots to gather (padding repeats a slot of the same request)
+    mask: torch.Tensor  # [B, 1, 1, longest] True where a position is the request's own
+
+    @classmethod
+    def build(cls, items: list[ItemLayout], device: torch.device) -> "DecodeGroup":
+        longest = max(item.end for item in items)
+        slots = np.empty((len(items), longest), dtype=np.int64)
+        mask = np.zeros((len(items), 1, 1, longest), dtype=bool)
+        for i, item in enumerate(items):
+            slots[i, :item.end] = item.slots if item.base is None else np.arange(item.base, item.base + item.end)
+            slots[i, item.end:] = slots[i, 0]
+            mask[i, ..., :item.end] = True
+        rows = np.array([item.row_start for item in items], dtype=np.int64)
+        first = int(rows[0]) if np.array_equal(rows, np.arange(rows[0], rows[0] + len(rows))) else None
+        return cls(torch.from_numpy(rows).to(device), first, torch.from_numpy(slots.reshape(-1)).to(device),
+                   torch.from_numpy(mask).to(device))
+
+
+# Above this many positions a request attends to its own slots (a view of the pool when they are consecutive)
+# rather than to a padded gather: the copy costs more than the calls it saves (measured: 8 requests of 1,000
+# positions take 2.8 ms per layer gathered and padded, 1.2 ms one by one from views).
+DECODE_GROUP_MAX_POSITIONS = 512
+
+
+@dataclass(frozen=True)
 class StepIndex:
     """A BatchLayout as tensors on the engine's device, built once per step and shared by every layer."""
 
     layout: BatchLayout
     write_slots: torch.Tensor
-    gathers: tuple[torch.Tensor | None, ...]  # per item: slots to gather, or None when they form a view
-    masks: tuple[torch.Tensor | None, ...]  # per item: causal mask for several new positions after cached ones
+    singles: tuple[tuple[ItemLayout, torch.Tensor | None, torch.Tensor | None], ...]  # (item, gather, causal mask)
+    decode: DecodeGroup | None  # the single-position items attended to together, if several
 
     @classmethod
     def build(cls, layout: BatchLayout, device: torch.device) -> "StepIndex":
-        gathers = tuple(None if item.base is not None else torch.from_numpy(item.slots).to(device)
-                        for item in layout.items)
-        masks = tuple(causal_mask(item.start, item.count, device) if item.start else None for item in layout.items)
-        return cls(layout, torch.from_numpy(layout.write_slots).to(device), gathers, masks)
+        decoding = [item for item in layout.items if item.count == 1 and item.end <= DECODE_GROUP_MAX_POSITIONS]
+        group = DecodeGroup.build(decoding, device) if len(decoding) > 1 else None
+        grouped = {id(item) for item in decoding} if group is not None else set()
+        singles = tuple((item, None if item.base is not None else torch.from_numpy(item.slots).to(device),
+                         causal_mask(item.start, item.count, device) if item.start else None)
+                        for item in layout.items if id(item) not in grouped)
+        return cls(layout, torch.from_numpy(layout.write_slots).to(device), singles, group)
 
 
 def causal_mask(offset: int, length: int, device: torch.device) -> torch.Tensor | None:
@@ -149,41 +186,34 @@ def causal_mask(offset: int, length: int, device: torch.device) -> torch.Tensor 
 class Linear(nn.Linear):
     """nn.Linear that can run on oneDNN where that is the fastest CPU kernel (chosen in ShardModel.prepare).
 
-    onednn: float32 multi-row products (prefill) go through oneDNN, ~30% faster than the default GEMM here;
-        single rows (decode) keep F.linear, the faster matrix-vector path.
-    packed: the weight is stored in oneDNN's blocked layout (bfloat16), which every product then uses; this
-        saves oneDNN from re-laying out a plain weight on each call (~25% faster prefill).
+    packed: the weight is stored in oneDNN's blocked layout, which every product then uses.
+    onednn: a plain weight, every product through oneDNN (float32: faster than F.linear's GEMM at any row count).
+    Measured on this project's 2-core CPU, whole SmolLM2-135M shape, float32: F.linear 41 ms per step for one row,
+    46 ms for 8; oneDNN with weights packed for a batch of 16, 24 ms for one row and for 8 alike.
     """
 
     onednn = False
     packed = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed or (self.onednn and x.shape[0] > 1):
+        if self.packed or self.onednn:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
 
-def prefers_column_major(weight: torch.Tensor) -> bool:
-    """Whether a [out, in] weight decodes faster stored transposed ([in, out] contiguous).
-
-    Batch-1 decoding is a matrix-vector product per weight. On CPU, float32 `x @ W.T` with W stored row-major
-    streams at ~15 GB/s here, but ~25 GB/s when W.T is contiguous, for wide matrices (q/k/v, gate/up, LM head);
-    narrow ones (down_proj) are better row-major. bfloat16 kernels prefer row-major throughout.
-    """
-    out_features, in_features = weight.shape
-    return weight.device.type == "cpu" and weight.dtype == torch.float32 and out_features >= in_features
+# oneDNN's batch-size hint for its packed weight layout, by dtype: the one measured fastest over 1 to 64 rows here
+# (float32: packed for 16 rows is as fast for one row as for 8; bfloat16: packed for one row).
+PACK_BATCH = {torch.float32: 16, torch.bfloat16: 1}
 
 
-def onednn_usable(weight: torch.Tensor, packed: bool) -> bool:
-    """Whether this build runs oneDNN's linear (a private op, as used by torch.compile) correctly, for float32
-    prefill (packed=False) or bfloat16 packed weights (packed=True), on CPU."""
-    wanted = torch.bfloat16 if packed else torch.float32
-    if weight.device.type != "cpu" or weight.dtype != wanted or not torch.backends.mkldnn.is_available():
+def onednn_usable(weight: torch.Tensor, pack_batch: int | None) -> bool:
+    """Whether this build runs oneDNN's linear (a private op, as used by torch.compile) correctly on CPU for this
+    weight's dtype, with a plain weight (pack_batch None) or one packed for that batch size."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
     try:
-        x, w = torch.ones(2, 32, dtype=wanted), torch.ones(16, 32, dtype=wanted)
-        kernel_weight = torch.ops.mkldnn._reorder_linear_weight(w, 1) if packed else w
+        x, w = torch.ones(2, 32, dtype=weight.dtype), torch.ones(16, 32, dtype=weight.dtype)
+        kernel_weight = w if pack_batch is None else torch.ops.mkldnn._reorder_linear_weight(w, pack_batch)
         out = torch.ops.mkldnn._linear_pointwise(x, kernel_weight, None, "none", [], "")
         return torch.equal(out, F.linear(x, w))
     except (AttributeError, RuntimeError, TypeError):  # a private op: any other build may lack or change it
@@ -229,17 +259,43 @@ class Attention(nn.Module):
         # Every row's new key and value go to its slot in the pool, in place, before any row attends.
         keys.index_copy_(1, index.write_slots, qk[:, self.n_heads :].transpose(0, 1))
         values.index_copy_(1, index.write_slots, qkv[:, self.n_heads + self.n_kv_heads :].transpose(0, 1))
-        queries = qk[:, : self.n_heads].transpose(0, 1)  # [heads, R, D]
-        outs = []
-        for item, gather, mask in zip(index.layout.items, index.gathers, index.masks):
-            if gather is None:  # the item's positions are consecutive slots: attend to a view of the pool
-                k = keys[:, item.base : item.base + item.end]
-                v = values[:, item.base : item.base + item.end]
-            else:
-                k, v = keys.index_select(1, gather), values.index_select(1, gather)
-            outs.append(self._attend(queries[:, item.row_start : item.row_end], k, v, mask, item.start))
-        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-        return self.o_proj(out.transpose(0, 1).reshape(rows, -1))
+        queries = qk[:, : self.n_heads]  # [R, heads, D]
+        if index.decode is None and len(index.singles) == 1:  # one request: no assembling
+            out = self._attend_one(queries, keys, values, *index.singles[0])
+        else:
+            out = queries.new_empty(queries.shape)
+            for item, gather, mask in index.singles:
+                out[item.row_start : item.row_end] = self._attend_one(
+                    queries[item.row_start : item.row_end], keys, values, item, gather, mask)
+            if index.decode is not None:
+                self._attend_decode(queries, keys, values, index.decode, out)
+        return self.o_proj(out.reshape(rows, -1))
+
+    def _attend_one(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, item: ItemLayout,
+                    gather: torch.Tensor | None, mask: torch.Tensor | None) -> torch.Tensor:
+        """One request's rows q [T, heads, D] against its positions [0, end) -> [T, heads, D]."""
+        if gather is None:  # the item's positions are consecutive slots: attend to a view of the pool
+            k = keys[:, item.base : item.base + item.end]
+            v = values[:, item.base : item.base + item.end]
+        else:
+            k, v = keys.index_select(1, gather), values.index_select(1, gather)
+        return self._attend(q.transpose(0, 1), k, v, mask, item.start).transpose(0, 1)
+
+    def _attend_decode(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, group: DecodeGroup,
+                       out: torch.Tensor) -> None:
+        """Several requests' one new row each, in one sdpa call over their padded positions, into `out`."""
+        count = group.mask.shape[0]
+        q = queries[group.first_row : group.first_row + count] if group.first_row is not None else \
+            queries.index_select(0, group.rows)
+        q = q.reshape(count, self.n_kv_heads, self.n_heads // self.n_kv_heads, self.head_dim)
+        k = keys.index_select(1, group.slots).view(self.n_kv_heads, count, -1, self.head_dim).transpose(0, 1)
+        v = values.index_select(1, group.slots).view(self.n_kv_heads, count, -1, self.head_dim).transpose(0, 1)
+        attended = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=self.scale)
+        attended = attended.reshape(count, self.n_heads, self.head_dim)
+        if group.first_row is not None:
+            out[group.first_row : group.first_row + count] = attended
+        else:
+            out.index_copy_(0, group.rows, attended)
 
     def _attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, offset: int
@@ -314,17 +370,17 @@ class ShardModel(nn.Module):
             # One tensor when the shard holds both the embedding and the tied LM head.
             self.lm_head.weight = self.embed_tokens.weight
         weight = self.layers[0].mlp.down_proj.weight
-        onednn, pack = onednn_usable(weight, packed=False), onednn_usable(weight, packed=True)
+        pack_batch = PACK_BATCH.get(weight.dtype)
+        pack = pack_batch is not None and onednn_usable(weight, pack_batch)
+        # bfloat16 plain weights (the LM head) go faster through F.linear: natively for one row, see native_matvec.
+        onednn = weight.dtype == torch.float32 and onednn_usable(weight, None)
         for module in self.modules():
             if not isinstance(module, Linear):
                 continue
             module.onednn = onednn
-            if prefers_column_major(module.weight):
-                # Same values, transposed storage; a tied embedding follows, which only slows its row gathers.
-                module.weight.data = module.weight.data.t().contiguous().t()
-            # The LM head stays plain: it only ever sees one row, and may be the embedding matrix too.
+            # The LM head stays plain: it may be the embedding matrix too, whose rows are looked up.
             if pack and module is not self.lm_head:
-                packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.data, 1)
+                packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.data, pack_batch)
                 module.weight, module.packed = nn.Parameter(packed, requires_grad=False), True
         self.native_matvec = weight.device.type == "cpu" and weight.dtype == torch.bfloat16
         self.rope = RotaryTable(self.args, weight.device, weight.dtype)
