@@ -190,8 +190,10 @@ def llamacpp_rates(model_dir: Path, dtype: str, threads: int, work: Path) -> dic
     outtype = {"float32": "f32", "bfloat16": "bf16"}[dtype]
     try:
         if not gguf.exists():
+            # llama-bench never tokenizes; the converter only needs a pre-tokenizer name it knows for ours.
+            env = {**os.environ, "LLAMACPP_PRE": os.environ.get("LLAMACPP_PRE", "smollm")}
             subprocess.run(["bash", str(LLAMACPP), "convert", str(model_dir), str(gguf), outtype], check=True,
-                           capture_output=True, text=True)
+                           capture_output=True, text=True, env=env)
         out = subprocess.run(["bash", str(LLAMACPP), "bench", str(gguf), "-t", str(threads), "-p", "8", "-n", "64",
                               "-r", "3", "-o", "json"], check=True, capture_output=True, text=True).stdout
     except (subprocess.CalledProcessError, FileNotFoundError) as exc:

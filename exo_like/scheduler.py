@@ -61,6 +61,7 @@ class Sequence:
     registered: int = 0  # leading blocks registered in the prefix cache
     parent_hash: bytes = ROOT_HASH  # hash of the last registered block
     in_flight: bool = False  # a token is being sampled for it: it has nothing to compute until that arrives
+    batch: int = -1  # the step whose token it awaits, while in flight
     cached_prompt: int = 0  # prompt positions taken from the prefix cache at admission
 
     @property
@@ -99,6 +100,7 @@ class Scheduler:
         self.running: dict[str, Sequence] = {}
         self.failures: list[Failure] = []  # requests ended by the scheduler, for the worker to report
         self.preemptions = 0
+        self._steps = 0
         self._arrivals = itertools.count()
 
     # -- requests in and out ----------------------------------------------------------------------------
@@ -159,8 +161,17 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting) or any(not s.in_flight and s.pending > 0 for s in self.running.values())
 
+    def batches_in_flight(self) -> int:
+        return len({s.batch for s in self.running.values() if s.in_flight})
+
     def schedule(self) -> Step | None:
-        """The next step's items (decode tokens first, then prompt chunks), or None if nothing can run now."""
+        """The next step's items (decode tokens first, then prompt chunks), or None if nothing can run now.
+
+        No more than `pipeline_depth` batches are out at once: with stages sharing one machine, requests whose
+        tokens come back a little apart would otherwise go round as separate batches for ever, each reading
+        every stage's weights again; waiting for the batch in flight keeps them in one."""
+        if self.batches_in_flight() >= self.pipeline_depth:
+            return None
         budget = self.limits.max_batch_tokens
         chosen: list[tuple[Sequence, int]] = []
         decode_quota = math.ceil(len(self.running) / self.pipeline_depth)
@@ -185,7 +196,10 @@ class Scheduler:
                 break
             chosen.append((self.waiting.popleft(), count))
             budget -= count
-        return self._step(chosen) if chosen else None
+        if not chosen:
+            return None
+        self._steps += 1
+        return self._step(chosen)
 
     def _admit(self, seq: Sequence, budget: int) -> int:
         """Give the oldest waiting request the blocks for its first chunk (after any cached prefix)."""
@@ -242,7 +256,7 @@ class Scheduler:
             start = seq.computed
             seq.computed += count
             sample = seq.computed == len(seq.tokens)
-            seq.in_flight = sample
+            seq.in_flight, seq.batch = sample, self._steps
             items.append(WorkItem(seq.rid, seq.origin, start, count, tuple(seq.blocks),
                                   seq.sample if sample else None))
             tokens.extend(seq.tokens[start:seq.computed])

@@ -207,6 +207,28 @@ def test_with_several_machines_decoding_requests_split_into_batches_in_flight() 
     assert sizes == [3, 3, 2]  # three batches, one per stage machine, all in flight at once
 
 
+def test_with_one_machine_one_batch_is_in_flight_so_requests_stay_together() -> None:
+    scheduler = Scheduler(64)
+    submit(scheduler, "a", [1, 2, 3])
+    first = scheduler.schedule()
+    submit(scheduler, "b", [4, 5])  # arrives while a's first token is being sampled
+    assert scheduler.schedule() is None and scheduler.batches_in_flight() == 1
+    scheduler.on_sampled("a", 9, done=False)
+    step = scheduler.schedule()
+    assert [(i.rid, i.count) for i in step.items] == [("a", 1), ("b", 2)]  # one batch from here on
+    assert first.items[0].rid == "a"
+
+
+def test_with_two_machines_a_second_batch_goes_while_the_first_is_out() -> None:
+    scheduler = Scheduler(64, pipeline_depth=2)
+    submit(scheduler, "a", [1, 2, 3])
+    scheduler.schedule()
+    submit(scheduler, "b", [4, 5])
+    assert [i.rid for i in scheduler.schedule().items] == ["b"]
+    submit(scheduler, "c", [6])
+    assert scheduler.schedule() is None  # two batches out: c waits for one of them
+
+
 # -- the prefix cache -------------------------------------------------------------------------------------
 
 

@@ -221,6 +221,18 @@ async def test_a_three_stage_ring_with_origins_everywhere_gives_the_same_tokens(
     assert all(isinstance(m, (Submit, Forward, Sampled, Tokens, Release, Error)) for m in net.sent)
 
 
+async def test_requests_arriving_apart_decode_together_on_one_machine(expected3) -> None:
+    async with ring(3, delays=(0.005, 0.005, 0.005)) as net:
+        async def later(i: int, rid: str) -> list[int]:
+            await asyncio.sleep(0.004 * i)  # each arrives while the batch before it is going round
+            return await generate(net.first, rid, PROMPTS[rid])
+
+        results = await asyncio.gather(*(later(i, rid) for i, rid in enumerate(list(PROMPTS)[:4])))
+        calls = net.first.engine.calls
+    assert results == [expected3[rid] for rid in list(PROMPTS)[:4]]
+    assert len(calls[-4]) == 4  # near the end, all four decode in one batch rather than in turns
+
+
 async def test_stages_on_separate_machines_keep_several_batches_in_flight(expected3) -> None:
     async with ring(3, depth=3, delays=(0.01, 0.01, 0.01)) as net:
         results = await together(net)
