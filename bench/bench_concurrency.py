@@ -261,14 +261,14 @@ async def interleave(url: str, model: str, new_tokens: int) -> tuple[list[float]
         long = await stream_chat(session, url, model, long_prompt, 1)
         prefill_end = long.times[0] if long.times else time.perf_counter()
         results = await asyncio.gather(*streams)
-    during, before = [], []
+    during, outside = [], []
     for r in results:
         for a, b in zip(r.times, r.times[1:]):
-            if a >= long_started and b <= prefill_end:
+            if b > long_started and a < prefill_end:
                 during.append(b - a)
-            elif b <= long_started:
-                before.append(b - a)
-    return before, during, prefill_end - long_started
+            else:
+                outside.append(b - a)
+    return outside, during, prefill_end - long_started
 
 
 @contextlib.contextmanager
@@ -289,10 +289,11 @@ def interleave_section(root: Path, args: argparse.Namespace) -> None:
     print(f"\nInterleaving, SmolLM2 shape, {args.dtypes[0]}: 4 streams decode while a 4,000-token prompt arrives",
           flush=True)
     with smollm_node(root, "interleave", args) as (node, model):
-        before, during, prefill = asyncio.run(interleave(node.base_url, model, 400))
-    median = statistics.median(before + during)
-    print(f"  prefill took {prefill:.1f} s; the 4 streams' inter-token latency: median {median * 1000:.1f} ms, "
-          f"p99 during the prefill {percentile(during, 99) * 1000:.1f} ms over {len(during)} gaps")
+        outside, during, prefill = asyncio.run(interleave(node.base_url, model, 400))
+    median = statistics.median(outside)
+    print(f"  prefill took {prefill:.1f} s; the 4 streams' inter-token latency: median {median * 1000:.1f} ms "
+          f"without the long prompt ({len(outside)} gaps), during its prefill median "
+          f"{statistics.median(during) * 1000:.1f} ms, p99 {percentile(during, 99) * 1000:.1f} ms ({len(during)} gaps)")
     print(f"  ratio: p99 during prefill / median = {percentile(during, 99) / median:.2f} (target <= 3)", flush=True)
 
 

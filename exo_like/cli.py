@@ -17,7 +17,8 @@ from exo_like.api import create_app, finish_generations
 from exo_like.engines.openmp import limit_worker_spin
 from exo_like.errors import ExoLikeError
 from exo_like.node import DEFAULT_CLUSTER_KEY, DEFAULT_STEP_TIMEOUT, Node, NodeOptions, default_home
-from exo_like.scheduler import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_RUNNING, SchedulerLimits
+from exo_like.scheduler import (DEFAULT_INTERLEAVE_TOKENS, DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_RUNNING,
+                                SchedulerLimits)
 
 log = logging.getLogger("exo_like")
 
@@ -68,10 +69,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="memory for the KV cache of this node's layers (default: 30%% of the memory left after "
                              "loading them, at most 2 GiB); requests wait for room when it is full")
     parser.add_argument("--max-batch-tokens", type=int, default=None,
-                        help="positions one engine step may compute, decode tokens first, then prompt chunks: "
-                             "smaller keeps streams smooth while long prompts arrive (default: "
-                             f"{DEFAULT_MAX_BATCH_TOKENS['cpu']} when the first stage runs on a CPU, else "
-                             f"{DEFAULT_MAX_BATCH_TOKENS['accelerator']})"),
+                        help="positions one engine step may compute: prompt chunks when no request is streaming "
+                             f"(default: {DEFAULT_MAX_BATCH_TOKENS['cpu']} when the first stage runs on a CPU, "
+                             f"else {DEFAULT_MAX_BATCH_TOKENS['accelerator']})")
+    parser.add_argument("--interleave-tokens", type=int, default=None,
+                        help="positions one engine step may compute while requests are streaming: their tokens "
+                             "first, then prompt chunks; smaller keeps streams smooth while long prompts arrive "
+                             f"(default: {DEFAULT_INTERLEAVE_TOKENS['cpu']} on a CPU, else "
+                             f"{DEFAULT_INTERLEAVE_TOKENS['accelerator']})")
     parser.add_argument("--max-running", type=int, default=DEFAULT_MAX_RUNNING,
                         help="requests batched at once; more wait in a queue (default: %(default)d)")
     parser.add_argument("--no-prefix-cache", action="store_true",
@@ -90,8 +95,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--step-timeout must be positive")
     if args.kv_cache_gb is not None and not args.kv_cache_gb > 0:
         parser.error("--kv-cache-gb must be positive")
-    if (args.max_batch_tokens is not None and args.max_batch_tokens < 1) or args.max_running < 1:
-        parser.error("--max-batch-tokens and --max-running must be at least 1")
+    if any(n is not None and n < 1 for n in (args.max_batch_tokens, args.interleave_tokens, args.max_running)):
+        parser.error("--max-batch-tokens, --interleave-tokens and --max-running must be at least 1")
     return args
 
 
@@ -160,7 +165,8 @@ def main(argv: list[str] | None = None) -> None:
                           mdns=not args.no_mdns, cluster_key=args.cluster_key or DEFAULT_CLUSTER_KEY, model=args.model,
                           hub_cache=args.hub_cache, request_wait=args.request_wait, step_timeout=args.step_timeout,
                           kv_cache_gb=args.kv_cache_gb,
-                          limits=SchedulerLimits(args.max_batch_tokens, args.max_running, not args.no_prefix_cache))
+                          limits=SchedulerLimits(args.max_batch_tokens, args.max_running, not args.no_prefix_cache,
+                                                 args.interleave_tokens))
     try:
         node = Node(options)
         node_filter.node_id = node.node_id

@@ -22,11 +22,13 @@ import numpy as np
 from exo_like.kv_blocks import BLOCK_SIZE, ROOT_HASH, BlockPool, block_hash, blocks_for
 from exo_like.protocol import SampleSpec, Submit, WorkItem
 
-# Rows of one engine step unless --max-batch-tokens says otherwise, by where the first stage computes. On a CPU a
-# step of 64 rows takes about twice a step of a few decode rows (2 cores, SmolLM2-135M float32), so prompts
-# arriving in 64-token chunks keep running streams' inter-token latency within 3x its median while prefilling
-# nearly as fast as in bigger chunks; an accelerator runs much bigger steps in the same time.
-DEFAULT_MAX_BATCH_TOKENS = {"cpu": 64, "accelerator": 512}
+# Rows of one engine step, by where the first stage computes, unless --max-batch-tokens says otherwise: big steps
+# prefill fastest (each step reads every weight once) when nobody waits for tokens...
+DEFAULT_MAX_BATCH_TOKENS = {"cpu": 512, "accelerator": 2048}
+# ...while requests are streaming, prompt chunks are kept small so their steps stay close to a step of the
+# streams' tokens alone (on 2 CPU cores a 32-token chunk adds ~40 ms to a ~50 ms step), and weigh more the deeper
+# they are in a long prompt (see attention_scale).
+DEFAULT_INTERLEAVE_TOKENS = {"cpu": 32, "accelerator": 512}
 DEFAULT_MAX_RUNNING = 64
 
 
@@ -35,16 +37,19 @@ class SchedulerLimits:
     max_batch_tokens: int | None = None  # rows of one step (vLLM's max_num_batched_tokens); None: by device
     max_running: int = DEFAULT_MAX_RUNNING  # requests holding KV blocks at once (vLLM's max_num_seqs)
     prefix_cache: bool = True
+    interleave_tokens: int | None = None  # rows of one step while requests stream; None: by device
 
     def __post_init__(self) -> None:
-        if (self.max_batch_tokens is not None and self.max_batch_tokens < 1) or self.max_running < 1:
-            raise ValueError("the batch token budget and the running-request limit must be at least 1")
+        budgets = (self.max_batch_tokens, self.interleave_tokens)
+        if any(b is not None and b < 1 for b in budgets) or self.max_running < 1:
+            raise ValueError("the batch token budgets and the running-request limit must be at least 1")
 
     def for_device(self, cpu: bool) -> "SchedulerLimits":
-        """These limits with the batch token budget decided (the default for a CPU or an accelerator)."""
-        if self.max_batch_tokens is not None:
-            return self
-        return replace(self, max_batch_tokens=DEFAULT_MAX_BATCH_TOKENS["cpu" if cpu else "accelerator"])
+        """These limits with the batch token budgets decided (the defaults for a CPU or an accelerator)."""
+        kind = "cpu" if cpu else "accelerator"
+        batch = self.max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS[kind]
+        interleave = min(batch, self.interleave_tokens or DEFAULT_INTERLEAVE_TOKENS[kind])
+        return replace(self, max_batch_tokens=batch, interleave_tokens=interleave)
 
 
 @dataclass(eq=False)
@@ -90,9 +95,14 @@ class Step:
 
 class Scheduler:
     def __init__(self, n_blocks: int, limits: SchedulerLimits = SchedulerLimits(), pipeline_depth: int = 1,
-                 cpu: bool = True):
+                 cpu: bool = True, attention_scale: int | None = None):
         self.pool = BlockPool(n_blocks)
         self.limits = limits.for_device(cpu)
+        # A prompt token at position p costs (1 + p // attention_scale) of the step's budget: its attention to the
+        # p positions before it grows with p, so chunks late in a long prompt are smaller and the step's time
+        # (and every stream's inter-token latency) stays about the same. None: every token costs 1.
+        self.attention_scale = attention_scale
+        self._weighted = False  # whether this step weighs prompt tokens by depth (only while requests stream)
         # Batches the ring should keep in flight: with stages on separate machines, splitting the decoding
         # requests into this many batches lets every stage work at once instead of waiting for one batch.
         self.pipeline_depth = max(1, pipeline_depth)
@@ -172,13 +182,17 @@ class Scheduler:
         every stage's weights again; waiting for the batch in flight keeps them in one."""
         if self.batches_in_flight() >= self.pipeline_depth:
             return None
-        budget = self.limits.max_batch_tokens
+        # While requests stream, prompts get small chunks on top of the streams' tokens; else big ones.
+        streaming = any(len(s.tokens) > s.sample.prompt_len for s in self.running.values())
+        self._weighted = streaming
+        rows_left = self.limits.max_batch_tokens
+        prompt_budget = self.limits.interleave_tokens if streaming else rows_left
         chosen: list[tuple[Sequence, int]] = []
         decode_quota = math.ceil(len(self.running) / self.pipeline_depth)
         ready = [s for s in self.running.values() if not s.in_flight and s.pending > 0]
         ready.sort(key=lambda s: (s.pending > 1, s.arrival))
         for seq in ready:
-            if budget == 0:
+            if rows_left == 0:
                 break
             if seq.rid not in self.running:
                 continue  # preempted for an earlier one in this loop
@@ -186,22 +200,41 @@ class Scheduler:
                 if decode_quota == 0:
                     continue
                 decode_quota -= 1
-            count = self._grow(seq, min(seq.pending, budget), chosen)
+                count = self._grow(seq, 1, chosen)
+            else:
+                want = self._chunk(seq, min(prompt_budget, rows_left), chosen)
+                count = self._grow(seq, want, chosen) if want else 0
+                prompt_budget -= min(prompt_budget, count * self._weight(seq.computed))
             if count:
                 chosen.append((seq, count))
-                budget -= count
-        while budget and self.waiting and len(self.running) < self.limits.max_running:
-            count = self._admit(self.waiting[0], budget)
+                rows_left -= count
+        while rows_left and self.waiting and len(self.running) < self.limits.max_running:
+            count = self._admit(self.waiting[0], min(prompt_budget, rows_left), chosen)
             if not count:
                 break
-            chosen.append((self.waiting.popleft(), count))
-            budget -= count
+            seq = self.waiting.popleft()
+            chosen.append((seq, count))
+            rows_left -= count
+            prompt_budget -= min(prompt_budget, count * self._weight(seq.computed))
         if not chosen:
             return None
         self._steps += 1
         return self._step(chosen)
 
-    def _admit(self, seq: Sequence, budget: int) -> int:
+    def _weight(self, position: int) -> int:
+        if self.attention_scale is None or not self._weighted:
+            return 1
+        return 1 + position // self.attention_scale
+
+    def _chunk(self, seq: Sequence, budget: int, chosen: list[tuple[Sequence, int]]) -> int:
+        """How many of a request's pending tokens fit the budget left; at least one for the first prompt of the
+        step, so a prompt too deep for any chunk still moves."""
+        if seq.pending == 1:
+            return 1
+        count = min(seq.pending, budget // self._weight(seq.computed))
+        return count if count or any(s.pending > 1 for s, _ in chosen) else 1
+
+    def _admit(self, seq: Sequence, budget: int, chosen: list[tuple[Sequence, int]]) -> int:
         """Give the oldest waiting request the blocks for its first chunk (after any cached prefix)."""
         if self.limits.prefix_cache:
             # At least one position is computed, so the last prompt token's logits exist to sample from.
@@ -209,8 +242,8 @@ class Scheduler:
             seq.blocks, seq.parent_hash = blocks, parent
             seq.computed = seq.cached_prompt = len(blocks) * BLOCK_SIZE
             seq.registered = len(blocks)
-        count = min(seq.pending, budget)
-        new = self.pool.allocate(blocks_for(seq.computed + count) - len(seq.blocks))
+        count = self._chunk(seq, budget, chosen)
+        new = self.pool.allocate(blocks_for(seq.computed + count) - len(seq.blocks)) if count else None
         if new is None:
             self.pool.release(seq.blocks)  # wait without holding cached blocks others may need
             seq.blocks, seq.computed, seq.registered, seq.parent_hash = [], 0, 0, ROOT_HASH

@@ -190,7 +190,7 @@ class StageWorker:
             if resources is None:
                 return None  # some stage has not announced its KV pool yet: its announcement wakes us
             self.scheduler = Scheduler(resources.kv_blocks, self.limits, resources.pipeline_depth,
-                                       self.engine is None or self.engine.on_cpu)
+                                       self.engine is None or self.engine.on_cpu, attention_scale(self.engine))
             for message in self._submitted:
                 self.scheduler.submit(message)
             self._submitted.clear()
@@ -359,6 +359,15 @@ class StageWorker:
     def busy(self) -> bool:
         """Whether this stage's layers are serving requests right now (or did within the last second)."""
         return self.active_requests() > 0 or bool(self._inbox) or time.monotonic() - self._last_step < 1.0
+
+
+def attention_scale(engine: Engine | None) -> int | None:
+    """Positions of context at which one prompt token's attention costs about as much as its share of the
+    layers' products, on this engine: about twice the hidden size for Llama-shaped layers on a CPU (measured for
+    SmolLM2-135M: a 32-token chunk takes 88 ms at position 0, 142 ms at 2,000 and 226 ms at 3,500)."""
+    if engine is None or engine.args is None:
+        return None
+    return 2 * engine.args.hidden_size
 
 
 def _written_slots(items: Sequence[WorkItem]) -> list[tuple[int, int]]:

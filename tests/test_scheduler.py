@@ -92,6 +92,31 @@ def test_a_long_prompt_is_chunked_under_the_token_budget_while_others_decode() -
     assert {i.rid for i in step_items} == {"short", "long"}
 
 
+def test_chunks_late_in_a_long_prompt_are_smaller() -> None:
+    """A prompt token's attention grows with its position: it weighs (1 + position // scale) in the budget."""
+    scheduler = Scheduler(256, SchedulerLimits(max_batch_tokens=32), attention_scale=100)
+    submit(scheduler, "short", [1, 2])
+    run_step(scheduler)
+    submit(scheduler, "long", list(range(300)))
+    chunks = [run_step(scheduler)["long"] for _ in range(7)]
+    assert chunks[:5] == [(0, 31), (31, 31), (62, 31), (93, 31), (124, 15)]  # weight 2 from position 100 on
+    assert chunks[6] == (154, 15) and scheduler.running["short"].computed == 9  # short decoded every step
+
+
+def test_a_prompt_too_deep_for_any_chunk_still_moves_a_token_at_a_time() -> None:
+    scheduler = Scheduler(256, SchedulerLimits(max_batch_tokens=64, interleave_tokens=4), attention_scale=1)
+    submit(scheduler, "short", [1])
+    run_step(scheduler)  # now streaming
+    submit(scheduler, "deep", list(range(20)))
+    assert [run_step(scheduler)["deep"] for _ in range(3)] == [(0, 4), (4, 1), (5, 1)]
+
+
+def test_with_nobody_streaming_a_prompt_goes_in_big_chunks() -> None:
+    scheduler = Scheduler(256, SchedulerLimits(max_batch_tokens=64, interleave_tokens=4), attention_scale=1)
+    submit(scheduler, "alone", list(range(100)))
+    assert [run_step(scheduler)["alone"] for _ in range(2)] == [(0, 64), (64, 36)]
+
+
 def test_only_the_chunk_that_ends_the_prompt_samples() -> None:
     scheduler = Scheduler(64, SchedulerLimits(max_batch_tokens=8))
     submit(scheduler, "a", list(range(20)))
@@ -115,7 +140,7 @@ def test_requests_beyond_max_running_wait_in_order() -> None:
 
 
 def test_done_and_release_free_the_blocks() -> None:
-    scheduler = Scheduler(8)
+    scheduler = Scheduler(8, SchedulerLimits(max_batch_tokens=256))
     submit(scheduler, "a", list(range(40)))  # 3 blocks
     submit(scheduler, "b", list(range(100, 110)))
     run_step(scheduler)
@@ -260,7 +285,7 @@ def test_a_prompt_entirely_cached_still_computes_its_last_block() -> None:
 
 
 def test_running_requests_share_cached_blocks_and_never_write_them() -> None:
-    scheduler = Scheduler(64)
+    scheduler = Scheduler(64, SchedulerLimits(max_batch_tokens=256))
     prefix = list(range(3 * BLOCK_SIZE))
     submit(scheduler, "a", prefix + [1])
     run_step(scheduler)
@@ -300,6 +325,8 @@ def test_plan_change_drains_every_request() -> None:
 def test_limits_are_checked_and_the_step_budget_follows_the_device() -> None:
     with pytest.raises(ValueError):
         SchedulerLimits(max_batch_tokens=0)
-    assert Scheduler(8, cpu=True).limits.max_batch_tokens == 64
-    assert Scheduler(8, cpu=False).limits.max_batch_tokens == 512
-    assert Scheduler(8, SchedulerLimits(max_batch_tokens=7), cpu=False).limits.max_batch_tokens == 7
+    cpu, accelerator = Scheduler(8, cpu=True).limits, Scheduler(8, cpu=False).limits
+    assert (cpu.max_batch_tokens, cpu.interleave_tokens) == (512, 32)
+    assert (accelerator.max_batch_tokens, accelerator.interleave_tokens) == (2048, 512)
+    small = Scheduler(8, SchedulerLimits(max_batch_tokens=7), cpu=False).limits
+    assert (small.max_batch_tokens, small.interleave_tokens) == (7, 7)
