@@ -67,7 +67,6 @@ class Sequence:
     parent_hash: bytes = ROOT_HASH  # hash of the last registered block
     in_flight: bool = False  # a token is being sampled for it: it has nothing to compute until that arrives
     batch: int = -1  # the step whose token it awaits, while in flight
-    cached_prompt: int = 0  # prompt positions taken from the prefix cache at admission
 
     @property
     def pending(self) -> int:
@@ -87,10 +86,6 @@ class Failure:
 class Step:
     items: list[WorkItem]
     tokens: np.ndarray  # the items' input token ids, in item order
-
-    @property
-    def rows(self) -> int:
-        return int(self.tokens.shape[0])
 
 
 class Scheduler:
@@ -168,9 +163,6 @@ class Scheduler:
 
     # -- steps --------------------------------------------------------------------------------------------
 
-    def has_work(self) -> bool:
-        return bool(self.waiting) or any(not s.in_flight and s.pending > 0 for s in self.running.values())
-
     def batches_in_flight(self) -> int:
         return len({s.batch for s in self.running.values() if s.in_flight})
 
@@ -240,7 +232,7 @@ class Scheduler:
             # At least one position is computed, so the last prompt token's logits exist to sample from.
             blocks, parent = self.pool.take_prefix(seq.tokens, (len(seq.tokens) - 1) // BLOCK_SIZE)
             seq.blocks, seq.parent_hash = blocks, parent
-            seq.computed = seq.cached_prompt = len(blocks) * BLOCK_SIZE
+            seq.computed = len(blocks) * BLOCK_SIZE
             seq.registered = len(blocks)
         count = self._chunk(seq, budget, chosen)
         new = self.pool.allocate(blocks_for(seq.computed + count) - len(seq.blocks)) if count else None

@@ -81,8 +81,6 @@ class StageWorker:
         self._last_step = 0.0
         self.kv_used = 0  # blocks the ring's requests and prefix cache hold (the first stage's count)
         self._totals = (0, 0, 0)  # prefix-cache lookups and hits (tokens), preemptions: schedulers before this one
-        self.tokens_sampled = 0
-        self.steps = 0
         self.throughput = RateMeter()  # generated tokens that passed through this stage, recently
         self.decode_step_seconds = RecentMedian()  # engine time of recent decode-only steps (sampling included)
 
@@ -260,7 +258,6 @@ class StageWorker:
             result = self._sample(work.items, out) if is_last else out
         finally:
             self._step_started = None
-        self.steps += 1
         self._last_step = time.monotonic()
         seconds = self._last_step - started
         if all(item.count == 1 for item in work.items):
@@ -284,7 +281,6 @@ class StageWorker:
         """The tokens go to the first stage first (the next step is on the critical path), then to each origin."""
         if not sampled:
             return
-        self.tokens_sampled += len(sampled)
         tokens = tuple(token for _, token in sampled)
         items = [item for item, _ in sampled]
         await self._send(plan.stages[0].node_id, Sampled(plan.digest, tokens), items)
