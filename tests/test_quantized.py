@@ -120,7 +120,7 @@ def test_torch_shard_holds_the_dequantized_matrices(quantized_dir):
     expected = mx.dequantize(tensors[f"{prefix}.weight"], tensors[f"{prefix}.scales"], tensors[f"{prefix}.biases"],
                              GROUP_SIZE, Q_BITS)
     q_dim = ModelArgs.from_dir(path).num_attention_heads * ModelArgs.from_dir(path).head_dim
-    k_rows = engine.model.layers[2].self_attn.qkv_proj.weight[q_dim:q_dim + expected.shape[0]]
+    k_rows = engine.model.layers[2].self_attn.qkv_proj.dense_weight()[q_dim:q_dim + expected.shape[0]]
     assert np.array_equal(k_rows.numpy(), np.array(expected))
     # The tied head is the dequantized embedding itself.
     assert engine.model.lm_head.weight is engine.model.embed_tokens.weight

@@ -200,6 +200,10 @@ class Linear(nn.Linear):
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
+    def dense_weight(self) -> torch.Tensor:
+        """The weight as a plain [out, in] tensor (a packed one is opaque: no slicing or reading)."""
+        return self.weight.to_dense() if self.packed else self.weight
+
 
 # oneDNN's batch-size hint for its packed weight layout, by dtype: the one measured fastest over 1 to 64 rows here
 # (float32: packed for 16 rows is as fast for one row as for 8; bfloat16: packed for one row).
