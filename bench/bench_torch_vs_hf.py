@@ -29,8 +29,8 @@ import torch
 from exo_like.engines.torch_engine import TorchEngine
 from exo_like.kv_blocks import blocks_for
 from exo_like.model_config import ModelArgs
+from exo_like.protocol import SampleSpec, WorkItem
 from exo_like.shard import Shard
-from tests.engine_driver import Driver
 
 QWEN25_05B = {
     "hidden_size": 896,
@@ -132,17 +132,21 @@ def run_transformers(model, prompt: np.ndarray, new_tokens: int) -> Run:
 
 
 def run_engine(engine: TorchEngine, prompt: np.ndarray, new_tokens: int) -> Run:
-    """One request's engine steps, as the ring's first (and last) stage runs them: KV blocks from a pool."""
-    driver = Driver([engine], n_blocks=blocks_for(len(prompt) + new_tokens))
+    """One request's engine steps, as the ring's first (and last) stage runs them, its KV in blocks 0, 1, ..."""
+    blocks = tuple(range(blocks_for(len(prompt) + new_tokens)))
+    if engine.kv_blocks < len(blocks):
+        engine.allocate_kv(len(blocks))
+    spec = SampleSpec(0.0, 1.0, 0, 0, new_tokens, (), len(prompt))
     times, tokens = [], []
     start = time.perf_counter()
-    inputs = prompt
+    inputs, position = prompt, 0
     for _ in range(new_tokens):
-        token = int(np.argmax(driver.forward("bench", inputs)))
+        item = WorkItem("bench", "bench", position, len(inputs), blocks, spec)
+        token = int(np.argmax(engine.step([item], inputs)[0]))
         times.append(time.perf_counter())
         tokens.append(token)
+        position += len(inputs)
         inputs = np.array([token], dtype=np.int64)
-    driver.release("bench")
     return Run(start, times, tokens)
 
 
