@@ -207,7 +207,7 @@ class StageWorker:
             return None
         frames = [self._inbox.popleft()]
         rows = frames[0].hidden.shape[0]
-        written = set(_written_slots(frames[0].items))
+        written = set(_written_slots(frames[0].items)) if self._inbox else set()
         while self._inbox:
             frame = self._inbox[0]
             slots = _written_slots(frame.items)
