@@ -60,8 +60,6 @@ class BlockPool:
         self._hash_of: dict[int, bytes] = {}
         self._by_hash: dict[bytes, int] = {}
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks no request uses, oldest first
-        self.queries = 0  # prompt tokens looked up in the prefix cache (vLLM counts tokens too)
-        self.hits = 0  # of which were found cached
 
     # -- counts -----------------------------------------------------------------------------------------
 
@@ -118,13 +116,11 @@ class BlockPool:
         now also used by the caller (release them as usual); and the hash of the last one."""
         blocks: list[int] = []
         parent = ROOT_HASH
-        self.queries += len(tokens)
         for i in range(limit):
             digest = block_hash(parent, tokens[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE])
             block = self._by_hash.get(digest)
             if block is None:
                 break
-            self.hits += BLOCK_SIZE
             if self._refs[block] == 0:
                 del self._evictable[block]
             self._refs[block] += 1

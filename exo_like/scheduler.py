@@ -105,6 +105,10 @@ class Scheduler:
         self.running: dict[str, Sequence] = {}
         self.failures: list[Failure] = []  # requests ended by the scheduler, for the worker to report
         self.preemptions = 0
+        # Prompt tokens looked up in the prefix cache at admission, and found there (vLLM counts tokens too). A
+        # request that has to wait for blocks gives its cached ones back and is counted when it is admitted.
+        self.prefix_queries = 0
+        self.prefix_hits = 0
         self._steps = 0
         self._arrivals = itertools.count()
 
@@ -242,6 +246,9 @@ class Scheduler:
             return 0
         seq.blocks += new
         self.running[seq.rid] = seq
+        if self.limits.prefix_cache:
+            self.prefix_queries += len(seq.tokens)
+            self.prefix_hits += seq.registered * BLOCK_SIZE
         return count
 
     def _grow(self, seq: Sequence, count: int, chosen: list[tuple[Sequence, int]]) -> int:

@@ -93,8 +93,8 @@ class StageWorker:
         origins: dict[str, str] = {}
         if self.scheduler is not None:
             origins.update((seq.rid, seq.origin) for seq in self.scheduler.drain())
-            self._totals = (self._totals[0] + self.scheduler.pool.queries, self._totals[1] + self.scheduler.pool.hits,
-                            self._totals[2] + self.scheduler.preemptions)
+            self._totals = (self._totals[0] + self.scheduler.prefix_queries,
+                            self._totals[1] + self.scheduler.prefix_hits, self._totals[2] + self.scheduler.preemptions)
         origins.update((s.rid, s.origin) for s in self._submitted)
         origins.update((item.rid, item.origin) for frame in self._inbox for item in frame.items)
         for rid, origin in origins.items():
@@ -349,8 +349,8 @@ class StageWorker:
             return {"kv_used": self.kv_used, "running": 0, "waiting": len(self._submitted),
                     "prefix_queries": queries, "prefix_hits": hits, "preemptions": preemptions}
         return {"kv_used": scheduler.pool.used, "running": len(scheduler.running),
-                "waiting": len(scheduler.waiting), "prefix_queries": queries + scheduler.pool.queries,
-                "prefix_hits": hits + scheduler.pool.hits, "preemptions": preemptions + scheduler.preemptions}
+                "waiting": len(scheduler.waiting), "prefix_queries": queries + scheduler.prefix_queries,
+                "prefix_hits": hits + scheduler.prefix_hits, "preemptions": preemptions + scheduler.preemptions}
 
     def busy(self) -> bool:
         """Whether this stage's layers are serving requests right now (or did within the last second)."""

@@ -53,7 +53,7 @@ def test_pool_keeps_cached_blocks_until_their_space_is_needed() -> None:
     pool.release(blocks)
     assert pool.cached == 2 and pool.available == 3 and pool.used == 2
     hit, _ = pool.take_prefix(tokens + [99], 2)
-    assert hit == blocks and pool.hits == 2 * BLOCK_SIZE
+    assert hit == blocks
     pool.release(hit)
     # A different first block shares nothing, even if the second block's tokens are the same.
     assert pool.take_prefix([1] + tokens[1:], 2)[0] == []
@@ -269,7 +269,20 @@ def test_a_prompt_sharing_a_cached_prefix_computes_only_the_rest() -> None:
     [item] = step.items
     assert (item.start, item.count) == (5 * BLOCK_SIZE, 5)
     assert step.tokens.tolist() == system[-3:] + [7, 8]
-    assert scheduler.pool.hits == 5 * BLOCK_SIZE
+    assert (scheduler.prefix_hits, scheduler.prefix_queries) == (5 * BLOCK_SIZE, len(system) + 3 + len(system) + 2)
+
+
+def test_a_request_waiting_for_blocks_is_counted_once_in_the_prefix_cache_figures() -> None:
+    scheduler = Scheduler(3, SchedulerLimits(max_batch_tokens=256))
+    submit(scheduler, "a", list(range(40)))  # all three blocks (positions up to 47)
+    submit(scheduler, "b", list(range(50, 60)))
+    run_step(scheduler)
+    for _ in range(3):
+        run_step(scheduler)  # a decodes; b waits, its lookup tried each step but not counted
+    assert scheduler.prefix_queries == 40 and [s.rid for s in scheduler.waiting] == ["b"]
+    scheduler.release("a")
+    run_step(scheduler)
+    assert scheduler.prefix_queries == 50
 
 
 def test_a_prompt_entirely_cached_still_computes_its_last_block() -> None:

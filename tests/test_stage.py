@@ -266,7 +266,7 @@ async def test_a_prefix_hit_computes_only_the_rest_and_changes_nothing() -> None
         first = await generate(net.first, "a", shared + [1, 2])
         second = await generate(net.first, "b", shared + [3])
         b_steps = [c for call in net.nodes["n2"].engine.calls for c in call if c[0] == "b"]
-        hits = net.first.stage.scheduler.pool.hits
+        hits = net.first.stage.scheduler.prefix_hits
     async with ring(3, limits=SchedulerLimits(prefix_cache=False)) as net:
         assert await generate(net.first, "a", shared + [1, 2]) == first
         assert await generate(net.first, "b", shared + [3]) == second
