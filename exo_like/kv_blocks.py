@@ -14,10 +14,10 @@ computing them again. Only full blocks are shared, and a shared block is never w
 from __future__ import annotations
 
 import hashlib
-import heapq
 from collections import OrderedDict
 from collections.abc import Sequence
 
+import numpy as np
 import psutil
 
 BLOCK_SIZE = 16  # positions per KV block, the same on every node (the first stage's block tables assume it)
@@ -48,14 +48,20 @@ ROOT_HASH = b""
 
 
 class BlockPool:
-    """Block ids 0..n_blocks-1: free ones (lowest first, so the pool's memory that is touched stays small),
-    reference counts of used ones, and the prefix cache (hash -> block) with its least-recently-used order."""
+    """Block ids 0..n_blocks-1: free ones, reference counts of used ones, and the prefix cache (hash -> block)
+    with its least-recently-used order.
+
+    Blocks are handed out lowest first, so the pool's memory that is touched stays small, and in consecutive
+    runs where possible: a request whose positions sit in consecutive blocks is attended to from a view of the
+    engine's pool, while scattered blocks are gathered in every layer of every step (for a long prompt, the
+    gather costs more than its attention)."""
 
     def __init__(self, n_blocks: int):
         if n_blocks < 1:
             raise ValueError("a KV pool needs at least one block")
         self.n_blocks = n_blocks
-        self._free = list(range(n_blocks))  # a heap
+        self._is_free = np.ones(n_blocks, dtype=bool)
+        self._n_free = n_blocks
         self._refs = [0] * n_blocks
         self._hash_of: dict[int, bytes] = {}
         self._by_hash: dict[bytes, int] = {}
@@ -66,12 +72,12 @@ class BlockPool:
     @property
     def available(self) -> int:
         """Blocks a request can get now: free ones plus cached ones nobody uses (evicted on demand)."""
-        return len(self._free) + len(self._evictable)
+        return self._n_free + len(self._evictable)
 
     @property
     def used(self) -> int:
         """Blocks that hold something: used by a request, or kept by the prefix cache."""
-        return self.n_blocks - len(self._free)
+        return self.n_blocks - self._n_free
 
     @property
     def cached(self) -> int:
@@ -79,19 +85,45 @@ class BlockPool:
 
     # -- allocation -------------------------------------------------------------------------------------
 
-    def allocate(self, count: int) -> list[int] | None:
+    def allocate(self, count: int, after: int | None = None) -> list[int] | None:
         """`count` blocks for one request's exclusive use, evicting unused cached blocks if needed; None (and
-        nothing taken) if there are not enough."""
+        nothing taken) if there are not enough. Preferred, in order: the blocks right after block `after` (the
+        request's last one, so its run goes on), the lowest run of `count` consecutive free blocks, the lowest
+        free blocks."""
         if count > self.available:
             return None
-        blocks = []
-        for _ in range(count):
-            if not self._free:
-                self._evict_oldest()
-            block = heapq.heappop(self._free)
+        while self._n_free < count:
+            self._evict_oldest()
+        blocks = self._following(after, count) or self._lowest_run(count) or self._lowest(count)
+        self._is_free[blocks] = False
+        self._n_free -= count
+        for block in blocks:
             self._refs[block] = 1
-            blocks.append(block)
         return blocks
+
+    def _following(self, after: int | None, count: int) -> list[int] | None:
+        if after is None or after + count >= self.n_blocks or not self._is_free[after + 1:after + 1 + count].all():
+            return None
+        return list(range(after + 1, after + 1 + count))
+
+    def _lowest_run(self, count: int) -> list[int] | None:
+        if count < 2:
+            return None
+        # Start and end of every run of free blocks, from the edges of the free mask.
+        edges = np.diff(np.concatenate(([False], self._is_free, [False])).astype(np.int8))
+        starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+        fitting = np.flatnonzero(ends - starts >= count)
+        if fitting.size == 0:
+            return None
+        start = int(starts[fitting[0]])
+        return list(range(start, start + count))
+
+    def _lowest(self, count: int) -> list[int]:
+        return np.flatnonzero(self._is_free)[:count].tolist()
+
+    def _set_free(self, block: int) -> None:
+        self._is_free[block] = True
+        self._n_free += 1
 
     def release(self, blocks: Sequence[int]) -> None:
         """A request is done with its blocks: cached ones stay (evictable), the others are free again."""
@@ -102,12 +134,12 @@ class BlockPool:
             if block in self._hash_of:
                 self._evictable[block] = None
             else:
-                heapq.heappush(self._free, block)
+                self._set_free(block)
 
     def _evict_oldest(self) -> None:
         block, _ = self._evictable.popitem(last=False)
         del self._by_hash[self._hash_of.pop(block)]
-        heapq.heappush(self._free, block)
+        self._set_free(block)
 
     # -- prefix cache -----------------------------------------------------------------------------------
 
@@ -139,7 +171,7 @@ class BlockPool:
     def clear_cache(self) -> None:
         """Forget every cached block (the KV data is gone, e.g. a stage reloaded); used blocks stay used."""
         for block in list(self._evictable):
-            heapq.heappush(self._free, block)
+            self._set_free(block)
         self._evictable.clear()
         self._hash_of.clear()
         self._by_hash.clear()

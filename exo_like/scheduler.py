@@ -2,7 +2,7 @@
 
 Continuous batching as vLLM does it: every step takes each running request that has a token to compute (decode
 first), then chunks of prompts up to a token budget, so a long prompt no longer stalls everyone else's stream.
-New requests are admitted while the KV pool has room for their prompt (waiting in arrival order otherwise);
+New requests are admitted while the KV pool has room for their whole prompt (waiting in arrival order otherwise);
 a running request that needs a block when the pool is full takes it from the most recently admitted request,
 which is put back to wait and recomputed later (its tokens so far are kept, and sampling is a function of the
 seed and the token's index, so its text does not change).
@@ -239,7 +239,10 @@ class Scheduler:
             seq.computed = len(blocks) * BLOCK_SIZE
             seq.registered = len(blocks)
         count = self._chunk(seq, budget, chosen)
-        new = self.pool.allocate(blocks_for(seq.computed + count) - len(seq.blocks)) if count else None
+        # Blocks for the whole prompt at once, in one run after any cached prefix where the pool allows: its
+        # later chunks then attend to consecutive slots (see BlockPool), and it is admitted only when all fit.
+        new = self.pool.allocate(blocks_for(len(seq.tokens)) - len(seq.blocks), self._last_block(seq)) \
+            if count else None
         if new is None:
             self.pool.release(seq.blocks)  # wait without holding cached blocks others may need
             seq.blocks, seq.computed, seq.registered, seq.parent_hash = [], 0, 0, ROOT_HASH
@@ -258,7 +261,7 @@ class Scheduler:
         if needed <= 0:
             return count
         busy = {s.rid for s, _ in chosen} | {seq.rid}
-        while (new := self.pool.allocate(needed)) is None:
+        while (new := self.pool.allocate(needed, self._last_block(seq))) is None:
             victims = [s for s in self.running.values() if not s.in_flight and s.rid not in busy]
             if not victims:
                 room = len(seq.blocks) * BLOCK_SIZE - seq.computed  # what its own last block still holds
@@ -268,6 +271,10 @@ class Scheduler:
             self._preempt(max(victims, key=lambda s: s.arrival))
         seq.blocks += new
         return count
+
+    @staticmethod
+    def _last_block(seq: Sequence) -> int | None:
+        return seq.blocks[-1] if seq.blocks else None
 
     def _preempt(self, seq: Sequence) -> None:
         """Free a running request's blocks and put it back first in line; it will be recomputed from its tokens."""

@@ -36,8 +36,21 @@ def test_pool_hands_out_lowest_blocks_and_takes_them_back() -> None:
     assert pool.allocate(2) == [0, 1]
     assert pool.allocate(3) is None and pool.available == 2  # nothing taken on failure
     pool.release([0])
-    assert pool.allocate(2) == [0, 2]
-    assert pool.used == 3
+    assert pool.allocate(1) == [0]
+    pool.release([0])
+    assert pool.allocate(2) == [2, 3]  # a run of consecutive blocks rather than the lowest ones
+    pool.release([2, 3])
+    assert pool.allocate(3) == [0, 2, 3] and pool.used == 4  # no run that long: the lowest ones
+
+
+def test_pool_continues_a_requests_run_when_the_next_blocks_are_free() -> None:
+    pool = BlockPool(8)
+    first, other = pool.allocate(2), pool.allocate(1)
+    assert (first, other) == ([0, 1], [2])
+    assert pool.allocate(1, after=first[-1]) == [3]  # block 2 is taken: the lowest free one instead
+    assert pool.allocate(2, after=other[-1]) == [4, 5]
+    assert pool.allocate(1, after=5) == [6]
+    assert pool.allocate(1, after=7) == [7]  # nothing after the last block: the lowest free one
 
 
 def test_pool_keeps_cached_blocks_until_their_space_is_needed() -> None:
@@ -101,6 +114,20 @@ def test_chunks_late_in_a_long_prompt_are_smaller() -> None:
     chunks = [run_step(scheduler)["long"] for _ in range(7)]
     assert chunks[:5] == [(0, 31), (31, 31), (62, 31), (93, 31), (124, 15)]  # weight 2 from position 100 on
     assert chunks[6] == (154, 15) and scheduler.running["short"].computed == 9  # short decoded every step
+
+
+def test_a_long_prompt_holds_one_run_of_blocks_while_streams_grow_around_it() -> None:
+    """Blocks for the whole prompt come at admission, consecutive: its chunks attend to a view of the pool."""
+    scheduler = Scheduler(256, SchedulerLimits(max_batch_tokens=32))
+    for rid in ("s1", "s2"):
+        submit(scheduler, rid, list(range(BLOCK_SIZE - 2)))
+    run_step(scheduler)
+    submit(scheduler, "long", list(range(10 * BLOCK_SIZE)))
+    for _ in range(12):  # the streams each take a new block while the prompt is chunked
+        run_step(scheduler)
+    assert len(scheduler.running["s1"].blocks) == 2
+    prompt_blocks = scheduler.running["long"].blocks[:10]
+    assert prompt_blocks == list(range(prompt_blocks[0], prompt_blocks[0] + 10))
 
 
 def test_a_prompt_too_deep_for_any_chunk_still_moves_a_token_at_a_time() -> None:
