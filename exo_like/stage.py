@@ -359,8 +359,8 @@ class StageWorker:
 
 def attention_scale(engine: Engine | None) -> int | None:
     """Positions of context at which one prompt token's attention costs about as much as its share of the
-    layers' products, on this engine: about twice the hidden size for Llama-shaped layers on a CPU (measured for
-    SmolLM2-135M: a 32-token chunk takes 88 ms at position 0, 142 ms at 2,000 and 226 ms at 3,500)."""
+    layers' products, on this engine: about twice the hidden size for Llama-shaped layers on a CPU (measured with
+    the interleaving section of bench/bench_concurrency.py)."""
     if engine is None or engine.args is None:
         return None
     return 2 * engine.args.hidden_size
