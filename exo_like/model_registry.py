@@ -15,14 +15,16 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from exo_like.catalog import entry_for_repo
+from exo_like.catalog import PACKAGED, entry_for_repo
 from exo_like.cluster import ModelDescription
 from exo_like.demo import DEMO_NAME, ensure_demo_model
 from exo_like.errors import ExoLikeError, ModelNotFoundError, ModelPendingError
+from exo_like.gguf_file import GGUFCheckpoint, is_gguf
+from exo_like.gguf_tokenizer import gguf_tokenizer
 from exo_like.hub import RepoManifest
 from exo_like.model_config import ModelArgs
 from exo_like.model_source import HubModel, list_models, locate, pinned_key, prepare_hub_model, split_revision
-from exo_like.plan import model_footprint
+from exo_like.plan import ModelFootprint, footprint_from_tensors, model_footprint
 from exo_like.tokenizer import ModelTokenizer
 
 log = logging.getLogger(__name__)
@@ -41,6 +43,7 @@ class LoadedModel:
     tokenizer: ModelTokenizer
     aliases: frozenset[str]
     manifest: RepoManifest | None = None  # hub models: the weight files and the bytes per layer
+    footprint: ModelFootprint | None = None  # local models: the bytes per layer
     created: int = field(default_factory=lambda: int(time.time()))
 
     def answers_to(self, name: str) -> bool:
@@ -58,15 +61,30 @@ class LoadedModel:
 
 
 def resolve_model_dir(spec: str, home: Path) -> tuple[str, Path]:
-    """(model id, folder) for `demo`, a local Hugging Face folder, or a folder under <home>/models."""
+    """(model id, folder or GGUF file) for `demo`, a local Hugging Face folder, a GGUF file (or a folder holding
+    one), either under <home>/models too, or a model shipped in a Python package."""
     if spec == DEMO_NAME:
         return DEMO_NAME, ensure_demo_model(home)
-    for candidate in (Path(spec).expanduser(), home / "models" / spec):
-        if (candidate / "config.json").is_file():
-            folder = candidate.resolve()
-            return folder.name, folder
-    raise ModelNotFoundError(f"model {spec!r} not found: give 'demo' or a local Hugging Face model folder "
-                             f"(with config.json)")
+    source = locate(spec, home)
+    if source.kind != "local" or source.folder is None:
+        raise ModelNotFoundError(f"model {spec!r} not found: give 'demo', a local Hugging Face model folder "
+                                 f"(with config.json) or a GGUF file")
+    if is_gguf(source.folder):
+        packaged = PACKAGED.get(spec.strip().lower())
+        return (packaged.name if packaged else source.folder.stem), source.folder
+    return source.folder.name, source.folder
+
+
+def read_local_model(folder: Path) -> tuple[ModelArgs, ModelTokenizer, ModelFootprint]:
+    """Config, tokenizer and per-layer bytes of a local Hugging Face folder or GGUF file (headers only)."""
+    if is_gguf(folder):
+        gguf = GGUFCheckpoint(folder)
+        args = ModelArgs.from_dict(gguf.config())
+        footprint = footprint_from_tensors(gguf.tensor_sizes(), args.num_hidden_layers, args.tie_word_embeddings)
+        return args, gguf_tokenizer(gguf.metadata, folder.name), footprint
+    args = ModelArgs.from_dir(folder)
+    footprint = model_footprint(folder, args.num_hidden_layers, args.tie_word_embeddings, args.quant_bits)
+    return args, ModelTokenizer.from_dir(folder), footprint
 
 
 class ModelRegistry:
@@ -92,10 +110,10 @@ class ModelRegistry:
         if source.kind == "hub":
             return self._remember(self._hub_model(prepare_hub_model(source, self.cache_dir), spec))
         model_id, folder = resolve_model_dir(spec, self.home)
-        args = ModelArgs.from_dir(folder)
+        args, tokenizer, footprint = read_local_model(folder)
         key = DEMO_NAME if spec == DEMO_NAME else str(folder)
-        return self._remember(LoadedModel(model_id, key, folder, args, ModelTokenizer.from_dir(folder),
-                                          frozenset({spec, str(folder), key})))
+        return self._remember(LoadedModel(model_id, key, folder, args, tokenizer,
+                                          frozenset({spec, model_id, str(folder), key}), footprint=footprint))
 
     def known(self, spec: str) -> LoadedModel | None:
         """The model if it can be had without the network: known already, or demo / a local folder (disk only)."""
@@ -132,11 +150,9 @@ class ModelRegistry:
             model = self.known(key)
             if model is None:
                 raise self._pending(key)
-            n_layers = model.args.num_hidden_layers
-            footprint = (model.manifest.footprint if model.manifest is not None
-                         else model_footprint(model.path, n_layers, model.args.tie_word_embeddings,
-                                              model.args.quant_bits))
-            self._descriptions[key] = ModelDescription(n_layers, footprint)
+            footprint = model.manifest.footprint if model.manifest is not None else model.footprint
+            assert footprint is not None  # a local model's is read with it
+            self._descriptions[key] = ModelDescription(model.args.num_hidden_layers, footprint)
         return self._descriptions[key]
 
     def listing(self, served: LoadedModel | None, created: int) -> list[dict[str, Any]]:

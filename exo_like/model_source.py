@@ -1,6 +1,7 @@
 """What a model name refers to, and the models a node knows about.
 
-A name is `demo`, a local Hugging Face folder (a path, or a folder under <home>/models), a catalog short name
+A name is `demo`, a local Hugging Face folder or GGUF file (a path, or under <home>/models; a folder holding
+one GGUF model counts as that file), a model shipped in a Python package (smollm2-135m), a catalog short name
 (llama-3.2-1b, qwen2.5-7b, ...), or a hub repo id (organisation/name), optionally at a revision
 (organisation/name@branch-tag-or-commit). In the cluster a hub model is keyed by its repo id and the commit
 the first node resolved it to (organisation/name@<commit>): every node fetches the model itself, and that key
@@ -16,10 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from exo_like.catalog import CATALOG, CatalogEntry, entry_for_repo, lookup
+from exo_like.catalog import CATALOG, PACKAGED, CatalogEntry, entry_for_repo, lookup
 from exo_like.checkpoint import INDEX_FILE, SINGLE_FILE
 from exo_like.demo import DEMO_NAME
 from exo_like.errors import ExoLikeError, ModelNotFoundError, UnsupportedModelError
+from exo_like.gguf_file import find_gguf
 from exo_like.hub import RepoManifest, cached_snapshot, download_metadata, repo_manifest
 from exo_like.model_config import ModelArgs
 
@@ -35,7 +37,7 @@ _REVISION = re.compile(r"^(?!.*\.\.)\w[\w./-]{0,199}$")
 class ModelSource:
     kind: str  # "demo" | "local" | "hub"
     spec: str
-    folder: Path | None = None  # demo and local
+    folder: Path | None = None  # demo and local (a GGUF model: its file, the first part of a split one)
     repos: tuple[str, ...] = ()  # hub: candidates, tried in order
     catalog: CatalogEntry | None = None
     revision: str | None = None  # hub: a branch, tag or commit of the (single) repo; None: main
@@ -77,6 +79,15 @@ def locate(spec: str, home: Path) -> ModelSource:
     for candidate in (Path(spec).expanduser(), home / "models" / spec):
         if (candidate / "config.json").is_file():
             return ModelSource("local", spec, folder=candidate.resolve())
+        gguf = find_gguf(candidate)
+        if gguf is not None:  # not resolved: a split set's parts sit beside the link (the hub cache links blobs)
+            return ModelSource("local", spec, folder=gguf.absolute())
+    packaged = PACKAGED.get(spec.strip().lower())
+    if packaged is not None:
+        path = packaged.path()
+        if path is None:
+            raise ModelNotFoundError(packaged.missing_message())
+        return ModelSource("local", spec, folder=path.absolute())
     entry = lookup(spec)
     if entry is not None:
         return ModelSource("hub", spec, repos=entry.repos, catalog=entry)

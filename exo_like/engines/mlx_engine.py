@@ -24,6 +24,7 @@ from exo_like.engines.base import Engine, EngineUnavailableError, check_cancel
 from exo_like.engines.batch import layout as batch_layout
 from exo_like.engines.mlx_model import LayerPool, ShardModel, StepIndex
 from exo_like.errors import InvalidRequestError, UnsupportedModelError
+from exo_like.gguf_file import GGUFCheckpoint, is_gguf
 from exo_like.kv_blocks import BLOCK_SIZE
 from exo_like.model_config import DTYPES, ModelArgs
 from exo_like.protocol import WorkItem
@@ -56,6 +57,13 @@ def describe_device(device: mx.Device) -> str:
         return f"mlx gpu ({mx.device_info()['device_name']})"
     except (KeyError, RuntimeError):
         return "mlx gpu"
+
+
+def read_shard_tensors(model_dir: Path, shard: Shard, tied_embeddings: bool) -> dict[str, mx.array]:
+    """The shard's tensors under their shard-local names, from a GGUF file or a Hugging Face folder."""
+    if is_gguf(model_dir):
+        return {local: mx.array(array) for local, array in GGUFCheckpoint(model_dir).read_shard(shard, tied_embeddings)}
+    return read_plan_tensors(plan_shard_load(model_dir, shard, tied_embeddings), tied_embeddings)
 
 
 def read_plan_tensors(plan: ShardLoadPlan, tied_embeddings: bool) -> dict[str, mx.array]:
@@ -116,10 +124,9 @@ class MLXEngine(Engine):
         started = time.perf_counter()
         dtype_name = self.requested_dtype or _checkpoint_dtype(args)
         self._model, self._pools, self.shard, self.args = None, [], None, None
-        plan = plan_shard_load(Path(model_dir), shard, args.tie_word_embeddings)
         with mx.stream(self._device):
             model = ShardModel(args, shard)
-            weights = read_plan_tensors(plan, args.tie_word_embeddings)
+            weights = read_shard_tensors(Path(model_dir), shard, args.tie_word_embeddings)
             quantize_like_checkpoint(model, args, weights)
             dtype = MX_DTYPES[dtype_name]
             model.load_weights([(name, _cast(w, dtype)) for name, w in weights.items()], strict=True)
@@ -133,8 +140,8 @@ class MLXEngine(Engine):
         self._model, self._dtype_name = model, dtype_name
         self.shard, self.args = shard, args
         log.info(
-            "loaded %s on %s as %s: %d tensors from %d files, %.1f MB in %.2fs",
-            shard, self.device_name, dtype_name, len(weights), len(plan.files),
+            "loaded %s on %s as %s: %d tensors from %s, %.1f MB in %.2fs",
+            shard, self.device_name, dtype_name, len(weights), Path(model_dir).name,
             self.parameter_bytes() / 1e6, time.perf_counter() - started,
         )
 

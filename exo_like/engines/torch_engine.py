@@ -25,6 +25,7 @@ from exo_like.engines.torch_dequantize import dequantize_tensors
 from exo_like.engines.batch import layout as batch_layout
 from exo_like.engines.torch_model import KVPool, ShardModel, StepIndex, fuse_checkpoint_weights
 from exo_like.errors import InvalidRequestError
+from exo_like.gguf_file import GGUFCheckpoint, is_gguf
 from exo_like.model_config import DTYPES, ModelArgs
 from exo_like.protocol import WorkItem
 from exo_like.quantization import QuantSpec
@@ -130,12 +131,10 @@ class TorchEngine(Engine):
         self.model, self.shard, self.args, self.pool = None, None, None, None
         started = time.perf_counter()
         self.dtype = pick_dtype(self.requested_dtype, args.torch_dtype, self.device)
-        plan = plan_shard_load(Path(model_dir), shard, args.tie_word_embeddings)
-        skip = checkpoint_skips(plan, args.tie_word_embeddings)
-        log.info("loading %s from %d files on %s as %s", shard, len(plan.files), self.device, DTYPE_NAMES[self.dtype])
+        log.info("loading %s from %s on %s as %s", shard, Path(model_dir).name, self.device, DTYPE_NAMES[self.dtype])
         with torch.device("meta"):  # no memory, no random init: every parameter is replaced by a loaded tensor
             model = ShardModel(args, shard.layer_count, shard.is_first, shard.is_last)
-        weights = read_planned_tensors(plan, skip, self.device, self.dtype, args.quant, cancel)
+        weights = self._read_weights(Path(model_dir), args, shard, cancel)
         state = fuse_checkpoint_weights(weights, args, shard.is_first, shard.is_last)
         model.load_state_dict(state, assign=True)
         # Drop our references so prepare()'s relayout frees each old tensor as it goes.
@@ -143,6 +142,18 @@ class TorchEngine(Engine):
         model.requires_grad_(False).eval().prepare()
         self.model, self.shard, self.args = model, shard, args
         log.info("loaded %s: %.1f MB in %.2fs", shard, self.parameter_bytes() / 1e6, time.perf_counter() - started)
+
+    def _read_weights(self, model_dir: Path, args: ModelArgs, shard: Shard,
+                      cancel: threading.Event | None) -> dict[str, torch.Tensor]:
+        if is_gguf(model_dir):
+            weights = {}
+            for local, array in GGUFCheckpoint(model_dir).read_shard(shard, args.tie_word_embeddings):
+                check_cancel(cancel)
+                weights[local] = torch.from_numpy(array).to(device=self.device, dtype=self.dtype)
+            return weights
+        plan = plan_shard_load(model_dir, shard, args.tie_word_embeddings)
+        skip = checkpoint_skips(plan, args.tie_word_embeddings)
+        return read_planned_tensors(plan, skip, self.device, self.dtype, args.quant, cancel)
 
     def step(self, items: Sequence[WorkItem], inputs: np.ndarray | Activations) -> Activations | np.ndarray:
         model, pool = self._loaded_model(), self._pool()

@@ -1,0 +1,265 @@
+"""GGUF files, llama.cpp's single-file format: a model's config, tokenizer and tensors, read with `gguf`.
+
+A GGUF model is one file (or a split set `name-00001-of-00003.gguf`, ...): a header of metadata (architecture,
+hyper-parameters, tokenizer, chat template) and tensor descriptions, then the tensors' bytes at offsets the
+header gives. `gguf`'s reader maps the files into memory, so a node that reads only its own layers' tensors
+touches only their pages.
+
+Names and layouts are llama.cpp's: `blk.N.attn_q.weight` is `model.layers.N.self_attn.q_proj.weight`, and for
+the `llama` architecture llama.cpp's converter reorders the rows of the query and key projections (its rotary
+embedding pairs neighbouring dimensions, Hugging Face's pairs the two halves of a head); they are put back here,
+so a tensor read from a GGUF is the tensor the Hugging Face checkpoint holds, and the engines need no GGUF
+knowledge. Quantized tensors are dequantized to float32 (`gguf.quants`, numpy).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from exo_like.checkpoint import local_tensor_name
+from exo_like.errors import ModelNotFoundError, UnsupportedModelError
+from exo_like.shard import Shard
+
+GGUF_SUFFIX = ".gguf"
+# GGUF's `general.architecture` -> the model_type the engines implement (Mistral files say "llama").
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+# Tensor types read (and dequantized) here: what F32/F16/BF16 conversions and Q8_0, Q4_0, Q4_1, Q4_K_M, Q5_K_M,
+# Q6_K and the like files contain.
+TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
+                "Q6_K")
+_SPLIT_NAME = re.compile(r"^(?P<stem>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
+_LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.(.+)$")
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def is_gguf(path: Path) -> bool:
+    return path.suffix == GGUF_SUFFIX and path.is_file()
+
+
+def find_gguf(path: Path) -> Path | None:
+    """The GGUF file a path names: the file itself, or the one model in a folder (the first part of a split
+    set); None if the path holds no GGUF. A folder with several models is an error naming them."""
+    if is_gguf(path):
+        return path
+    if not path.is_dir():
+        return None
+    files = sorted(p for p in path.glob(f"*{GGUF_SUFFIX}") if p.is_file())
+    models = [p for p in files if (m := _SPLIT_NAME.match(p.name)) is None or int(m["index"]) == 1]
+    if len(models) > 1:
+        raise ModelNotFoundError(f"{path} holds several GGUF models ({', '.join(p.name for p in models)}): "
+                                 "name the file")
+    return models[0] if models else None
+
+
+def split_parts(first: Path) -> list[Path]:
+    """Every file of a split GGUF model, in order (just `first` for a single file); missing parts are an error."""
+    match = _SPLIT_NAME.match(first.name)
+    if match is None:
+        return [first]
+    count = int(match["count"])
+    parts = [first.with_name(f"{match['stem']}-{i:05d}-of-{count:05d}{GGUF_SUFFIX}") for i in range(1, count + 1)]
+    missing = [p.name for p in parts if not p.is_file()]
+    if missing:
+        raise ModelNotFoundError(f"the split GGUF model {first.name} is missing {', '.join(missing)}")
+    return parts
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of the file, by its Hugging Face name."""
+
+    gguf_name: str
+    type_name: str
+    shape: tuple[int, ...]  # rows first (numpy order), e.g. [out_features, in_features]
+    n_bytes: int
+    data: np.ndarray  # the stored bytes (quantized types) or values (float types), memory-mapped
+
+
+class GGUFCheckpoint:
+    """A GGUF model's metadata and tensors (all parts of a split set)."""
+
+    def __init__(self, path: Path):
+        from gguf import GGUFReader  # imported here: only nodes serving a GGUF model need it
+
+        self.path = path
+        self.parts = split_parts(path)
+        try:
+            self._readers = [GGUFReader(part) for part in self.parts]
+        except (ValueError, OSError, IndexError, KeyError, TypeError) as exc:  # a truncated or foreign file
+            raise UnsupportedModelError(f"{path.name} is not a readable GGUF file: {exc!r}") from None
+        self.metadata = _metadata(self._readers[0])
+        architecture = self.metadata.get("general.architecture")
+        if architecture not in ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"{path.name}: unsupported GGUF architecture {architecture!r}; supported: "
+                f"{', '.join(ARCHITECTURES)}", code="unsupported_architecture")
+        self.architecture = str(architecture)
+
+    @cached_property
+    def tensors(self) -> dict[str, TensorEntry]:
+        """Hugging Face name -> entry, for every tensor the model uses (unknown extras are an error)."""
+        entries = {}
+        for reader in self._readers:
+            for tensor in reader.tensors:
+                name = hf_tensor_name(tensor.name)
+                if name is None:
+                    raise UnsupportedModelError(f"{self.path.name}: tensor {tensor.name!r} is not part of a "
+                                                f"{self.architecture} model this project runs")
+                type_name = tensor.tensor_type.name
+                if type_name not in TENSOR_TYPES:
+                    raise UnsupportedModelError(
+                        f"{self.path.name}: tensor {tensor.name} has type {type_name}, which is not supported; "
+                        f"supported: {', '.join(TENSOR_TYPES)}", code="unsupported_quantization")
+                shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
+                entries[name] = TensorEntry(tensor.name, type_name, shape, int(tensor.n_bytes), tensor.data)
+        return entries
+
+    def _key(self, name: str, default: Any = None) -> Any:
+        return self.metadata.get(f"{self.architecture}.{name}", default)
+
+    def config(self) -> dict[str, Any]:
+        """The model's hyper-parameters in `config.json`'s terms (what ModelArgs.from_dict reads)."""
+        heads = int(self._key("attention.head_count"))
+        hidden = int(self._key("embedding_length"))
+        tokens = self.metadata.get("tokenizer.ggml.tokens")
+        embedding = self.tensors["model.embed_tokens.weight"]
+        config: dict[str, Any] = {
+            "model_type": ARCHITECTURES[self.architecture],
+            "hidden_size": hidden,
+            "num_hidden_layers": int(self._key("block_count")),
+            "num_attention_heads": heads,
+            "num_key_value_heads": int(self._key("attention.head_count_kv", heads)),
+            "head_dim": int(self._key("attention.key_length", hidden // heads)),
+            "intermediate_size": int(self._key("feed_forward_length")),
+            "vocab_size": int(self._key("vocab_size", len(tokens) if tokens else embedding.shape[0])),
+            "rms_norm_eps": float(self._key("attention.layer_norm_rms_epsilon", 1e-6)),
+            "rope_theta": float(self._key("rope.freq_base", 10000.0)),
+            "max_position_embeddings": int(self._key("context_length", 4096)),
+            "tie_word_embeddings": "lm_head.weight" not in self.tensors,
+            "attention_bias": "model.layers.0.self_attn.q_proj.bias" in self.tensors,
+            "torch_dtype": self._float_dtype(),
+            "bos_token_id": self.metadata.get("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": self._stop_ids(),
+        }
+        config.update(self._rope_scaling())
+        return config
+
+    def _rope_scaling(self) -> dict[str, Any]:
+        if "rope_freqs.weight" in self.tensors:
+            raise UnsupportedModelError(f"{self.path.name}: per-dimension rope frequency factors (rope_freqs) are "
+                                        "not supported yet", code="unsupported_rope_scaling")
+        kind = self._key("rope.scaling.type", "none")
+        if kind in ("none", None):
+            return {}
+        if kind == "linear":
+            return {"rope_scaling": {"rope_type": "linear", "factor": float(self._key("rope.scaling.factor"))}}
+        raise UnsupportedModelError(f"{self.path.name}: rope scaling {kind!r} is not supported; supported: linear",
+                                    code="unsupported_rope_scaling")
+
+    def _stop_ids(self) -> list[int]:
+        """llama.cpp stops at any end-of-generation token: end of sequence, end of turn, end of message."""
+        keys = ("eos_token_id", "eot_token_id", "eom_token_id")
+        ids = [self.metadata.get(f"tokenizer.ggml.{key}") for key in keys]
+        return list(dict.fromkeys(int(i) for i in ids if i is not None))
+
+    def _float_dtype(self) -> str:
+        """The float dtype the model's matrices are stored in; float32 when they are quantized."""
+        kinds = {entry.type_name for entry in self.tensors.values() if len(entry.shape) == 2}
+        if kinds == {"BF16"}:
+            return "bfloat16"
+        if kinds <= {"F16", "F32"} and "F16" in kinds:
+            return "float16"
+        return "float32"
+
+    def tensor_sizes(self) -> Iterator[tuple[str, str, int]]:
+        """(Hugging Face name, safetensors-style dtype, bytes) of every tensor once dequantized to float32: what
+        a node holds, for planning."""
+        for name, entry in self.tensors.items():
+            yield name, "F32", 4 * int(np.prod(entry.shape))
+
+    def read(self, name: str) -> np.ndarray:
+        """A tensor as the Hugging Face checkpoint holds it, in float32."""
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        entry = self.tensors[name]
+        values = dequantize(np.asarray(entry.data), GGMLQuantizationType[entry.type_name])
+        # A copy: a float tensor comes back as a view of the file's memory map, which must not outlive the load.
+        values = np.array(values, dtype=np.float32).reshape(entry.shape)
+        if self.architecture == "llama":
+            if ".self_attn.q_proj." in name:
+                values = unpermute_rotary_rows(values, self.config_heads)
+            elif ".self_attn.k_proj." in name:
+                values = unpermute_rotary_rows(values, self.config_kv_heads)
+        return values
+
+    @cached_property
+    def config_heads(self) -> int:
+        return int(self._key("attention.head_count"))
+
+    @cached_property
+    def config_kv_heads(self) -> int:
+        return int(self._key("attention.head_count_kv", self.config_heads))
+
+    def read_shard(self, shard: Shard, tied: bool) -> Iterator[tuple[str, np.ndarray]]:
+        """(shard-local name, float32 array) of exactly the tensors `shard` needs."""
+        for name in self.tensors:
+            local = local_tensor_name(name, shard, tied)
+            if local is not None and not (tied and name.startswith("lm_head.")):
+                yield local, self.read(name)
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    match = _LAYER_TENSOR.match(gguf_name)
+    if match:
+        part = _LAYER_NAMES.get(match.group(2))
+        return None if part is None else f"model.layers.{match.group(1)}.{part}"
+    if gguf_name == "rope_freqs.weight":
+        return "rope_freqs.weight"
+    return _GLOBAL_NAMES.get(gguf_name)
+
+
+def unpermute_rotary_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's converter, which orders each head's rows as pairs (0, d/2), (1, d/2+1), ... for its
+    rotary embedding; Hugging Face's rotate-half wants the two halves of the head one after the other."""
+    rows = weight.shape[0]
+    half = rows // n_heads // 2
+    return weight.reshape(n_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def _metadata(reader: Any) -> dict[str, Any]:
+    """Every metadata key with its value (strings decoded, arrays as lists)."""
+    values = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        values[key] = field.contents()
+    return values
