@@ -2,8 +2,8 @@
 
 A GGUF model is one file (or a split set `name-00001-of-00003.gguf`, ...): a header of metadata (architecture,
 hyper-parameters, tokenizer, chat template) and tensor descriptions, then the tensors' bytes at offsets the
-header gives. `gguf`'s reader maps the files into memory, so a node that reads only its own layers' tensors
-touches only their pages.
+header gives. The header is parsed with `gguf`'s reader; a node then maps and reads only its own layers'
+tensors, by offset.
 
 Names and layouts are llama.cpp's: `blk.N.attn_q.weight` is `model.layers.N.self_attn.q_proj.weight`, and for
 the `llama` architecture llama.cpp's converter reorders the rows of the query and key projections (its rotary
@@ -14,6 +14,7 @@ knowledge. Quantized tensors are dequantized to float32 (`gguf.quants`, numpy).
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -94,28 +95,46 @@ def split_parts(first: Path) -> list[Path]:
 
 @dataclass(frozen=True)
 class TensorEntry:
-    """One tensor of the file, by its Hugging Face name."""
+    """One tensor of the file, by its Hugging Face name, and where its bytes are."""
 
     gguf_name: str
     type_name: str
     shape: tuple[int, ...]  # rows first (numpy order), e.g. [out_features, in_features]
     n_bytes: int
-    data: np.ndarray  # the stored bytes (quantized types) or values (float types), memory-mapped
+    part: Path  # the file of a split set that holds it
+    offset: int  # of its first byte in that file
+
+
+def open_gguf(path: Path) -> "GGUFCheckpoint":
+    """The checkpoint at `path`, parsed once per process while the file is unchanged: parsing a header with a
+    large vocabulary takes seconds, and the registry and the engine both need it."""
+    stat = path.stat()
+    return _open_cached(path.absolute(), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=4)
+def _open_cached(path: Path, _mtime_ns: int, _size: int) -> "GGUFCheckpoint":
+    return GGUFCheckpoint(path)
 
 
 class GGUFCheckpoint:
-    """A GGUF model's metadata and tensors (all parts of a split set)."""
+    """A GGUF model's metadata and tensor table (all parts of a split set). No file stays mapped: each read
+    maps the tensor's own bytes and lets them go, so a node's memory ends at the tensors it copied."""
 
     def __init__(self, path: Path):
         from gguf import GGUFReader  # imported here: only nodes serving a GGUF model need it
 
         self.path = path
         self.parts = split_parts(path)
+        self._stored: list[tuple[Path, Any]] = []  # (part, gguf ReaderTensor) of every tensor, checked in `tensors`
         try:
-            self._readers = [GGUFReader(part) for part in self.parts]
+            for index, part in enumerate(self.parts):
+                reader = GGUFReader(part)
+                if index == 0:
+                    self.metadata = _metadata(reader)
+                self._stored.extend((part, tensor) for tensor in reader.tensors)
         except (ValueError, OSError, IndexError, KeyError, TypeError) as exc:  # a truncated or foreign file
             raise UnsupportedModelError(f"{path.name} is not a readable GGUF file: {exc!r}") from None
-        self.metadata = _metadata(self._readers[0])
         architecture = self.metadata.get("general.architecture")
         if architecture not in ARCHITECTURES:
             raise UnsupportedModelError(
@@ -127,19 +146,19 @@ class GGUFCheckpoint:
     def tensors(self) -> dict[str, TensorEntry]:
         """Hugging Face name -> entry, for every tensor the model uses (unknown extras are an error)."""
         entries = {}
-        for reader in self._readers:
-            for tensor in reader.tensors:
-                name = hf_tensor_name(tensor.name)
-                if name is None:
-                    raise UnsupportedModelError(f"{self.path.name}: tensor {tensor.name!r} is not part of a "
-                                                f"{self.architecture} model this project runs")
-                type_name = tensor.tensor_type.name
-                if type_name not in TENSOR_TYPES:
-                    raise UnsupportedModelError(
-                        f"{self.path.name}: tensor {tensor.name} has type {type_name}, which is not supported; "
-                        f"supported: {', '.join(TENSOR_TYPES)}", code="unsupported_quantization")
-                shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
-                entries[name] = TensorEntry(tensor.name, type_name, shape, int(tensor.n_bytes), tensor.data)
+        for part, tensor in self._stored:
+            name = hf_tensor_name(tensor.name)
+            if name is None:
+                raise UnsupportedModelError(f"{self.path.name}: tensor {tensor.name!r} is not part of a "
+                                            f"{self.architecture} model this project runs")
+            type_name = tensor.tensor_type.name
+            if type_name not in TENSOR_TYPES:
+                raise UnsupportedModelError(
+                    f"{self.path.name}: tensor {tensor.name} has type {type_name}, which is not supported; "
+                    f"supported: {', '.join(TENSOR_TYPES)}", code="unsupported_quantization")
+            shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
+            entries[name] = TensorEntry(tensor.name, type_name, shape, int(tensor.n_bytes), part,
+                                        int(tensor.data_offset))
         return entries
 
     def _key(self, name: str, default: Any = None) -> Any:
@@ -211,8 +230,11 @@ class GGUFCheckpoint:
         from gguf.quants import dequantize
 
         entry = self.tensors[name]
-        values = dequantize(np.asarray(entry.data), GGMLQuantizationType[entry.type_name])
-        # A copy: a float tensor comes back as a view of the file's memory map, which must not outlive the load.
+        stored = np.memmap(entry.part, dtype=np.uint8, mode="r", offset=entry.offset, shape=(entry.n_bytes,))
+        if len(entry.shape) > 1:  # one row of bytes per output row: the form gguf's dequantizers take
+            stored = stored.reshape(entry.shape[0], -1)
+        values = dequantize(stored, GGMLQuantizationType[entry.type_name])
+        # A copy: a float tensor comes back as a view of the memory map, which must not outlive the load.
         values = np.array(values, dtype=np.float32).reshape(entry.shape)
         if self.architecture == "llama":
             if ".self_attn.q_proj." in name:
@@ -233,7 +255,7 @@ class GGUFCheckpoint:
         """(shard-local name, float32 array) of exactly the tensors `shard` needs."""
         for name in self.tensors:
             local = local_tensor_name(name, shard, tied)
-            if local is not None and not (tied and name.startswith("lm_head.")):
+            if local is not None:
                 yield local, self.read(name)
 
 

