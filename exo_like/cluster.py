@@ -21,7 +21,8 @@ from exo_like.errors import ExoLikeError, ModelPendingError, ServiceUnavailableE
 from exo_like.node_load import NodeLoad
 from exo_like.node_info import NodeInfo
 from exo_like.peers import PeerNetwork
-from exo_like.plan import Holder, ModelFootprint, Plan, fit_problems, make_plan
+from exo_like.footprint import ModelFootprint
+from exo_like.plan import Holder, Plan, fit_problems, make_plan
 from exo_like.protocol import PlanState
 from exo_like.shard import Shard
 from exo_like.stage import RingResources
@@ -161,7 +162,7 @@ class Cluster:
             return None, f"cannot serve {self.model_id}: {exc.message}"
         capacities = [NodeCapacity(m.node_id, m.memory_bytes) for m in self.members()]
         plan = make_plan(self.model_id, description.n_layers, capacities)
-        holders = {m.node_id: Holder(m.engine, m.dtype) for m in self.members()}
+        holders = {m.node_id: Holder(m.engine, m.dtype, m.device) for m in self.members()}
         problems = fit_problems(plan, description.footprint, holders)
         return plan, ("the model does not fit: " + "; ".join(problems)) if problems else None
 
@@ -374,7 +375,7 @@ class Cluster:
         shard = self.plan.shard_for(member.node_id) if self.plan else None
         if description is None or shard is None:
             return 0
-        return description.footprint.held_by(member.engine, member.dtype).shard_bytes(shard)
+        return description.footprint.held_by(member.engine, member.dtype, member.device).shard_bytes(shard)
 
     def _model_bytes(self) -> int | None:
         description = self._description()

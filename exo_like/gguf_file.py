@@ -9,14 +9,15 @@ Names and layouts are llama.cpp's: `blk.N.attn_q.weight` is `model.layers.N.self
 the `llama` architecture llama.cpp's converter reorders the rows of the query and key projections (its rotary
 embedding pairs neighbouring dimensions, Hugging Face's pairs the two halves of a head); they are put back here,
 so a tensor read from a GGUF is the tensor the Hugging Face checkpoint holds, and the engines need no GGUF
-knowledge. Quantized tensors are dequantized to float32 (`gguf.quants`, numpy).
+knowledge. Quantized matrices come either dequantized to float32 (`gguf.quants`), the exact reference, or
+as codes, scales and biases (gguf_blocks.py) for the engines' quantized kernels.
 """
 
 from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -24,8 +25,10 @@ from typing import Any
 
 import numpy as np
 
+from exo_like.affine import AffineGroups
 from exo_like.checkpoint import local_tensor_name
 from exo_like.errors import ModelNotFoundError, UnsupportedModelError
+from exo_like.gguf_blocks import affine_groups, has_affine_form
 from exo_like.shard import Shard
 
 GGUF_SUFFIX = ".gguf"
@@ -35,6 +38,7 @@ ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 # Q6_K and the like files contain.
 TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
                 "Q6_K")
+FLOAT_TYPES = ("F32", "F16", "BF16")
 _SPLIT_NAME = re.compile(r"^(?P<stem>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
 _LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.(.+)$")
 _LAYER_NAMES = {
@@ -210,22 +214,18 @@ class GGUFCheckpoint:
         return list(dict.fromkeys(int(i) for i in ids if i is not None))
 
     def _float_dtype(self) -> str:
-        """The float dtype the model's matrices are stored in; float32 when they are quantized."""
+        """The float dtype the model's matrices are stored in; for quantized ones, bfloat16: the activations
+        their quantized kernels take (a float --dtype asks for the dequantized path instead)."""
         kinds = {entry.type_name for entry in self.tensors.values() if len(entry.shape) == 2}
         if kinds == {"BF16"}:
             return "bfloat16"
         if kinds <= {"F16", "F32"} and "F16" in kinds:
             return "float16"
-        return "float32"
+        return "float32" if kinds <= {"F32"} else "bfloat16"
 
-    def tensor_sizes(self) -> Iterator[tuple[str, str, int]]:
-        """(Hugging Face name, safetensors-style dtype, bytes) of every tensor once dequantized to float32: what
-        a node holds, for planning."""
-        for name, entry in self.tensors.items():
-            yield name, "F32", 4 * int(np.prod(entry.shape))
-
-    def read(self, name: str) -> np.ndarray:
-        """A tensor as the Hugging Face checkpoint holds it, in float32."""
+    def read(self, name: str, quantized: bool = False) -> np.ndarray | AffineGroups:
+        """A tensor as the Hugging Face checkpoint holds it, in float32; with `quantized`, a matrix of a type
+        that has an affine form (gguf_blocks.py) comes as its codes, scales and biases instead."""
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
@@ -233,14 +233,16 @@ class GGUFCheckpoint:
         stored = np.memmap(entry.part, dtype=np.uint8, mode="r", offset=entry.offset, shape=(entry.n_bytes,))
         if len(entry.shape) > 1:  # one row of bytes per output row: the form gguf's dequantizers take
             stored = stored.reshape(entry.shape[0], -1)
-        values = dequantize(stored, GGMLQuantizationType[entry.type_name])
-        # A copy: a float tensor comes back as a view of the memory map, which must not outlive the load.
-        values = np.array(values, dtype=np.float32).reshape(entry.shape)
-        if self.architecture == "llama":
-            if ".self_attn.q_proj." in name:
-                values = unpermute_rotary_rows(values, self.config_heads)
-            elif ".self_attn.k_proj." in name:
-                values = unpermute_rotary_rows(values, self.config_kv_heads)
+        values: np.ndarray | AffineGroups
+        if quantized and len(entry.shape) == 2 and has_affine_form(entry.type_name):
+            values = affine_groups(entry.type_name, stored, entry.shape)
+        else:
+            values = dequantize(stored, GGMLQuantizationType[entry.type_name])
+            # A copy: a float tensor comes back as a view of the memory map, which must not outlive the load.
+            values = np.array(values, dtype=np.float32).reshape(entry.shape)
+        heads = {"q_proj": self.config_heads, "k_proj": self.config_kv_heads}.get(name.split(".")[-2])
+        if self.architecture == "llama" and heads is not None:
+            return _map_rows(values, lambda rows: unpermute_rotary_rows(rows, heads))
         return values
 
     @cached_property
@@ -251,12 +253,24 @@ class GGUFCheckpoint:
     def config_kv_heads(self) -> int:
         return int(self._key("attention.head_count_kv", self.config_heads))
 
-    def read_shard(self, shard: Shard, tied: bool) -> Iterator[tuple[str, np.ndarray]]:
-        """(shard-local name, float32 array) of exactly the tensors `shard` needs."""
-        for name in self.tensors:
+    @cached_property
+    def quantized(self) -> bool:
+        """Whether any matrix is stored in a quantized type."""
+        return any(len(e.shape) == 2 and e.type_name not in FLOAT_TYPES for e in self.tensors.values())
+
+    def read_shard(self, shard: Shard, tied: bool, quantized: bool = False
+                   ) -> Iterator[tuple[str, np.ndarray | AffineGroups, str]]:
+        """(shard-local name, tensor, stored type) of exactly the tensors `shard` needs (see `read` for
+        `quantized`)."""
+        for name, entry in self.tensors.items():
             local = local_tensor_name(name, shard, tied)
             if local is not None:
-                yield local, self.read(name)
+                yield local, self.read(name, quantized), entry.type_name
+
+
+def _map_rows(values: np.ndarray | AffineGroups, reorder: Callable[[np.ndarray], np.ndarray]
+              ) -> np.ndarray | AffineGroups:
+    return values.map_rows(reorder) if isinstance(values, AffineGroups) else reorder(values)
 
 
 def hf_tensor_name(gguf_name: str) -> str | None:

@@ -43,7 +43,8 @@ from exo_like.errors import (
     ModelNotFoundError,
     UnsupportedModelError,
 )
-from exo_like.plan import ModelFootprint, footprint_from_tensors, model_footprint
+from exo_like.footprint import ModelFootprint, footprint_from_tensors, model_footprint
+from exo_like.quantization import QuantSpec
 
 log = logging.getLogger(__name__)
 
@@ -131,17 +132,17 @@ def download_metadata(repo_id: str, cache_dir: Path, revision: str | None = None
 
 
 def repo_manifest(repo_id: str, folder: Path, n_layers: int, tied: bool, cache_dir: Path,
-                  quant_bits: int | None = None) -> RepoManifest:
+                  quant: QuantSpec | None = None) -> RepoManifest:
     """The repo's weight files and per-layer bytes at the snapshot's commit: from the cache, else the hub."""
     commit = folder.name
     path = storage_folder(cache_dir, repo_id) / MANIFEST_FOLDER / f"{commit}.json"
     if path.is_file():
         return RepoManifest.from_json(json.loads(path.read_text()))
     if offline():
-        manifest = _local_manifest(repo_id, folder, n_layers, tied, cache_dir, quant_bits)
+        manifest = _local_manifest(repo_id, folder, n_layers, tied, cache_dir, quant)
     else:
         with hub_errors(repo_id, cache_dir, "the layer sizes"):
-            manifest = _fetch_manifest(repo_id, commit, folder, n_layers, tied, quant_bits)
+            manifest = _fetch_manifest(repo_id, commit, folder, n_layers, tied, quant)
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     temporary.write_text(json.dumps(manifest.to_json()))
@@ -150,7 +151,7 @@ def repo_manifest(repo_id: str, folder: Path, n_layers: int, tied: bool, cache_d
 
 
 def _fetch_manifest(repo_id: str, commit: str, folder: Path, n_layers: int, tied: bool,
-                    quant_bits: int | None) -> RepoManifest:
+                    quant: QuantSpec | None) -> RepoManifest:
     api = HfApi(endpoint=endpoint(), **LIBRARY)
     info = api.model_info(repo_id, revision=commit, files_metadata=True)
     listed = {s.rfilename: RemoteFile(s.lfs.size if s.lfs else int(s.size or 0), s.lfs.sha256 if s.lfs else None)
@@ -159,12 +160,12 @@ def _fetch_manifest(repo_id: str, commit: str, folder: Path, n_layers: int, tied
     with ThreadPoolExecutor(HEADER_WORKERS, thread_name_prefix="headers") as pool:
         headers = list(pool.map(lambda name: api.parse_safetensors_file_metadata(repo_id, name, revision=commit),
                                 names))
-    tensors = ((name, tensor.dtype, tensor.data_offsets[1] - tensor.data_offsets[0])
+    tensors = ((name, tensor.dtype, tensor.data_offsets[1] - tensor.data_offsets[0], tuple(tensor.shape))
                for header in headers for name, tensor in header.tensors.items())
     log.info("%s@%s: %d weight files, %.1f MB; layer sizes read from their headers", repo_id, commit[:8],
              len(names), sum(listed[n].size for n in names) / 1e6)
     return RepoManifest(repo_id, commit, {n: listed[n] for n in names},
-                        footprint_from_tensors(tensors, n_layers, tied, quant_bits))
+                        footprint_from_tensors(tensors, n_layers, tied, quant))
 
 
 def _weight_files(folder: Path, listed: dict[str, RemoteFile]) -> list[str]:
@@ -185,7 +186,7 @@ def _weight_files(folder: Path, listed: dict[str, RemoteFile]) -> list[str]:
 
 
 def _local_manifest(repo_id: str, folder: Path, n_layers: int, tied: bool, cache_dir: Path,
-                    quant_bits: int | None) -> RepoManifest:
+                    quant: QuantSpec | None) -> RepoManifest:
     """Offline, without a saved manifest: only a cache that holds every weight file can describe the model."""
     present = {p.name: RemoteFile(p.stat().st_size, None) for p in folder.glob("*.safetensors")}
     try:
@@ -197,7 +198,7 @@ def _local_manifest(repo_id: str, folder: Path, n_layers: int, tied: bool, cache
             f"HF_HUB_OFFLINE is set and the cache {cache_dir} does not hold the layer sizes of {repo_id}: unset "
             f"HF_HUB_OFFLINE so the node can read them from the hub", code="model_not_cached")
     return RepoManifest(repo_id, folder.name, {n: present[n] for n in names},
-                        model_footprint(folder, n_layers, tied, quant_bits))
+                        model_footprint(folder, n_layers, tied, quant))
 
 
 @contextmanager

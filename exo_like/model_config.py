@@ -101,12 +101,6 @@ class ModelArgs:
         """The uniform MLX quantization of the checkpoint (validated in from_dict), None for float."""
         return quant_spec(self.quantization)
 
-    @property
-    def quant_bits(self) -> int | None:
-        """Bits per quantized weight, None for a float checkpoint."""
-        quant = self.quant
-        return quant.bits if quant else None
-
     @classmethod
     def from_dir(cls, model_dir: Path) -> "ModelArgs":
         """Read config.json, merging eos ids from generation_config.json (where eos may be a list)."""

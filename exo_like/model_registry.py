@@ -24,7 +24,7 @@ from exo_like.gguf_tokenizer import gguf_tokenizer
 from exo_like.hub import RepoManifest
 from exo_like.model_config import ModelArgs
 from exo_like.model_source import HubModel, list_models, locate, pinned_key, prepare_hub_model, split_revision
-from exo_like.plan import ModelFootprint, footprint_from_tensors, model_footprint
+from exo_like.footprint import ModelFootprint, footprint_from_matrices, gguf_matrices, model_footprint
 from exo_like.tokenizer import ModelTokenizer
 
 log = logging.getLogger(__name__)
@@ -80,10 +80,11 @@ def read_local_model(folder: Path) -> tuple[ModelArgs, ModelTokenizer, ModelFoot
     if is_gguf(folder):
         gguf = open_gguf(folder)
         args = ModelArgs.from_dict(gguf.config())
-        footprint = footprint_from_tensors(gguf.tensor_sizes(), args.num_hidden_layers, args.tie_word_embeddings)
+        matrices = gguf_matrices((n, e.type_name, e.n_bytes, e.shape) for n, e in gguf.tensors.items())
+        footprint = footprint_from_matrices(matrices, args.num_hidden_layers, args.tie_word_embeddings)
         return args, gguf_tokenizer(gguf.metadata, folder.name), footprint
     args = ModelArgs.from_dir(folder)
-    footprint = model_footprint(folder, args.num_hidden_layers, args.tie_word_embeddings, args.quant_bits)
+    footprint = model_footprint(folder, args.num_hidden_layers, args.tie_word_embeddings, args.quant)
     return args, ModelTokenizer.from_dir(folder), footprint
 
 

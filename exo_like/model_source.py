@@ -126,7 +126,7 @@ def _prepare_repo(repo_id: str, cache_dir: Path, revision: str | None = None) ->
         raise UnsupportedModelError(f"{repo_id} cannot be served: {exc.message}; pick a model of a supported "
                                     f"family (GET /v1/models lists the catalog)", code=exc.code) from None
     manifest = repo_manifest(repo_id, folder, args.num_hidden_layers, args.tie_word_embeddings, cache_dir,
-                             args.quant_bits)
+                             args.quant)
     return HubModel(repo_id, folder, args, manifest)
 
 

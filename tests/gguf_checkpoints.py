@@ -86,9 +86,92 @@ def _add_tensor(writer, name: str, values: np.ndarray, kind: str) -> None:  # no
         writer.add_tensor(name, values)
     elif kind == "F16":
         writer.add_tensor(name, values.astype(np.float16))
+    elif kind in K_QUANTIZERS:  # types gguf cannot quantize: blocks from the simple quantizers below
+        qtype = gguf.GGMLQuantizationType[kind]
+        writer.add_tensor(name, K_QUANTIZERS[kind](values), raw_dtype=qtype)
     else:
         qtype = gguf.GGMLQuantizationType[kind]
         writer.add_tensor(name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
+
+
+# -- K-quants ------------------------------------------------------------------------------------------------------
+# gguf's Python package reads Q4_K, Q5_K and Q6_K but cannot write them. These quantizers write valid blocks
+# in ggml's layouts (see exo_like/gguf_blocks.py) from plain min/max rounding: simpler than llama.cpp's
+# error-minimising search, so the values differ from what llama-quantize would pick, but every field is real
+# and the file dequantizes close to the float weights. Rows must be a multiple of 256 long.
+
+
+def _f16_bytes(values: np.ndarray) -> np.ndarray:
+    return values.astype(np.float16).view(np.uint8).reshape(values.shape[0], 2)
+
+
+def _pack_k_scales(scales: np.ndarray, mins: np.ndarray) -> np.ndarray:
+    """Eight 6-bit scales and mins per superblock [blocks, 8] -> ggml's 12-byte packing."""
+    low = (scales[:, :4] & 0x3F) | ((scales[:, 4:] >> 4) << 6)
+    mid = (mins[:, :4] & 0x3F) | ((mins[:, 4:] >> 4) << 6)
+    high = (scales[:, 4:] & 0x0F) | ((mins[:, 4:] & 0x0F) << 4)
+    return np.concatenate([low, mid, high], axis=1).astype(np.uint8)
+
+
+def _affine_k(values: np.ndarray, levels: int) -> tuple[np.ndarray, ...]:
+    """Superblocks of 256 in groups of 32: w ~ d * scale * q - dmin * min with 6-bit scale and min."""
+    groups = values.reshape(-1, 8, 32).astype(np.float32)
+    low = np.minimum(groups.min(-1), 0)
+    step = (groups.max(-1) - low) / (levels - 1)
+    d = np.maximum(step.max(-1), 1e-8) / 63
+    dmin = np.maximum(-low.min(-1), 1e-8) / 63
+    d, dmin = d.astype(np.float16).astype(np.float32), dmin.astype(np.float16).astype(np.float32)
+    scales = np.clip(np.round(step / d[:, None]), 1, 63).astype(np.uint8)
+    mins = np.clip(np.round(-low / dmin[:, None]), 0, 63).astype(np.uint8)
+    group_scale = (d[:, None] * scales)[..., None]
+    group_min = (dmin[:, None] * mins)[..., None]
+    q = np.clip(np.round((groups + group_min) / group_scale), 0, levels - 1).astype(np.uint8)
+    return d, dmin, scales, mins, q
+
+
+def _k_nibbles(q: np.ndarray) -> np.ndarray:
+    """[blocks, 8, 32] codes -> 128 bytes: run i holds group 2i in low nibbles, group 2i + 1 in high ones."""
+    low = q[:, 0::2] & 0x0F
+    high = q[:, 1::2] & 0x0F
+    return (low | (high << 4)).reshape(q.shape[0], 128)
+
+
+def quantize_q4_k(values: np.ndarray) -> np.ndarray:
+    rows = values.shape[0]
+    d, dmin, scales, mins, q = _affine_k(values, 16)
+    blocks = np.concatenate([_f16_bytes(d), _f16_bytes(dmin), _pack_k_scales(scales, mins), _k_nibbles(q)], axis=1)
+    return blocks.reshape(rows, -1)
+
+
+def quantize_q5_k(values: np.ndarray) -> np.ndarray:
+    rows = values.shape[0]
+    d, dmin, scales, mins, q = _affine_k(values, 32)
+    fifth = (q >> 4) & 1  # [blocks, 8, 32]: bit g of byte j is group g's value j
+    high = (fifth << np.arange(8, dtype=np.uint8)[None, :, None]).sum(1, dtype=np.uint8)
+    blocks = np.concatenate([_f16_bytes(d), _f16_bytes(dmin), _pack_k_scales(scales, mins), high, _k_nibbles(q)],
+                            axis=1)
+    return blocks.reshape(rows, -1)
+
+
+def quantize_q6_k(values: np.ndarray) -> np.ndarray:
+    """Superblocks of 256 in groups of 16: w ~ d * scale * (q - 32), int8 scale, 6-bit q."""
+    rows = values.shape[0]
+    groups = values.reshape(-1, 16, 16).astype(np.float32)
+    step = np.maximum(np.abs(groups).max(-1) / 31, 1e-8)
+    d = (step.max(-1) / 127).astype(np.float16).astype(np.float32)
+    scales = np.clip(np.round(step / d[:, None]), 1, 127).astype(np.int8)
+    q = np.clip(np.round(groups / (d[:, None] * scales)[..., None]) + 32, 0, 63).astype(np.uint8).reshape(-1, 256)
+    # Element h*128 + r: low nibble in nibble r // 64 of ql[h*64 + r % 64]; high 2 bits at bits 2*(r // 32) of
+    # qh[h*32 + r % 32].
+    halves = q.reshape(-1, 2, 128)
+    ql = (halves[..., :64] & 0x0F) | ((halves[..., 64:] & 0x0F) << 4)
+    top = (halves >> 4).reshape(-1, 2, 4, 32)
+    qh = (top << (2 * np.arange(4, dtype=np.uint8))[None, None, :, None]).sum(2, dtype=np.uint8)
+    blocks = np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64), scales.view(np.uint8), _f16_bytes(d)], axis=1)
+    return blocks.reshape(rows, -1)
+
+
+K_QUANTIZERS = {"Q4_K": quantize_q4_k, "Q5_K": quantize_q5_k, "Q6_K": quantize_q6_k}
 
 
 def _add_tokenizer(writer, hf_dir: Path, config: dict) -> None:  # noqa: ANN001

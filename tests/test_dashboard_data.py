@@ -15,7 +15,8 @@ from exo_like.link_problems import LinkProblems
 from exo_like.meter import RateMeter, RecentMedian
 from exo_like.node_load import NodeLoad
 from exo_like.node_info import NodeInfo
-from exo_like.plan import ModelFootprint, Plan
+from exo_like.footprint import ModelFootprint
+from exo_like.plan import Plan
 from exo_like.protocol import PlanState
 from exo_like.shard import Shard
 

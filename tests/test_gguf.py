@@ -32,14 +32,20 @@ from tests.gguf_checkpoints import permute_rotary_rows, write_gguf  # noqa: E402
 
 N_LAYERS, SEED, N_TOKENS = 4, 1, 16
 PROMPT = "The quick brown fox jumps over the lazy dog. Paris is the capital of"
-# name -> (architecture, matrix type, embedding type)
+# K-quants need rows of a multiple of 256 values.
+K_SIZES = {"hidden_size": 256, "intermediate_size": 512}
+QWEN_K = {**K_SIZES, "seed": 3}  # seed 1 at these sizes repeats one token, which would compare nothing
+# name -> (architecture, matrix type, embedding type, make_checkpoint overrides)
 CASES = {
-    "llama-f32": ("llama", "F32", None),
-    "llama-f16": ("llama", "F16", None),
-    "llama-q8_0": ("llama", "Q8_0", None),
-    "llama-q4_1": ("llama", "Q4_1", "Q8_0"),
-    "qwen2-q4_0": ("qwen2", "Q4_0", None),
-    "qwen2-q5_1": ("qwen2", "Q5_1", "F16"),
+    "llama-f32": ("llama", "F32", None, {}),
+    "llama-f16": ("llama", "F16", None, {}),
+    "llama-q8_0": ("llama", "Q8_0", None, {}),
+    "llama-q4_1": ("llama", "Q4_1", "Q8_0", {}),
+    "qwen2-q4_0": ("qwen2", "Q4_0", None, {}),
+    "qwen2-q5_1": ("qwen2", "Q5_1", "F16", {}),
+    "llama-q4_k": ("llama", "Q4_K", "Q6_K", K_SIZES),
+    "qwen2-q6_k": ("qwen2", "Q6_K", "Q4_K", QWEN_K),
+    "qwen2-q5_k": ("qwen2", "Q5_K", None, QWEN_K),
 }
 HAS_MLX = importlib.util.find_spec("mlx") is not None
 ENGINES = ["torch", "mlx"] if HAS_MLX else ["torch"]
@@ -48,9 +54,10 @@ ENGINES = ["torch", "mlx"] if HAS_MLX else ["torch"]
 @pytest.fixture(scope="session")
 def gguf_path(tmp_path_factory) -> Callable[[str], Path]:
     def build(name: str, path: Path) -> Path:
-        arch, matrix_type, embedding_type = CASES[name]
+        arch, matrix_type, embedding_type, overrides = CASES[name]
+        options = {"seed": SEED, **overrides}
         # No rope scaling: llama 3's is stored in GGUF as a frequency tensor this project does not read yet.
-        folder = make_checkpoint(path, arch, n_layers=N_LAYERS, seed=SEED, rope_scaling=None)
+        folder = make_checkpoint(path, arch, n_layers=N_LAYERS, rope_scaling=None, **options)
         return write_gguf(folder, path / f"{name}.gguf", matrix_type, embedding_type)
 
     return built_once(tmp_path_factory.mktemp("gguf_checkpoints"), build)
@@ -160,12 +167,21 @@ def test_an_unsupported_tensor_type_is_named(tmp_path) -> None:
         _ = open_gguf(path).tensors
 
 
-def test_planning_counts_the_float32_bytes_a_node_holds(gguf_path) -> None:
+def test_planning_counts_the_bytes_each_node_holds(gguf_path) -> None:
     path = gguf_path("qwen2-q4_0")
     args, _, footprint = read_local_model(path)
-    layer = sum(4 * int(np.prod(e.shape)) for n, e in open_gguf(path).tensors.items()
-                if n.startswith("model.layers.0."))
-    assert footprint.layer_bytes == (layer,) * args.num_hidden_layers and footprint.tied
+    entries = {n: e for n, e in open_gguf(path).tensors.items() if n.startswith("model.layers.0.")}
+    assert footprint.layer_bytes == (sum(e.n_bytes for e in entries.values()),) * args.num_hidden_layers
+    assert footprint.tied
+    as_float32 = sum(4 * int(np.prod(e.shape)) for e in entries.values())
+    assert footprint.held_by("torch", "float32").layer_bytes == (as_float32,) * args.num_hidden_layers
+    whole = Shard(path.name, 0, args.num_hidden_layers, args.num_hidden_layers)
+    for engine_name in ENGINES:
+        for dtype in (None, "float32"):
+            engine = create_engine(engine_name, device="cpu", dtype=dtype)
+            engine.load(path, args, whole)
+            held = footprint.held_by(engine_name, dtype, "cpu").shard_bytes(whole)
+            assert held == engine.parameter_bytes(), (engine_name, dtype)
 
 
 # -- exactness ---------------------------------------------------------------------------------------------------
@@ -178,11 +194,14 @@ def test_one_engine_matches_transformers_on_the_same_file(gguf_path, expected, n
     assert engine_greedy(path, [engine], prompt_of(path)) == expected(name)
 
 
-@pytest.mark.skipif(not HAS_MLX, reason="mlx is not installed (install the 'mlx' extra)")
-@pytest.mark.parametrize("name", ["llama-q4_1", "qwen2-q4_0"])
-def test_a_mixed_three_stage_ring_matches_transformers(gguf_path, expected, name) -> None:
+RINGS = {"torch": ["torch"] * 3, "mlx": ["mlx"] * 3, "mixed": ["torch", "mlx", "torch"]}
+
+
+@pytest.mark.parametrize("ring", [r for r in RINGS if HAS_MLX or r == "torch"])
+@pytest.mark.parametrize("name", ["llama-q4_1", "qwen2-q4_0", "llama-q4_k", "qwen2-q6_k"])
+def test_a_three_stage_ring_matches_transformers(gguf_path, expected, name, ring) -> None:
     path = gguf_path(name)
-    assert engine_greedy(path, ["torch", "mlx", "torch"], prompt_of(path)) == expected(name)
+    assert engine_greedy(path, RINGS[ring], prompt_of(path)) == expected(name)
 
 
 # -- the real model ----------------------------------------------------------------------------------------------
@@ -236,3 +255,33 @@ def test_smollm2_is_served_by_its_catalog_name_and_answers(smollm2, tmp_path) ->
         assert "Paris" in answer["choices"][0]["message"]["content"], json.dumps(answer)
     finally:
         node.stop()
+
+
+def teacher_forced(path: Path, dtype: str | None, tokens: list[int]) -> tuple[np.ndarray, float]:
+    """Each position's top-1 prediction and the perplexity of `tokens` through one engine, a token per step."""
+    args = ModelArgs.from_dict(open_gguf(path).config())
+    engine = create_engine("torch", device="cpu", dtype=dtype)
+    engine.load(path, args, Shard(path.name, 0, args.num_hidden_layers, args.num_hidden_layers))
+    driver = Driver([engine], n_blocks=64)
+    top, nll = [], []
+    for position, token in enumerate(tokens[:-1]):
+        logits = np.asarray(driver.forward("text", np.array([token], dtype=np.int64)), np.float64).reshape(-1)
+        top.append(int(np.argmax(logits)))
+        shifted = logits - logits.max()
+        nll.append(np.log(np.exp(shifted).sum()) - shifted[tokens[position + 1]])
+    return np.array(top), float(np.exp(np.mean(nll)))
+
+
+def test_smollm2_quantized_kernels_agree_with_the_dequantized_path(smollm2) -> None:
+    """The issue's quality bar: teacher-forced over 500 tokens of English, the int4-kernel path (the default)
+    picks the float32-dequantized path's top-1 token at >= 98% of positions, with perplexity within 1%."""
+    text = (Path(__file__).parent / "data" / "english.txt").read_text()
+    tokens = gguf_tokenizer(open_gguf(smollm2).metadata, smollm2.name).encode(text, add_special_tokens=False)[:501]
+    assert len(tokens) == 501
+    quantized_top, quantized_ppl = teacher_forced(smollm2, None, tokens)
+    reference_top, reference_ppl = teacher_forced(smollm2, "float32", tokens)
+    agreement = float(np.mean(quantized_top == reference_top))
+    print(f"top-1 agreement {agreement:.4f}; perplexity {quantized_ppl:.3f} (int4 kernel) vs {reference_ppl:.3f} "
+          f"(float32)")
+    assert agreement >= 0.98
+    assert abs(quantized_ppl / reference_ppl - 1) <= 0.01

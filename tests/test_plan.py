@@ -9,7 +9,9 @@ import pytest
 from safetensors import safe_open
 
 from exo_like.model_config import ModelArgs
-from exo_like.plan import Holder, ModelFootprint, fit_problems, footprint_from_tensors, make_plan, model_footprint
+from exo_like.footprint import ModelFootprint, footprint_from_tensors, model_footprint
+from exo_like.plan import Holder, fit_problems, make_plan
+from exo_like.quantization import QuantSpec
 from exo_like.shard import Shard
 from partitioning import NodeCapacity
 from tests.checkpoints import make_checkpoint
@@ -95,17 +97,28 @@ def test_fit_problems_name_bytes_per_node(tied_checkpoint: Path) -> None:
 
 
 def test_a_quantized_footprint_survives_the_manifest_cache_and_older_manifests_still_load() -> None:
-    tensors = [("model.embed_tokens.weight", "U32", 4096), ("model.embed_tokens.scales", "BF16", 512),
-               ("model.embed_tokens.biases", "BF16", 512), ("model.layers.0.mlp.up_proj.weight", "U32", 8192),
-               ("model.layers.0.mlp.up_proj.scales", "BF16", 1024), ("model.layers.0.mlp.up_proj.biases", "BF16", 1024),
-               ("model.layers.0.input_layernorm.weight", "BF16", 128), ("model.norm.weight", "BF16", 128)]
-    footprint = footprint_from_tensors(tensors, 1, True, quant_bits=4)
-    assert footprint.layer_bytes == (8192 + 1024 + 1024 + 128,)
-    # Unpacked: each stored byte holds two 4-bit values, each becomes a 2-byte float; scales and biases fold away.
-    assert footprint.held_by("torch").layer_bytes == (8192 * 2 * 2 + 128,)
-    assert footprint.held_by("torch").embed_bytes == 4096 * 2 * 2
-    assert footprint.held_by("mlx") == footprint
+    # A 4-bit MLX checkpoint, groups of 64: a [128, 64] embedding and a [256, 64] up projection.
+    tensors = [("model.embed_tokens.weight", "U32", 4096, (128, 8)), ("model.embed_tokens.scales", "BF16", 256, (128, 1)),
+               ("model.embed_tokens.biases", "BF16", 256, (128, 1)),
+               ("model.layers.0.mlp.up_proj.weight", "U32", 8192, (256, 8)),
+               ("model.layers.0.mlp.up_proj.scales", "BF16", 512, (256, 1)),
+               ("model.layers.0.mlp.up_proj.biases", "BF16", 512, (256, 1)),
+               ("model.layers.0.input_layernorm.weight", "BF16", 128, (64,)), ("model.norm.weight", "BF16", 128, (64,))]
+    footprint = footprint_from_tensors(tensors, 1, True, QuantSpec(64, 4))
+    assert footprint.layer_bytes == (8192 + 512 + 512 + 128,)
+    # Dequantized (a float --dtype): each stored byte holds two 4-bit values, each becomes a float of that dtype.
+    assert footprint.held_by("torch", "bfloat16").layer_bytes == (8192 * 2 * 2 + 128,)
+    assert footprint.held_by("torch", "float32").embed_bytes == 4096 * 2 * 4
+    # The torch CPU kernel: half a byte per weight and a bfloat16 scale and zero per group of 64; norms in float32.
+    assert footprint.held_by("torch").layer_bytes == (256 * 64 // 2 + 256 * 4 + 64 * 4,)
+    assert footprint.held_by("torch", device="cuda:0").layer_bytes == (256 * 64 * 2 + 128,)
+    def sizes(f: ModelFootprint) -> tuple:
+        return f.layer_bytes, f.embed_bytes, f.head_bytes
+
+    assert sizes(footprint.held_by("mlx")) == sizes(footprint.held_by("mlx", "float32")) == sizes(footprint)
     assert ModelFootprint.from_json(json.loads(json.dumps(footprint.to_json()))) == footprint
-    saved_earlier = {k: v for k, v in footprint.to_json().items() if k != "unpacked"}
+    saved_earlier = {k: v for k, v in footprint.to_json().items() if k not in ("unpacked", "quantized")}
     assert ModelFootprint.from_json(saved_earlier).held_by("torch").layer_bytes == footprint.layer_bytes
     assert footprint_from_tensors(tensors, 1, True).held_by("torch") == footprint_from_tensors(tensors, 1, True)
+
+

@@ -18,10 +18,11 @@ pytest.importorskip("mlx_lm", reason="mlx-lm (the test oracle) is not installed"
 import mlx.nn as nn  # noqa: E402
 
 from exo_like.engines.base import create_engine  # noqa: E402
-from exo_like.engines.torch_dequantize import dequantize  # noqa: E402
+from exo_like.affine import from_mlx, pack_words  # noqa: E402
 from exo_like.errors import UnsupportedModelError  # noqa: E402
 from exo_like.model_config import ModelArgs  # noqa: E402
-from exo_like.plan import Holder, fit_problems, make_plan, model_footprint  # noqa: E402
+from exo_like.footprint import model_footprint  # noqa: E402
+from exo_like.plan import Holder, fit_problems, make_plan  # noqa: E402
 from exo_like.quantization import BITS, QuantSpec, quant_spec  # noqa: E402
 from exo_like.shard import Shard  # noqa: E402
 from partitioning import NodeCapacity  # noqa: E402
@@ -132,10 +133,11 @@ def test_dequantize_is_mx_dequantize_bit_for_bit(bits, group_size):
     w = mx.random.normal((48, 256), key=mx.random.key(bits * 1000 + group_size))
     packed, scales, biases = mx.quantize(w, group_size, bits)
     expected = np.array(mx.dequantize(packed, scales, biases, group_size, bits))
-    ours = dequantize(torch.from_numpy(np.array(packed)), torch.from_numpy(np.array(scales)),
-                      torch.from_numpy(np.array(biases)), QuantSpec(group_size, bits))
-    assert ours.dtype == torch.float32
-    assert np.array_equal(ours.numpy(), expected)
+    groups = from_mlx(np.array(packed), np.array(scales), np.array(biases), bits, group_size)
+    ours = groups.dequantize()
+    assert ours.dtype == np.float32
+    assert np.array_equal(ours, expected)
+    assert np.array_equal(pack_words(groups.codes, bits), np.array(packed))
 
 
 @pytest.mark.parametrize("entry, hint", [
@@ -197,22 +199,26 @@ def test_a_torch_node_and_an_mlx_node_serve_one_quantized_folder_as_mlx_lm_does(
 
 
 def test_the_fit_check_counts_what_each_engine_holds(quantized_dir):
-    # A torch node dequantizes at load, so it holds several times the stored bytes of a 4-bit checkpoint; the
-    # plan's fit check must count that, or it hands a torch node layers that exhaust its memory.
+    # Each engine holds a quantized checkpoint its own way: MLX as stored, torch on CPU in int4 packs (this
+    # checkpoint's fused qkv has 617 outputs, which the kernel refuses: dequantized to bfloat16), and torch with
+    # a float --dtype fully dequantized. The plan's fit check must count what each holds, or it hands a node
+    # layers that exhaust its memory.
     path = quantized_dir("qwen2")
     args = ModelArgs.from_dir(path)
-    footprint = model_footprint(path, N_LAYERS, args.tie_word_embeddings, args.quant_bits)
+    footprint = model_footprint(path, N_LAYERS, args.tie_word_embeddings, args.quant)
     for start, end in ((0, 1), (1, N_LAYERS - 1), (N_LAYERS - 1, N_LAYERS), (0, N_LAYERS)):
         shard = Shard(path.name, start, end, N_LAYERS)
-        for engine_name in ("torch", "mlx"):
-            engine = create_engine(engine_name, device="cpu")  # the checkpoint's own dtype, as a node runs it
+        for engine_name, dtype in (("torch", None), ("mlx", None), ("torch", "float32")):
+            engine = create_engine(engine_name, device="cpu", dtype=dtype)
             engine.load(path, args, shard)
-            assert footprint.held_by(engine_name).shard_bytes(shard) == engine.parameter_bytes(), (engine_name, shard)
+            held = footprint.held_by(engine_name, dtype, "cpu").shard_bytes(shard)
+            assert held == engine.parameter_bytes(), (engine_name, dtype, shard)
     whole = Shard(path.name, 0, N_LAYERS, N_LAYERS)
-    stored, unpacked = footprint.shard_bytes(whole), footprint.held_by("torch").shard_bytes(whole)
+    stored, unpacked = footprint.shard_bytes(whole), footprint.held_by("torch", "float32").shard_bytes(whole)
     assert unpacked > 2 * stored  # 4-bit weights (with float32 scales and some float matrices) unpacked to float32
     memory = (stored + unpacked) // 2
     plan = make_plan("m", N_LAYERS, [NodeCapacity("t", memory)])
     assert fit_problems(plan, footprint, {"t": Holder("mlx")}) == []
-    problems = fit_problems(plan, footprint, {"t": Holder("torch")})
+    assert fit_problems(plan, footprint, {"t": Holder("torch", None, "cpu")}) == []
+    problems = fit_problems(plan, footprint, {"t": Holder("torch", "float32")})
     assert f"node t needs {unpacked} bytes for layers [0, {N_LAYERS}) but has {memory} bytes available" in problems

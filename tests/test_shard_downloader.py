@@ -191,7 +191,7 @@ async def test_not_enough_disk_is_refused_before_any_byte_is_fetched(hub: HubSer
 
 def test_the_cache_is_the_hubs_layout_and_the_layer_sizes_match_the_local_headers(checkpoint: Path,
                                                                                  online: Path) -> None:
-    from exo_like.plan import model_footprint
+    from exo_like.footprint import model_footprint
 
     model = prepare(REPO, online)
     assert model.folder == storage_folder(online, REPO) / "snapshots" / model.manifest.commit

@@ -19,11 +19,13 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from exo_like.activations import Activations
+from exo_like.affine import AffineGroups, pack_words
 from exo_like.checkpoint import ShardLoadPlan, plan_shard_load
 from exo_like.engines.base import Engine, EngineUnavailableError, check_cancel
 from exo_like.engines.batch import layout as batch_layout
 from exo_like.engines.mlx_model import LayerPool, ShardModel, StepIndex
 from exo_like.errors import InvalidRequestError, UnsupportedModelError
+from exo_like.footprint import MLX_BITS
 from exo_like.gguf_file import is_gguf, open_gguf
 from exo_like.kv_blocks import BLOCK_SIZE
 from exo_like.model_config import DTYPES, ModelArgs
@@ -59,11 +61,22 @@ def describe_device(device: mx.Device) -> str:
         return "mlx gpu"
 
 
-def read_shard_tensors(model_dir: Path, shard: Shard, tied_embeddings: bool) -> dict[str, mx.array]:
-    """The shard's tensors under their shard-local names, from a GGUF file or a Hugging Face folder."""
-    if is_gguf(model_dir):
-        return {local: mx.array(array) for local, array in open_gguf(model_dir).read_shard(shard, tied_embeddings)}
-    return read_plan_tensors(plan_shard_load(model_dir, shard, tied_embeddings), tied_embeddings)
+def read_shard_tensors(model_dir: Path, shard: Shard, tied_embeddings: bool, quantized: bool = False
+                       ) -> tuple[dict[str, mx.array], dict[str, dict[str, int]]]:
+    """The shard's tensors under their shard-local names, from a GGUF file or a Hugging Face folder, and the
+    {group_size, bits} of each GGUF matrix kept quantized (`quantized`: in MLX's packed form), by module path."""
+    if not is_gguf(model_dir):
+        return read_plan_tensors(plan_shard_load(model_dir, shard, tied_embeddings), tied_embeddings), {}
+    weights, specs = {}, {}
+    for local, value, _ in open_gguf(model_dir).read_shard(shard, tied_embeddings, quantized):
+        if not isinstance(value, AffineGroups) or value.bits not in MLX_BITS:
+            weights[local] = mx.array(value if not isinstance(value, AffineGroups) else value.dequantize())
+            continue
+        prefix = local.removesuffix(".weight")
+        weights[local] = mx.array(pack_words(value.codes, value.bits))
+        weights[f"{prefix}.scales"], weights[f"{prefix}.biases"] = mx.array(value.scales), mx.array(value.biases)
+        specs[prefix] = {"group_size": value.group_size, "bits": value.bits}
+    return weights, specs
 
 
 def read_plan_tensors(plan: ShardLoadPlan, tied_embeddings: bool) -> dict[str, mx.array]:
@@ -87,15 +100,18 @@ def _is_derived(name: str, tied_embeddings: bool) -> bool:
     return tied_embeddings and name.startswith("lm_head.")
 
 
-def quantize_like_checkpoint(model: ShardModel, args: ModelArgs, weights: dict[str, mx.array]) -> None:
+def quantize_like_checkpoint(model: ShardModel, args: ModelArgs, weights: dict[str, mx.array],
+                             specs: dict[str, dict[str, int]]) -> None:
     """Swap in quantized layers where the checkpoint stores quantized matrices, before loading them.
 
     As mlx-lm does, a layer is quantized exactly when the checkpoint has its `.scales`: converters leave some
-    layers in float (e.g. ones whose input size is not a multiple of the group size)."""
+    layers in float (e.g. ones whose input size is not a multiple of the group size). A GGUF file's matrices
+    each have their own {group_size, bits} (`specs`)."""
     spec = args.quant
-    if spec is None:
-        return
-    nn.quantize(model, spec.group_size, spec.bits, class_predicate=lambda path, _: f"{path}.scales" in weights)
+    if spec is not None:
+        nn.quantize(model, spec.group_size, spec.bits, class_predicate=lambda path, _: f"{path}.scales" in weights)
+    elif specs:
+        nn.quantize(model, class_predicate=lambda path, _: specs.get(path, False))
 
 
 def _cast(array: mx.array, dtype: mx.Dtype) -> mx.array:
@@ -126,8 +142,11 @@ class MLXEngine(Engine):
         self._model, self._pools, self.shard, self.args = None, [], None, None
         with mx.stream(self._device):
             model = ShardModel(args, shard)
-            weights = read_shard_tensors(Path(model_dir), shard, args.tie_word_embeddings)
-            quantize_like_checkpoint(model, args, weights)
+            # A float --dtype asks for a GGUF file's dequantized (reference) path; an MLX-format checkpoint
+            # stays quantized (its reference, mlx-lm, runs it so).
+            weights, specs = read_shard_tensors(Path(model_dir), shard, args.tie_word_embeddings,
+                                                quantized=self.requested_dtype is None)
+            quantize_like_checkpoint(model, args, weights, specs)
             dtype = MX_DTYPES[dtype_name]
             model.load_weights([(name, _cast(w, dtype)) for name, w in weights.items()], strict=True)
             # Read everything now, so the first request does not pay for loading and the files can be closed;

@@ -18,14 +18,15 @@ import torch
 from safetensors import safe_open
 
 from exo_like.activations import Activations
+from exo_like.affine import AffineGroups, from_mlx
 from exo_like.checkpoint import ShardLoadPlan, plan_shard_load
 from exo_like.engines.base import Engine, check_cancel
 from exo_like.engines.openmp import pin_openmp_team
-from exo_like.engines.torch_dequantize import dequantize_tensors
 from exo_like.engines.batch import layout as batch_layout
-from exo_like.engines.torch_model import KVPool, ShardModel, StepIndex, fuse_checkpoint_weights
+from exo_like.engines.torch_model import KVPool, ShardModel, StepIndex, fuse_checkpoint_weights, load_state
+from exo_like.engines.torch_quant import Installer, int4_kernel_available
 from exo_like.errors import InvalidRequestError
-from exo_like.gguf_file import is_gguf, open_gguf
+from exo_like.gguf_file import FLOAT_TYPES, is_gguf, open_gguf
 from exo_like.model_config import DTYPES, ModelArgs
 from exo_like.protocol import WorkItem
 from exo_like.quantization import QuantSpec
@@ -48,10 +49,16 @@ def pick_device(requested: str | None) -> torch.device:
     return torch.device("cpu")
 
 
-def pick_dtype(requested: str | None, checkpoint_dtype: str, device: torch.device) -> torch.dtype:
-    """The requested dtype, else the checkpoint's; a float16 checkpoint runs as bfloat16 on CPU."""
+def pick_dtype(requested: str | None, checkpoint_dtype: str, device: torch.device, quantized: bool = False
+               ) -> torch.dtype:
+    """The requested dtype, else the checkpoint's; a float16 checkpoint runs as bfloat16 on CPU. Quantized
+    weights run with float32 activations on CPU, only the kernel's inputs rounded to bfloat16 (bfloat16
+    activations throughout were no faster and agreed less often with the float32 reference; see
+    test_smollm2_quantized_kernels_agree_with_the_dequantized_path), and bfloat16 elsewhere."""
     if requested:
         return TORCH_DTYPES[requested]
+    if quantized:
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
     name = checkpoint_dtype if checkpoint_dtype in TORCH_DTYPES else "float32"
     if name == "float16" and device.type == "cpu":
         # CPU float16 matmuls are far slower than bfloat16 ones; bfloat16 keeps the same memory footprint.
@@ -62,12 +69,12 @@ def pick_dtype(requested: str | None, checkpoint_dtype: str, device: torch.devic
 
 def read_planned_tensors(
     plan: ShardLoadPlan, skip: set[str], device: torch.device, dtype: torch.dtype, quant: QuantSpec | None = None,
-    cancel: threading.Event | None = None,
-) -> dict[str, torch.Tensor]:
+    cancel: threading.Event | None = None, keep_quantized: bool = False,
+) -> dict[str, torch.Tensor | AffineGroups]:
     """Read exactly the plan's tensors from exactly the plan's files, converted to the engine's device/dtype.
 
-    A quantized checkpoint's matrices are dequantized here, one at a time, so only the packed shard plus one
-    float matrix is ever held beyond the result."""
+    A quantized checkpoint's matrices come as AffineGroups with `keep_quantized`, else dequantized here, one at
+    a time, so only the packed shard plus one float matrix is ever held beyond the result."""
     weights: dict[str, torch.Tensor] = {}
     for path, names in plan.files.items():
         wanted = [(name, local) for name, local in names if name not in skip]
@@ -83,7 +90,16 @@ def read_planned_tensors(
                 weights[local] = tensor.clone() if quant else tensor.to(device=device, dtype=dtype, copy=True)
     if quant is None:
         return weights
-    return {name: tensor.to(device=device, dtype=dtype) for name, tensor in dequantize_tensors(weights, quant)}
+    held: dict[str, torch.Tensor | AffineGroups] = {}
+    for name in [n for n in weights if n.endswith(".scales")]:
+        prefix = name.removesuffix(".scales")
+        packed, scales, biases = (weights.pop(f"{prefix}.{kind}") for kind in ("weight", "scales", "biases"))
+        groups = from_mlx(packed.view(torch.int32).numpy().view(np.uint32), scales.float().numpy(),
+                          biases.float().numpy(), quant.bits, quant.group_size)
+        held[f"{prefix}.weight"] = groups if keep_quantized else \
+            torch.from_numpy(groups.dequantize()).to(device=device, dtype=dtype)
+    held.update((name, tensor.to(device=device, dtype=dtype)) for name, tensor in weights.items())
+    return held
 
 
 def checkpoint_skips(plan: ShardLoadPlan, tied_embeddings: bool) -> set[str]:
@@ -124,36 +140,57 @@ class TorchEngine(Engine):
         self.model: ShardModel | None = None
         self.pool: KVPool | None = None
         self._threads_placed = False
+        self.weight_forms: dict[str, dict[str, int]] = {}  # matrices on the int4 kernel / dequantized, by type
 
     def load(self, model_dir: Path, args: ModelArgs, shard: Shard, cancel: threading.Event | None = None) -> None:
         if shard.n_layers != args.num_hidden_layers:
             raise ValueError(f"shard {shard} does not match the model's {args.num_hidden_layers} layers")
         self.model, self.shard, self.args, self.pool = None, None, None, None
         started = time.perf_counter()
-        self.dtype = pick_dtype(self.requested_dtype, args.torch_dtype, self.device)
+        keep_quantized = self._keeps_quantized(model_dir, args)
+        self.dtype = pick_dtype(self.requested_dtype, args.torch_dtype, self.device, keep_quantized)
         log.info("loading %s from %s on %s as %s", shard, Path(model_dir).name, self.device, DTYPE_NAMES[self.dtype])
         with torch.device("meta"):  # no memory, no random init: every parameter is replaced by a loaded tensor
             model = ShardModel(args, shard.layer_count, shard.is_first, shard.is_last)
-        weights = self._read_weights(Path(model_dir), args, shard, cancel)
+        installer = Installer(self.dtype, int4_kernel_available(self.device))
+        weights = self._read_weights(Path(model_dir), args, shard, installer, cancel)
         state = fuse_checkpoint_weights(weights, args, shard.is_first, shard.is_last)
-        model.load_state_dict(state, assign=True)
+        installer.install(model, state)
+        load_state(model, state)
         # Drop our references so prepare()'s relayout frees each old tensor as it goes.
         del weights, state
         model.requires_grad_(False).eval().prepare()
         self.model, self.shard, self.args = model, shard, args
+        self.weight_forms = {"int4_kernel": installer.kernel, "dequantized": installer.dequantized}
+        if installer.dequantized:
+            log.warning("%s: no quantized kernel for %s: dequantized to %s", shard,
+                        ", ".join(f"{n} x {k}" for k, n in installer.dequantized.items()), DTYPE_NAMES[self.dtype])
         log.info("loaded %s: %.1f MB in %.2fs", shard, self.parameter_bytes() / 1e6, time.perf_counter() - started)
 
-    def _read_weights(self, model_dir: Path, args: ModelArgs, shard: Shard,
-                      cancel: threading.Event | None) -> dict[str, torch.Tensor]:
+    def _keeps_quantized(self, model_dir: Path, args: ModelArgs) -> bool:
+        """A quantized checkpoint runs on quantized kernels unless a float --dtype asks for the dequantized
+        (reference) path."""
+        if self.requested_dtype is not None:
+            return False
+        return args.quant is not None or (is_gguf(model_dir) and open_gguf(model_dir).quantized)
+
+    def _read_weights(self, model_dir: Path, args: ModelArgs, shard: Shard, installer: Installer,
+                      cancel: threading.Event | None) -> dict[str, torch.Tensor | AffineGroups]:
+        keep = self._keeps_quantized(model_dir, args)
         if is_gguf(model_dir):
-            weights = {}
-            for local, array in open_gguf(model_dir).read_shard(shard, args.tie_word_embeddings):
+            weights: dict[str, torch.Tensor | AffineGroups] = {}
+            for local, value, type_name in open_gguf(model_dir).read_shard(shard, args.tie_word_embeddings, keep):
                 check_cancel(cancel)
-                weights[local] = torch.from_numpy(array).to(device=self.device, dtype=self.dtype)
+                if isinstance(value, AffineGroups):
+                    weights[local] = value
+                    continue
+                if keep and type_name not in FLOAT_TYPES:
+                    installer.count_dequantized(f"{type_name} (no affine form)")
+                weights[local] = torch.from_numpy(value).to(device=self.device, dtype=self.dtype)
             return weights
         plan = plan_shard_load(model_dir, shard, args.tie_word_embeddings)
         skip = checkpoint_skips(plan, args.tie_word_embeddings)
-        return read_planned_tensors(plan, skip, self.device, self.dtype, args.quant, cancel)
+        return read_planned_tensors(plan, skip, self.device, self.dtype, args.quant, cancel, keep)
 
     def step(self, items: Sequence[WorkItem], inputs: np.ndarray | Activations) -> Activations | np.ndarray:
         model, pool = self._loaded_model(), self._pool()
@@ -190,8 +227,7 @@ class TorchEngine(Engine):
     def parameter_bytes(self) -> int:
         if self.model is None:
             return 0
-        # parameters() lists a tied head (the same Parameter as the embedding) once.
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return sum(t.numel() * t.element_size() for t in self.model.held_tensors())
 
     @property
     def device_name(self) -> str:

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from exo_like.engines.batch import BatchLayout, ItemLayout
+from exo_like.engines.torch_quant import Matrix, QuantEmbedding, QuantLinear, stack_rows
 from exo_like.kv_blocks import BLOCK_SIZE
 from exo_like.model_config import ModelArgs, rope_inv_freq
 
@@ -370,10 +371,11 @@ class ShardModel(nn.Module):
 
     def prepare(self) -> None:
         """After loading weights: tie the head to the embedding, pick weight layouts, build the rotary table."""
-        if self.lm_head is not None and self.embed_tokens is not None and self.args.tie_word_embeddings:
-            # One tensor when the shard holds both the embedding and the tied LM head.
+        if isinstance(self.lm_head, Linear) and isinstance(self.embed_tokens, nn.Embedding) and \
+                self.args.tie_word_embeddings:
+            # One tensor when the shard holds both the embedding and the tied LM head (quantized ones share packs).
             self.lm_head.weight = self.embed_tokens.weight
-        weight = self.layers[0].mlp.down_proj.weight
+        weight = self.norm_weight
         pack_batch = PACK_BATCH.get(weight.dtype)
         pack = pack_batch is not None and onednn_usable(weight, pack_batch)
         # bfloat16 plain weights (the LM head) go faster through F.linear: natively for one row, see native_matvec.
@@ -389,8 +391,21 @@ class ShardModel(nn.Module):
         self.native_matvec = weight.device.type == "cpu" and weight.dtype == torch.bfloat16
         self.rope = RotaryTable(self.args, weight.device, weight.dtype)
 
+    @property
+    def norm_weight(self) -> torch.Tensor:
+        """A float weight every shard holds, in the shard's device and dtype (matrices may be quantized)."""
+        return self.layers[0].input_layernorm.weight
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """Every tensor the shard holds, each once (a tied head shares the embedding's)."""
+        held = {id(t): t for t in self.parameters()}
+        for module in self.modules():
+            if isinstance(module, (QuantLinear, QuantEmbedding)):
+                held.update((id(t), t) for t in module.tensors())
+        return list(held.values())
+
     def new_pool(self, n_blocks: int) -> KVPool:
-        weight = self.layers[0].mlp.down_proj.weight
+        weight = self.norm_weight
         return KVPool(self.args, len(self.layers), n_blocks, weight.device, weight.dtype)
 
     def forward(self, inputs: torch.Tensor, pool: KVPool, index: StepIndex) -> torch.Tensor:
@@ -410,11 +425,12 @@ class ShardModel(nn.Module):
 
 
 def fuse_checkpoint_weights(
-    weights: dict[str, torch.Tensor], args: ModelArgs, is_first: bool, is_last: bool
-) -> dict[str, torch.Tensor]:
+    weights: dict[str, Matrix], args: ModelArgs, is_first: bool, is_last: bool
+) -> dict[str, Matrix | list[Matrix]]:
     """Turn a shard's checkpoint tensors (local layer names) into this module's state dict.
 
-    Concatenates q/k/v and gate/up (and their biases), drops the `model.`
+    Concatenates q/k/v and gate/up (and their biases; quantized matrices stay AffineGroups, see
+    torch_quant.stack_rows), drops the `model.`
     prefix, and maps a tied embedding on a non-first last shard to the LM head. Consumes `weights`.
     """
     state: dict[str, torch.Tensor] = {}
@@ -429,7 +445,7 @@ def fuse_checkpoint_weights(
             for kind in ("weight", "bias"):
                 names = [f"{prefix}{part}.{kind}" for part in parts]
                 if names[0] in weights:
-                    state[f"layers.{i}.{fused}.{kind}"] = torch.cat([weights.pop(n) for n in names])
+                    state[f"layers.{i}.{fused}.{kind}"] = stack_rows([weights.pop(n) for n in names])
         for norm in ("q_norm", "k_norm"):
             if f"{prefix}self_attn.{norm}.weight" in weights:
                 state[f"layers.{i}.self_attn.qk_norm.{norm}.weight"] = weights.pop(f"{prefix}self_attn.{norm}.weight")
@@ -441,3 +457,12 @@ def fuse_checkpoint_weights(
     for name, tensor in weights.items():
         state[name.removeprefix("model.")] = tensor
     return state
+
+
+def load_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Assign the state's tensors to a model built on the meta device; every tensor it holds must be given
+    (quantized modules were put in already, with their own tensors) and no other."""
+    result = model.load_state_dict(state, strict=False, assign=True)
+    left = [name for name, t in model.named_parameters() if t.is_meta] + list(result.unexpected_keys)
+    if left:
+        raise ValueError(f"checkpoint and model disagree on {', '.join(left[:5])}")

@@ -1,0 +1,90 @@
+"""Quantized matrices in one framework-free form: integer codes with a scale and a bias per group of inputs.
+
+Every quantized format this project reads comes down to it: an MLX checkpoint's packed words with its
+`scales` and `biases`, and GGUF's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q5_K blocks (see gguf_blocks.py).
+w[n, k] = scales[n, k // group_size] * codes[n, k] + biases[n, k // group_size], the arithmetic of
+`mx.dequantize` (mode "affine"). Each engine turns this form into what its quantized kernels take (MLX's packed
+words, torch's int4 packs), so no engine knows any file format.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class AffineGroups:
+    """A quantized [out, in] matrix: codes in [0, 2**bits), one scale and bias per `group_size` inputs."""
+
+    codes: np.ndarray  # uint8 [out, in]
+    scales: np.ndarray  # float32 [out, in // group_size]
+    biases: np.ndarray  # float32 [out, in // group_size]
+    bits: int
+    group_size: int
+    source: str  # what the file stored, for logs: "Q4_K", "mlx 4-bit"
+
+    def __post_init__(self) -> None:
+        out, inputs = self.codes.shape
+        groups = (out, inputs // self.group_size)
+        if inputs % self.group_size or self.scales.shape != groups or self.biases.shape != groups:
+            raise ValueError(f"{self.source}: codes {list(self.codes.shape)} do not match scales "
+                             f"{list(self.scales.shape)} and biases {list(self.biases.shape)} in groups of "
+                             f"{self.group_size}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.codes.shape
+
+    def dequantize(self) -> np.ndarray:
+        """float32 [out, in]."""
+        groups = self.codes.reshape(self.shape[0], -1, self.group_size).astype(np.float32)
+        return (self.scales[..., None] * groups + self.biases[..., None]).reshape(self.shape)
+
+    def map_rows(self, reorder: Callable[[np.ndarray], np.ndarray]) -> "AffineGroups":
+        """The same matrix with its rows rearranged by `reorder` (applied alike to codes, scales and biases)."""
+        return AffineGroups(reorder(self.codes), reorder(self.scales), reorder(self.biases), self.bits,
+                            self.group_size, self.source)
+
+    def same_form(self, other: "AffineGroups") -> bool:
+        return (self.bits, self.group_size) == (other.bits, other.group_size) and self.shape[1] == other.shape[1]
+
+    @staticmethod
+    def stack(parts: Sequence["AffineGroups"]) -> "AffineGroups":
+        """Matrices of one form stacked along their outputs (q, k, v into one projection)."""
+        first = parts[0]
+        if not all(first.same_form(p) for p in parts):
+            raise ValueError("only matrices of one bit width, group size and input size can be stacked")
+        source = "+".join(dict.fromkeys(p.source for p in parts))
+        return AffineGroups(np.concatenate([p.codes for p in parts]), np.concatenate([p.scales for p in parts]),
+                            np.concatenate([p.biases for p in parts]), first.bits, first.group_size, source)
+
+
+def unpack_words(packed: np.ndarray, bits: int) -> np.ndarray:
+    """MLX's packed uint32 words [out, in * bits / 32] -> the codes as uint8 [out, in].
+
+    The words hold one little-endian bit stream, least-significant bits first (value j of a 4-bit word is bits
+    4j..4j+3), so widths that do not divide 32 (3, 5, 6) run across words."""
+    stream = np.ascontiguousarray(packed).view(np.uint8)  # little-endian on every host MLX or torch runs on
+    if 8 % bits == 0:  # 2, 4 and 8 bits never straddle a byte
+        shifts = np.arange(0, 8, bits, dtype=np.uint8)
+        return ((stream[..., None] >> shifts) & ((1 << bits) - 1)).reshape(stream.shape[0], -1)
+    single = np.unpackbits(stream, axis=-1, bitorder="little").reshape(stream.shape[0], -1, bits)
+    return (single << np.arange(bits, dtype=np.uint8)).sum(-1, dtype=np.uint8)
+
+
+def pack_words(codes: np.ndarray, bits: int) -> np.ndarray:
+    """The inverse of unpack_words: codes uint8 [out, in] -> uint32 words [out, in * bits / 32]."""
+    out, inputs = codes.shape
+    if (inputs * bits) % 32:
+        raise ValueError(f"{inputs} inputs of {bits} bits do not fill whole 32-bit words")
+    single = ((codes[..., None] >> np.arange(bits, dtype=np.uint8)) & 1).reshape(out, -1)
+    return np.packbits(single, axis=-1, bitorder="little").view(np.uint32)
+
+
+def from_mlx(packed: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int,
+             group_size: int) -> AffineGroups:
+    return AffineGroups(unpack_words(packed, bits), np.asarray(scales, dtype=np.float32),
+                        np.asarray(biases, dtype=np.float32), bits, group_size, f"mlx {bits}-bit")
