@@ -214,8 +214,8 @@ class GGUFCheckpoint:
         return list(dict.fromkeys(int(i) for i in ids if i is not None))
 
     def _float_dtype(self) -> str:
-        """The float dtype the model's matrices are stored in; for quantized ones, bfloat16: the activations
-        their quantized kernels take (a float --dtype asks for the dequantized path instead)."""
+        """The float dtype the model's matrices are stored in; for quantized ones, bfloat16: the dtype an MLX
+        node (or a torch node off CPU) runs them with (a float --dtype asks for the dequantized path instead)."""
         kinds = {entry.type_name for entry in self.tensors.values() if len(entry.shape) == 2}
         if kinds == {"BF16"}:
             return "bfloat16"

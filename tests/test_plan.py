@@ -98,7 +98,8 @@ def test_fit_problems_name_bytes_per_node(tied_checkpoint: Path) -> None:
 
 def test_a_quantized_footprint_survives_the_manifest_cache_and_older_manifests_still_load() -> None:
     # A 4-bit MLX checkpoint, groups of 64: a [128, 64] embedding and a [256, 64] up projection.
-    tensors = [("model.embed_tokens.weight", "U32", 4096, (128, 8)), ("model.embed_tokens.scales", "BF16", 256, (128, 1)),
+    tensors = [("model.embed_tokens.weight", "U32", 4096, (128, 8)),
+               ("model.embed_tokens.scales", "BF16", 256, (128, 1)),
                ("model.embed_tokens.biases", "BF16", 256, (128, 1)),
                ("model.layers.0.mlp.up_proj.weight", "U32", 8192, (256, 8)),
                ("model.layers.0.mlp.up_proj.scales", "BF16", 512, (256, 1)),

@@ -200,7 +200,7 @@ def test_a_torch_node_and_an_mlx_node_serve_one_quantized_folder_as_mlx_lm_does(
 
 def test_the_fit_check_counts_what_each_engine_holds(quantized_dir):
     # Each engine holds a quantized checkpoint its own way: MLX as stored, torch on CPU in int4 packs (this
-    # checkpoint's fused qkv has 617 outputs, which the kernel refuses: dequantized to bfloat16), and torch with
+    # checkpoint's fused qkv has 617 outputs, which the kernel refuses: dequantized to float32), and torch with
     # a float --dtype fully dequantized. The plan's fit check must count what each holds, or it hands a node
     # layers that exhaust its memory.
     path = quantized_dir("qwen2")

@@ -153,7 +153,7 @@ class TorchEngine(Engine):
         with torch.device("meta"):  # no memory, no random init: every parameter is replaced by a loaded tensor
             model = ShardModel(args, shard.layer_count, shard.is_first, shard.is_last)
         installer = Installer(self.dtype, int4_kernel_available(self.device))
-        weights = self._read_weights(Path(model_dir), args, shard, installer, cancel)
+        weights = self._read_weights(Path(model_dir), args, shard, keep_quantized, installer, cancel)
         state = fuse_checkpoint_weights(weights, args, shard.is_first, shard.is_last)
         installer.install(model, state)
         load_state(model, state)
@@ -174,9 +174,8 @@ class TorchEngine(Engine):
             return False
         return args.quant is not None or (is_gguf(model_dir) and open_gguf(model_dir).quantized)
 
-    def _read_weights(self, model_dir: Path, args: ModelArgs, shard: Shard, installer: Installer,
+    def _read_weights(self, model_dir: Path, args: ModelArgs, shard: Shard, keep: bool, installer: Installer,
                       cancel: threading.Event | None) -> dict[str, torch.Tensor | AffineGroups]:
-        keep = self._keeps_quantized(model_dir, args)
         if is_gguf(model_dir):
             weights: dict[str, torch.Tensor | AffineGroups] = {}
             for local, value, type_name in open_gguf(model_dir).read_shard(shard, args.tie_word_embeddings, keep):

@@ -4,14 +4,14 @@ PyTorch's CPU kernel `_weight_int4pack_mm_for_cpu` multiplies bfloat16 activatio
 bfloat16 scale and zero per group of inputs: w = (q - 8) * scale + zero. An AffineGroups matrix (w = s*q + b)
 maps onto it exactly:
 - up to 4 bits: one pack, scale s, zero b + 8 s;
-- 5 to 8 bits: two packs of the high and low nibbles, q = 16 h + l: the high one with scale 16 s and zero
-  128 s + b, the low one with scale s and zero 8 s; their products add up to the whole.
-Shapes the kernel refuses (outputs not a multiple of 16, a group size other than 32, 64, 128 or 256), other
-devices and types without an affine form (GGUF's Q2_K, Q3_K, Q6_K) are dequantized by the engine instead.
+- 5 to 8 bits: two packs of the high and low nibbles, q = 16 h + l: the high one with scale 16 s, the low one
+  with scale s; their zeros share out the bias (see int4_packs) and their products add up to the whole.
+Shapes the kernel refuses (footprint.int4_refusal), other devices and types without an affine form (GGUF's
+Q2_K, Q3_K, Q6_K) are dequantized by the engine instead.
 
 The kernel keeps its packs in a private layout. An embedding needs rows of the matrix, not products: rows are
-decoded from the packs where the layout is the one checked at load (`Int4Pack.rows`), else from a plain copy
-of the codes, which costs memory and is logged.
+decoded from the packs where the layout is the one checked at load (`Int4Pack.codes`, `check_layout`), else
+from a plain copy of the codes, which costs memory and is logged.
 """
 
 from __future__ import annotations
@@ -25,29 +25,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from exo_like.affine import AffineGroups
+from exo_like.footprint import int4_refusal
 
 log = logging.getLogger(__name__)
 
-KERNEL_DTYPE = torch.bfloat16  # the only activation dtype the CPU kernel runs fast (float16/float32: 30-100x slower)
-GROUP_SIZES = (32, 64, 128, 256)
+KERNEL_DTYPE = torch.bfloat16  # the only activation dtype the CPU kernel runs fast (others take a slow path)
 PACK_ROWS = 4096  # rows packed per call, a multiple of the kernel's 64-row blocks: bounds the int32 copy it takes
 _LAYOUT_BLOCK = 64  # rows per block of the pack layout Int4Pack.rows decodes
 
 
 def int4_kernel_available(device: torch.device) -> bool:
     return device.type == "cpu" and hasattr(torch, "_weight_int4pack_mm_for_cpu")
-
-
-def kernel_refusal(groups: AffineGroups) -> str | None:
-    """Why the int4 kernel cannot take this matrix, or None if it can."""
-    out, _ = groups.shape
-    if groups.bits > 8:
-        return f"{groups.bits}-bit codes"
-    if groups.group_size not in GROUP_SIZES:
-        return f"groups of {groups.group_size}"
-    if out % 16:
-        return f"{out} outputs (not a multiple of 16)"
-    return None
 
 
 @dataclass
@@ -60,10 +48,13 @@ class Int4Pack:
 
     @classmethod
     def from_codes(cls, codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray, group_size: int) -> "Int4Pack":
-        rows = [torch._convert_weight_to_int4pack_for_cpu(torch.from_numpy(codes[i:i + PACK_ROWS].astype(np.int32)), 1)
-                for i in range(0, codes.shape[0], PACK_ROWS)]
+        rows = [torch._convert_weight_to_int4pack_for_cpu(torch.from_numpy(chunk.astype(np.int32)), 1)
+                for chunk in np.split(codes, range(PACK_ROWS, codes.shape[0], PACK_ROWS))]
         scale_zeros = torch.from_numpy(np.stack([scales.T, zeros.T], axis=-1)).to(KERNEL_DTYPE).contiguous()
         return cls(torch.cat(rows), scale_zeros, group_size)
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.packed, self.scale_zeros
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in] bfloat16 -> [rows, out] bfloat16."""
@@ -110,8 +101,12 @@ def code_planes(groups: AffineGroups) -> list[np.ndarray]:
     each is rounded to bfloat16) and the low nibbles."""
     if groups.bits <= 4:
         return [groups.codes]
-    centre = 2 ** (groups.bits - 4) // 2
-    return [(groups.codes >> 4) + np.uint8(8 - centre), groups.codes & 0x0F]
+    return [(groups.codes >> 4) + np.uint8(8 - _high_centre(groups.bits)), groups.codes & 0x0F]
+
+
+def _high_centre(bits: int) -> int:
+    """Half the number of values a high nibble takes (2**(bits-4) of them)."""
+    return 2 ** (bits - 4) // 2
 
 
 def int4_packs(groups: AffineGroups) -> list[Int4Pack]:
@@ -120,8 +115,7 @@ def int4_packs(groups: AffineGroups) -> list[Int4Pack]:
     planes = code_planes(groups)
     if len(planes) == 1:
         return [Int4Pack.from_codes(planes[0], s, b + 8 * s, groups.group_size)]
-    centre = 2 ** (groups.bits - 4) // 2
-    high_zero, low_zero = _place_bias(16 * centre * s, 8 * s, b)
+    high_zero, low_zero = _place_bias(16 * _high_centre(groups.bits) * s, 8 * s, b)
     return [Int4Pack.from_codes(planes[0], 16 * s, high_zero, groups.group_size),
             Int4Pack.from_codes(planes[1], s, low_zero, groups.group_size)]
 
@@ -142,7 +136,6 @@ class QuantLinear(nn.Module):
         super().__init__()
         self.pieces = pieces
         self.bias = bias
-        self.sources = ""  # what the file stored, for logs
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x16 = x.to(KERNEL_DTYPE)
@@ -163,7 +156,7 @@ class QuantLinear(nn.Module):
         """Everything this layer holds (for counting its memory)."""
         held = [] if self.bias is None else [self.bias]
         for piece in self.pieces:
-            held += [piece] if isinstance(piece, torch.Tensor) else [t for p in piece for t in (p.packed, p.scale_zeros)]
+            held += [piece] if isinstance(piece, torch.Tensor) else [t for pack in piece for t in pack.tensors()]
         return held
 
 
@@ -184,7 +177,7 @@ class QuantEmbedding(nn.Module):
         return rows.to(self.dtype)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for p in self.packs for t in (p.packed, p.scale_zeros)] + list(self.plain_codes or [])
+        return [t for pack in self.packs for t in pack.tensors()] + list(self.plain_codes or [])
 
 
 Matrix = AffineGroups | torch.Tensor
@@ -237,7 +230,8 @@ class Installer:
         return self._pieces[id(matrix)]
 
     def _convert(self, matrix: AffineGroups) -> list[Int4Pack] | torch.Tensor:
-        refusal = "no int4 kernel on this device" if not self.use_kernel else kernel_refusal(matrix)
+        refusal = "no int4 kernel on this device" if not self.use_kernel else \
+            int4_refusal(matrix.bits, matrix.group_size, matrix.shape[0])
         if refusal is not None:
             self.count_dequantized(f"{matrix.source} ({refusal})")
             return torch.from_numpy(matrix.dequantize()).to(self.dtype)
