@@ -4,8 +4,8 @@ Read from tensor headers only (safetensors headers, local or from the hub; a GGU
 node can plan a ring before any weight moves. A quantized checkpoint is held differently by each engine:
 - an MLX node keeps MLX-format matrices as stored, and turns GGUF's affine types into MLX's packed form;
 - a torch node on CPU keeps affine matrices in int4 packs (two packs for 5 to 8 bits; see
-  engines/torch_quant.py), with float tensors, and matrices the kernel cannot take, in float32; on other
-  devices it dequantizes to bfloat16;
+  engines/torch_quant.py), quantized matrices the kernel cannot take dequantized to bfloat16, and float tensors
+  in float32; on other devices it dequantizes to bfloat16;
 - any node given a float --dtype dequantizes everything to that dtype (the reference path);
 - GGUF types without an affine form (Q2_K, Q3_K, Q6_K) are dequantized by both engines.
 """
@@ -25,7 +25,8 @@ from exo_like.shard import Shard
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 FLOAT_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
 QUANTIZED_FLOAT_BYTES = 2  # float tensors of a quantized model on MLX's quantized path: bfloat16
-TORCH_CPU_FLOAT_BYTES = 4  # and on torch's CPU path, where activations (and dequantized matrices) are float32
+TORCH_CPU_FLOAT_BYTES = 4  # and on torch's CPU path, where activations are float32
+TORCH_CPU_DEQUANTIZED_BYTES = 2  # quantized matrices without a kernel there: bfloat16
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 MLX_BITS = (2, 3, 4, 5, 6, 8)
 _FUSED = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
@@ -105,7 +106,7 @@ def _torch_piece_bytes(stacked: list[Matrix]) -> int:
     out = sum(m.shape[0] for m in stacked)
     if first.affine and int4_refusal(first.bits, first.group_size, out) is None:
         return int4_bytes(first.bits, first.group_size, out, first.shape[1])
-    return sum(m.numel for m in stacked) * TORCH_CPU_FLOAT_BYTES
+    return sum(m.numel * (TORCH_CPU_DEQUANTIZED_BYTES if m.quantized else TORCH_CPU_FLOAT_BYTES) for m in stacked)
 
 
 def mlx_quantized_bytes(m: Matrix) -> int:

@@ -326,6 +326,9 @@ class Node:
             "engine": self.engine.name,
             "device": self.engine.device_name,
             "dtype": self.engine.dtype_name,
+            # Of a quantized model, the matrices run quantized and those dequantized for want of a kernel.
+            "weights": {"quantized": self.engine.weight_forms.quantized,
+                        "dequantized": self.engine.weight_forms.dequantized},
             "uptime_seconds": round(time.time() - self.started, 1),
             "cluster_ready": bool(self.cluster and self.cluster.ready),
             **self.generation_stats(),
@@ -333,14 +336,16 @@ class Node:
 
     def current_load(self) -> NodeLoad:
         """What this node is doing now (shared with peers in its announcements)."""
+        forms = self.engine.weight_forms
+        weights = {"quantized_weights": forms.quantized, "dequantized_weights": forms.dequantized}
         if self.generator is None or self.stage is None:
-            return NodeLoad(download=self.download_progress.status())
+            return NodeLoad(download=self.download_progress.status(), **weights)
         decode_step = self.stage.decode_step_seconds.median()
         return NodeLoad(self.stage.throughput.rate(), self.generator.throughput.rate(),
                         len(self.generator.in_flight), self.stage.busy(),
                         self.download_progress.status(), self.stage.step_seconds(),
                         None if decode_step is None else decode_step * 1000, self.engine.kv_blocks,
-                        **self.stage.scheduler_counts())
+                        **self.stage.scheduler_counts(), **weights)
 
     def _peer_rtts(self) -> dict[str, float]:
         """Seconds of the last measured round trip on each peer link (by peer node id)."""

@@ -3,7 +3,7 @@ numbers for every member."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from exo_like.download_progress import DownloadStatus
@@ -30,6 +30,10 @@ class NodeLoad:
     prefix_queries: int = 0
     prefix_hits: int = 0
     preemptions: int = 0  # requests the first stage put back to wait (their KV blocks went to others)
+    # Of a quantized model: its layers' matrices run quantized (by stored type), and those its engine has no
+    # kernel for, dequantized (by "type (reason)"): engines/base.WeightForms.
+    quantized_weights: dict[str, int] = field(default_factory=dict)
+    dequantized_weights: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         load = {"tokens_per_second": round(self.tokens_per_second, 2),
@@ -38,7 +42,8 @@ class NodeLoad:
                 "decode_step_ms": None if self.decode_step_ms is None else round(self.decode_step_ms, 2),
                 "kv_blocks": self.kv_blocks, "kv_used": self.kv_used, "running": self.running, "waiting": self.waiting,
                 "prefix_queries": self.prefix_queries, "prefix_hits": self.prefix_hits,
-                "preemptions": self.preemptions}
+                "preemptions": self.preemptions, "quantized_weights": dict(self.quantized_weights),
+                "dequantized_weights": dict(self.dequantized_weights)}
         if self.download is not None:  # only nodes that fetched layers from the hub say anything about it
             load["download"] = self.download.to_json()
         return load
@@ -50,10 +55,12 @@ class NodeLoad:
             return cls()
         decode_step_ms = data.get("decode_step_ms")
         counts = {key: int(data.get(key, 0)) for key in _COUNTS}
+        forms = {key: {str(k): int(v) for k, v in (data.get(key) or {}).items()} for key in _FORMS}
         return cls(float(data.get("tokens_per_second", 0.0)), float(data.get("generated_per_second", 0.0)),
                    int(data.get("in_flight", 0)), bool(data.get("busy", False)),
                    DownloadStatus.from_json(data.get("download")), float(data.get("step_seconds", 0.0)),
-                   None if decode_step_ms is None else float(decode_step_ms), **counts)
+                   None if decode_step_ms is None else float(decode_step_ms), **counts, **forms)
 
 
+_FORMS = ("quantized_weights", "dequantized_weights")
 _COUNTS = ("kv_blocks", "kv_used", "running", "waiting", "prefix_queries", "prefix_hits", "preemptions")

@@ -12,6 +12,7 @@ from exo_like.node_load import NodeLoad
 
 MAX_ID = 256  # characters in a request or node id, a digest, a dtype name
 MAX_TEXT = 64 * 1024  # characters in an error message or a reason
+MAX_COUNTS = 64  # entries of a map of counts (e.g. a node's matrices by tensor type)
 INT64 = 2**63
 
 
@@ -87,6 +88,17 @@ def mapping(data: Any, key: str) -> dict[str, Any]:
     return data
 
 
+def counts(data: dict[str, Any], key: str, nullable: bool = False) -> dict[str, int] | None:
+    """A small map of names to counts."""
+    value = data.get(key)
+    if value is None and nullable:
+        return None
+    value = mapping(value, key)
+    if len(value) > MAX_COUNTS:
+        raise ProtocolError(f"field {key!r} must hold at most {MAX_COUNTS} entries")
+    return {string({key: name}, key): check_int(n, key, 0, INT64 - 1) for name, n in value.items()}
+
+
 def integers(data: dict[str, Any], key: str, low: int = 0, high: int = INT64 - 1) -> tuple[int, ...]:
     return tuple(check_int(v, key, low, high) for v in array(data, key))
 
@@ -127,6 +139,7 @@ PLAIN: dict[Any, FieldReader] = {
     bool: lambda data, key, nullable: None if nullable and data[key] is None else boolean(data, key),
     str: lambda data, key, nullable: string(data, key, MAX_TEXT, optional=nullable),
     DownloadStatus: lambda data, key, nullable: plain_map(data, key, DOWNLOAD_FIELDS, nullable),
+    dict[str, int]: counts,
 }
 DOWNLOAD_FIELDS = plain_readers(DownloadStatus)
 LOAD_FIELDS = plain_readers(NodeLoad)

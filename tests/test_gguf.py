@@ -167,12 +167,35 @@ def test_an_unsupported_tensor_type_is_named(tmp_path) -> None:
         _ = open_gguf(path).tensors
 
 
-def test_planning_counts_the_bytes_each_node_holds(gguf_path) -> None:
-    path = gguf_path("qwen2-q4_0")
+@pytest.mark.parametrize("engine_name", ENGINES)
+def test_a_type_without_a_kernel_is_dequantized_and_counted(gguf_path, engine_name) -> None:
+    # Q4_K layers, a Q6_K embedding (no affine form: no engine's kernel takes it), and a Q4_K head of 617 outputs,
+    # which torch's int4 kernel refuses (not a multiple of 16).
+    path = gguf_path("llama-q4_k")
+    args = ModelArgs.from_dict(open_gguf(path).config())
+    engine = create_engine(engine_name, device="cpu")
+    n = args.num_hidden_layers
+    engine.load(path, args, Shard(path.name, 0, n, n))
+    refused = {"Q4_K (617 outputs (not a multiple of 16))": 1} if engine_name == "torch" else {}
+    assert engine.weight_forms.dequantized == {"Q6_K (no affine form)": 1, **refused}
+    assert set(engine.weight_forms.quantized) == {"Q4_K"}
+    if engine_name == "torch":  # held in bfloat16 beside float32 activations on CPU: half float32's bytes
+        assert engine.model.embed_tokens.weight_rows.dtype == torch.bfloat16
+    engine.load(path, args, Shard(path.name, 1, 2, n))  # a middle shard: no embedding, no head
+    assert engine.weight_forms.dequantized == {}
+    float_engine = create_engine(engine_name, device="cpu", dtype="float32")  # the reference path: no kernels
+    float_engine.load(path, args, Shard(path.name, 0, n, n))
+    assert (float_engine.weight_forms.quantized, float_engine.weight_forms.dequantized) == ({}, {})
+
+
+# Q4_0 runs on both engines' kernels; Q6_K (the embedding of one, the layers of the other) has none, so both
+# engines dequantize it (torch on CPU to bfloat16).
+@pytest.mark.parametrize("name", ["qwen2-q4_0", "llama-q4_k", "qwen2-q6_k"])
+def test_planning_counts_the_bytes_each_node_holds(gguf_path, name) -> None:
+    path = gguf_path(name)
     args, _, footprint = read_local_model(path)
     entries = {n: e for n, e in open_gguf(path).tensors.items() if n.startswith("model.layers.0.")}
     assert footprint.layer_bytes == (sum(e.n_bytes for e in entries.values()),) * args.num_hidden_layers
-    assert footprint.tied
     as_float32 = sum(4 * int(np.prod(e.shape)) for e in entries.values())
     assert footprint.held_by("torch", "float32").layer_bytes == (as_float32,) * args.num_hidden_layers
     whole = Shard(path.name, 0, args.num_hidden_layers, args.num_hidden_layers)
@@ -253,6 +276,12 @@ def test_smollm2_is_served_by_its_catalog_name_and_answers(smollm2, tmp_path) ->
         assert status == 200, raw
         answer = json.loads(raw)
         assert "Paris" in answer["choices"][0]["message"]["content"], json.dumps(answer)
+        # Every matrix runs on a quantized kernel (the embedding and tied head are one Q8_0 matrix).
+        weights = node.get_json("/health")["weights"]
+        assert weights["dequantized"] == {} and weights["quantized"]["Q8_0"] == 1, weights
+        assert set(weights["quantized"]) == {"Q4_1", "Q8_0"}, weights
+        [member] = node.get_json("/v1/cluster")["nodes"]
+        assert (member["quantized_weights"], member["dequantized_weights"]) == (weights["quantized"], {})
     finally:
         node.stop()
 

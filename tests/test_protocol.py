@@ -117,15 +117,24 @@ def test_every_message_round_trips(message: Message) -> None:
 
 def test_every_field_of_an_announced_load_crosses_the_wire() -> None:
     """Including fields added to NodeLoad later: the protocol checks the load against NodeLoad's own fields."""
-    plain = {float: 2.5, int: 3, bool: True, str: "s", DownloadStatus: DOWNLOAD}
+    plain = {float: 2.5, int: 3, bool: True, str: "s", DownloadStatus: DOWNLOAD, dict[str, int]: {"Q4_K": 7}}
     values = {}
     for name, hint in typing.get_type_hints(NodeLoad).items():
-        base = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
+        args = typing.get_args(hint)
+        base = next(a for a in args if a is not type(None)) if type(None) in args else hint
         values[name] = plain[base]
     load = NodeLoad(**values)
     assert load != NodeLoad()
     received = decode(encode(PlanState("m", (1, "a"), "d", True, None, load.to_json())))
     assert NodeLoad.from_json(received.load) == load
+
+
+@pytest.mark.parametrize("counts, why", [({"Q4_K": -1}, "must be an integer"), ({"Q4_K": 1.5}, "must be an integer"),
+                                         ({f"t{i}": 1 for i in range(65)}, "at most 64 entries"),
+                                         ({"x" * 300: 1}, "must be a string"), ([1], "must be a map")])
+def test_a_load_s_weight_counts_are_checked(counts: Any, why: str) -> None:
+    wire = {**wire_of(PLAN_DOWNLOADING), "load": {"dequantized_weights": counts}}
+    assert why in refusal(wire)
 
 
 def test_fields_a_newer_peer_adds_are_ignored() -> None:

@@ -184,6 +184,7 @@ function nodeCard(node, picture) {
       h("span", { class: "node-memory" }, memoryText(node.used_bytes, node.memory_bytes)),
       meter(node.used_bytes, node.memory_bytes)),
     kvRow(node),
+    weightsText(node),
     schedulerText(node),
     // The cluster-wide problem is in the banner already; only say what is particular to this node.
     node.problem && node.problem !== picture.problem ? h("div", { class: "node-problem" }, node.problem) : null);
@@ -206,6 +207,20 @@ function kvRow(node) {
       + "prefix cache; requests wait in a queue when it is full" },
       `KV cache ${used} of ${node.kv_blocks} blocks`),
     meter(used, node.kv_blocks));
+}
+
+// A quantized model's matrices: the types running on quantized kernels, and any this node had to dequantize.
+function weightsText(node) {
+  const kept = Object.keys(node.quantized_weights || {});
+  const dequantized = Object.entries(node.dequantized_weights || {});
+  if (!kept.length && !dequantized.length) return null;
+  const parts = kept.length ? [`quantized ${kept.join(", ")}`] : [];
+  if (dequantized.length) {
+    parts.push(`dequantized ${dequantized.map(([why, n]) => `${n} × ${why}`).join(", ")}`);
+  }
+  return h("div", { class: dequantized.length ? "node-weights node-dequantized" : "node-weights",
+    title: "how this node holds the model's quantized matrices: on quantized kernels, or dequantized (more "
+      + "memory) where its engine has no kernel for their type" }, parts.join(" · "));
 }
 
 // The first stage batches the ring's requests and keeps the prefix cache.

@@ -12,6 +12,7 @@ import importlib.util
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +41,26 @@ def check_cancel(cancel: threading.Event | None) -> None:
         raise LoadCancelled
 
 
+@dataclass
+class WeightForms:
+    """How the loaded shard holds a quantized checkpoint's matrices: run quantized (counted by stored type), or
+    dequantized because no kernel of the engine takes them (counted by "type (reason)"), as the engine holds
+    them (torch fuses q/k/v and gate/up into one matrix each). Both empty for a float checkpoint or a float
+    --dtype."""
+
+    quantized: dict[str, int] = field(default_factory=dict)
+    dequantized: dict[str, int] = field(default_factory=dict)
+
+    def add_quantized(self, type_name: str) -> None:
+        self.quantized[type_name] = self.quantized.get(type_name, 0) + 1
+
+    def add_dequantized(self, why: str) -> None:
+        self.dequantized[why] = self.dequantized.get(why, 0) + 1
+
+    def describe_dequantized(self) -> str:
+        return ", ".join(f"{n} x {why}" for why, n in self.dequantized.items())
+
+
 class Engine(ABC):
     name: str = ""
 
@@ -48,6 +69,7 @@ class Engine(ABC):
         self.requested_dtype = dtype
         self.shard: Shard | None = None
         self.args: ModelArgs | None = None
+        self.weight_forms = WeightForms()
 
     @abstractmethod
     def load(self, model_dir: Path, args: ModelArgs, shard: Shard, cancel: threading.Event | None = None) -> None:

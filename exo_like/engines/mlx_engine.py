@@ -21,12 +21,12 @@ from mlx.utils import tree_flatten
 from exo_like.activations import Activations
 from exo_like.affine import AffineGroups, pack_words
 from exo_like.checkpoint import ShardLoadPlan, plan_shard_load
-from exo_like.engines.base import Engine, EngineUnavailableError, check_cancel
+from exo_like.engines.base import Engine, EngineUnavailableError, WeightForms, check_cancel
 from exo_like.engines.batch import layout as batch_layout
 from exo_like.engines.mlx_model import LayerPool, ShardModel, StepIndex
 from exo_like.errors import InvalidRequestError, UnsupportedModelError
 from exo_like.footprint import MLX_BITS
-from exo_like.gguf_file import is_gguf, open_gguf
+from exo_like.gguf_file import FLOAT_TYPES, is_gguf, open_gguf
 from exo_like.kv_blocks import BLOCK_SIZE
 from exo_like.model_config import DTYPES, ModelArgs
 from exo_like.protocol import WorkItem
@@ -61,21 +61,29 @@ def describe_device(device: mx.Device) -> str:
         return "mlx gpu"
 
 
-def read_shard_tensors(model_dir: Path, shard: Shard, tied_embeddings: bool, quantized: bool = False
-                       ) -> tuple[dict[str, mx.array], dict[str, dict[str, int]]]:
+def read_shard_tensors(model_dir: Path, shard: Shard, tied_embeddings: bool, quantized: bool = False,
+                       forms: WeightForms | None = None) -> tuple[dict[str, mx.array], dict[str, dict[str, int]]]:
     """The shard's tensors under their shard-local names, from a GGUF file or a Hugging Face folder, and the
-    {group_size, bits} of each GGUF matrix kept quantized (`quantized`: in MLX's packed form), by module path."""
+    {group_size, bits} of each GGUF matrix kept quantized (`quantized`: in MLX's packed form), by module path.
+    `forms` counts the GGUF matrices kept quantized and those dequantized for want of a kernel."""
     if not is_gguf(model_dir):
         return read_plan_tensors(plan_shard_load(model_dir, shard, tied_embeddings), tied_embeddings), {}
+    forms = forms if forms is not None else WeightForms()
     weights, specs = {}, {}
-    for local, value, _ in open_gguf(model_dir).read_shard(shard, tied_embeddings, quantized):
-        if not isinstance(value, AffineGroups) or value.bits not in MLX_BITS:
-            weights[local] = mx.array(value if not isinstance(value, AffineGroups) else value.dequantize())
+    for local, value, type_name in open_gguf(model_dir).read_shard(shard, tied_embeddings, quantized):
+        if isinstance(value, AffineGroups) and value.bits in MLX_BITS:
+            prefix = local.removesuffix(".weight")
+            weights[local] = mx.array(pack_words(value.codes, value.bits))
+            weights[f"{prefix}.scales"], weights[f"{prefix}.biases"] = mx.array(value.scales), mx.array(value.biases)
+            specs[prefix] = {"group_size": value.group_size, "bits": value.bits}
+            forms.add_quantized(type_name)
             continue
-        prefix = local.removesuffix(".weight")
-        weights[local] = mx.array(pack_words(value.codes, value.bits))
-        weights[f"{prefix}.scales"], weights[f"{prefix}.biases"] = mx.array(value.scales), mx.array(value.biases)
-        specs[prefix] = {"group_size": value.group_size, "bits": value.bits}
+        if isinstance(value, AffineGroups):
+            forms.add_dequantized(f"{type_name} ({value.bits}-bit codes)")
+            value = value.dequantize()
+        elif quantized and type_name not in FLOAT_TYPES:
+            forms.add_dequantized(f"{type_name} (no affine form)")
+        weights[local] = mx.array(value)
     return weights, specs
 
 
@@ -140,13 +148,17 @@ class MLXEngine(Engine):
         started = time.perf_counter()
         dtype_name = self.requested_dtype or _checkpoint_dtype(args)
         self._model, self._pools, self.shard, self.args = None, [], None, None
+        self.weight_forms = WeightForms()
         with mx.stream(self._device):
             model = ShardModel(args, shard)
             # A float --dtype asks for a GGUF file's dequantized (reference) path; an MLX-format checkpoint
             # stays quantized (its reference, mlx-lm, runs it so).
+            forms = WeightForms()
             weights, specs = read_shard_tensors(Path(model_dir), shard, args.tie_word_embeddings,
-                                                quantized=self.requested_dtype is None)
+                                                self.requested_dtype is None, forms)
             quantize_like_checkpoint(model, args, weights, specs)
+            if args.quant is not None:
+                forms.quantized[f"mlx {args.quant.bits}-bit"] = sum(n.endswith(".scales") for n in weights)
             dtype = MX_DTYPES[dtype_name]
             model.load_weights([(name, _cast(w, dtype)) for name, w in weights.items()], strict=True)
             # Read everything now, so the first request does not pay for loading and the files can be closed;
@@ -157,7 +169,10 @@ class MLXEngine(Engine):
                 mx.eval(parameters[start:start + EVAL_GROUP])
             del parameters
         self._model, self._dtype_name = model, dtype_name
-        self.shard, self.args = shard, args
+        self.shard, self.args, self.weight_forms = shard, args, forms
+        if forms.dequantized:
+            log.warning("%s: no quantized kernel for %s: dequantized to %s", shard, forms.describe_dequantized(),
+                        dtype_name)
         log.info(
             "loaded %s on %s as %s: %d tensors from %s, %.1f MB in %.2fs",
             shard, self.device_name, dtype_name, len(weights), Path(model_dir).name,

@@ -20,11 +20,11 @@ from safetensors import safe_open
 from exo_like.activations import Activations
 from exo_like.affine import AffineGroups, from_mlx
 from exo_like.checkpoint import ShardLoadPlan, plan_shard_load
-from exo_like.engines.base import Engine, check_cancel
+from exo_like.engines.base import Engine, WeightForms, check_cancel
 from exo_like.engines.openmp import pin_openmp_team
 from exo_like.engines.batch import layout as batch_layout
 from exo_like.engines.torch_model import KVPool, ShardModel, StepIndex, fuse_checkpoint_weights, load_state
-from exo_like.engines.torch_quant import Installer, int4_kernel_available
+from exo_like.engines.torch_quant import Installer, Matrix, int4_kernel_available
 from exo_like.errors import InvalidRequestError
 from exo_like.gguf_file import FLOAT_TYPES, is_gguf, open_gguf
 from exo_like.model_config import DTYPES, ModelArgs
@@ -140,19 +140,19 @@ class TorchEngine(Engine):
         self.model: ShardModel | None = None
         self.pool: KVPool | None = None
         self._threads_placed = False
-        self.weight_forms: dict[str, dict[str, int]] = {}  # matrices on the int4 kernel / dequantized, by type
 
     def load(self, model_dir: Path, args: ModelArgs, shard: Shard, cancel: threading.Event | None = None) -> None:
         if shard.n_layers != args.num_hidden_layers:
             raise ValueError(f"shard {shard} does not match the model's {args.num_hidden_layers} layers")
         self.model, self.shard, self.args, self.pool = None, None, None, None
+        self.weight_forms = WeightForms()
         started = time.perf_counter()
         keep_quantized = self._keeps_quantized(model_dir, args)
         self.dtype = pick_dtype(self.requested_dtype, args.torch_dtype, self.device, keep_quantized)
         log.info("loading %s from %s on %s as %s", shard, Path(model_dir).name, self.device, DTYPE_NAMES[self.dtype])
         with torch.device("meta"):  # no memory, no random init: every parameter is replaced by a loaded tensor
             model = ShardModel(args, shard.layer_count, shard.is_first, shard.is_last)
-        installer = Installer(self.dtype, int4_kernel_available(self.device))
+        installer = Installer(self.dtype, self.device, int4_kernel_available(self.device))
         weights = self._read_weights(Path(model_dir), args, shard, keep_quantized, installer, cancel)
         state = fuse_checkpoint_weights(weights, args, shard.is_first, shard.is_last)
         installer.install(model, state)
@@ -161,10 +161,10 @@ class TorchEngine(Engine):
         del weights, state
         model.requires_grad_(False).eval().prepare()
         self.model, self.shard, self.args = model, shard, args
-        self.weight_forms = {"int4_kernel": installer.kernel, "dequantized": installer.dequantized}
-        if installer.dequantized:
+        self.weight_forms = installer.forms
+        if installer.forms.dequantized:
             log.warning("%s: no quantized kernel for %s: dequantized to %s", shard,
-                        ", ".join(f"{n} x {k}" for k, n in installer.dequantized.items()), DTYPE_NAMES[self.dtype])
+                        installer.forms.describe_dequantized(), DTYPE_NAMES[installer.dense_dtype])
         log.info("loaded %s: %.1f MB in %.2fs", shard, self.parameter_bytes() / 1e6, time.perf_counter() - started)
 
     def _keeps_quantized(self, model_dir: Path, args: ModelArgs) -> bool:
@@ -175,17 +175,17 @@ class TorchEngine(Engine):
         return args.quant is not None or (is_gguf(model_dir) and open_gguf(model_dir).quantized)
 
     def _read_weights(self, model_dir: Path, args: ModelArgs, shard: Shard, keep: bool, installer: Installer,
-                      cancel: threading.Event | None) -> dict[str, torch.Tensor | AffineGroups]:
+                      cancel: threading.Event | None) -> dict[str, Matrix]:
         if is_gguf(model_dir):
-            weights: dict[str, torch.Tensor | AffineGroups] = {}
+            weights: dict[str, Matrix] = {}
             for local, value, type_name in open_gguf(model_dir).read_shard(shard, args.tie_word_embeddings, keep):
                 check_cancel(cancel)
                 if isinstance(value, AffineGroups):
                     weights[local] = value
-                    continue
-                if keep and type_name not in FLOAT_TYPES:
-                    installer.count_dequantized(f"{type_name} (no affine form)")
-                weights[local] = torch.from_numpy(value).to(device=self.device, dtype=self.dtype)
+                elif keep and type_name not in FLOAT_TYPES:
+                    weights[local] = installer.dense(value, f"{type_name} (no affine form)")
+                else:
+                    weights[local] = torch.from_numpy(value).to(device=self.device, dtype=self.dtype)
             return weights
         plan = plan_shard_load(model_dir, shard, args.tie_word_embeddings)
         skip = checkpoint_skips(plan, args.tie_word_embeddings)

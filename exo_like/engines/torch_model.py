@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from exo_like.engines.batch import BatchLayout, ItemLayout
-from exo_like.engines.torch_quant import Matrix, QuantEmbedding, QuantLinear, stack_rows
+from exo_like.engines.torch_quant import CastEmbedding, Matrix, QuantEmbedding, QuantLinear, stack_rows
 from exo_like.kv_blocks import BLOCK_SIZE
 from exo_like.model_config import ModelArgs, rope_inv_freq
 
@@ -400,7 +400,7 @@ class ShardModel(nn.Module):
         """Every tensor the shard holds, each once (a tied head shares the embedding's)."""
         held = {id(t): t for t in self.parameters()}
         for module in self.modules():
-            if isinstance(module, (QuantLinear, QuantEmbedding)):
+            if isinstance(module, (QuantLinear, QuantEmbedding, CastEmbedding)):
                 held.update((id(t), t) for t in module.tensors())
         return list(held.values())
 

@@ -7,7 +7,8 @@ maps onto it exactly:
 - 5 to 8 bits: two packs of the high and low nibbles, q = 16 h + l: the high one with scale 16 s, the low one
   with scale s; their zeros share out the bias (see int4_packs) and their products add up to the whole.
 Shapes the kernel refuses (footprint.int4_refusal), other devices and types without an affine form (GGUF's
-Q2_K, Q3_K, Q6_K) are dequantized by the engine instead.
+Q2_K, Q3_K, Q6_K) are dequantized by the engine instead: on CPU to bfloat16 `Dense` pieces (half float32's bytes,
+and oneDNN's bfloat16 matmul is no slower there than float32's), elsewhere to the engine's dtype.
 
 The kernel keeps its packs in a private layout. An embedding needs rows of the matrix, not products: rows are
 decoded from the packs where the layout is the one checked at load (`Int4Pack.codes`, `check_layout`), else
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from exo_like.affine import AffineGroups
+from exo_like.engines.base import WeightForms
 from exo_like.footprint import int4_refusal
 
 log = logging.getLogger(__name__)
@@ -139,17 +141,17 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x16 = x.to(KERNEL_DTYPE)
-        outputs = [self._piece(x16, piece, x.dtype) for piece in self.pieces]
+        outputs = [self._piece(x, x16, piece) for piece in self.pieces]
         out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
         return out if self.bias is None else out + self.bias
 
     @staticmethod
-    def _piece(x16: torch.Tensor, piece: list[Int4Pack] | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def _piece(x: torch.Tensor, x16: torch.Tensor, piece: list[Int4Pack] | torch.Tensor) -> torch.Tensor:
         if isinstance(piece, torch.Tensor):
-            return F.linear(x16.to(piece.dtype), piece).to(dtype)
-        out = piece[0].matmul(x16).to(dtype)
+            return F.linear(x16 if piece.dtype == x16.dtype else x.to(piece.dtype), piece).to(x.dtype)
+        out = piece[0].matmul(x16).to(x.dtype)
         for pack in piece[1:]:
-            out += pack.matmul(x16).to(dtype)
+            out += pack.matmul(x16).to(x.dtype)
         return out
 
     def tensors(self) -> list[torch.Tensor]:
@@ -180,7 +182,28 @@ class QuantEmbedding(nn.Module):
         return [t for pack in self.packs for t in pack.tensors()] + list(self.plain_codes or [])
 
 
-Matrix = AffineGroups | torch.Tensor
+class CastEmbedding(nn.Module):
+    """An embedding held in another dtype than the model's (a dequantized fallback): rows cast on lookup."""
+
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype):
+        super().__init__()
+        self.weight_rows, self.dtype = weight, dtype  # not `weight`: that name would make it a parameter
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight_rows).to(self.dtype)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.weight_rows]
+
+
+@dataclass
+class Dense:
+    """A quantized matrix that no kernel here takes, dequantized (in Installer.dense_dtype)."""
+
+    weight: torch.Tensor
+
+
+Matrix = AffineGroups | Dense | torch.Tensor
 
 
 def stack_rows(parts: list[Matrix | list[Matrix]]) -> Matrix | list[Matrix]:
@@ -189,6 +212,8 @@ def stack_rows(parts: list[Matrix | list[Matrix]]) -> Matrix | list[Matrix]:
     flat = [p for part in parts for p in (part if isinstance(part, list) else [part])]
     if all(isinstance(p, torch.Tensor) for p in flat):
         return torch.cat(flat)
+    if all(isinstance(p, Dense) for p in flat):
+        return Dense(torch.cat([p.weight for p in flat]))
     if all(isinstance(p, AffineGroups) and p.same_form(flat[0]) for p in flat):
         return AffineGroups.stack(flat)
     return flat
@@ -198,25 +223,29 @@ class Installer:
     """Puts quantized modules into a ShardModel built on the meta device, from its state dict's quantized
     entries (AffineGroups, or lists of pieces), and counts what ran on the kernel and what was dequantized."""
 
-    def __init__(self, dtype: torch.dtype, use_kernel: bool):
-        self.dtype, self.use_kernel = dtype, use_kernel
-        self.kernel: dict[str, int] = {}  # source type -> matrices on the int4 kernel
-        self.dequantized: dict[str, int] = {}  # "source type (reason)" -> matrices dequantized
+    def __init__(self, dtype: torch.dtype, device: torch.device, use_kernel: bool):
+        self.dtype, self.device, self.use_kernel = dtype, device, use_kernel
+        # On CPU the activations are float32, but a dequantized matrix is held in bfloat16 (half the bytes).
+        self.dense_dtype = KERNEL_DTYPE if use_kernel else dtype
+        self.forms = WeightForms()
         self._pieces: dict[int, list[Int4Pack] | torch.Tensor] = {}  # by id(AffineGroups)
 
-    def count_dequantized(self, what: str) -> None:
-        self.dequantized[what] = self.dequantized.get(what, 0) + 1
+    def dense(self, values: np.ndarray, why: str) -> Dense:
+        """A dequantized matrix (`why`: its type and the reason it has no kernel, for the counts)."""
+        self.forms.add_dequantized(why)
+        return Dense(torch.from_numpy(values).to(device=self.device, dtype=self.dense_dtype))
 
     def install(self, model: nn.Module, state: dict[str, Matrix | list[Matrix]]) -> None:
         for name in [n for n, v in state.items() if not isinstance(v, torch.Tensor)]:
             value, path = state.pop(name), name.removesuffix(".weight")
             pieces = [self._piece(p) for p in (value if isinstance(value, list) else [value])]
             module = model.get_submodule(path)
-            if all(isinstance(p, torch.Tensor) for p in pieces):
+            if all(isinstance(p, torch.Tensor) and p.dtype == self.dtype for p in pieces):
                 state[name] = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
                 continue
             if isinstance(module, nn.Embedding):
-                replacement: nn.Module = self._embedding(value, pieces[0])
+                replacement: nn.Module = CastEmbedding(pieces[0], self.dtype) if isinstance(pieces[0], torch.Tensor) \
+                    else self._embedding(value, pieces[0])
             else:
                 replacement = QuantLinear(pieces, state.pop(f"{path}.bias", None))
             parent, _, child = path.rpartition(".")
@@ -225,6 +254,8 @@ class Installer:
     def _piece(self, matrix: Matrix) -> list[Int4Pack] | torch.Tensor:
         if isinstance(matrix, torch.Tensor):
             return matrix
+        if isinstance(matrix, Dense):
+            return matrix.weight
         if id(matrix) not in self._pieces:  # a tied embedding and head are one AffineGroups: one piece
             self._pieces[id(matrix)] = self._convert(matrix)
         return self._pieces[id(matrix)]
@@ -233,9 +264,8 @@ class Installer:
         refusal = "no int4 kernel on this device" if not self.use_kernel else \
             int4_refusal(matrix.bits, matrix.group_size, matrix.shape[0])
         if refusal is not None:
-            self.count_dequantized(f"{matrix.source} ({refusal})")
-            return torch.from_numpy(matrix.dequantize()).to(self.dtype)
-        self.kernel[matrix.source] = self.kernel.get(matrix.source, 0) + 1
+            return self.dense(matrix.dequantize(), f"{matrix.source} ({refusal})").weight
+        self.forms.add_quantized(matrix.source)
         return int4_packs(matrix)
 
     def _embedding(self, matrix: AffineGroups, packs: list[Int4Pack]) -> QuantEmbedding:
