@@ -130,13 +130,17 @@ class GGUFCheckpoint:
 
         self.path = path
         self.parts = split_parts(path)
-        self._stored: list[tuple[Path, Any]] = []  # (part, gguf ReaderTensor) of every tensor, checked in `tensors`
+        # (part, name, type, shape, bytes, offset) of every tensor, checked in `tensors`. Plain values: the
+        # reader's tensor objects hold on to its parse of the whole header (tens of MB for a large vocabulary).
+        self._stored: list[tuple[Path, str, str, tuple[int, ...], int, int]] = []
         try:
             for index, part in enumerate(self.parts):
                 reader = GGUFReader(part)
                 if index == 0:
                     self.metadata = _metadata(reader)
-                self._stored.extend((part, tensor) for tensor in reader.tensors)
+                self._stored.extend((part, str(t.name), t.tensor_type.name, tuple(reversed(t.shape.tolist())),
+                                     int(t.n_bytes), int(t.data_offset)) for t in reader.tensors)
+                del reader
         except (ValueError, OSError, IndexError, KeyError, TypeError) as exc:  # a truncated or foreign file
             raise UnsupportedModelError(f"{path.name} is not a readable GGUF file: {exc!r}") from None
         architecture = self.metadata.get("general.architecture")
@@ -150,19 +154,16 @@ class GGUFCheckpoint:
     def tensors(self) -> dict[str, TensorEntry]:
         """Hugging Face name -> entry, for every tensor the model uses (unknown extras are an error)."""
         entries = {}
-        for part, tensor in self._stored:
-            name = hf_tensor_name(tensor.name)
+        for part, gguf_name, type_name, shape, n_bytes, offset in self._stored:
+            name = hf_tensor_name(gguf_name)
             if name is None:
-                raise UnsupportedModelError(f"{self.path.name}: tensor {tensor.name!r} is not part of a "
+                raise UnsupportedModelError(f"{self.path.name}: tensor {gguf_name!r} is not part of a "
                                             f"{self.architecture} model this project runs")
-            type_name = tensor.tensor_type.name
             if type_name not in TENSOR_TYPES:
                 raise UnsupportedModelError(
-                    f"{self.path.name}: tensor {tensor.name} has type {type_name}, which is not supported; "
+                    f"{self.path.name}: tensor {gguf_name} has type {type_name}, which is not supported; "
                     f"supported: {', '.join(TENSOR_TYPES)}", code="unsupported_quantization")
-            shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
-            entries[name] = TensorEntry(tensor.name, type_name, shape, int(tensor.n_bytes), part,
-                                        int(tensor.data_offset))
+            entries[name] = TensorEntry(gguf_name, type_name, shape, n_bytes, part, offset)
         return entries
 
     def _key(self, name: str, default: Any = None) -> Any:

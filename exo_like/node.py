@@ -326,8 +326,10 @@ class Node:
             "engine": self.engine.name,
             "device": self.engine.device_name,
             "dtype": self.engine.dtype_name,
-            # Of a quantized model, the matrices run quantized and those dequantized for want of a kernel.
-            "weights": {"quantized": self.engine.weight_forms.quantized,
+            # The bytes this node's layers hold; of a quantized model, the matrices run quantized and those
+            # dequantized for want of a kernel.
+            "weights": {"parameter_bytes": self.engine.parameter_bytes(),
+                        "quantized": self.engine.weight_forms.quantized,
                         "dequantized": self.engine.weight_forms.dequantized},
             "uptime_seconds": round(time.time() - self.started, 1),
             "cluster_ready": bool(self.cluster and self.cluster.ready),

@@ -7,8 +7,10 @@ thread at a time (the node serialises calls), so engines need no locking of thei
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import importlib.util
+import sys
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -123,6 +125,19 @@ class Engine(ABC):
     @abstractmethod
     def dtype_name(self) -> str:
         """The dtype weights and activations use: float32, bfloat16 or float16."""
+
+
+def return_freed_memory() -> None:
+    """Hand the heap's free pages back to the system (glibc only; elsewhere nothing to do).
+
+    A load frees its temporaries (read and unpacked weights) in many pieces; glibc keeps freed heap memory for
+    reuse, so without this a node's resident memory stays at the load's peak instead of the weights it holds."""
+    if sys.platform != "linux":
+        return
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # another C library (musl has neither)
+        pass
 
 
 def engine_importable(name: str) -> bool:

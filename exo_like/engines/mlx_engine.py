@@ -21,7 +21,7 @@ from mlx.utils import tree_flatten
 from exo_like.activations import Activations
 from exo_like.affine import AffineGroups, pack_words
 from exo_like.checkpoint import ShardLoadPlan, plan_shard_load
-from exo_like.engines.base import Engine, EngineUnavailableError, WeightForms, check_cancel
+from exo_like.engines.base import Engine, EngineUnavailableError, WeightForms, check_cancel, return_freed_memory
 from exo_like.engines.batch import layout as batch_layout
 from exo_like.engines.mlx_model import LayerPool, ShardModel, StepIndex
 from exo_like.errors import InvalidRequestError, UnsupportedModelError
@@ -168,6 +168,7 @@ class MLXEngine(Engine):
                 check_cancel(cancel)
                 mx.eval(parameters[start:start + EVAL_GROUP])
             del parameters
+        return_freed_memory()
         self._model, self._dtype_name = model, dtype_name
         self.shard, self.args, self.weight_forms = shard, args, forms
         if forms.dequantized:

@@ -20,7 +20,7 @@ from safetensors import safe_open
 from exo_like.activations import Activations
 from exo_like.affine import AffineGroups, from_mlx
 from exo_like.checkpoint import ShardLoadPlan, plan_shard_load
-from exo_like.engines.base import Engine, WeightForms, check_cancel
+from exo_like.engines.base import Engine, WeightForms, check_cancel, return_freed_memory
 from exo_like.engines.openmp import pin_openmp_team
 from exo_like.engines.batch import layout as batch_layout
 from exo_like.engines.torch_model import KVPool, ShardModel, StepIndex, fuse_checkpoint_weights, load_state
@@ -165,6 +165,7 @@ class TorchEngine(Engine):
         if installer.forms.dequantized:
             log.warning("%s: no quantized kernel for %s: dequantized to %s", shard,
                         installer.forms.describe_dequantized(), DTYPE_NAMES[installer.dense_dtype])
+        return_freed_memory()
         log.info("loaded %s: %.1f MB in %.2fs", shard, self.parameter_bytes() / 1e6, time.perf_counter() - started)
 
     def _keeps_quantized(self, model_dir: Path, args: ModelArgs) -> bool:

@@ -362,7 +362,10 @@ class ShardModel(nn.Module):
         super().__init__()
         self.args = args
         self.is_first, self.is_last = is_first, is_last
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size) if is_first else None
+        # Given a weight, nn.Embedding skips its random init, which on the meta device imports torch._dynamo
+        # (and sympy): tens of MB of resident memory for nothing.
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size,
+                                         _weight=torch.empty(args.vocab_size, args.hidden_size)) if is_first else None
         self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(n_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps) if is_last else None
         self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False) if is_last else None

@@ -1,0 +1,102 @@
+"""Resident memory of a real `exo-like` node holding a 4-bit model, against the same node without a model.
+
+Shared by tests/test_memory.py (which asserts the issue's bounds) and bench/bench_memory.py (which prints them,
+with the float reference path beside them). The checkpoints are random but large enough that a node which
+dequantized its matrices to bfloat16 (3.6x the stored bytes of Q4_K) would break the resident bound.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from tests.api_server import NodeProcess, start_node
+from tests.checkpoints import make_checkpoint
+from tests.cluster_harness import wait_until_ready
+from tests.gguf_checkpoints import write_gguf
+
+# A llama of ~135M parameters: ~77 MB as Q4_K, ~85 MB in MLX's 4-bit format (groups of 64, bfloat16 scales).
+SHAPE = {"n_layers": 12, "hidden_size": 1024, "intermediate_size": 2816, "num_attention_heads": 16,
+         "num_key_value_heads": 4, "rope_scaling": None, "seed": 1}
+PARAMETER_RATIO = 1.15  # parameters held / stored bytes, at most
+RESIDENT_RATIO, RESIDENT_SLACK = 1.2, 100e6  # resident growth <= ratio * stored bytes + slack
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    name: str
+    path: Path
+    stored_bytes: int  # the weight files' bytes
+
+
+@dataclass(frozen=True)
+class Measurement:
+    checkpoint: Checkpoint
+    dtype: str | None
+    parameter_bytes: int  # what the node's engine holds (GET /health)
+    resident_growth: int  # the node's resident memory after a request, minus that of a node without a model
+    weights: dict  # GET /health's "weights"
+
+    @property
+    def parameter_ratio(self) -> float:
+        return self.parameter_bytes / self.checkpoint.stored_bytes
+
+    @property
+    def resident_limit(self) -> float:
+        return RESIDENT_RATIO * self.checkpoint.stored_bytes + RESIDENT_SLACK
+
+
+def build_checkpoints(root: Path) -> list[Checkpoint]:
+    """A GGUF Q4_K file (every matrix Q4_K, the embedding too) and, where mlx-lm is installed, the same model in
+    MLX's 4-bit format."""
+    float_dir = root / "float"
+    if not (float_dir / "config.json").exists():
+        make_checkpoint(float_dir, "llama", **SHAPE)
+    gguf = root / "q4_k.gguf"
+    if not gguf.exists():
+        write_gguf(float_dir, gguf, "Q4_K", "Q4_K")
+    made = [Checkpoint("GGUF Q4_K", gguf, gguf.stat().st_size)]
+    if importlib.util.find_spec("mlx_lm") is not None:
+        mlx_dir = root / "mlx-4bit"
+        if not mlx_dir.exists():
+            from mlx_lm.convert import convert
+
+            convert(str(float_dir), mlx_path=str(mlx_dir), quantize=True, q_group_size=64, q_bits=4)
+        made.append(Checkpoint("MLX 4-bit", mlx_dir, sum(f.stat().st_size for f in mlx_dir.glob("*.safetensors"))))
+    return made
+
+
+def resident_bytes(node: NodeProcess) -> int:
+    return psutil.Process(node.process.pid).memory_info().rss
+
+
+def baseline(home: Path) -> int:
+    """Resident memory of a torch node started without a model, once it serves."""
+    node = start_node(home, None, "--no-mdns", "--engine", "torch", threads=2)
+    try:
+        node.get_json("/health")
+        return resident_bytes(node)
+    finally:
+        node.stop()
+
+
+def measure(home: Path, checkpoint: Checkpoint, without_model: int, dtype: str | None = None) -> Measurement:
+    """Start a torch node on the checkpoint, answer one request, and read its memory."""
+    extra = ["--dtype", dtype] if dtype else []
+    node = start_node(home, str(checkpoint.path), "--no-mdns", "--engine", "torch", *extra, threads=2)
+    try:
+        wait_until_ready([node], 1, timeout=300)
+        body = {"model": str(checkpoint.path), "prompt": "The capital of France is", "max_tokens": 16,
+                "temperature": 0}
+        status, _, raw = node.request("POST", "/v1/completions", json.dumps(body).encode(),
+                                      {"Content-Type": "application/json"})
+        assert status == 200, raw
+        weights = node.get_json("/health")["weights"]
+        return Measurement(checkpoint, dtype, weights["parameter_bytes"], resident_bytes(node) - without_model,
+                           weights)
+    finally:
+        node.stop()
