@@ -66,7 +66,7 @@ def prepare_gguf_repo(repo_id: str, cache_dir: Path, revision: str | None, tag: 
     for name in names:
         ensure_header(repo_id, commit, name, listed[name], folder / name, cache_dir)
     args, footprint = gguf_description(folder / names[0])
-    log.info("%s@%s: GGUF %s (%d part%s, %.1f MB); headers fetched", repo_id, commit[:8], names[0], len(names),
+    log.info("%s@%s: GGUF %s (%d part%s, %.1f MB): planned from its header", repo_id, commit[:8], names[0], len(names),
              "" if len(names) == 1 else "s", sum(listed[n].size for n in names) / 1e6)
     return folder / names[0], args, RepoManifest(repo_id, commit, {n: listed[n] for n in names}, footprint)
 

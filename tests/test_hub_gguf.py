@@ -16,13 +16,14 @@ from typing import Iterator
 
 import numpy as np
 import pytest
+from huggingface_hub import constants
 
 pytest.importorskip("gguf", reason="gguf is not installed")
 
 from exo_like.checkpoint import local_tensor_name  # noqa: E402
 from exo_like.download import ShardDownloader  # noqa: E402
 from exo_like.download_progress import DownloadProgress  # noqa: E402
-from exo_like.errors import ModelNotFoundError  # noqa: E402
+from exo_like.errors import HubUnavailableError, ModelNotFoundError  # noqa: E402
 from exo_like.gguf_file import GGUFCheckpoint, open_gguf  # noqa: E402
 from exo_like.gguf_header import header_end  # noqa: E402
 from exo_like.gguf_select import available_tags, pick_gguf, split_tag  # noqa: E402
@@ -193,6 +194,27 @@ def test_planning_reads_headers_and_each_plan_fetches_only_what_it_adds(hub: Hub
         assert np.array_equal(held.read(name), whole.read(name))
     assert not model.folder.read_bytes()[held.tensors["model.layers.5.mlp.up_proj.weight"].offset:][:4096].strip(b"\0")
     assert model.folder.read_bytes()[:end] == data[:end]
+
+
+def test_offline_a_restarted_node_serves_the_ranges_it_holds(hub: HubServer, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
+    cache = tmp_path / "cache"
+    model = prepare_hub_model(locate(REPO, tmp_path), cache)  # the repo's name ends in GGUF: the default tag
+    assert model.folder.name == "tiny-Q8_0.gguf" and model.tag is None
+    downloader = ShardDownloader(cache, "n0", DownloadProgress())
+    try:
+        asyncio.run(downloader.ensure(model.manifest, model.folder, Shard(REPO, 2, 4, N_LAYERS), False))
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+        seen = len(hub.requests())
+        again = prepare_hub_model(locate(REPO, tmp_path), cache)
+        assert (again.key, again.folder) == (model.key, model.folder)
+        asyncio.run(downloader.ensure(again.manifest, again.folder, Shard(REPO, 2, 4, N_LAYERS), False))
+        with pytest.raises(HubUnavailableError, match="HF_HUB_OFFLINE is set"):
+            asyncio.run(downloader.ensure(again.manifest, again.folder, Shard(REPO, 3, 6, N_LAYERS), False))
+        assert hub.requests(since=seen) == []
+    finally:
+        downloader.close()
 
 
 # -- real nodes ----------------------------------------------------------------------------------------------------
