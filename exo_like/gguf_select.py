@@ -24,10 +24,11 @@ _NOT_MODELS = ("mmproj", "imatrix", "mtp-", "eagle3-", "dflash-", "dspark-")
 
 
 def split_tag(spec: str) -> tuple[str, str | None]:
-    """'org/name[@rev]:TAG' -> ('org/name[@rev]', 'TAG'); anything else -> (spec, None)."""
+    """'org/name[@rev]:tag' -> ('org/name[@rev]', 'TAG'); anything else -> (spec, None). Tags match file names
+    case-insensitively, so they are upper-cased: every spelling names the same model."""
     head, colon, tag = spec.rpartition(":")
     if colon and "/" in head and _TAG.match(tag):
-        return head, tag
+        return head, tag.upper()
     return spec, None
 
 

@@ -22,6 +22,7 @@ from exo_like.errors import ExoLikeError, ModelNotFoundError, ModelPendingError
 from exo_like.gguf_file import is_gguf, open_gguf
 from exo_like.gguf_tokenizer import gguf_tokenizer
 from exo_like.gguf_hub import gguf_description
+from exo_like.gguf_select import split_tag, with_tag
 from exo_like.hub import RepoManifest
 from exo_like.model_config import ModelArgs
 from exo_like.model_source import HubModel, list_models, locate, prepare_hub_model, split_revision
@@ -133,7 +134,7 @@ class ModelRegistry:
         """`served` if a request's model `name` refers to it, else ModelNotFoundError. Besides the served model's
         own names, `org/name@revision` of its repo counts when the revision is the served commit: another node
         may have been started with that name. Such a revision is resolved once, then kept as a name."""
-        if served.answers_to(name):
+        if served.answers_to(name) or served.answers_to(with_tag(*split_tag(name))):  # any spelling of a GGUF tag
             return served
         repo_id, revision = split_revision(name)
         if revision is not None and served.manifest is not None and served.answers_to(repo_id):

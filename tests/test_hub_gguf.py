@@ -48,7 +48,7 @@ MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 
 def test_a_tag_follows_the_repo_id_and_nothing_else_is_one() -> None:
     assert split_tag("org/name-GGUF:Q4_K_M") == ("org/name-GGUF", "Q4_K_M")
-    assert split_tag("org/name-GGUF@v1:q8_0") == ("org/name-GGUF@v1", "q8_0")
+    assert split_tag("org/name-GGUF@v1:q8_0") == ("org/name-GGUF@v1", "Q8_0")
     assert split_tag("org/name-GGUF") == ("org/name-GGUF", None)
     assert split_tag("C:model") == ("C:model", None)  # no repo id before the colon
 
@@ -167,7 +167,7 @@ def test_planning_reads_headers_and_each_plan_fetches_only_what_it_adds(hub: Hub
     end = header_end(data, original.name)
     seen = len(hub.requests())
     model = prepare_hub_model(locate(f"{REPO}:q8_0", tmp_path), tmp_path / "cache")
-    assert (model.name, model.key) == (f"{REPO}:q8_0", f"{REPO}@{hub.repos[REPO].commit}:q8_0")
+    assert (model.name, model.key) == (f"{REPO}:Q8_0", f"{REPO}@{hub.repos[REPO].commit}:Q8_0")
     assert model.folder.name == "tiny-Q8_0.gguf" and model.folder.stat().st_size == len(data)
     headers = cdn_ranges(hub.requests(since=seen))
     assert headers[0][0] == 0 and headers[-1][1] < len(data) // 4  # a prefix of the file, not the file
@@ -281,8 +281,8 @@ def test_three_nodes_fetch_only_their_own_ranges_and_match_transformers(hub: Hub
             assert_fetched_only_its_own(hub, f"node{i}", original, plan[node_id])
             download = next(n for n in cluster_of(nodes[0])["nodes"] if n["id"] == node_id)["download"]
             assert download["state"] == "complete" and download["done_bytes"] == download["total_bytes"] > 0
-        for node in (nodes[0], nodes[2]):
-            assert answer(node, f"{REPO}:Q8_0") == expected
+        for node, name in ((nodes[0], f"{REPO}:Q8_0"), (nodes[2], f"{REPO}:q8_0")):
+            assert answer(node, name) == expected
         models = nodes[2].get_json("/v1/models")["data"]
         assert (models[0]["id"], models[0]["source"]) == (f"{REPO}:Q8_0", "hub")
     finally:
