@@ -42,7 +42,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--home", type=Path, default=None,
                         help="folder for models and state (default: $EXO_LIKE_HOME or ~/.cache/exo-like)")
     parser.add_argument("--model", default=None,
-                        help="a Hugging Face repo id (org/name, or org/name@revision), a catalog name (e.g. "
+                        help="a Hugging Face repo id (org/name, org/name@revision, or org/name-GGUF:Q4_K_M for "
+                             "a GGUF file of a repo), a catalog name (e.g. "
                              "qwen2.5-7b, llama-3.2-3b), a local Hugging Face model folder, or 'demo'")
     parser.add_argument("--hub-cache", type=Path, default=None,
                         help="folder for models downloaded from the hub (default: $HF_HUB_CACHE if set, "

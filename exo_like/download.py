@@ -4,6 +4,10 @@ Which files: those the safetensors index maps the shard's layers to, plus the em
 and the final norm / LM head file on the last (checkpoint.files_for_shard). A file already in the cache is
 never fetched again, so a new plan only fetches what the new range adds.
 
+A GGUF model from a hub repo is fetched by byte range instead: the node's own tensors (its layers, and the
+embedding / final norm / LM head its stage uses) out of each part, into the sparse files that hold the headers
+(gguf_hub.py). Only sizes can be verified there: the LFS hash covers the whole file, which the node never holds.
+
 Why not hf_hub_download for the weights: huggingface_hub 2.x downloads into a temporary file unique to the
 process and deletes it when the download fails, so a node that is stopped mid-file starts that file over. Here
 a partial file persists as blobs/<sha256>.part and the next attempt continues it with a Range request (through
@@ -16,12 +20,15 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import errno
+import functools
 import hashlib
 import logging
 import os
 import shutil
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO, Callable
 
@@ -30,11 +37,14 @@ from huggingface_hub import constants, hf_hub_download, hf_hub_url
 from huggingface_hub.file_download import http_get
 from huggingface_hub.utils import build_hf_headers
 
-from exo_like.checkpoint import INDEX_FILE, files_for_shard, weight_map
+from exo_like.checkpoint import INDEX_FILE, files_for_shard, local_tensor_name, weight_map
 from exo_like.download_progress import DownloadProgress
 from exo_like.errors import DownloadError, ExoLikeError, HubUnavailableError, InsufficientDiskError
+from exo_like.gguf_file import open_gguf
+from exo_like.gguf_hub import fetch_ranges, gguf_folder, shard_ranges
 from exo_like.hub import LIBRARY, RemoteFile, RepoManifest, endpoint, hub_errors, offline, storage_folder
 from exo_like.shard import Shard
+from exo_like.sparse_file import Range, present_ranges, subtract, total
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +79,10 @@ class ShardDownloader:
         self._wanted: frozenset[str] = frozenset()
 
     async def ensure(self, manifest: RepoManifest, folder: Path, shard: Shard, tied: bool) -> None:
-        """Return once every file the shard needs is in the snapshot folder; fetch only the missing ones."""
+        """Return once every file the shard needs is in the snapshot folder; fetch only the missing ones. For a
+        GGUF model `folder` is its first part, and the shard's byte ranges are what is fetched."""
+        if manifest.gguf:
+            return await self._ensure_ranges(manifest, folder, shard, tied)
         names = shard_files(folder, manifest, shard, tied)
         missing = [name for name in names if not (folder / name).exists()]
         label = f"{manifest.repo_id} layers [{shard.start_layer}, {shard.end_layer})"
@@ -87,33 +100,69 @@ class ShardDownloader:
         self.progress.start(label, {n: manifest.files[n].size for n in names}, on_disk)
         log.info("node %s: %s: downloading %d of %d weight files (%d bytes)", self.node_id, label, len(missing),
                  len(names), sum(manifest.files[n].size - on_disk[n] for n in missing))
+        await self._run_all(label, {_key(manifest, n): functools.partial(self._fetch, manifest, n) for n in missing})
+
+    async def _ensure_ranges(self, manifest: RepoManifest, first: Path, shard: Shard, tied: bool) -> None:
+        """A GGUF model: the byte ranges of the shard's tensors in every part, into the parts' sparse files."""
+        # In a thread: after the last download changed the file, its header is parsed again (seconds for a large
+        # vocabulary).
+        wanted = await asyncio.to_thread(self._gguf_ranges, manifest, first, shard, tied)
+        missing = {name: subtract(ranges, present_ranges(part, manifest.files[name].size))
+                   for name, (part, ranges) in wanted.items()}
+        needed = {name: total(ranges) for name, (_, ranges) in wanted.items()}
+        label = f"{manifest.repo_id} layers [{shard.start_layer}, {shard.end_layer})"
+        absent = sum(total(spans) for spans in missing.values())
+        if not absent:
+            log.info("node %s: %s: all %d bytes of its tensors are in the cache", self.node_id, label,
+                     sum(needed.values()))
+            return
+        if offline():
+            raise HubUnavailableError(
+                f"HF_HUB_OFFLINE is set and {absent} bytes of the tensors of {label} are not in the cache "
+                f"{self.cache_dir}: unset HF_HUB_OFFLINE so the node can download them", code="model_not_cached")
+        # A key per part and set of ranges: a transfer of the same part for an earlier plan stops at its next chunk.
+        keys = {name: f"{_key(manifest, name)}#{hash(tuple(ranges)):x}" for name, (_, ranges) in wanted.items()}
+        self._wanted = frozenset(keys.values())
+        self._check_disk(label, absent)
+        self.progress.start(label, needed, {n: needed[n] - total(missing[n]) for n in wanted})
+        log.info("node %s: %s: downloading %d bytes in %d ranges of %d GGUF part(s)", self.node_id, label, absent,
+                 sum(len(spans) for spans in missing.values()), sum(1 for spans in missing.values() if spans))
+        await self._run_all(label, {keys[name]: functools.partial(self._fetch_ranges, manifest, name, part, ranges,
+                                                                  keys[name])
+                                    for name, (part, ranges) in wanted.items() if missing[name]})
+
+    def _gguf_ranges(self, manifest: RepoManifest, first: Path, shard: Shard, tied: bool
+                     ) -> dict[str, tuple[Path, list[Range]]]:
+        """Repo path of each part -> (its sparse file, the byte ranges of the shard's tensors in it)."""
+        root = gguf_folder(self.cache_dir, manifest.repo_id, manifest.commit)
+        spans = shard_ranges(open_gguf(first), lambda name: local_tensor_name(name, shard, tied) is not None)
+        return {part.relative_to(root).as_posix(): (part, ranges) for part, ranges in spans.items()}
+
+    async def _run_all(self, label: str, jobs: dict[str, Callable[[], None]]) -> None:
+        """Run the transfers (by key), reporting the outcome to the progress tracker."""
         try:
-            await self._fetch_all(manifest, missing)
+            try:
+                await asyncio.gather(*(asyncio.wrap_future(self._submit(key, job)) for key, job in jobs.items()))
+            except DownloadStopped:
+                if self._stopped.is_set():
+                    raise
+                # An earlier plan's transfer of a file stopped just as this plan asked for it: start it again (it
+                # resumes from its partial file); transfers still running are joined, not repeated.
+                await asyncio.gather(*(asyncio.wrap_future(self._submit(key, job)) for key, job in jobs.items()))
         except ExoLikeError as exc:
             self.progress.fail(exc.message)
             raise
         self.progress.finish()
         log.info("node %s: %s: download complete", self.node_id, label)
 
-    async def _fetch_all(self, manifest: RepoManifest, names: list[str]) -> None:
-        try:
-            await asyncio.gather(*(asyncio.wrap_future(self._submit(manifest, name)) for name in names))
-        except DownloadStopped:
-            if self._stopped.is_set():
-                raise
-            # An earlier plan's transfer of a file stopped just as this plan asked for it: start it again (it
-            # resumes from its partial file); transfers still running are joined, not repeated.
-            await asyncio.gather(*(asyncio.wrap_future(self._submit(manifest, name)) for name in names))
-
     def close(self) -> None:
         self._stopped.set()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def _submit(self, manifest: RepoManifest, name: str) -> concurrent.futures.Future[None]:
-        key = _key(manifest, name)
+    def _submit(self, key: str, job: Callable[[], None]) -> concurrent.futures.Future[None]:
         running = self._running.get(key)
         if running is None or running.done():
-            running = self._pool.submit(self._fetch, manifest, name)
+            running = self._pool.submit(job)
             self._running[key] = running
         return running
 
@@ -122,10 +171,29 @@ class ShardDownloader:
         remote = manifest.files[name]
         if _key(manifest, name) not in self._wanted:  # queued for a plan that has changed since
             raise DownloadStopped(f"the plan changed and no longer needs {name}")
+        with self._transfer_errors(manifest, name):
+            fetch_file(self.cache_dir, manifest.repo_id, manifest.commit, name, remote,
+                       lambda count: self._received(_key(manifest, name), name, count))
+        self.progress.file_done(name)
+        log.info("node %s: %s: %s fetched and verified (%d bytes)", self.node_id, manifest.repo_id, name, remote.size)
+
+    def _fetch_ranges(self, manifest: RepoManifest, name: str, part: Path, ranges: list[Range], key: str) -> None:
+        """The shard's byte ranges of one GGUF part, in a download thread."""
+        if key not in self._wanted:
+            raise DownloadStopped(f"the plan changed and no longer needs these ranges of {name}")
+        with self._transfer_errors(manifest, name):
+            fetch_ranges(manifest.repo_id, manifest.commit, name, manifest.files[name], part, ranges,
+                         lambda count: self._received(key, name, count))
+        self.progress.file_done(name)
+        log.info("node %s: %s: %s: %d bytes of the shard's tensors fetched (sizes checked; a partial file has no "
+                 "hash to check)", self.node_id, manifest.repo_id, name, total(ranges))
+
+    @contextmanager
+    def _transfer_errors(self, manifest: RepoManifest, name: str) -> Iterator[None]:
+        """Every failure of a transfer becomes an error that says what to do."""
         try:
             with hub_errors(manifest.repo_id, self.cache_dir, name):
-                fetch_file(self.cache_dir, manifest.repo_id, manifest.commit, name, remote,
-                           lambda count: self._received(_key(manifest, name), name, count))
+                yield
         except OSError as exc:
             if exc.errno == errno.ENOSPC:
                 raise InsufficientDiskError(f"the disk of {self.cache_dir} filled up while downloading {name}: "
@@ -133,8 +201,6 @@ class ShardDownloader:
                                             code="insufficient_disk") from None
             raise DownloadError(f"downloading {name} of {manifest.repo_id} failed ({exc}); the part already "
                                 f"fetched is kept and the next attempt resumes it", code="download_failed") from None
-        self.progress.file_done(name)
-        log.info("node %s: %s: %s fetched and verified (%d bytes)", self.node_id, manifest.repo_id, name, remote.size)
 
     def _received(self, key: str, name: str, count: int) -> None:
         if self._stopped.is_set():

@@ -102,12 +102,17 @@ class RepoManifest:
 
     repo_id: str
     commit: str
-    files: dict[str, RemoteFile]  # the safetensors weight files only
+    files: dict[str, RemoteFile]  # the safetensors weight files only, or the parts of one GGUF model
     footprint: ModelFootprint
 
     @property
     def total_bytes(self) -> int:
         return sum(f.size for f in self.files.values())
+
+    @property
+    def gguf(self) -> bool:
+        """A GGUF model (its files are the parts of one .gguf model, fetched by byte range)."""
+        return all(name.endswith(".gguf") for name in self.files)
 
     def to_json(self) -> dict[str, Any]:
         return {"repo_id": self.repo_id, "commit": self.commit, "footprint": self.footprint.to_json(),
@@ -126,9 +131,13 @@ def download_metadata(repo_id: str, cache_dir: Path, revision: str | None = None
         folder = Path(snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, allow_patterns=META_FILES,
                                         local_files_only=offline(), endpoint=endpoint(), **LIBRARY))
     if not (folder / "config.json").is_file():
-        raise UnsupportedModelError(f"{repo_id} has no config.json: it is not a transformers model repo",
-                                    code="unsupported_architecture")
+        raise NotTransformersRepoError(f"{repo_id} has no config.json: it is not a transformers model repo",
+                                       code="unsupported_architecture")
     return folder
+
+
+class NotTransformersRepoError(UnsupportedModelError):
+    """The repo has no config.json (it may hold GGUF files instead)."""
 
 
 def repo_manifest(repo_id: str, folder: Path, n_layers: int, tied: bool, cache_dir: Path,

@@ -21,10 +21,12 @@ from exo_like.demo import DEMO_NAME, ensure_demo_model
 from exo_like.errors import ExoLikeError, ModelNotFoundError, ModelPendingError
 from exo_like.gguf_file import is_gguf, open_gguf
 from exo_like.gguf_tokenizer import gguf_tokenizer
+from exo_like.gguf_hub import gguf_description
+from exo_like.gguf_select import split_tag, with_tag
 from exo_like.hub import RepoManifest
 from exo_like.model_config import ModelArgs
-from exo_like.model_source import HubModel, list_models, locate, pinned_key, prepare_hub_model, split_revision
-from exo_like.footprint import ModelFootprint, footprint_from_matrices, gguf_matrices, model_footprint
+from exo_like.model_source import HubModel, list_models, locate, prepare_hub_model, split_revision
+from exo_like.footprint import ModelFootprint, model_footprint
 from exo_like.tokenizer import ModelTokenizer
 
 log = logging.getLogger(__name__)
@@ -37,8 +39,9 @@ class LoadedModel:
     """A model this node can serve: its id, the names requests may use for it, and what describes it."""
 
     model_id: str
-    key: str  # how peers name it: "demo", the folder's absolute path, or repo id@commit (model_source.pinned_key)
-    path: Path  # for a hub model: its snapshot folder in the cache, where the shard's weight files arrive
+    key: str  # how peers name it: "demo", the folder's absolute path, or repo id@commit[:TAG] (HubModel.key)
+    path: Path  # for a hub model: its snapshot folder in the cache, where the shard's weight files arrive (a GGUF
+    # repo: the sparse first part of the file, where the shard's byte ranges arrive)
     args: ModelArgs
     tokenizer: ModelTokenizer
     aliases: frozenset[str]
@@ -78,11 +81,8 @@ def resolve_model_dir(spec: str, home: Path) -> tuple[str, Path]:
 def read_local_model(folder: Path) -> tuple[ModelArgs, ModelTokenizer, ModelFootprint]:
     """Config, tokenizer and per-layer bytes of a local Hugging Face folder or GGUF file (headers only)."""
     if is_gguf(folder):
-        gguf = open_gguf(folder)
-        args = ModelArgs.from_dict(gguf.config())
-        matrices = gguf_matrices((n, e.type_name, e.n_bytes, e.shape) for n, e in gguf.tensors.items())
-        footprint = footprint_from_matrices(matrices, args.num_hidden_layers, args.tie_word_embeddings)
-        return args, gguf_tokenizer(gguf.metadata, folder.name), footprint
+        args, footprint = gguf_description(folder)
+        return args, gguf_tokenizer(open_gguf(folder).metadata, folder.name), footprint
     args = ModelArgs.from_dir(folder)
     footprint = model_footprint(folder, args.num_hidden_layers, args.tie_word_embeddings, args.quant)
     return args, ModelTokenizer.from_dir(folder), footprint
@@ -134,7 +134,7 @@ class ModelRegistry:
         """`served` if a request's model `name` refers to it, else ModelNotFoundError. Besides the served model's
         own names, `org/name@revision` of its repo counts when the revision is the served commit: another node
         may have been started with that name. Such a revision is resolved once, then kept as a name."""
-        if served.answers_to(name):
+        if served.answers_to(name) or served.answers_to(with_tag(*split_tag(name))):  # any spelling of a GGUF tag
             return served
         repo_id, revision = split_revision(name)
         if revision is not None and served.manifest is not None and served.answers_to(repo_id):
@@ -174,10 +174,10 @@ class ModelRegistry:
 
     def _hub_model(self, hub: HubModel, spec: str) -> LoadedModel:
         entry = entry_for_repo(hub.repo_id)
-        key = pinned_key(hub.repo_id, hub.commit)
-        aliases = {spec, hub.repo_id, key} | ({entry.name} if entry else set())
-        return LoadedModel(hub.repo_id, key, hub.folder, hub.args, ModelTokenizer.from_dir(hub.folder),
-                           frozenset(aliases), hub.manifest)
+        aliases = {spec, hub.repo_id, hub.name, hub.key} | ({entry.name} if entry else set())
+        tokenizer = (gguf_tokenizer(open_gguf(hub.folder).metadata, hub.folder.name) if is_gguf(hub.folder)
+                     else ModelTokenizer.from_dir(hub.folder))
+        return LoadedModel(hub.name, hub.key, hub.folder, hub.args, tokenizer, frozenset(aliases), hub.manifest)
 
     def _remember(self, model: LoadedModel) -> LoadedModel:
         known = self._models.get(model.key)

@@ -3,9 +3,12 @@
 A name is `demo`, a local Hugging Face folder or GGUF file (a path, or under <home>/models; a folder holding
 one GGUF model counts as that file), a model shipped in a Python package (smollm2-135m), a catalog short name
 (llama-3.2-1b, qwen2.5-7b, ...), or a hub repo id (organisation/name), optionally at a revision
-(organisation/name@branch-tag-or-commit). In the cluster a hub model is keyed by its repo id and the commit
-the first node resolved it to (organisation/name@<commit>): every node fetches the model itself, and that key
-makes them all fetch the same weights, even if the repo changes meanwhile or one node's cache is older.
+(organisation/name@branch-tag-or-commit). A repo of GGUF files is named with a quantization tag as llama.cpp's
+`-hf` takes it (organisation/name-GGUF:Q4_K_M, gguf_select.py); without one, a repo whose name ends in GGUF or
+that has no config.json but GGUF files picks llama.cpp's default file. In the cluster a hub model is keyed by its
+repo id and the commit the first node resolved it to (organisation/name@<commit>[:TAG]): every node fetches the
+model itself, and that key makes them all fetch the same weights, even if the repo changes meanwhile or one
+node's cache is older.
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ from exo_like.checkpoint import INDEX_FILE, SINGLE_FILE
 from exo_like.demo import DEMO_NAME
 from exo_like.errors import ExoLikeError, ModelNotFoundError, UnsupportedModelError
 from exo_like.gguf_file import find_gguf
-from exo_like.hub import RepoManifest, cached_snapshot, download_metadata, repo_manifest
+from exo_like.gguf_hub import prepare_gguf_repo
+from exo_like.gguf_select import split_tag, with_tag
+from exo_like.hub import NotTransformersRepoError, RepoManifest, cached_snapshot, download_metadata, repo_manifest
 from exo_like.model_config import ModelArgs
 
 log = logging.getLogger(__name__)
@@ -41,18 +46,30 @@ class ModelSource:
     repos: tuple[str, ...] = ()  # hub: candidates, tried in order
     catalog: CatalogEntry | None = None
     revision: str | None = None  # hub: a branch, tag or commit of the (single) repo; None: main
+    tag: str | None = None  # hub: the quantization tag that picks a GGUF file of the repo (Q4_K_M)
 
 
 @dataclass(frozen=True)
 class HubModel:
     repo_id: str
-    folder: Path  # the snapshot folder: small files now, weight files as the node's layers need them
+    folder: Path  # the snapshot folder: small files now, weight files as the node's layers need them; for a
+    # GGUF repo the (sparse) first part of the model file
     args: ModelArgs
     manifest: RepoManifest
+    tag: str | None = None  # the GGUF quantization tag it was named with
 
     @property
     def commit(self) -> str:
         return self.manifest.commit
+
+    @property
+    def name(self) -> str:
+        """The model's id: the repo, with the GGUF tag it was named with."""
+        return with_tag(self.repo_id, self.tag)
+
+    @property
+    def key(self) -> str:
+        return with_tag(pinned_key(self.repo_id, self.commit), self.tag)
 
 
 def is_repo_id(text: str) -> bool:
@@ -91,11 +108,14 @@ def locate(spec: str, home: Path) -> ModelSource:
     entry = lookup(spec)
     if entry is not None:
         return ModelSource("hub", spec, repos=entry.repos, catalog=entry)
-    repo_id, revision = split_revision(spec)
+    named, tag = split_tag(spec)
+    repo_id, revision = split_revision(named)
     if is_repo_id(repo_id):
-        return ModelSource("hub", spec, repos=(repo_id,), catalog=entry_for_repo(repo_id), revision=revision)
+        return ModelSource("hub", spec, repos=(repo_id,), catalog=entry_for_repo(repo_id), revision=revision,
+                           tag=tag)
     raise ModelNotFoundError(
-        f"model {spec!r} not found: give a Hugging Face repo id (organisation/name, optionally @revision), a "
+        f"model {spec!r} not found: give a Hugging Face repo id (organisation/name, optionally @revision, or "
+        f"organisation/name-GGUF:Q4_K_M for a GGUF file), a "
         f"catalog name ({', '.join(list(CATALOG)[:4])}, ...: see GET /v1/models), a local model folder, or 'demo'")
 
 
@@ -107,7 +127,7 @@ def prepare_hub_model(source: ModelSource, cache_dir: Path) -> HubModel:
     failures: list[tuple[str, ExoLikeError]] = []
     for repo in repos:
         try:
-            return _prepare_repo(repo, cache_dir, source.revision)
+            return _prepare_repo(repo, cache_dir, source.revision, source.tag)
         except ExoLikeError as exc:
             if len(repos) == 1:
                 raise
@@ -118,8 +138,16 @@ def prepare_hub_model(source: ModelSource, cache_dir: Path) -> HubModel:
     raise type(first)(f"no repo of {source.spec!r} can be used: {reasons}", code=first.code)
 
 
-def _prepare_repo(repo_id: str, cache_dir: Path, revision: str | None = None) -> HubModel:
-    folder = download_metadata(repo_id, cache_dir, revision)
+def _prepare_repo(repo_id: str, cache_dir: Path, revision: str | None = None, tag: str | None = None) -> HubModel:
+    if tag is not None or repo_id.lower().endswith("gguf"):
+        return HubModel(repo_id, *prepare_gguf_repo(repo_id, cache_dir, revision, tag), tag=tag)
+    try:
+        folder = download_metadata(repo_id, cache_dir, revision)
+    except NotTransformersRepoError as not_transformers:
+        try:
+            return HubModel(repo_id, *prepare_gguf_repo(repo_id, cache_dir, revision, None))
+        except ModelNotFoundError:
+            raise not_transformers from None  # no GGUF model either: the repo is not a model this project serves
     try:
         args = ModelArgs.from_dir(folder)  # an unsupported architecture stops here, before any weights move
     except UnsupportedModelError as exc:

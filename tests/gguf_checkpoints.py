@@ -43,15 +43,18 @@ def permute_rotary_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
     return weight.reshape(n_heads, 2, half, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def write_gguf(hf_dir: Path, out: Path, matrix_type: str = "F32", embedding_type: str | None = None) -> Path:
+def write_gguf(hf_dir: Path, out: Path, matrix_type: str = "F32", embedding_type: str | None = None,
+               split_max_tensors: int = 0) -> Path:
     """`hf_dir` (a tests/checkpoints.py folder, float32, llama or qwen2) as one GGUF file: 2-D weights in
-    `matrix_type`, the token embedding in `embedding_type` (default: the same), norms and biases in F32."""
+    `matrix_type`, the token embedding in `embedding_type` (default: the same), norms and biases in F32. With
+    `split_max_tensors`, a split set `out-00001-of-0000N.gguf`, ... of that many tensors a part (llama.cpp's
+    gguf-split layout: the metadata in the first part); the first part is returned."""
     import gguf
 
     config = json.loads((hf_dir / "config.json").read_text())
     arch = config["model_type"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    writer = gguf.GGUFWriter(str(out), arch)
+    writer = gguf.GGUFWriter(str(out), arch, split_max_tensors=split_max_tensors)
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
@@ -72,11 +75,12 @@ def write_gguf(hf_dir: Path, out: Path, matrix_type: str = "F32", embedding_type
             values = permute_rotary_rows(values, heads if "q_proj" in name else kv_heads)
         kind = "F32" if values.ndim == 1 else (embedding_type or matrix_type) if "embed" in name else matrix_type
         _add_tensor(writer, gguf_name(name), values, kind)
+    first = writer.format_shard_names(out)[0]
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return out
+    return first
 
 
 def _add_tensor(writer, name: str, values: np.ndarray, kind: str) -> None:  # noqa: ANN001

@@ -5,9 +5,10 @@ What huggingface_hub 2.x asks of a hub, and what this server answers:
   blobs); 404 + X-Error-Code RepoNotFound for an unknown repo, RevisionNotFound for an unknown revision.
 - GET /api/models/{repo}/tree/{rev}: the file listing snapshot_download reads.
 - HEAD/GET /{repo}/resolve/{rev}/{file}: small files directly (ETag = git blob id, X-Repo-Commit); LFS files
-  (*.safetensors) as a 302 to a CDN on another port, with X-Linked-Etag (the sha256) and X-Linked-Size, as the
-  real hub does. A gated repo answers 401 + X-Error-Code GatedRepo without the right bearer token.
-- GET /cdn/{sha256} on the CDN port: the bytes, with Range requests (206) for resumed downloads.
+  (*.safetensors, *.gguf; in subfolders too) as a 302 to a CDN on another port, with X-Linked-Etag (the sha256)
+  and X-Linked-Size, as the real hub does. A gated repo answers 401 + X-Error-Code GatedRepo without the right
+  bearer token.
+- GET /cdn/{sha256} on the CDN port: the bytes, with Range requests (206) for resumed downloads and byte ranges.
 
 Every request is logged with the bytes sent and the client's `origin/...` user-agent tag (HF_HUB_USER_AGENT_ORIGIN),
 so a test can tell which node fetched what. `cut(...)` makes the next download of a file stop after N bytes.
@@ -43,7 +44,7 @@ class HubFile:
 
     @property
     def lfs(self) -> bool:
-        return self.path.suffix == ".safetensors"
+        return self.path.suffix in (".safetensors", ".gguf")
 
 
 @dataclass
@@ -90,7 +91,7 @@ class HubServer:
 
     def add_repo(self, repo_id: str, folder: Path, gated: bool = False) -> HubRepo:
         """Publish `folder` as the repo's main. Publishing again is a new commit; older ones stay fetchable."""
-        files = {p.name: _hub_file(p) for p in sorted(folder.iterdir()) if p.is_file()}
+        files = {p.relative_to(folder).as_posix(): _hub_file(p) for p in sorted(folder.rglob("*")) if p.is_file()}
         if repo_id in self.repos:
             old = self.repos[repo_id]
             self.earlier.setdefault(repo_id, {})[old.commit] = old

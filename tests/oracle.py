@@ -48,3 +48,16 @@ class Oracle:
         """Whether decoding some prefix gives text that is not a prefix of the whole (partial UTF-8)."""
         full = self.decode(tokens)
         return any(not full.startswith(self.decode(tokens[:k])) for k in range(1, len(tokens)))
+
+
+def gguf_greedy(path: Path, prompt: list[int], n_tokens: int = 16, stop_at_eos: bool = False) -> list[int]:
+    """transformers' greedy tokens from a GGUF file (it dequantizes to float32); all `n_tokens` unless
+    `stop_at_eos` (then up to and including the model's first end-of-sequence token)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    inputs = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=n_tokens,
+                             do_sample=False, min_new_tokens=0 if stop_at_eos else n_tokens, pad_token_id=0)
+    return out[0, len(prompt):].tolist()

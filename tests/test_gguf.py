@@ -29,6 +29,7 @@ from exo_like.tokenizer import ModelTokenizer  # noqa: E402
 from tests.checkpoints import built_once, make_checkpoint  # noqa: E402
 from tests.engine_driver import Driver  # noqa: E402
 from tests.gguf_checkpoints import permute_rotary_rows, write_gguf  # noqa: E402
+from tests.oracle import gguf_greedy as transformers_greedy  # noqa: E402
 
 N_LAYERS, SEED, N_TOKENS = 4, 1, 16
 PROMPT = "The quick brown fox jumps over the lazy dog. Paris is the capital of"
@@ -61,20 +62,6 @@ def gguf_path(tmp_path_factory) -> Callable[[str], Path]:
         return write_gguf(folder, path / f"{name}.gguf", matrix_type, embedding_type)
 
     return built_once(tmp_path_factory.mktemp("gguf_checkpoints"), build)
-
-
-def transformers_greedy(path: Path, prompt: list[int], n_tokens: int = N_TOKENS, stop_at_eos: bool = False
-                        ) -> list[int]:
-    """transformers' greedy tokens from the same file; all `n_tokens` unless `stop_at_eos` (then up to and
-    including the model's first end-of-sequence token)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    inputs = torch.tensor([prompt])
-    with torch.no_grad():
-        out = model.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=n_tokens,
-                             do_sample=False, min_new_tokens=0 if stop_at_eos else n_tokens, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 def engine_greedy(path: Path, engines: list[str], prompt: list[int], n_tokens: int = N_TOKENS) -> list[int]:
