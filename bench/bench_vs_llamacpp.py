@@ -252,8 +252,9 @@ class ExoSide:
 
     @property
     def label(self) -> str:
-        forms = [f"{what.replace('_', ' ')}: " + ", ".join(f"{k} x {n}" for k, n in counts.items())
-                 for what, counts in self.engine.weight_forms.items() if counts]
+        held = self.engine.weight_forms
+        forms = [f"{what}: " + ", ".join(f"{k} x {n}" for k, n in counts.items())
+                 for what, counts in (("quantized", held.quantized), ("dequantized", held.dequantized)) if counts]
         asked = "default" if self.dtype is None else f"--dtype {self.dtype}"
         return f"{self.engine.dtype_name} ({asked})" + (f"; {'; '.join(forms)}" if forms else "")
 
