@@ -317,7 +317,7 @@ def exo_sides(path: Path, opts: argparse.Namespace) -> Iterator[list[ExoSide]]:
         extra.insert(0, "bfloat16")
     default = sides[0].engine
     for dtype in dict.fromkeys(extra):
-        if dtype != default.dtype_name or default.weight_forms["int4_kernel"]:  # else the default row again
+        if dtype != default.dtype_name or default.weight_forms.quantized:  # else the default row again
             sides.append(ExoSide(path, dtype, opts))
     try:
         yield sides
