@@ -69,6 +69,12 @@ def is_gguf(path: Path) -> bool:
     return path.suffix == GGUF_SUFFIX and path.is_file()
 
 
+def is_later_part(path: Path) -> bool:
+    """A part of a split set other than its first (a model is named by its first part)."""
+    match = _SPLIT_NAME.match(path.name)
+    return match is not None and int(match["index"]) != 1
+
+
 def find_gguf(path: Path) -> Path | None:
     """The GGUF file a path names: the file itself, or the one model in a folder (the first part of a split
     set); None if the path holds no GGUF. A folder with several models is an error naming them."""
@@ -77,7 +83,7 @@ def find_gguf(path: Path) -> Path | None:
     if not path.is_dir():
         return None
     files = sorted(p for p in path.glob(f"*{GGUF_SUFFIX}") if p.is_file())
-    models = [p for p in files if (m := _SPLIT_NAME.match(p.name)) is None or int(m["index"]) == 1]
+    models = [p for p in files if not is_later_part(p)]
     if len(models) > 1:
         raise ModelNotFoundError(f"{path} holds several GGUF models ({', '.join(p.name for p in models)}): "
                                  "name the file")

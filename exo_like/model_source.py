@@ -24,7 +24,7 @@ from exo_like.catalog import CATALOG, PACKAGED, CatalogEntry, entry_for_repo, lo
 from exo_like.checkpoint import INDEX_FILE, SINGLE_FILE
 from exo_like.demo import DEMO_NAME
 from exo_like.errors import ExoLikeError, ModelNotFoundError, UnsupportedModelError
-from exo_like.gguf_file import find_gguf
+from exo_like.gguf_file import find_gguf, is_later_part
 from exo_like.gguf_hub import prepare_gguf_repo
 from exo_like.gguf_select import split_tag, with_tag
 from exo_like.hub import NotTransformersRepoError, RepoManifest, cached_snapshot, download_metadata, repo_manifest
@@ -174,9 +174,21 @@ def list_models(home: Path, cache_dir: Path, served: dict[str, Any] | None, crea
 
 
 def _local_entries(home: Path) -> list[dict[str, Any]]:
-    folders = sorted((home / "models").glob("*/config.json")) if (home / "models").is_dir() else []
-    return [{"id": f.parent.name, "source": "local", "path": str(f.parent.resolve()), "state": "local"}
-            for f in folders]
+    """What <home>/models holds that --model (or a request's `model`) takes by name: Hugging Face folders,
+    GGUF files (a split set by its first part) and folders holding one GGUF model."""
+    folder = home / "models"
+    paths = sorted(folder.iterdir()) if folder.is_dir() else []
+    return [{"id": path.name, "source": "local", "path": str(path.resolve()), "state": "local"}
+            for path in paths if _is_local_model(path)]
+
+
+def _is_local_model(path: Path) -> bool:
+    if (path / "config.json").is_file():
+        return True
+    try:
+        return find_gguf(path) is not None and not is_later_part(path)
+    except ModelNotFoundError:  # a folder of several GGUF models: each is named by its file instead
+        return False
 
 
 def _downloaded_entries(cache_dir: Path) -> list[dict[str, Any]]:

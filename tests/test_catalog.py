@@ -8,7 +8,7 @@ import pytest
 
 from exo_like.catalog import CATALOG, entry_for_repo, lookup
 from exo_like.errors import ModelNotFoundError
-from exo_like.model_source import is_repo_id, locate
+from exo_like.model_source import is_repo_id, list_models, locate
 
 # Exact parameter counts of the published checkpoints (their safetensors metadata), which the shapes must give.
 PUBLISHED_PARAMETERS = {
@@ -42,6 +42,19 @@ def test_every_entry_names_valid_repos_publisher_first_and_an_mlx_variant() -> N
         assert entry.repos[-1].startswith("mlx-community/") and entry.repos[-1].endswith("-4bit")
         assert entry.repos[0].split("/")[0] in ("meta-llama", "Qwen", "mistralai")
         assert all(entry_for_repo(repo) is entry for repo in entry.repos)
+
+
+def test_v1_models_lists_what_home_models_holds_under_names_that_locate_takes(tmp_path: Path) -> None:
+    models = tmp_path / "models"
+    for folder in ("hf", "one-gguf", "two-ggufs", "empty"):
+        (models / folder).mkdir(parents=True)
+    (models / "hf" / "config.json").write_text("{}")
+    for name in ("a.gguf", "b-00001-of-00002.gguf", "b-00002-of-00002.gguf", "one-gguf/m.gguf", "two-ggufs/x.gguf",
+                 "two-ggufs/y.gguf", "notes.txt"):
+        (models / name).write_bytes(b"GGUF")
+    listed = [m["id"] for m in list_models(tmp_path, tmp_path / "hub", None, 0) if m["source"] == "local"]
+    assert listed == ["a.gguf", "b-00001-of-00002.gguf", "hf", "one-gguf"]
+    assert all(locate(name, tmp_path).kind == "local" for name in listed)
 
 
 def test_names_are_classified_without_the_network(tmp_path: Path) -> None:
