@@ -34,8 +34,12 @@ def page() -> web.FileResponse:
 
 
 async def asset(request: web.Request) -> web.FileResponse:
-    path = (STATIC_DIR / request.match_info["name"]).resolve()
-    if path.parent != STATIC_DIR or not path.is_file():  # flat folder: no way out of it
+    try:
+        path = (STATIC_DIR / request.match_info["name"]).resolve()
+        found = path.parent == STATIC_DIR and path.is_file()  # flat folder: no way out of it
+    except (ValueError, OSError):  # a NUL in the name, or a name too long for the file system: no asset either
+        found = False
+    if not found:
         raise web.HTTPNotFound()
     return _file(path)
 

@@ -86,14 +86,15 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     try:
         return await handler(request)
     except ExoLikeError as e:
-        log.info("%s %s -> %d %s", request.method, request.path, e.status, e.message)
+        # The path as sent (percent-encoded): decoded, a %0A in it would start a forged line of this log.
+        log.info("%s %s -> %d %s", request.method, request.rel_url.raw_path, e.status, e.message)
         return error_response(e.status, e.message, e.type, e.param, e.code)
     except web.HTTPException as e:
         if e.status < 400:
             raise
         return _http_error(request, e)
     except Exception as e:
-        log.exception("unexpected error handling %s %s", request.method, request.path)
+        log.exception("unexpected error handling %s %s", request.method, request.rel_url.raw_path)
         return error_response(500, f"internal server error: {type(e).__name__}: {e}", "server_error")
 
 

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from discovery import parse_peers
 from exo_like.api import create_app, finish_generations
@@ -113,6 +114,24 @@ class NodeIdFilter(logging.Filter):
         return True
 
 
+class MalformedHttpFilter(logging.Filter):
+    """aiohttp logs a request its HTTP parser rejects (a bad request line, URL or header) as an error with a
+    traceback, though it answers 400 and nothing on this node failed: log one warning line instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            record.msg, record.args = "malformed HTTP request from %s, answered %d: %s", \
+                (record.args[0] if record.args else "?", exc.code, _clip(" ".join(exc.message.split())))
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            record.exc_info = record.exc_text = None
+        return True
+
+
+def _clip(text: str, limit: int = 300) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def setup_logging(level: str, node_id: str) -> NodeIdFilter:
     handler = logging.StreamHandler()
     node_filter = NodeIdFilter(node_id)
@@ -120,6 +139,7 @@ def setup_logging(level: str, node_id: str) -> NodeIdFilter:
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s [%(node_id)s] %(name)s: %(message)s"))
     logging.basicConfig(level=level, handlers=[handler], force=True)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)  # one line per request is logged by the API
+    logging.getLogger("aiohttp.server").addFilter(MalformedHttpFilter())
     logging.getLogger("httpx2").setLevel(logging.WARNING)  # huggingface_hub's client: one line per HTTP request
     hub_logger = logging.getLogger("huggingface_hub")  # its warnings get our format (and node id), not its own
     hub_logger.handlers.clear()

@@ -195,7 +195,7 @@ def _message(value: Any, where: str) -> dict[str, str]:
     if name is not None:
         if not isinstance(name, str):
             raise InvalidRequestError(f"{where}.name must be a string", param=f"{where}.name", code="invalid_type")
-        message["name"] = name
+        message["name"] = _unicode(name, f"{where}.name")
     return message
 
 
@@ -204,7 +204,7 @@ def _content(message: dict[str, Any], where: str) -> str:
     content = message.get("content")
     param = f"{where}.content"
     if isinstance(content, str):
-        return content
+        return _unicode(content, param)
     if content is None:
         raise InvalidRequestError(f"{param} is required", param=param, code="missing_required_parameter")
     if not isinstance(content, list):
@@ -221,7 +221,7 @@ def _content(message: dict[str, Any], where: str) -> str:
         if not isinstance(part.get("text"), str):
             raise InvalidRequestError(f"{param}[{i}].text must be a string", param=f"{param}[{i}].text",
                                       code="invalid_type")
-        texts.append(part["text"])
+        texts.append(_unicode(part["text"], f"{param}[{i}].text"))
     return "\n".join(texts)
 
 
@@ -230,7 +230,7 @@ def _prompt(value: Any) -> str | list[int]:
     if value is None:
         raise InvalidRequestError("prompt is required", param="prompt", code="missing_required_parameter")
     if isinstance(value, str):
-        return value
+        return _unicode(value, "prompt")
     if not isinstance(value, list) or not value:
         raise InvalidRequestError("prompt must be a string, a list of one string, or a non-empty list of token "
                                   "ids", param="prompt", code="invalid_type")
@@ -240,11 +240,22 @@ def _prompt(value: Any) -> str | list[int]:
         raise InvalidRequestError("batched prompts are not supported; send one prompt per request",
                                   param="prompt", code="unsupported_parameter")
     if len(value) == 1 and isinstance(value[0], str):
-        return value[0]
+        return _unicode(value[0], "prompt")
     if len(value) == 1 and isinstance(value[0], list) and value[0] and all(_is_int(v) for v in value[0]):
         return list(value[0])
     raise InvalidRequestError("prompt must be a string, a list of one string, or a non-empty list of token ids",
                               param="prompt", code="invalid_type")
+
+
+def _unicode(text: str, param: str) -> str:
+    """Text that goes into the prompt. JSON's "\\ud800" escape decodes to a lone surrogate, which is no Unicode
+    character: the tokenizer cannot take it, so it is the client's error."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequestError(f"{param} is not valid Unicode: a lone surrogate {text[e.start]!r} at character "
+                                  f"{e.start}", param=param, code="invalid_value") from None
+    return text
 
 
 def _is_int(value: Any) -> bool:

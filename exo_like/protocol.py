@@ -14,6 +14,7 @@ from typing import Any, ClassVar, TypeVar
 import msgpack
 
 from exo_like.activations import WIRE_DTYPES, Activations
+from exo_like.kv_blocks import blocks_for
 from exo_like.protocol_fields import (  # noqa: F401  (ProtocolError is part of this module's interface)
     INT64, MAX_ID, MAX_TEXT, ProtocolError, array, binary, boolean, check_int, integer, integers, mapping, node_load,
     number, required, string,
@@ -257,8 +258,12 @@ class WorkItem:
     def from_wire(cls, data: Any) -> "WorkItem":
         data = mapping(data, "items")
         sample = data.get("sample")
-        return cls(string(data, "rid"), string(data, "origin"), integer(data, "start", 0), integer(data, "count", 1),
+        item = cls(string(data, "rid"), string(data, "origin"), integer(data, "start", 0), integer(data, "count", 1),
                    integers(data, "blocks"), None if sample is None else SampleSpec.from_wire(sample))
+        # Stages look up the block of every position the item writes before any engine check runs.
+        if len(item.blocks) < blocks_for(item.end):
+            raise ProtocolError(f"field 'blocks': {len(item.blocks)} blocks cannot hold positions up to {item.end}")
+        return item
 
     @property
     def end(self) -> int:

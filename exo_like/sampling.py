@@ -38,7 +38,13 @@ def sample_nth(logits: np.ndarray, params: SamplingParams, seed: int, index: int
 def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
     if params.greedy:
         return int(np.argmax(logits))
-    candidates, scaled = _top_k(logits.astype(np.float64) / params.temperature, params.top_k)
+    with np.errstate(over="ignore"):
+        scaled_all = logits.astype(np.float64) / params.temperature
+    if not np.isfinite(scaled_all.max()):
+        # A temperature so close to 0 (a valid one, e.g. 1e-310) that the logits overflow: softmax would be all
+        # NaN and pick the last token; its limit is greedy.
+        return int(np.argmax(logits))
+    candidates, scaled = _top_k(scaled_all, params.top_k)
     probs = np.exp(scaled - scaled.max())
     probs /= probs.sum()
     if params.top_p < 1.0:

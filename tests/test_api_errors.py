@@ -63,6 +63,15 @@ CASES: list[tuple[str, str, str, Any, dict[str, str], int, str | None]] = [
      JSON, 400, "messages[0].content[0].type"),
     ("text part without text", "POST", CHAT, chat(messages=[{"role": "user", "content": [{"type": "text"}]}]),
      JSON, 400, "messages[0].content[0].text"),
+    # Lone surrogates (JSON "\ud800" escapes) are no text a tokenizer takes; found by tests/test_fuzz_api.py.
+    ("lone surrogate in content", "POST", CHAT, chat(messages=[{"role": "user", "content": "\ud800 hi"}]), JSON, 400,
+     "messages[0].content"),
+    ("lone surrogate in a text part", "POST", CHAT,
+     chat(messages=[{"role": "user", "content": [{"type": "text", "text": "x\udfff"}]}]), JSON, 400,
+     "messages[0].content[0].text"),
+    ("lone surrogate in name", "POST", CHAT, chat(messages=[{"role": "user", "content": "x", "name": "\udc80"}]),
+     JSON, 400, "messages[0].name"),
+    ("lone surrogate in the prompt", "POST", COMPLETIONS, completion(prompt=["\ud83d"]), JSON, 400, "prompt"),
     ("name is a number", "POST", CHAT, chat(messages=[{"role": "user", "content": "x", "name": 3}]), JSON, 400,
      "messages[0].name"),
     ("assistant tool calls", "POST", CHAT,
@@ -120,6 +129,9 @@ CASES: list[tuple[str, str, str, Any, dict[str, str], int, str | None]] = [
     ("completion unknown model", "POST", COMPLETIONS, completion(model="nope"), JSON, 404, "model"),
     ("unknown route", "POST", "/v1/embeddings", {"model": "MODEL", "input": "x"}, JSON, 404, None),
     ("unknown model id", "GET", "/v1/models/nope", None, {}, 404, "model"),
+    # Found by tests/test_fuzz_api.py: the asset handler took both to the file system, which raised.
+    ("NUL in an asset name", "GET", "/dashboard/app%00.js", None, {}, 404, None),
+    ("asset name too long for a file name", "GET", "/dashboard/" + "a" * 300, None, {}, 404, None),
     ("GET on chat", "GET", CHAT, None, {}, 405, None),
     ("DELETE on models", "DELETE", "/v1/models", None, {}, 405, None),
     ("PUT on completions", "PUT", COMPLETIONS, completion(), JSON, 405, None),
@@ -185,6 +197,26 @@ def test_oversized_body_is_413(node: NodeProcess) -> None:  # noqa: F811
     status, _, raw = node.request("POST", CHAT, b" " * (33 * 1024 * 1024), JSON)
     assert status == 413
     assert_error_body(raw)
+
+
+def test_a_path_cannot_forge_log_lines(node: NodeProcess) -> None:  # noqa: F811
+    """Found by tests/test_fuzz_api.py: the log showed a model id's path decoded, control characters and all."""
+    path = "/v1/models/x%0D2026-01-01%2000:00:00,000%20ERROR%20forged%00"
+    status, _, raw = node.request("GET", path)
+    assert status == 404
+    assert assert_error_body(raw)["param"] == "model"
+    lines = node.log().splitlines()
+    assert not any(line.startswith("2026-01-01 00:00:00,000 ERROR") for line in lines)
+    assert any(path in line for line in lines) and "\x00" not in node.log()
+
+
+def test_a_request_the_http_parser_rejects_is_one_warning(node: NodeProcess) -> None:  # noqa: F811
+    """Found by tests/test_fuzz_api.py: aiohttp logged such a request as an ERROR with a traceback."""
+    status, _, raw = node.request("CONNECT", "/health?a[b]=1")  # CONNECT takes host:port, not a path
+    assert status == 400, raw
+    lines = [line for line in node.log().splitlines() if "malformed HTTP request" in line]
+    assert lines and " WARNING " in lines[-1] and lines[-1].endswith("answered 400: /health?a[b]=1"), lines
+    assert "Traceback" not in node.log()
 
 
 def test_json_with_another_content_type_is_accepted(node: NodeProcess, model_id: str) -> None:  # noqa: F811
