@@ -28,7 +28,8 @@ def row(m: Measurement) -> str:
     holds = "quantized" if m.dtype is None else f"--dtype {m.dtype}"
     ok = m.parameter_ratio <= PARAMETER_RATIO and m.resident_growth <= m.resident_limit
     return (f"{m.checkpoint.name:<16} {holds:<16} {m.checkpoint.stored_bytes / mb:>8.1f} "
-            f"{m.parameter_bytes / mb:>9.1f} {m.parameter_ratio:>6.2f}x {m.resident_growth / mb:>9.1f} {m.resident_limit / mb:>9.1f}  "
+            f"{m.parameter_bytes / mb:>9.1f} {m.parameter_ratio:>6.2f}x "
+            f"{m.resident_growth / mb:>9.1f} {m.resident_limit / mb:>9.1f}  "
             f"{'within' if ok else 'OVER'}")
 
 
