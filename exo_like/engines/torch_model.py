@@ -6,8 +6,8 @@ final norm + LM head if it is the last. Numerics follow Hugging Face transformer
 
 For speed at batch 1, where decoding streams every weight once per token: q/k/v and gate/up are each fused
 into one matrix at load time, keys and values live in one preallocated pool, rotary cos/sin come from a
-table, and on CPU each product runs on the kernel measured fastest for it (see Linear, PACK_BATCH,
-native_matvec). None of this changes float32 results beyond summation order.
+table, layers call their parts' forward directly, and on CPU each product runs on the kernel measured fastest
+for it (see Linear, PACK_BATCH, native_matvec). None of this changes float32 results beyond summation order.
 """
 
 from __future__ import annotations
@@ -256,7 +256,7 @@ class Attention(nn.Module):
                 values: torch.Tensor, index: StepIndex) -> torch.Tensor:
         """x: the batch's rows [R, H]; keys/values: this layer's pool [kv_heads, slots, D]."""
         rows = x.shape[0]
-        qkv = self.qkv_proj(x).view(rows, -1, self.head_dim)
+        qkv = self.qkv_proj.forward(x).view(rows, -1, self.head_dim)
         qk = qkv[:, : self.n_heads + self.n_kv_heads]
         if self.qk_norm is not None:
             qk = self.qk_norm(qk)
@@ -274,7 +274,7 @@ class Attention(nn.Module):
                     queries[item.row_start : item.row_end], keys, values, item, gather, mask)
             if index.decode is not None:
                 self._attend_decode(queries, keys, values, index.decode, out)
-        return self.o_proj(out.reshape(rows, -1))
+        return self.o_proj.forward(out.reshape(rows, -1))
 
     def _attend_one(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, item: ItemLayout,
                     gather: torch.Tensor | None, mask: torch.Tensor | None) -> torch.Tensor:
@@ -337,8 +337,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(self.hidden, args.hidden_size, bias=args.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        return self.down_proj(F.silu(gate_up[:, : self.hidden]) * gate_up[:, self.hidden :])
+        gate_up = self.gate_up_proj.forward(x)
+        return self.down_proj.forward(F.silu(gate_up[:, : self.hidden]) * gate_up[:, self.hidden :])
 
 
 class TransformerBlock(nn.Module):
@@ -351,8 +351,8 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor,
                 values: torch.Tensor, index: StepIndex) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), rope, keys, values, index)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h = x + self.self_attn.forward(self.input_layernorm.forward(x), rope, keys, values, index)
+        return h + self.mlp.forward(self.post_attention_layernorm.forward(h))
 
 
 class ShardModel(nn.Module):
@@ -417,8 +417,11 @@ class ShardModel(nn.Module):
         h = self.embed_tokens(inputs) if self.embed_tokens is not None else inputs
         rope = self.rope.get(index.layout.positions)
         with native_matvec(self.native_matvec and h.shape[0] == 1):
+            # Layers call their parts through .forward, not nn.Module's call machinery: that machinery (hook
+            # checks, for hooks this model never has) runs ~9 times per layer, a noticeable share of a small
+            # model's decode step (see bench/bench_vs_llamacpp.py).
             for i, layer in enumerate(self.layers):
-                h = layer(h, rope, pool.keys[i], pool.values[i], index)
+                h = layer.forward(h, rope, pool.keys[i], pool.values[i], index)
         if self.lm_head is None:
             return h
         sampled = torch.from_numpy(index.layout.sample_rows).to(h.device)
