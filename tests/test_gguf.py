@@ -183,6 +183,7 @@ def test_planning_counts_the_bytes_each_node_holds(gguf_path, name) -> None:
     args, _, footprint = read_local_model(path)
     entries = {n: e for n, e in open_gguf(path).tensors.items() if n.startswith("model.layers.0.")}
     assert footprint.layer_bytes == (sum(e.n_bytes for e in entries.values()),) * args.num_hidden_layers
+    assert footprint.tied == name.startswith("qwen2")  # the test qwen2 ties its head to the embedding, llama not
     as_float32 = sum(4 * int(np.prod(e.shape)) for e in entries.values())
     assert footprint.held_by("torch", "float32").layer_bytes == (as_float32,) * args.num_hidden_layers
     whole = Shard(path.name, 0, args.num_hidden_layers, args.num_hidden_layers)
