@@ -136,16 +136,16 @@ class GGUFCheckpoint:
 
         self.path = path
         self.parts = split_parts(path)
-        # (part, name, type, shape, bytes, offset) of every tensor, checked in `tensors`. Plain values: the
-        # reader's tensor objects hold on to its parse of the whole header (tens of MB for a large vocabulary).
-        self._stored: list[tuple[Path, str, str, tuple[int, ...], int, int]] = []
+        # Every tensor, checked in `tensors`. Plain values: the reader's tensor objects hold on to its parse of
+        # the whole header (tens of MB for a large vocabulary).
+        self._stored: list[TensorEntry] = []
         try:
             for index, part in enumerate(self.parts):
                 reader = GGUFReader(part)
                 if index == 0:
                     self.metadata = _metadata(reader)
-                self._stored.extend((part, str(t.name), t.tensor_type.name, tuple(reversed(t.shape.tolist())),
-                                     int(t.n_bytes), int(t.data_offset)) for t in reader.tensors)
+                self._stored.extend(TensorEntry(str(t.name), t.tensor_type.name, tuple(reversed(t.shape.tolist())),
+                                                int(t.n_bytes), part, int(t.data_offset)) for t in reader.tensors)
                 del reader
         except (ValueError, OSError, IndexError, KeyError, TypeError) as exc:  # a truncated or foreign file
             raise UnsupportedModelError(f"{path.name} is not a readable GGUF file: {exc!r}") from None
@@ -160,16 +160,16 @@ class GGUFCheckpoint:
     def tensors(self) -> dict[str, TensorEntry]:
         """Hugging Face name -> entry, for every tensor the model uses (unknown extras are an error)."""
         entries = {}
-        for part, gguf_name, type_name, shape, n_bytes, offset in self._stored:
-            name = hf_tensor_name(gguf_name)
+        for entry in self._stored:
+            name = hf_tensor_name(entry.gguf_name)
             if name is None:
-                raise UnsupportedModelError(f"{self.path.name}: tensor {gguf_name!r} is not part of a "
+                raise UnsupportedModelError(f"{self.path.name}: tensor {entry.gguf_name!r} is not part of a "
                                             f"{self.architecture} model this project runs")
-            if type_name not in TENSOR_TYPES:
+            if entry.type_name not in TENSOR_TYPES:
                 raise UnsupportedModelError(
-                    f"{self.path.name}: tensor {gguf_name} has type {type_name}, which is not supported; "
-                    f"supported: {', '.join(TENSOR_TYPES)}", code="unsupported_quantization")
-            entries[name] = TensorEntry(gguf_name, type_name, shape, n_bytes, part, offset)
+                    f"{self.path.name}: tensor {entry.gguf_name} has type {entry.type_name}, which is not "
+                    f"supported; supported: {', '.join(TENSOR_TYPES)}", code="unsupported_quantization")
+            entries[name] = entry
         return entries
 
     def _key(self, name: str, default: Any = None) -> Any:

@@ -61,14 +61,13 @@ def describe_device(device: mx.Device) -> str:
         return "mlx gpu"
 
 
-def read_shard_tensors(model_dir: Path, shard: Shard, tied_embeddings: bool, quantized: bool = False,
-                       forms: WeightForms | None = None) -> tuple[dict[str, mx.array], dict[str, dict[str, int]]]:
+def read_shard_tensors(model_dir: Path, shard: Shard, tied_embeddings: bool, quantized: bool,
+                       forms: WeightForms) -> tuple[dict[str, mx.array], dict[str, dict[str, int]]]:
     """The shard's tensors under their shard-local names, from a GGUF file or a Hugging Face folder, and the
     {group_size, bits} of each GGUF matrix kept quantized (`quantized`: in MLX's packed form), by module path.
     `forms` counts the GGUF matrices kept quantized and those dequantized for want of a kernel."""
     if not is_gguf(model_dir):
         return read_plan_tensors(plan_shard_load(model_dir, shard, tied_embeddings), tied_embeddings), {}
-    forms = forms if forms is not None else WeightForms()
     weights, specs = {}, {}
     for local, value, type_name in open_gguf(model_dir).read_shard(shard, tied_embeddings, quantized):
         if isinstance(value, AffineGroups) and value.bits in MLX_BITS:
