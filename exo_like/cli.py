@@ -18,6 +18,7 @@ from exo_like.api import create_app, finish_generations
 from exo_like.engines.openmp import limit_worker_spin
 from exo_like.errors import ExoLikeError
 from exo_like.node import DEFAULT_CLUSTER_KEY, DEFAULT_STEP_TIMEOUT, Node, NodeOptions, default_home
+from exo_like.peers import DEFAULT_PEER_TIMEOUT
 from exo_like.scheduler import (DEFAULT_INTERLEAVE_TOKENS, DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_RUNNING,
                                 SchedulerLimits)
 
@@ -55,6 +56,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--step-timeout", type=float, default=DEFAULT_STEP_TIMEOUT,
                         help="seconds a stage may spend in one engine step (a token, or a prefill chunk) before "
                              "requests through it fail with a 504: a hung engine (default: %(default)g)")
+    parser.add_argument("--peer-timeout", type=float, default=DEFAULT_PEER_TIMEOUT,
+                        help="seconds a linked peer may stay silent (a frozen process, a dead link) before it "
+                             "counts as lost and requests through it replay on the re-formed ring "
+                             "(default: %(default)g)")
     parser.add_argument("--engine", choices=("auto", "torch", "mlx"), default="auto")
     parser.add_argument("--device", default=None, help="e.g. cpu, cuda, cuda:1, mps (default: best available)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
@@ -95,6 +100,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--request-wait must be positive")
     if not args.step_timeout > 0:  # also refuses nan
         parser.error("--step-timeout must be positive")
+    if not args.peer_timeout > 0:
+        parser.error("--peer-timeout must be positive")
     if args.kv_cache_gb is not None and not args.kv_cache_gb > 0:
         parser.error("--kv-cache-gb must be positive")
     if any(n is not None and n < 1 for n in (args.max_batch_tokens, args.interleave_tokens, args.max_running)):
@@ -185,7 +192,7 @@ def main(argv: list[str] | None = None) -> None:
                           node_name=args.node_name, memory_gb=args.memory_gb, peers=args.peers,
                           mdns=not args.no_mdns, cluster_key=args.cluster_key or DEFAULT_CLUSTER_KEY, model=args.model,
                           hub_cache=args.hub_cache, request_wait=args.request_wait, step_timeout=args.step_timeout,
-                          kv_cache_gb=args.kv_cache_gb,
+                          peer_timeout=args.peer_timeout, kv_cache_gb=args.kv_cache_gb,
                           limits=SchedulerLimits(args.max_batch_tokens, args.max_running, not args.no_prefix_cache,
                                                  args.interleave_tokens))
     try:

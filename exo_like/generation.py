@@ -35,6 +35,11 @@ class RequestProgress:
     max_tokens: int
     generated_tokens: int = 0
     started: float = field(default_factory=time.time)
+    replays: int = 0  # times the request was resumed on a re-formed ring
+    recovering: str | None = None  # why it is paused, waiting for a ring to replay on (None: it is not)
+    lost_nodes: tuple[str, ...] = ()  # names of the nodes whose loss made it replay, oldest first
+    recovery_deadline: float = 0.0  # monotonic time by which a ring must have re-formed under it
+    retries: int = 0  # attempts within the current pause on the plan that had just failed
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -43,6 +48,9 @@ class RequestProgress:
             "generated_tokens": self.generated_tokens,
             "max_tokens": self.max_tokens,
             "age_seconds": round(time.time() - self.started, 3),
+            "replays": self.replays,
+            "recovering": self.recovering,
+            "lost_nodes": list(self.lost_nodes),
         }
 
 

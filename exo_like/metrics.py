@@ -54,6 +54,8 @@ class Metrics:
                                          registry=registry)
         self.request_success = Counter(f"{PREFIX}request_success", "Count of successfully processed requests.",
                                        ["finished_reason"], registry=registry)
+        self.request_replays = Counter(f"{PREFIX}request_replays", "Requests of this node's clients resumed on a "
+                                       "re-formed ring (each pause counted once).", registry=registry)
         self.ttft = Histogram(f"{PREFIX}time_to_first_token_seconds", "Histogram of time to first token in seconds.",
                               buckets=TTFT_BUCKETS, registry=registry)
         self.itl = Histogram(f"{PREFIX}inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",

@@ -35,7 +35,7 @@ from exo_like.metrics import Metrics
 from exo_like.model_registry import LoadedModel, ModelRegistry
 from exo_like.node_load import NodeLoad
 from exo_like.node_info import NodeInfo
-from exo_like.peers import PeerLink, PeerNetwork, cluster_key_digest
+from exo_like.peers import DEFAULT_PEER_TIMEOUT, PeerLink, PeerNetwork, cluster_key_digest
 from exo_like.plan import Plan
 from exo_like.protocol import (DEFAULT_MAX_FRAME_BYTES, Error, Forward, Message, PlanState, Release, Sampled, Submit,
                                Tokens)
@@ -74,6 +74,7 @@ class NodeOptions:
     hub_cache: Path | None = None  # default: $HF_HUB_CACHE, else <home>/hub
     request_wait: float | None = None  # seconds a request waits for the cluster to be ready (default: the cluster's)
     step_timeout: float = DEFAULT_STEP_TIMEOUT  # seconds in one engine step after which a stage counts as hung
+    peer_timeout: float = DEFAULT_PEER_TIMEOUT  # seconds of silence after which a peer counts as lost
     kv_cache_gb: float | None = None  # KV cache budget for this node's layers (default: kv_blocks.kv_budget_bytes)
     limits: SchedulerLimits = field(default_factory=SchedulerLimits)  # used when this node is the first stage
 
@@ -181,14 +182,15 @@ class Node:
         """Join the cluster: identity, peer links, discovery and plan agreement (call once the port is bound)."""
         self.info = self._node_info(host, port)
         self.peers = PeerNetwork(self.info, self.options.cluster_key, self._on_peer_message, self._links_changed,
-                                 self.options.max_frame_bytes)
+                                 self.options.max_frame_bytes, self.options.peer_timeout)
         self.cluster = Cluster(self.info, self.peers, self.models.describe, self._load_shard, self._members_changed,
                                self.current_load, lambda: self.engine.kv_blocks or None)
         self.stage = StageWorker(self.node_id, self, self.executor, self.cluster.ring_resources, self.options.limits,
                                  self.metrics.observe_step)
         if self.options.request_wait is not None:
             self.cluster.plan_wait_seconds = self.options.request_wait
-        self.generator = RingGenerator(self.node_id, self, self.cluster.wait_ready, self.stage, self.cluster.name_of)
+        self.generator = RingGenerator(self.node_id, self, self.cluster.wait_ready, self.stage, self.cluster.name_of,
+                                       self.cluster.plan_wait_seconds, self.metrics.request_replays.inc)
         self._spawn(show_progress(self.download_progress, self.node_id))
         self._spawn(self._watch_steps())
         mdns = None
@@ -343,11 +345,13 @@ class Node:
         if self.generator is None or self.stage is None:
             return NodeLoad(download=self.download_progress.status(), **weights)
         decode_step = self.stage.decode_step_seconds.median()
+        replays = {"replays": self.generator.replays_total, "recovering": self.generator.recovering()} \
+            if isinstance(self.generator, RingGenerator) else {}
         return NodeLoad(self.stage.throughput.rate(), self.generator.throughput.rate(),
                         len(self.generator.in_flight), self.stage.busy(),
                         self.download_progress.status(), self.stage.step_seconds(),
                         None if decode_step is None else decode_step * 1000, self.engine.kv_blocks,
-                        **self.stage.scheduler_counts(), **weights)
+                        **self.stage.scheduler_counts(), **weights, **replays)
 
     def _peer_rtts(self) -> dict[str, float]:
         """Seconds of the last measured round trip on each peer link (by peer node id)."""

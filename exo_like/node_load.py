@@ -34,6 +34,10 @@ class NodeLoad:
     # kernel for, dequantized (by "type (reason)"): engines/base.WeightForms.
     quantized_weights: dict[str, int] = field(default_factory=dict)
     dequantized_weights: dict[str, int] = field(default_factory=dict)
+    # Requests of this node's clients resumed on a re-formed ring since start, and those paused for it now (by the
+    # name of the node whose loss broke their ring; "" when a re-plan did).
+    replays: int = 0
+    recovering: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         load = {"tokens_per_second": round(self.tokens_per_second, 2),
@@ -43,7 +47,8 @@ class NodeLoad:
                 "kv_blocks": self.kv_blocks, "kv_used": self.kv_used, "running": self.running, "waiting": self.waiting,
                 "prefix_queries": self.prefix_queries, "prefix_hits": self.prefix_hits,
                 "preemptions": self.preemptions, "quantized_weights": dict(self.quantized_weights),
-                "dequantized_weights": dict(self.dequantized_weights)}
+                "dequantized_weights": dict(self.dequantized_weights), "replays": self.replays,
+                "recovering": dict(self.recovering)}
         if self.download is not None:  # only nodes that fetched layers from the hub say anything about it
             load["download"] = self.download.to_json()
         return load
@@ -62,5 +67,5 @@ class NodeLoad:
                    None if decode_step_ms is None else float(decode_step_ms), **counts, **forms)
 
 
-_FORMS = ("quantized_weights", "dequantized_weights")
-_COUNTS = ("kv_blocks", "kv_used", "running", "waiting", "prefix_queries", "prefix_hits", "preemptions")
+_FORMS = ("quantized_weights", "dequantized_weights", "recovering")
+_COUNTS = ("kv_blocks", "kv_used", "running", "waiting", "prefix_queries", "prefix_hits", "preemptions", "replays")

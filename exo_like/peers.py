@@ -5,8 +5,8 @@ accepts work from) a peer that does not hold the same key. Only then do both sid
 Before that, both sides compare their peer protocol numbers (protocol.PROTOCOL): nodes of exo-like versions
 that would misread each other's frames refuse the link and say which versions met (see handshake.py). Every
 failed dial and refused peer is recorded, with its reason, in `problems` (shown in GET /v1/cluster and on the
-dashboard). aiohttp's websocket heartbeat detects a silent peer in ~1.5 s; a killed process is noticed at once
-because its sockets close.
+dashboard). aiohttp's websocket heartbeat detects a silent peer (a frozen process) within --peer-timeout; a killed
+process is noticed at once because its sockets close.
 
 Frames are typed messages (protocol.py). A frame that does not decode is refused with a warning and the link
 goes on: one bad frame (a bug, a peer of a slightly different build) must not fail every request on the link.
@@ -38,7 +38,9 @@ from exo_like.protocol import (DEFAULT_MAX_FRAME_BYTES, PROTOCOL, Auth, Hello, I
 log = logging.getLogger(__name__)
 
 PEER_PATH = "/v1/peer"
-HEARTBEAT_SECONDS = 1.0
+# A peer silent this long is lost: its link closes and requests through it replay elsewhere (--peer-timeout).
+# aiohttp pings after `heartbeat` seconds without a frame and closes if no pong follows within half that again.
+DEFAULT_PEER_TIMEOUT = 1.5
 # A dial to an address that drops packets (firewall, machine gone) would otherwise hang for aiohttp's default
 # 30 s, holding up the finder's redial round for every other peer; a peer on a LAN or VPN answers well within this.
 CONNECT_TIMEOUT = 3.0
@@ -119,8 +121,10 @@ class PeerNetwork:
     """All links of this node: accepts on PEER_PATH, dials on request, routes frames to one handler."""
 
     def __init__(self, me: NodeInfo, cluster_key: str, handler: MessageHandler,
-                 on_change: Callable[[], None], max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES):
+                 on_change: Callable[[], None], max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+                 peer_timeout: float = DEFAULT_PEER_TIMEOUT):
         self.me = me
+        self.heartbeat = peer_timeout / 1.5
         self._key = hashlib.sha256(cluster_key.encode()).digest()
         self._handler = handler
         self._on_change = on_change
@@ -177,7 +181,7 @@ class PeerNetwork:
 
     async def _dial(self, host: str, port: int, address: str) -> PeerLink | None:
         session = await self._client_session()
-        ws = await session.ws_connect(f"http://{address}{PEER_PATH}", heartbeat=HEARTBEAT_SECONDS,
+        ws = await session.ws_connect(f"http://{address}{PEER_PATH}", heartbeat=self.heartbeat,
                                       max_msg_size=websocket_limit(self.max_frame_bytes),
                                       timeout=aiohttp.ClientWSTimeout(ws_close=2.0))
         try:
@@ -206,7 +210,7 @@ class PeerNetwork:
     # -- accepting ----------------------------------------------------------------------------------------
 
     async def accept(self, request: web.Request) -> web.StreamResponse:
-        ws = web.WebSocketResponse(heartbeat=HEARTBEAT_SECONDS, max_msg_size=websocket_limit(self.max_frame_bytes))
+        ws = web.WebSocketResponse(heartbeat=self.heartbeat, max_msg_size=websocket_limit(self.max_frame_bytes))
         await ws.prepare(request)
         address = f"{request.remote}"
         try:

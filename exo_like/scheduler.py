@@ -178,8 +178,9 @@ class Scheduler:
         every stage's weights again; waiting for the batch in flight keeps them in one."""
         if self.batches_in_flight() >= self.pipeline_depth:
             return None
-        # While requests stream, prompts get small chunks on top of the streams' tokens; else big ones.
-        streaming = any(len(s.tokens) > s.sample.prompt_len for s in self.running.values())
+        # While requests stream, prompts get small chunks on top of the streams' tokens; else big ones. A request
+        # recomputing its generated tokens (preempted, or replayed on a new ring) is not streaming yet.
+        streaming = any(s.pending <= 1 and len(s.tokens) > s.sample.prompt_len for s in self.running.values())
         self._weighted = streaming
         rows_left = self.limits.max_batch_tokens
         prompt_budget = self.limits.interleave_tokens if streaming else rows_left

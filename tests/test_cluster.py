@@ -1,4 +1,5 @@
-"""Three real nodes on loopback: the agreed memory-weighted ring, inference through it from any node, node loss.
+"""Three real nodes on loopback: the agreed memory-weighted ring, inference through it from any node, node loss
+(a request running through a lost node: tests/test_failover.py).
 
 The oracle is transformers' greedy `generate` on the same 7-layer checkpoint.
 """
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.api_server import NodeProcess, start_node
+from tests.api_server import NodeProcess
 from tests.checkpoints import make_checkpoint
 from tests.cluster_harness import cluster_of, start_cluster, wait_until_ready
 from tests.oracle import Oracle
@@ -107,52 +108,6 @@ def test_idle_node_killed_the_rest_replan_within_3s_and_serve(three_nodes, seven
     assert [(s["start_layer"], s["end_layer"]) for s in stages] == [(0, 6), (6, 7)]  # 7 layers over 6 and 1 GiB
     for node in survivors:
         assert greedy_chat(node, seven_layers.name)["choices"][0]["message"]["content"] == expected_text(oracle)
-
-
-def test_node_killed_mid_request_fails_that_request_clearly_within_5s(three_nodes, seven_layers: Path,
-                                                                     oracle: Oracle) -> None:
-    import openai
-
-    wait_until_ready(three_nodes, members=3)
-    stream = endless_stream(three_nodes[0], seven_layers.name)
-    received = 0
-    with pytest.raises(openai.APIError) as failure:
-        for chunk in stream:
-            received += 1
-            if received == 20:
-                killed_at = time.monotonic()
-                three_nodes[1].process.send_signal(signal.SIGKILL)
-    elapsed = time.monotonic() - killed_at
-    assert elapsed <= 5.0, f"the request took {elapsed:.2f}s to fail"
-    assert "node node1 (" in str(failure.value) and "left the cluster" in str(failure.value)  # named, not just an id
-    wait_until_ready([three_nodes[0], three_nodes[2]], members=2, timeout=10)
-    assert greedy_chat(three_nodes[0], seven_layers.name)["choices"][0]["message"]["content"] == expected_text(oracle)
-
-
-def test_node_joining_mid_request_fails_that_request_clearly_and_then_serves(three_nodes, seven_layers: Path,
-                                                                           oracle: Oracle, tmp_path: Path) -> None:
-    """Every stage re-plans when a node joins: a request of the old ring must end with a clear error the moment its
-    stages drop it (it used to wait for tokens that never came), and the new ring must serve the next one."""
-    import openai
-
-    wait_until_ready(three_nodes, members=3)
-    stream = endless_stream(three_nodes[0], seven_layers.name)
-    peers = ",".join(f"127.0.0.1:{node.port}" for node in three_nodes)
-    late: list[NodeProcess] = []
-    try:
-        with pytest.raises(openai.APIError) as failure:
-            for received, _ in enumerate(stream, start=1):
-                if received == 20:
-                    late.append(start_node(tmp_path / "home-late", str(seven_layers), "--no-mdns", "--peers", peers,
-                                           "--memory-gb", "2", "--node-name", "late", "--engine", "torch",
-                                           "--dtype", "float32"))
-        assert late and "plan changed during the request" in str(failure.value)
-        nodes = [*three_nodes, *late]
-        wait_until_ready(nodes, members=4)
-        for node in (three_nodes[0], late[0]):
-            assert greedy_chat(node, seven_layers.name)["choices"][0]["message"]["content"] == expected_text(oracle)
-    finally:
-        stop_all(late)
 
 
 def test_a_node_shutting_down_keeps_its_ring_going_through_the_grace_period(seven_layers: Path,

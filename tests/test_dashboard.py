@@ -291,6 +291,21 @@ def test_a_node_long_inside_one_step_says_so(three_nodes: list[NodeProcess], ope
     assert result == ["busy", "slow-step", "one step for 42 s"]
 
 
+def test_a_request_recovering_from_a_lost_node_says_which_node_it_lost(three_nodes: list[NodeProcess],
+                                                                       open_page) -> None:
+    """The card of the node whose clients' requests are paused names the node they lost; a banner says it too."""
+    dashboard = open_page(three_nodes[0])
+    result = dashboard.page.evaluate("""async () => {
+        const m = await import('/dashboard/topology.js');
+        return [m.recoveryText({recovering: {node1: 2}, replays: 3}), m.recoveryText({recovering: {}, replays: 1}),
+                m.recoveryText({recovering: {'': 1}, replays: 1}), m.recoveryText({recovering: {}, replays: 0})];
+    }""")
+    assert result == ["2 requests recovering: lost node1, replaying on the re-formed ring · 3 requests resumed after "
+                      "a lost node or a re-plan", "1 request resumed after a lost node or a re-plan",
+                      "1 request recovering: the ring re-formed, replaying · 1 request resumed after a lost node or "
+                      "a re-plan", None]
+
+
 @pytest.fixture
 def fresh_three_nodes(seven_layers: Path, tmp_path: Path) -> Iterator[list[NodeProcess]]:
     """A cluster of its own for a test that kills a node (requested before open_page: pages close first)."""

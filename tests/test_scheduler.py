@@ -144,6 +144,16 @@ def test_with_nobody_streaming_a_prompt_goes_in_big_chunks() -> None:
     assert [run_step(scheduler)["alone"] for _ in range(2)] == [(0, 64), (64, 36)]
 
 
+def test_a_replayed_request_recomputes_its_generated_tokens_in_big_chunks() -> None:
+    """A request resumed on a new ring brings its generated tokens along: they are prefill, not a stream, so they
+    do not shrink the step to the small chunks meant to keep streams flowing."""
+    scheduler = Scheduler(64, SchedulerLimits(max_batch_tokens=512, interleave_tokens=32))
+    tokens = list(range(600))
+    scheduler.submit(Submit("replayed", "origin", "digest", tuple(tokens), spec(100)))  # 500 generated already
+    assert [run_step(scheduler) for _ in range(3)] == [
+        {"replayed": (0, 512)}, {"replayed": (512, 88)}, {"replayed": (600, 1)}]  # then it streams on
+
+
 def test_only_the_chunk_that_ends_the_prompt_samples() -> None:
     scheduler = Scheduler(64, SchedulerLimits(max_batch_tokens=8))
     submit(scheduler, "a", list(range(20)))

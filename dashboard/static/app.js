@@ -3,7 +3,7 @@
 // silent), so the page survives its node restarting.
 
 import { Chat } from "./chat.js";
-import { ago, renderLayerBar, renderNodeCards, renderRing } from "./topology.js";
+import { ago, recoveryText, renderLayerBar, renderNodeCards, renderRing } from "./topology.js";
 import { assignColours, formatBytes, formatRate, h, plural, replace, s } from "./util.js";
 
 const STALE_AFTER_MS = 4000; // the server sends at least one picture per second
@@ -95,6 +95,11 @@ function clusterBanners(picture) {
   if (picture.problem) banners.push(banner("error", picture.problem, "The model cannot be served"));
   for (const node of picture.nodes) {
     if (node.problem && node.problem !== picture.problem) banners.push(banner("error", node.problem, node.name));
+  }
+  for (const node of picture.nodes) {
+    const paused = Object.entries(node.recovering || {});
+    if (paused.length) banners.push(banner("warn", `${node.name}: ${recoveryText({ recovering: node.recovering })}.`,
+      "Recovering"));
   }
   for (const node of picture.departed) {
     banners.push(banner("warn", `${node.name} (${node.address}) left the cluster ${ago(node.lost_seconds_ago)}. ` +

@@ -186,6 +186,7 @@ function nodeCard(node, picture) {
     kvRow(node),
     weightsText(node),
     schedulerText(node),
+    recoveryLine(node),
     // The cluster-wide problem is in the banner already; only say what is particular to this node.
     node.problem && node.problem !== picture.problem ? h("div", { class: "node-problem" }, node.problem) : null);
 }
@@ -221,6 +222,25 @@ function weightsText(node) {
   return h("div", { class: dequantized.length ? "node-weights node-dequantized" : "node-weights",
     title: "how this node holds the model's quantized matrices: on quantized kernels, or dequantized (more "
       + "memory) where its engine has no kernel for their type" }, parts.join(" · "));
+}
+
+// Requests of this node's clients whose ring broke under them: paused now, waiting for the re-formed ring to
+// replay them on, and how many were resumed that way since the node started.
+export function recoveryText(node) {
+  const paused = Object.entries(node.recovering || {});
+  const parts = paused.map(([lost, n]) => `${plural(n, "request")} recovering` +
+    (lost ? `: lost ${lost}, replaying on the re-formed ring` : ": the ring re-formed, replaying"));
+  if (node.replays) parts.push(`${plural(node.replays, "request")} resumed after a lost node or a re-plan`);
+  return parts.length ? parts.join(" · ") : null;
+}
+
+function recoveryLine(node) {
+  const text = recoveryText(node);
+  if (!text) return null;
+  const now = Object.keys(node.recovering || {}).length > 0;
+  return h("div", { class: now ? "node-recovery node-recovering" : "node-recovery", title: "a request whose ring "
+    + "loses a node (or re-plans) keeps its tokens, waits for the new ring and replays them there: the client's "
+    + "stream pauses and goes on" }, text);
 }
 
 // The first stage batches the ring's requests and keeps the prefix cache.
