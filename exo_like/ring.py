@@ -150,10 +150,13 @@ class RingGenerator(TokenGenerator):
             self.replays_total += 1
             if self.on_replay is not None:
                 self.on_replay()
+            log.info("node %s: request %s paused after %d tokens (%s); replaying on the next ring", self.node_id,
+                     progress.request_id, progress.generated_tokens, lost.reason)
+        else:
+            log.info("node %s: request %s: the replay on plan %s failed too (%s); trying again", self.node_id,
+                     progress.request_id, failed.digest, lost.reason)
         progress.recovering = lost.reason
         progress.lost_nodes = tuple(dict.fromkeys(progress.lost_nodes + tuple(self.names(n) for n in lost.lost)))
-        log.info("node %s: request %s paused after %d tokens (%s); replaying", self.node_id, progress.request_id,
-                 progress.generated_tokens, lost.reason)
         remaining = progress.recovery_deadline - time.monotonic()
         try:
             if remaining <= 0:
