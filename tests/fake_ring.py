@@ -145,6 +145,7 @@ class FakeNetwork:
                                         delays[i] if i < len(delays) else 0.0, request_wait)
                       for i, node_id in enumerate(ids)}
         self.lost: dict[str, FakeNode] = {}
+        self.problem: str | None = None  # why no plan can serve the model (as Cluster.problem)
         self.sent: list[Message] = []
         self.ready = asyncio.Event()
 
@@ -154,6 +155,8 @@ class FakeNetwork:
         self.ready.set()
 
     async def wait_ready(self, timeout: float | None = None) -> Plan:
+        if self.problem is not None:
+            raise ServiceUnavailableError(self.problem, code="plan_unavailable")
         try:
             await asyncio.wait_for(self.ready.wait(), timeout)
         except asyncio.TimeoutError:

@@ -110,6 +110,8 @@ def test_a_stage_killed_mid_stream_costs_the_request_nothing(three_nodes, seven_
     got = stream(three_nodes[origin], seven_layers.name, action=kill(three_nodes[lost]))
     check_against(reference, got, f"stage {lost} killed")
     assert replays(three_nodes[origin]) == 1
+    _, _, metrics = three_nodes[origin].request("GET", "/metrics")
+    assert "exo_like:request_replays_total 1.0" in metrics.decode().splitlines()
     assert lost_id not in stage_ids(three_nodes[origin])
 
 
@@ -164,3 +166,20 @@ def test_a_frozen_stage_is_dropped_and_rejoins_once_it_wakes(three_nodes, seven_
     after = stream(three_nodes[0], seven_layers.name)
     assert after.text == reference.text
     assert steps_run(frozen) > steps_before  # its layers ran the request
+
+
+def test_when_the_rest_cannot_hold_the_model_the_request_ends_saying_why(seven_layers: Path, tmp_path: Path) -> None:
+    import openai
+
+    nodes = start_cluster(tmp_path, str(seven_layers), [0.0012, 0.0012])  # ~1.3 MB each: the model needs both
+    try:
+        wait_until_ready(nodes, members=2)
+        with pytest.raises(openai.APIError) as failure:  # in the stream: the response had begun
+            stream(nodes[0], seven_layers.name, action=kill(nodes[1]))
+        assert failure.value.code == "plan_unavailable"
+        message = str(failure.value)
+        assert "node node1 (" in message and "left the cluster during the request" in message
+        assert "could not be resumed on the remaining nodes: the model does not fit" in message
+    finally:
+        for node in nodes:
+            node.stop()

@@ -145,3 +145,16 @@ async def test_a_frozen_stage_that_wakes_after_the_replay_is_not_heard() -> None
     taken_before = len(replay.tokens) - len(PROMPT)  # what the origin had streamed when it replayed
     sent_before = sum(1 for m in net.sent if isinstance(m, Tokens) for t in m.tokens if t.rid == "a")
     assert sent_before > taken_before  # the woken stage's token did reach the origin, which ignored it
+
+
+async def test_when_the_rest_cannot_hold_the_model_the_request_fails_at_once_saying_why() -> None:
+    async with ring(3) as net:
+        def lose() -> None:
+            net.lose("n1")
+            net.problem = "the model does not fit: 2 nodes hold 1.0 GB, the model needs 1.5 GB"
+
+        with pytest.raises(ServiceUnavailableError) as failure:
+            await asyncio.wait_for(stream(net.nodes["n0"], "a", action=lose), 5)
+    assert failure.value.message == ("node n1 (n1) left the cluster during the request; the request could not be "
+                                     "resumed on the remaining nodes: the model does not fit: 2 nodes hold 1.0 GB, "
+                                     "the model needs 1.5 GB")
