@@ -53,7 +53,7 @@ class Event:
     node: int
     kind: str  # kill | freeze
     start: float
-    end: float  # when it was running again (a killed node: never)
+    end: float  # when it was running again (a freeze), or = start (a kill)
 
 
 @dataclass
@@ -193,7 +193,7 @@ class Soak:
         assert node is not None
         now = time.monotonic()
         if action == "kill":
-            event = Event(i, "kill", now, float("inf"))
+            event = Event(i, "kill", now, now)  # requests that ran across this instant lost their origin
             with self.lock:
                 self.events.append(event)
                 self.nodes[i] = None
@@ -254,7 +254,7 @@ def run(soak: Soak, args: argparse.Namespace) -> int:
     while time.monotonic() < ends:
         time.sleep(soak.rng.uniform(*DISTURB_EVERY))
         print(f"{time.strftime('%H:%M:%S')} {soak.disturb():16s} running={soak.running()} "
-              f"requests so far={len(soak.outcomes)}", flush=True)
+              f"requests so far={len(soak.outcomes)} n0 RSS {soak.rss(0)[1] / 2**20:.0f} MB", flush=True)
     stop.set()
     for thread in clients:
         thread.join(CLIENT_TIMEOUT + 15)
