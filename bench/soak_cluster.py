@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import shutil
 import signal
 import sys
 import tempfile
@@ -233,9 +234,15 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="exo-like-soak-") as tmp:
         soak = Soak(Path(tmp), random.Random(args.seed))
         try:
-            return run(soak, args)
+            code = run(soak, args)
         finally:
             soak.stop()
+        if code:  # keep the nodes' logs, which say why
+            kept = Path(tempfile.mkdtemp(prefix="exo-like-soak-logs-"))
+            for log in Path(tmp).glob("home*/node-*.log"):
+                shutil.copy(log, kept / f"{log.parent.name}-{log.name}")
+            print(f"node logs kept in {kept}")
+        return code
 
 
 def run(soak: Soak, args: argparse.Namespace) -> int:

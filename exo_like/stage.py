@@ -44,6 +44,10 @@ class Router(Protocol):
         """Deliver to a node (this one included). Raises ConnectionError if it cannot be reached."""
 
 
+class StepAbandoned(Exception):
+    """The step's plan was replaced before the engine thread reached it."""
+
+
 @dataclass(frozen=True)
 class RingResources:
     kv_blocks: int  # the smallest KV pool of the plan's stages: what the first stage may hand out
@@ -231,9 +235,12 @@ class StageWorker:
         try:
             result = await loop.run_in_executor(self.executor, self._compute, work, is_last)
         except Exception as exc:  # engine failure: every request of the batch fails clearly
+            if work.plan is not self.plan:
+                return  # re-planned while the step waited or ran: activate() told the origins, which replay
             if not isinstance(exc, ExoLikeError):
                 log.exception("node %s: step of %d items failed", self.node_id, len(work.items))
-            message = exc.message if isinstance(exc, ExoLikeError) else f"stage on node {self.node_id} failed: {exc}"
+            message = exc.message if isinstance(exc, ExoLikeError) else \
+                f"stage on node {self.node_id} failed: {type(exc).__name__}: {exc}"
             code = exc.code if isinstance(exc, ExoLikeError) and exc.code else "stage_failed"
             for item in work.items:
                 self._fail(item.rid, item.origin, message, code)
@@ -251,7 +258,10 @@ class StageWorker:
 
     def _compute(self, work: _Work, is_last: bool) -> Activations | list[tuple[WorkItem, SampledToken]]:
         """Engine thread: the step, and on the last stage sampling (per request, in item order)."""
-        assert self.engine is not None
+        if work.plan is not self.plan or self.engine is None:
+            # Re-planned while this step waited for the engine thread (behind a load, say): the engine may hold
+            # other layers now, and the step's requests replay on the new ring.
+            raise StepAbandoned()
         started = self._step_started = time.monotonic()
         try:
             out = self.engine.step(work.items, work.inputs)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable
 
 import pytest
@@ -158,3 +159,18 @@ async def test_when_the_rest_cannot_hold_the_model_the_request_fails_at_once_say
     assert failure.value.message == ("node n1 (n1) left the cluster during the request; the request could not be "
                                      "resumed on the remaining nodes: the model does not fit: 2 nodes hold 1.0 GB, "
                                      "the model needs 1.5 GB")
+
+
+async def test_a_step_still_queued_when_its_stage_leaves_the_plan_is_dropped_not_failed() -> None:
+    """The engine thread is busy (a cancelled load, say) while a step waits for it, and the stage is re-planned
+    out of the ring meanwhile: that step must not fail its requests; they replay on the new ring."""
+    expected = await uninterrupted()
+    async with ring(3, spares=1, delays=(0.05, 0.0, 0.0)) as net:  # the next step reaches n1 after the block
+        middle = net.nodes["n1"]
+
+        def act() -> None:
+            middle.executor.submit(time.sleep, 0.3)  # the step for the next token queues behind this
+            asyncio.get_running_loop().call_later(0.1, net.replan, ["n0", "n3", "n2"])
+
+        tokens = await asyncio.wait_for(stream(net.nodes["n0"], "a", action=act), 10)
+    assert tokens == expected
