@@ -147,8 +147,9 @@ class Cluster:
         plan, problem = self._compute_plan()
         if plan != self.plan or problem != self.problem:
             if plan is not None and (self.plan is None or plan.digest != self.plan.digest):
-                log.info("node %s: plan %s for %s: %s", self.me.node_id, plan.digest, plan.model_id,
-                         ", ".join(f"{s.node_id}[{s.start_layer},{s.end_layer})" for s in plan.stages))
+                log.info("node %s: plan %s for %s: %s%s", self.me.node_id, plan.digest, plan.model_id,
+                         ", ".join(f"{s.node_id}[{s.start_layer},{s.end_layer})" for s in plan.stages),
+                         f"; {self.placement.describe()}" if self.placement else "")
             self.plan, self.problem = plan, problem
             if problem:
                 log.warning("node %s: %s", self.me.node_id, problem)

@@ -43,6 +43,15 @@ class PlacementReport:
                              for node_id, reason in self.left_out],
                 "measuring": list(self.measuring)}
 
+    def describe(self) -> str:
+        """One line for the log: the rule, the slowest stage, and who is left out and why."""
+        parts = [self.why]
+        if self.bottleneck is not None:
+            parts.append(f"slowest stage {self.bottleneck} {_ms(self.stage_ns[self.bottleneck])} ms of "
+                         f"{_ms(sum(self.stage_ns.values()))} ms per token")
+        parts.extend(f"left out {node_id}: {reason}" for node_id, reason in self.left_out)
+        return "; ".join(parts)
+
     def node_json(self, node_id: str, figures: SpeedFigures | None, model: str | None) -> dict[str, Any]:
         """A member's measured speed, its stage's time and share of the time per token, and whether it is the
         bottleneck."""

@@ -183,3 +183,15 @@ async def test_link_round_trips_are_read_alike_from_both_ends() -> None:
     assert layers(cluster) == {"a": 24}
     assert rtt_bucket_us(None) == 512 and rtt_bucket_us(0.0001) == 512 and rtt_bucket_us(0.0007) == 1024
     assert rtt_bucket_us(0.0021) == 4096
+
+
+async def test_a_refined_figure_that_keeps_the_stages_keeps_the_plan_and_its_requests() -> None:
+    """The digest covers the ring, not the figures: a round trip moving to another bucket re-plans, and a plan with
+    the same stages is the same plan (the stage does not restart the requests running on it)."""
+    cluster = make_cluster(FakeSpeed(decode_ns=2 * MS), {"b": 8})
+    announce(cluster, "b", measured(8 * MS))
+    serving = cluster.plan
+    before = cluster.to_json()["placement"]["time_per_token_ms"]
+    announce(cluster, "b", measured(8 * MS, rtt_us={"a": 2048}))
+    assert cluster.plan is serving
+    assert cluster.to_json()["placement"]["time_per_token_ms"] > before  # the picture follows the figures

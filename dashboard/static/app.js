@@ -155,10 +155,11 @@ function renderSummary(picture) {
 // How the layers are split (by measured speed or by memory, and why), and a token's time around the ring.
 function placementLine(placement) {
   if (!placement) return null;
-  const how = placement.mode === "compute" ? "placed by speed" : "placed by memory";
+  const how = placement.why;
   const time = placement.time_per_token_ms == null ? "" : ` · ${placement.time_per_token_ms.toFixed(1)} ms per token, `
     + `slowest stage ${placement.bottleneck_ms.toFixed(1)} ms`;
-  return h("div", { class: "tile-placement", title: placement.why }, how + time);
+  return h("div", { class: "tile-placement", title: "how the layers were placed (--placement), and a token's time "
+    + "around the ring as the measured speeds predict it" }, how + time);
 }
 
 function ringState(picture) {

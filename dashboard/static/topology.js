@@ -207,7 +207,7 @@ export function speedText(node) {
   if (!speed) return null;
   if (speed.problem) return speed.problem;
   if (speed.decode_ms_per_layer == null) return "measuring its speed…";
-  const parts = [`${formatMs(speed.decode_ms_per_layer)} per layer`];
+  const parts = [`${formatLayerMs(speed.decode_ms_per_layer)} per layer`];
   if (node.share != null) parts.push(`${Math.round(100 * node.share)}% of each token`);
   if (node.bottleneck) parts.push("bottleneck");
   return parts.join(" · ");
@@ -286,6 +286,11 @@ function schedulerText(node) {
   }
   return h("div", { class: "node-scheduler", title: "this node is the ring's first stage: it schedules every "
     + "request's tokens into batches" }, parts.join(" · "));
+}
+
+// A layer's time: tens of microseconds on a small model, milliseconds on a large one; two significant digits.
+function formatLayerMs(ms) {
+  return ms >= 10 ? `${ms.toFixed(1)} ms` : `${ms.toPrecision(2)} ms`;
 }
 
 function formatMs(ms) {
