@@ -176,7 +176,9 @@ class Cluster:
 
     def figures_of(self, node_id: str) -> SpeedFigures | None:
         """A member's figures as announced (this node's: as it announces them)."""
-        announcement = self.announcement_of(node_id)
+        if node_id == self.me.node_id:
+            return self._speed.figures(self.model_id)
+        announcement = self.announcements.get(node_id)
         return announcement.figures if announcement is not None else None
 
     def _start_loading(self) -> None:

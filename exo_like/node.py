@@ -43,6 +43,7 @@ from exo_like.ring import RingGenerator
 from exo_like.scheduler import SchedulerLimits
 from exo_like.shard import Shard
 from exo_like.speed import SpeedProbe
+from exo_like.speed_figures import RTT_SAMPLES
 from exo_like.stage import StageWorker
 
 log = logging.getLogger(__name__)
@@ -188,7 +189,8 @@ class Node:
         self.peers = PeerNetwork(self.info, self.options.cluster_key, self._on_peer_message, self._links_changed,
                                  self.options.max_frame_bytes, self.options.peer_timeout)
         self.speed = SpeedProbe(self.node_id, self.engine, self.executor, self.home, self.options.placement,
-                                self.options.remeasure, self.models.files, self.peers.lowest_round_trips,
+                                self.options.remeasure, self.models.files,
+                                lambda: self.peers.lowest_round_trips(RTT_SAMPLES),
                                 lambda: self.cluster and self.cluster.replan())
         self.cluster = Cluster(self.info, self.peers, self.models.describe, self._load_shard, self._members_changed,
                                self.current_load, lambda: self.engine.kv_blocks or None, self.speed)

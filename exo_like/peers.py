@@ -92,6 +92,7 @@ class PeerLink:
         self.broken = False  # this side's websocket failed (e.g. a frame past its size limit) and closed it
         self.rtt: float | None = None  # seconds of the last Ping's round trip (GET /metrics)
         self.min_rtt: float | None = None  # the lowest round trip seen: the link's own latency, without queueing
+        self.rtt_samples = 0
 
     @property
     def closed(self) -> bool:
@@ -314,12 +315,14 @@ class PeerNetwork:
         if isinstance(message, Pong):
             link.rtt = max(0.0, time.monotonic() - message.sent)
             link.min_rtt = link.rtt if link.min_rtt is None else min(link.min_rtt, link.rtt)
+            link.rtt_samples += 1
         elif not link.retired:
             self._spawn(link.send(Pong(message.sent)))
 
-    def lowest_round_trips(self) -> dict[str, float | None]:
-        """Each open link's lowest round trip so far (None before its first), by peer node id."""
-        return {node_id: link.min_rtt for node_id, link in self.links.items() if not link.closed}
+    def lowest_round_trips(self, samples: int = 1) -> dict[str, float | None]:
+        """Each open link's lowest round trip so far (None before `samples` of them), by peer node id."""
+        return {node_id: link.min_rtt if link.rtt_samples >= samples else None
+                for node_id, link in self.links.items() if not link.closed}
 
     async def _ping_forever(self, link: PeerLink) -> None:
         """Measure the link's round-trip time every few seconds, for as long as it is this peer's link."""

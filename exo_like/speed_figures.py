@@ -7,7 +7,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 PLACEMENTS = ("compute", "memory")
-RTT_FLOOR_US = 512  # round trips up to this count as this: a LAN's and a loopback's hops all look alike
+RTT_FLOOR_US = 2048  # round trips up to this count as this: a LAN's and a loopback's hops all look alike
+RTT_SAMPLES = 3  # round trips a link must have measured before its own figure replaces the floor
 
 
 @dataclass(frozen=True)

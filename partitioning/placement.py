@@ -14,9 +14,11 @@ node's neighbours (so the hops) and only changes which node is first (holds the 
 (computes the LM head, several layers' worth of work on a small model). Every rotation is tried; ties go to the
 smaller rotation, so the unrotated memory order wins any tie.
 
-Equal speeds: when every node's layer time lies within EQUAL_SPEEDS of the fastest (exactly: slowest * 4 <=
-fastest * 5), the nodes count as the same hardware measured with noise and the plan is today's memory split,
-as long as that split fits; the split by speed would only chase noise.
+Equal speeds: when every node's layer time lies within EQUAL_SPEEDS of the fastest (exactly: slowest * 2 <=
+fastest * 3), the nodes count as the same hardware measured with noise and the plan is today's memory split,
+as long as that split fits; the split by speed would only chase noise. (Nodes of one machine measured one after
+another differ by up to about 25 % here, more while other processes run: a tighter rule would re-split
+identical hardware by noise.)
 
 Leaving a node out: starting from every node (with more nodes than layers: the nodes the memory split uses), a
 node is left out when the best plan without it has a strictly faster bottleneck than the best plan with it, or
@@ -34,7 +36,7 @@ import numpy as np
 
 from partitioning.ring import NodeCapacity, Stage, plan_ring, ring_order
 
-EQUAL_SPEEDS = Fraction(5, 4)  # layer times within this ratio of each other count as equal hardware
+EQUAL_SPEEDS = Fraction(3, 2)  # layer times within this ratio of each other count as equal hardware
 INF = 2**60  # no split: larger than any stage time (int64 sums of two stay exact)
 MAX_FIGURE_NS = 10**12  # figures are clamped here, so a stage time stays far below INF for any layer count
 

@@ -47,10 +47,10 @@ def test_time_layer_warms_up_then_reports_per_step_and_per_position() -> None:
             time.sleep(seconds)
         return run
 
-    speed = time_layer(LayerRunner(step("decode", 0.002), step("prefill", 0.064)), 0.05, 0.1)
+    speed = time_layer(LayerRunner(step("decode", 0.002), step("prefill", 0.064)), 0.03, 0.1)
     assert 2_000_000 <= speed.decode_ns < 4_000_000
     assert 1_000_000 <= speed.prefill_ns < 2_000_000  # 64 ms over the chunk's 64 positions
-    assert counts["decode"] >= 2 + 3 and counts["prefill"] >= 2
+    assert counts["decode"] >= 2 + 4 * 3 and counts["prefill"] >= 2  # warm-up, then four windows
 
 
 @pytest.mark.parametrize("engine_name", ["torch", "mlx"])
@@ -112,7 +112,7 @@ async def test_measured_once_then_read_from_the_cache_unless_remeasure(tmp_path:
     figures = first.figures("m")
     assert (figures.decode_ns, figures.prefill_ns, figures.cached, figures.model) == (2_000_000, 100_000, False, "m")
     assert 0.05 <= figures.measure_seconds < 1 and notices == ["measured"]
-    assert figures.rtt_us == {"peer": 512}
+    assert figures.rtt_us == {"peer": 2048}
     assert engine.measured == 1 and len(json.loads((tmp_path / CACHE_FILE).read_text())) == 1
     again = probe(engine, tmp_path, executor)  # a restart with the same home
     again.measure("m")

@@ -53,7 +53,7 @@ def figures(draw: st.DrawFn, equal: bool = False, max_nodes: int = 6, max_layers
     base = draw(st.integers(1_000, 10 * MS))
     nodes = []
     for i in range(count):
-        # Equal: the same hardware measured with noise (within the 25 % that counts as equal).
+        # Equal: the same hardware measured with noise (within the 50 % that counts as equal).
         speed = base + draw(st.integers(0, base // 4)) if equal else draw(st.integers(1_000, 10 * MS))
         memory = draw(st.integers(total // max(1, count), 2 * total) | st.integers(1, 2 * total))
         head_ns = speed * head // max(1, layer)
@@ -190,8 +190,8 @@ def test_a_node_whose_memory_holds_no_range_is_left_out_when_the_rest_fit() -> N
 
 
 def test_a_slow_hop_counts() -> None:
-    """Two equally fast nodes behind a slow link: one of them alone is faster than the ring."""
-    nodes = [NodeSpeed("a", 8 << 30, MS), NodeSpeed("b", 8 << 30, 3 * MS // 2)]
+    """Two nodes behind a slow link: the faster one alone beats the ring."""
+    nodes = [NodeSpeed("a", 8 << 30, MS), NodeSpeed("b", 8 << 30, 2 * MS)]
     placement = place_by_speed(4, nodes, lambda *_: True, lambda a, b: 50 * MS)
     assert placement is not None and [s.node_id for s in placement.stages] == ["a"]
     assert placement.total_ns == 4 * MS

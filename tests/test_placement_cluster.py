@@ -58,7 +58,7 @@ def test_a_node_slowed_to_a_quarter_core_gets_fewer_layers(twelve_layers: Path, 
                       f"(measured in {speed['measure_seconds']:.2f} s)")
             print("placement:", view["placement"])
             assert view["placement"]["mode"] == "compute"
-            assert layers[SLOW] < min(layers[n] for n in NODE_IDS if n != SLOW), layers
+            assert layers.get(SLOW, 0) < min(layers.get(n, 0) for n in NODE_IDS if n != SLOW), layers
             assert all(speeds[SLOW]["decode_ms_per_layer"] > 2 * speeds[n]["decode_ms_per_layer"]
                        for n in NODE_IDS if n != SLOW), speeds
             assert all(s["measure_seconds"] <= MEASURE_BUDGET_SECONDS and not s["cached"] for s in speeds.values())

@@ -115,11 +115,11 @@ def pytest_approx(value: float):  # type: ignore[no-untyped-def]
 
 async def test_equal_speeds_give_the_memory_split() -> None:
     cluster = make_cluster(FakeSpeed(decode_ns=10 * MS), {"b": 3, "c": 1}, memory_gib=6)
-    announce(cluster, "b", measured(11 * MS))  # within 25 %: the same hardware, measured with noise
-    announce(cluster, "c", measured(12 * MS))
+    announce(cluster, "b", measured(11 * MS))  # within 50 %: the same hardware, measured with noise
+    announce(cluster, "c", measured(15 * MS))
     assert [(s.node_id, s.start_layer, s.end_layer) for s in cluster.plan.stages] == [
         ("a", 0, 15), ("b", 15, 22), ("c", 22, 24)]  # 24 layers over 6, 3 and 1 GiB
-    assert cluster.placement.why.startswith("speeds within 25 %")
+    assert cluster.placement.why.startswith("speeds within 50 %")
 
 
 async def test_a_node_asking_for_memory_placement_makes_the_memory_split() -> None:
@@ -178,11 +178,11 @@ async def test_a_node_that_only_slows_the_ring_is_left_out_and_named() -> None:
 
 async def test_link_round_trips_are_read_alike_from_both_ends() -> None:
     cluster = make_cluster(FakeSpeed(decode_ns=MS), {"b": 8})
-    announce(cluster, "b", measured(3 * MS // 2, rtt_us={"a": 64 * 1024}))  # a slow link, as b measured it
+    announce(cluster, "b", measured(2 * MS, rtt_us={"a": 64 * 1024}))  # a slow link, as b measured it
     # 24 layers: alone 24 ms + 5 ms of head; with b each stage pays 32 ms one way: a alone is faster.
     assert layers(cluster) == {"a": 24}
-    assert rtt_bucket_us(None) == 512 and rtt_bucket_us(0.0001) == 512 and rtt_bucket_us(0.0007) == 1024
-    assert rtt_bucket_us(0.0021) == 4096
+    assert rtt_bucket_us(None) == 2048 and rtt_bucket_us(0.0001) == 2048 and rtt_bucket_us(0.0019) == 2048
+    assert rtt_bucket_us(0.0021) == 4096 and rtt_bucket_us(0.05) == 65536
 
 
 async def test_a_refined_figure_that_keeps_the_stages_keeps_the_plan_and_its_requests() -> None:
@@ -192,6 +192,6 @@ async def test_a_refined_figure_that_keeps_the_stages_keeps_the_plan_and_its_req
     announce(cluster, "b", measured(8 * MS))
     serving = cluster.plan
     before = cluster.to_json()["placement"]["time_per_token_ms"]
-    announce(cluster, "b", measured(8 * MS, rtt_us={"a": 2048}))
+    announce(cluster, "b", measured(8 * MS, rtt_us={"a": 4096}))
     assert cluster.plan is serving
     assert cluster.to_json()["placement"]["time_per_token_ms"] > before  # the picture follows the figures

@@ -5,10 +5,12 @@ An engine builds one layer of the model's shape with random weights, held as its
 it: a decode step (one new position after LAYER_CONTEXT cached ones, batch 1) and a prefill chunk of
 PREFILL_CHUNK positions, after a warm-up of each.
 
-The figure is the mean over a window of DECODE_WINDOW (PREFILL_WINDOW) seconds of wall time, not the median of
-single steps: a CPU quota (a container's or a cgroup's) lets a process run at full speed until its share of a
-scheduler period (100 ms by default) is spent, then stops it until the period ends. The median of short steps
-would never see that; the mean over several periods does, within about one period's share.
+A decode figure is the mean over a window of wall time, not the median of single steps: a CPU quota (a
+container's or a cgroup's) lets a process run at full speed until its share of a scheduler period (100 ms by
+default) is spent, then stops it until the period ends. The median of short steps would never see that; the mean
+over a window longer than the period does. The decode figure is the median of DECODE_WINDOWS such windows of
+DECODE_WINDOW seconds each, so one window disturbed by another process does not move it. The prefill figure is the
+mean over PREFILL_WINDOW seconds (at least one chunk, whatever it takes).
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from exo_like.protocol import WorkItem
 
 PREFILL_CHUNK = 64  # positions of the timed prefill chunk
 LAYER_CONTEXT = 64  # positions cached before the timed decode step
-DECODE_WINDOW = 0.6  # seconds of decode steps timed (six scheduler periods)
+DECODE_WINDOW = 0.15  # seconds of decode steps per window (longer than one scheduler period)
+DECODE_WINDOWS = 4
 PREFILL_WINDOW = 0.3  # seconds of prefill chunks timed (at least one chunk whatever it takes)
 MIN_STEPS = 3
 
@@ -53,7 +56,8 @@ def time_layer(runner: LayerRunner, decode_window: float = DECODE_WINDOW,
                prefill_window: float = PREFILL_WINDOW) -> LayerSpeed:
     runner.decode()  # warm-up: first-call allocations, kernel selection, caches
     runner.decode()
-    decode_ns = mean_ns(runner.decode, decode_window)
+    windows = sorted(mean_ns(runner.decode, decode_window) for _ in range(DECODE_WINDOWS))
+    decode_ns = (windows[(DECODE_WINDOWS - 1) // 2] + windows[DECODE_WINDOWS // 2]) // 2
     # The first chunk warms up too; when it alone outlasts the window (a slow device), it is the figure.
     prefill_ns = mean_ns(runner.prefill, 0.0, minimum=1)
     if prefill_ns < prefill_window * 1e9:
