@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -148,3 +149,43 @@ async def test_nodes_of_one_host_measure_one_at_a_time(tmp_path: Path) -> None:
     assert all(p.figures("m").measure_seconds < 0.35 for p in probes)  # the wait is not counted as its cost
     for x in executors:
         x.shutdown()
+
+
+def test_waiting_for_a_cpu_is_left_out_but_a_quota_s_throttling_is_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Other processes' load is the moment's; a CPU quota is the node's (engines/cpu_wait.py)."""
+    from exo_like.engines import cpu_wait
+
+    clock = {"waited": 0, "throttled": 0}
+    monkeypatch.setattr(cpu_wait, "waited_ns", lambda: clock["waited"])
+    monkeypatch.setattr(cpu_wait, "throttled_ns", lambda: clock["throttled"])
+    contention = cpu_wait.ContentionClock()
+    clock["waited"] += 700  # of which 500 throttled by the quota, 200 behind other processes
+    clock["throttled"] += 500
+    assert contention.elapsed_ns() == 200
+
+    def step() -> None:
+        clock["waited"] += 1_000_000  # each step's 2 ms include 1 ms waiting for a CPU, none of it throttled
+        time.sleep(0.002)
+
+    assert 900_000 <= mean_ns(step, 0.05) < 1_600_000
+
+
+def test_this_kernel_counts_a_thread_s_wait_for_a_cpu() -> None:
+    import subprocess
+    import sys
+
+    from exo_like.engines.cpu_wait import SCHEDSTAT, waited_ns
+
+    if not SCHEDSTAT.exists():
+        pytest.skip("no /proc/thread-self/schedstat on this system: contention is not left out here")
+    busy = [subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 1.5\nwhile time.time() < end: "
+                              "pass"]) for _ in range(len(os.sched_getaffinity(0)) + 1)]
+    try:
+        time.sleep(0.3)
+        before, end = waited_ns(), time.monotonic() + 0.5
+        while time.monotonic() < end:
+            pass
+        assert waited_ns() - before > 10_000_000  # more runnable threads than CPUs: this one waited
+    finally:
+        for process in busy:
+            process.wait()

@@ -10,7 +10,8 @@ container's or a cgroup's) lets a process run at full speed until its share of a
 default) is spent, then stops it until the period ends. The median of short steps would never see that; the mean
 over a window longer than the period does. The decode figure is the median of DECODE_WINDOWS such windows of
 DECODE_WINDOW seconds each, so one window disturbed by another process does not move it. The prefill figure is the
-mean over PREFILL_WINDOW seconds (at least one chunk, whatever it takes).
+mean over PREFILL_WINDOW seconds (at least one chunk, whatever it takes). Time the engine thread waited while
+other processes held the CPUs is left out (engines/cpu_wait.py): contention is the moment's, not the node's.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from exo_like.engines.cpu_wait import ContentionClock
 from exo_like.kv_blocks import blocks_for
 from exo_like.protocol import WorkItem
 
@@ -66,12 +68,13 @@ def time_layer(runner: LayerRunner, decode_window: float = DECODE_WINDOW,
 
 
 def mean_ns(step: Callable[[], None], window: float, minimum: int = MIN_STEPS) -> int:
-    """Nanoseconds per call of `step`, over calls made until `window` seconds have passed (at least `minimum`)."""
-    started = time.perf_counter_ns()
+    """Nanoseconds per call of `step`, over calls made until `window` seconds have passed (at least `minimum`),
+    less the time the thread waited for a CPU that other processes held (not a quota's throttling: cpu_wait.py)."""
+    started, contention = time.perf_counter_ns(), ContentionClock()
     calls = 0
     while True:
         step()
         calls += 1
         elapsed = time.perf_counter_ns() - started
         if calls >= minimum and elapsed >= window * 1e9:
-            return max(1, elapsed // calls)
+            return max(1, (elapsed - min(contention.elapsed_ns(), elapsed)) // calls)
