@@ -19,9 +19,10 @@ PERIOD_US = 100_000
 
 
 class CpuQuota:
-    def __init__(self, name: str, cores: float):
+    def __init__(self, name: str, cores: float, period_us: int = PERIOD_US):
+        """cores: the share of one CPU the group gets in every period of `period_us` microseconds."""
         self.name = f"{name}-{uuid.uuid4().hex[:8]}"
-        self.cores = cores
+        self.cores, self.period_us = cores, period_us
         self.root = _root()
         self.path = self.root / self.name if self.root is not None else None
 
@@ -44,11 +45,11 @@ class CpuQuota:
             (self.root / "cgroup.subtree_control").write_text("+cpu")
         self.path.mkdir()
         try:
-            quota = max(1000, int(self.cores * PERIOD_US))
+            quota = max(1000, int(self.cores * self.period_us))
             if self.root == V2_ROOT:
-                (self.path / "cpu.max").write_text(f"{quota} {PERIOD_US}")
+                (self.path / "cpu.max").write_text(f"{quota} {self.period_us}")
             else:
-                (self.path / "cpu.cfs_period_us").write_text(str(PERIOD_US))
+                (self.path / "cpu.cfs_period_us").write_text(str(self.period_us))
                 (self.path / "cpu.cfs_quota_us").write_text(str(quota))
         except BaseException:
             self.path.rmdir()
