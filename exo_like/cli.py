@@ -88,6 +88,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="requests batched at once; more wait in a queue (default: %(default)d)")
     parser.add_argument("--no-prefix-cache", action="store_true",
                         help="do not reuse the KV cache of a prompt's start that an earlier request computed")
+    parser.add_argument("--placement", choices=("compute", "memory"), default="compute",
+                        help="split the layers by each node's measured speed (compute: the slowest stage as fast as "
+                             "it can be) or by memory alone (memory); one node asking for memory makes the cluster "
+                             "split by memory (default: %(default)s)")
+    parser.add_argument("--remeasure", action="store_true",
+                        help="measure this node's speed on the model again instead of reading it from the cache "
+                             "in <home> (after a hardware or load change)")
     parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     args = parser.parse_args(argv)
     try:
@@ -194,7 +201,8 @@ def main(argv: list[str] | None = None) -> None:
                           hub_cache=args.hub_cache, request_wait=args.request_wait, step_timeout=args.step_timeout,
                           peer_timeout=args.peer_timeout, kv_cache_gb=args.kv_cache_gb,
                           limits=SchedulerLimits(args.max_batch_tokens, args.max_running, not args.no_prefix_cache,
-                                                 args.interleave_tokens))
+                                                 args.interleave_tokens),
+                          placement=args.placement, remeasure=args.remeasure)
     try:
         node = Node(options)
         node_filter.node_id = node.node_id

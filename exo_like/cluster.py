@@ -16,24 +16,25 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
+from exo_like.cluster_view import DEPARTED_SHOWN_SECONDS, cluster_picture
 from exo_like.download_progress import DownloadStatus
 from exo_like.errors import ExoLikeError, ModelPendingError, ServiceUnavailableError
 from exo_like.node_load import NodeLoad
 from exo_like.node_info import NodeInfo
 from exo_like.peers import PeerNetwork
 from exo_like.footprint import ModelFootprint
-from exo_like.plan import Holder, Plan, fit_problems, make_plan
+from exo_like.placing import PlacementReport, Placer
+from exo_like.plan import Plan
 from exo_like.protocol import PlanState
 from exo_like.shard import Shard
+from exo_like.speed_figures import SpeedFigures, SpeedSource
 from exo_like.stage import RingResources
-from partitioning import NodeCapacity
 
 log = logging.getLogger(__name__)
 
 ANNOUNCE_INTERVAL = 1.0
 PLAN_WAIT_SECONDS = 30.0
 ACTIVITY_POLL_SECONDS = 0.2  # a node that starts or stops work says so this soon, so dashboards agree
-DEPARTED_SHOWN_SECONDS = 10.0  # a lost node stays listed as unreachable this long, so users see what vanished
 
 
 @dataclass(frozen=True)
@@ -51,13 +52,14 @@ class Announcement:
     problem: str | None
     load: NodeLoad = field(default_factory=NodeLoad)
     kv_blocks: int | None = None  # KV cache blocks the node's pool holds for its layers (None: not loaded, or not said)
+    figures: SpeedFigures | None = None  # its placement, measured speed and link round trips (None: not said)
 
 
 class Cluster:
     def __init__(self, me: NodeInfo, peers: PeerNetwork, describe: Callable[[str], ModelDescription],
                  load_shard: Callable[[Plan, Shard | None], Awaitable[None]],
                  on_members: Callable[[set[str]], None], current_load: Callable[[], NodeLoad] = NodeLoad,
-                 kv_blocks: Callable[[], int | None] = lambda: None):
+                 kv_blocks: Callable[[], int | None] = lambda: None, speed: SpeedSource | None = None):
         self.me = me
         self.peers = peers
         self._describe = describe
@@ -65,6 +67,9 @@ class Cluster:
         self._on_members = on_members
         self._current_load = current_load
         self._kv_blocks = kv_blocks  # this node's KV pool, announced with `ready` (the first stage sizes by it)
+        self._speed = speed or SpeedSource()
+        self._placer = Placer(me.node_id)
+        self.placement: PlacementReport | None = None  # why the plan is what it is (GET /v1/cluster)
         self.model_id: str | None = None
         self.clock: tuple[int, str] = (0, "")
         self.plan: Plan | None = None
@@ -77,6 +82,7 @@ class Cluster:
         self._known: dict[str, NodeInfo] = {me.node_id: me}  # members at the last membership change
         self.departed: dict[str, tuple[NodeInfo, float]] = {}  # lost members and when (monotonic)
         self._announced: tuple[float, int, bool] = (0.0, 0, False)  # when, and the in-flight/busy it said
+        self._announced_figures: SpeedFigures | None = None
         self._load_task: asyncio.Task | None = None
         self._announcer: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()  # strong references: the loop keeps only weak ones
@@ -141,8 +147,9 @@ class Cluster:
         plan, problem = self._compute_plan()
         if plan != self.plan or problem != self.problem:
             if plan is not None and (self.plan is None or plan.digest != self.plan.digest):
-                log.info("node %s: plan %s for %s: %s", self.me.node_id, plan.digest, plan.model_id,
-                         ", ".join(f"{s.node_id}[{s.start_layer},{s.end_layer})" for s in plan.stages))
+                log.info("node %s: plan %s for %s: %s%s", self.me.node_id, plan.digest, plan.model_id,
+                         ", ".join(f"{s.node_id}[{s.start_layer},{s.end_layer})" for s in plan.stages),
+                         f"; {self.placement.describe()}" if self.placement else "")
             self.plan, self.problem = plan, problem
             if problem:
                 log.warning("node %s: %s", self.me.node_id, problem)
@@ -150,7 +157,7 @@ class Cluster:
         self._announce_soon()
 
     def _compute_plan(self) -> tuple[Plan | None, str | None]:
-        self.pending = None
+        self.pending, self.placement = None, None
         if self.model_id is None:
             return None, None
         try:
@@ -160,11 +167,19 @@ class Cluster:
             return None, None
         except ExoLikeError as exc:
             return None, f"cannot serve {self.model_id}: {exc.message}"
-        capacities = [NodeCapacity(m.node_id, m.memory_bytes) for m in self.members()]
-        plan = make_plan(self.model_id, description.n_layers, capacities)
-        holders = {m.node_id: Holder(m.engine, m.dtype, m.device) for m in self.members()}
-        problems = fit_problems(plan, description.footprint, holders)
-        return plan, ("the model does not fit: " + "; ".join(problems)) if problems else None
+        self._speed.measure(self.model_id)  # a no-op once measured (or when placing by memory)
+        figures = {node_id: self.figures_of(node_id) for node_id in self.member_ids()}
+        decision = self._placer.decide(self.model_id, description.n_layers, description.footprint, self.members(),
+                                       figures, self.plan)
+        self.pending, self.placement = decision.pending, decision.report
+        return decision.plan, decision.problem
+
+    def figures_of(self, node_id: str) -> SpeedFigures | None:
+        """A member's figures as announced (this node's: as it announces them)."""
+        if node_id == self.me.node_id:
+            return self._speed.figures(self.model_id)
+        announcement = self.announcements.get(node_id)
+        return announcement.figures if announcement is not None else None
 
     def _start_loading(self) -> None:
         """Ask the node to hold this plan's shard; it reloads only if its range changed."""
@@ -197,26 +212,35 @@ class Cluster:
         digest = self.plan.digest if self.plan else None
         ready = digest is not None and self.loaded_digest == digest
         return Announcement(self.model_id, self.clock, digest, ready, self.problem, self._current_load(),
-                            self._kv_blocks() if ready else None)
+                            self._kv_blocks() if ready else None, self._speed.figures(self.model_id))
 
     def receive(self, node_id: str, message: PlanState) -> None:
         """A peer's announcement (fields checked by protocol.decode)."""
+        figures = SpeedFigures.from_json(message.figures) if message.figures is not None else None
         announcement = Announcement(message.model, message.clock, message.digest, message.ready, message.problem,
-                                    NodeLoad.from_json(message.load), message.kv_blocks)
+                                    NodeLoad.from_json(message.load), message.kv_blocks, figures)
+        before = self.announcements.get(node_id)
         self.announcements[node_id] = announcement
         if announcement.model is not None and message.clock > self.clock:
             self.clock, self.model_id = message.clock, announcement.model
             log.info("node %s: adopting model %s from %s", self.me.node_id, announcement.model, node_id)
             self.replan()
+        elif before is None or before.figures != figures:
+            self.replan()  # the plan is made from every member's announced figures
         self._notify()
+
+    def _plan_members(self) -> set[str]:
+        """The live members the plan was made from, other than this node: those that must announce its digest.
+        (Every member, except ones still measuring their speed while a ring goes on without them.)"""
+        made_from = {node_id for node_id, _ in self.plan.memories} if self.plan else set()
+        return (self.member_ids() & made_from) - {self.me.node_id}
 
     @property
     def agreed(self) -> bool:
         if self.plan is None:
             return False
-        others = self.member_ids() - {self.me.node_id}
         return all(node_id in self.announcements and self.announcements[node_id].digest == self.plan.digest
-                   for node_id in others)
+                   for node_id in self._plan_members())
 
     @property
     def ready(self) -> bool:
@@ -232,7 +256,7 @@ class Cluster:
             return self.problem
         if self.plan is None:
             return self.pending or "no plan yet"
-        waiting = [n for n in self.member_ids() - {self.me.node_id}
+        waiting = [n for n in self._plan_members()
                    if self.announcements.get(n) is None or self.announcements[n].digest != self.plan.digest]
         if waiting:
             return f"nodes {', '.join(sorted(waiting))} have not agreed on plan {self.plan.digest} yet"
@@ -294,9 +318,9 @@ class Cluster:
 
     async def _announce(self) -> None:
         mine = self.my_announcement()
-        self._announced = (time.monotonic(), mine.load.in_flight, mine.load.busy)
+        self._announced, self._announced_figures = (time.monotonic(), mine.load.in_flight, mine.load.busy), mine.figures
         message = PlanState(mine.model, mine.clock, mine.digest, mine.ready, mine.problem, mine.load.to_json(),
-                            kv_blocks=mine.kv_blocks)
+                            kv_blocks=mine.kv_blocks, figures=mine.figures.to_json() if mine.figures else None)
         for link in list(self.peers.links.values()):
             try:
                 await link.send(message)
@@ -309,7 +333,9 @@ class Cluster:
             await asyncio.sleep(ACTIVITY_POLL_SECONDS)
             at, in_flight, busy = self._announced
             load = self._current_load()
-            if (load.in_flight, load.busy) != (in_flight, busy):
+            if self._speed.figures(self.model_id) != self._announced_figures:
+                self.replan()  # a link's round trip moved to another bucket, or a measurement ended
+            elif (load.in_flight, load.busy) != (in_flight, busy):
                 self._announce_soon()  # also wakes this node's own dashboards
             elif time.monotonic() - at >= ANNOUNCE_INTERVAL:
                 await self._announce()
@@ -329,62 +355,13 @@ class Cluster:
 
     def to_json(self) -> dict[str, Any]:
         """What GET /v1/cluster returns and the dashboard shows: the same picture on every node."""
-        members = sorted(self.members(), key=lambda m: (-m.memory_bytes, m.node_id))
-        nodes = [self._member_json(m) for m in members]
-        now = time.monotonic()
-        return {
-            "node_id": self.me.node_id,
-            "model": self.model_id,
-            "nodes": nodes,
-            "departed": [{**_info_json(info), "status": "unreachable", "lost_seconds_ago": round(now - lost, 1)}
-                         for info, lost in self.departed.values() if now - lost <= DEPARTED_SHOWN_SECONDS],
-            # This node's own view (unlike the rest): peers it knows of but could not link with, and why.
-            "unlinked": self.peers.problems.to_json(),
-            "plan": self.plan.to_json() if self.plan else None,
-            "agreed": self.agreed,
-            "ready": self.ready,
-            "problem": self.problem,
-            "waiting_for": None if self.ready else self.why_not_ready(),
-            "model_bytes": self._model_bytes(),
-            "total_memory_bytes": sum(m.memory_bytes for m in members),
-            # Each token counted once, by the node that streams it to its client.
-            "tokens_per_second": round(sum(n["generated_per_second"] for n in nodes), 2),
-            "requests_in_flight": sum(n["in_flight"] for n in nodes),
-        }
+        return cluster_picture(self, time.monotonic())
 
-    def _member_json(self, member: NodeInfo) -> dict[str, Any]:
-        announcement = self.announcement_of(member.node_id)
-        load = announcement.load if announcement else NodeLoad()
-        return {**_info_json(member), "status": self.node_status(member.node_id),
-                "used_bytes": self._used_bytes(member), **load.to_json(),
-                "download": load.download.to_json() if load.download is not None else None,
-                "problem": announcement.problem if announcement else None}
-
-    def _description(self) -> ModelDescription | None:
+    def description(self) -> ModelDescription | None:
+        """The served model's layer count and bytes, if this node has them."""
         if self.model_id is None:
             return None
         try:
             return self._describe(self.model_id)
         except ExoLikeError:
             return None  # already reported as the cluster's problem
-
-    def _used_bytes(self, member: NodeInfo) -> int:
-        """Parameter bytes of the member's layers in the current plan, as its engine and dtype hold them (what
-        the fit check counts)."""
-        description = self._description()
-        shard = self.plan.shard_for(member.node_id) if self.plan else None
-        if description is None or shard is None:
-            return 0
-        return description.footprint.held_by(member.engine, member.dtype, member.device).shard_bytes(shard)
-
-    def _model_bytes(self) -> int | None:
-        description = self._description()
-        if description is None:
-            return None
-        return description.footprint.shard_bytes(Shard("whole", 0, description.n_layers, description.n_layers))
-
-
-def _info_json(m: NodeInfo) -> dict[str, Any]:
-    return {"id": m.node_id, "name": m.name, "address": f"{m.host}:{m.port}", "engine": m.engine,
-            "device": m.device, "dtype": m.dtype, "chip": m.chip, "memory_bytes": m.memory_bytes,
-            "version": m.version}

@@ -116,6 +116,11 @@ class ModelRegistry:
         return self._remember(LoadedModel(model_id, key, folder, args, tokenizer,
                                           frozenset({spec, model_id, str(folder), key}), footprint=footprint))
 
+    def files(self, key: str) -> tuple[Path, ModelArgs]:
+        """A described model's folder and config (what measuring a layer of it needs; no network then)."""
+        model = self.resolve(key)
+        return model.path, model.args
+
     def known(self, spec: str) -> LoadedModel | None:
         """The model if it can be had without the network: known already, or demo / a local folder (disk only)."""
         known = self._lookup(spec)

@@ -42,6 +42,8 @@ from exo_like.protocol import (DEFAULT_MAX_FRAME_BYTES, Error, Forward, Message,
 from exo_like.ring import RingGenerator
 from exo_like.scheduler import SchedulerLimits
 from exo_like.shard import Shard
+from exo_like.speed import SpeedProbe
+from exo_like.speed_figures import RTT_SAMPLES
 from exo_like.stage import StageWorker
 
 log = logging.getLogger(__name__)
@@ -77,6 +79,8 @@ class NodeOptions:
     peer_timeout: float = DEFAULT_PEER_TIMEOUT  # seconds of silence after which a peer counts as lost
     kv_cache_gb: float | None = None  # KV cache budget for this node's layers (default: kv_blocks.kv_budget_bytes)
     limits: SchedulerLimits = field(default_factory=SchedulerLimits)  # used when this node is the first stage
+    placement: str = "compute"  # place layers by measured speed ("compute") or by memory alone ("memory")
+    remeasure: bool = False  # measure this node's speed again instead of reading it from <home>
 
 
 class Node:
@@ -102,6 +106,7 @@ class Node:
         self.stage: StageWorker | None = None
         self.generator: TokenGenerator | None = None
         self.finder: PeerFinder | None = None
+        self.speed: SpeedProbe | None = None
         self.metrics = Metrics(self.current_load, self._peer_rtts)
 
     # -- models -------------------------------------------------------------------------------------------
@@ -183,8 +188,12 @@ class Node:
         self.info = self._node_info(host, port)
         self.peers = PeerNetwork(self.info, self.options.cluster_key, self._on_peer_message, self._links_changed,
                                  self.options.max_frame_bytes, self.options.peer_timeout)
+        self.speed = SpeedProbe(self.node_id, self.engine, self.executor, self.home, self.options.placement,
+                                self.options.remeasure, self.models.files,
+                                lambda: self.peers.lowest_round_trips(RTT_SAMPLES),
+                                lambda: self.cluster and self.cluster.replan())
         self.cluster = Cluster(self.info, self.peers, self.models.describe, self._load_shard, self._members_changed,
-                               self.current_load, lambda: self.engine.kv_blocks or None)
+                               self.current_load, lambda: self.engine.kv_blocks or None, self.speed)
         self.stage = StageWorker(self.node_id, self, self.executor, self.cluster.ring_resources, self.options.limits,
                                  self.metrics.observe_step)
         if self.options.request_wait is not None:
@@ -230,6 +239,8 @@ class Node:
             await self.finder.stop()
         if self.cluster is not None:
             await self.cluster.stop()
+        if self.speed is not None:
+            await self.speed.close()
         if self.peers is not None:
             await self.peers.close()
         for task in list(self._tasks):

@@ -91,6 +91,8 @@ class PeerLink:
         self.refused_frames = 0  # frames from the peer refused as invalid (see PeerNetwork._message_in)
         self.broken = False  # this side's websocket failed (e.g. a frame past its size limit) and closed it
         self.rtt: float | None = None  # seconds of the last Ping's round trip (GET /metrics)
+        self.min_rtt: float | None = None  # the lowest round trip seen: the link's own latency, without queueing
+        self.rtt_samples = 0
 
     @property
     def closed(self) -> bool:
@@ -312,8 +314,15 @@ class PeerNetwork:
     def _answer_ping(self, link: PeerLink, message: Ping) -> None:
         if isinstance(message, Pong):
             link.rtt = max(0.0, time.monotonic() - message.sent)
+            link.min_rtt = link.rtt if link.min_rtt is None else min(link.min_rtt, link.rtt)
+            link.rtt_samples += 1
         elif not link.retired:
             self._spawn(link.send(Pong(message.sent)))
+
+    def lowest_round_trips(self, samples: int = 1) -> dict[str, float | None]:
+        """Each open link's lowest round trip so far (None before `samples` of them), by peer node id."""
+        return {node_id: link.min_rtt if link.rtt_samples >= samples else None
+                for node_id, link in self.links.items() if not link.closed}
 
     async def _ping_forever(self, link: PeerLink) -> None:
         """Measure the link's round-trip time every few seconds, for as long as it is this peer's link."""

@@ -1,7 +1,10 @@
 """A plan: which node runs which layers of which model, with a digest that every member must announce.
 
-Pure data plus the fit check. The digest covers the model, the layer count, the stages and each member's
-memory, so two nodes announce the same digest only if they computed the same ring from the same view.
+Pure data plus the fit check (the one place that decides whether a range fits a node: `needed_bytes`), used by
+both placements: by memory (`make_plan`) and by speed (`make_speed_plan`). The digest covers the model, the
+layer count, the stages and each member's memory, so two nodes announce the same digest only if they computed
+the same ring from the same view. (Not the speed figures: a plan's ring is what must agree, and a plan whose
+stages stay the same must not restart the requests on it when a figure is refined.)
 """
 
 from __future__ import annotations
@@ -10,11 +13,11 @@ import hashlib
 import json
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import Any, Callable
 
 from exo_like.footprint import ModelFootprint
 from exo_like.shard import Shard
-from partitioning import NodeCapacity, Stage, plan_ring
+from partitioning import NodeCapacity, NodeSpeed, Placement, Stage, place_by_speed, plan_ring
 
 @dataclass(frozen=True)
 class Plan:
@@ -71,6 +74,43 @@ class Holder:
     device: str | None = None
 
 
+def needed_bytes(footprint: ModelFootprint, holder: Holder, shard: Shard) -> int:
+    """Bytes a node holding its layers so (engine, dtype, device) needs for the shard's parameters."""
+    return footprint.held_by(holder.engine, holder.dtype, holder.device).shard_bytes(shard)
+
+
+def head_ns(footprint: ModelFootprint, holder: Holder, layer_ns: int) -> int:
+    """A node's time for the final norm and LM head of one decode step, from its time for a layer: decoding
+    streams every weight once per token, so the head costs its bytes' worth of layer time."""
+    held = footprint.held_by(holder.engine, holder.dtype, holder.device)
+    head = held.head_bytes + (held.embed_bytes if held.tied else 0)  # a tied head is the embedding matrix
+    layer = max(1, sum(held.layer_bytes) // max(1, len(held.layer_bytes)))
+    return layer_ns * head // layer
+
+
+def speed_nodes(members: list[NodeCapacity], layer_ns: dict[str, int], footprint: ModelFootprint,
+                holders: dict[str, Holder]) -> list[NodeSpeed]:
+    return [NodeSpeed(m.node_id, m.memory_bytes, layer_ns[m.node_id],
+                      head_ns(footprint, holders.get(m.node_id, Holder()), layer_ns[m.node_id])) for m in members]
+
+
+def make_speed_plan(model_id: str, n_layers: int, members: list[NodeCapacity], layer_ns: dict[str, int],
+                    footprint: ModelFootprint, holders: dict[str, Holder],
+                    hop_ns: Callable[[str, str], int]) -> tuple[Plan, Placement] | None:
+    """The plan placed by speed (partitioning/placement.py); None when no split fits every node's memory."""
+    memory = {m.node_id: m.memory_bytes for m in members}
+
+    def fits(node_id: str, start: int, end: int) -> bool:
+        shard = Shard(model_id, start, end, n_layers)
+        return needed_bytes(footprint, holders.get(node_id, Holder()), shard) <= memory[node_id]
+
+    placement = place_by_speed(n_layers, speed_nodes(members, layer_ns, footprint, holders), fits, hop_ns)
+    if placement is None:
+        return None
+    memories = tuple(sorted((m.node_id, m.memory_bytes) for m in members))
+    return Plan(model_id, n_layers, placement.stages, memories), placement
+
+
 def fit_problems(plan: Plan, footprint: ModelFootprint, holders: dict[str, Holder]) -> list[str]:
     """One sentence per node whose range needs more memory than it offers; empty when the plan fits.
 
@@ -81,8 +121,7 @@ def fit_problems(plan: Plan, footprint: ModelFootprint, holders: dict[str, Holde
     for stage in plan.stages:
         shard = plan.shard_for(stage.node_id)
         assert shard is not None
-        holder = holders.get(stage.node_id, Holder())
-        needed = footprint.held_by(holder.engine, holder.dtype, holder.device).shard_bytes(shard)
+        needed = needed_bytes(footprint, holders.get(stage.node_id, Holder()), shard)
         total_needed += needed
         if needed > memory[stage.node_id]:
             problems.append(f"node {stage.node_id} needs {needed} bytes for layers [{shard.start_layer}, "

@@ -17,7 +17,7 @@ from exo_like.activations import WIRE_DTYPES, Activations
 from exo_like.kv_blocks import blocks_for
 from exo_like.protocol_fields import (  # noqa: F401  (ProtocolError is part of this module's interface)
     INT64, MAX_ID, MAX_TEXT, ProtocolError, array, binary, boolean, check_int, integer, integers, mapping, node_load,
-    number, required, string,
+    number, required, speed_figures, string,
 )
 
 DEFAULT_MAX_FRAME_BYTES = 64 * 1024 * 1024
@@ -26,7 +26,8 @@ DEFAULT_MAX_FRAME_BYTES = 64 * 1024 * 1024
 # with nodes of the same number (checked first thing at link set-up, see peers.py).
 # 1: the first numbered protocol (hub models keyed org/name@commit, plan digests, step times).
 # 2: typed messages; batches of work items with KV block tables cross the ring (continuous batching).
-PROTOCOL = 2
+# 3: plan announcements carry speed figures and link round trips; plans place layers by speed.
+PROTOCOL = 3
 
 # -- messages -----------------------------------------------------------------------------------------------
 
@@ -190,10 +191,11 @@ class PlanState(Message):
     problem: str | None
     load: dict[str, Any]  # NodeLoad.to_json(); NodeLoad.from_json reads it tolerantly
     kv_blocks: int | None = None  # KV cache blocks this node's pool holds for its layers, once loaded
+    figures: dict[str, Any] | None = None  # SpeedFigures.to_json(): placement, measured speed, link round trips
 
     def to_wire(self) -> dict[str, Any]:
         return {"model": self.model, "clock": list(self.clock), "digest": self.digest, "ready": self.ready,
-                "problem": self.problem, "load": self.load, "kv_blocks": self.kv_blocks}
+                "problem": self.problem, "load": self.load, "kv_blocks": self.kv_blocks, "figures": self.figures}
 
     @classmethod
     def from_wire(cls, data: dict[str, Any]) -> "PlanState":
@@ -205,7 +207,7 @@ class PlanState(Message):
         return cls(string(data, "model", 1024, optional=True), (counter, writer),
                    string(data, "digest", optional=True), boolean(data, "ready"),
                    string(data, "problem", MAX_TEXT, optional=True), node_load(data.get("load")),
-                   integer(data, "kv_blocks", 0, optional=True))
+                   integer(data, "kv_blocks", 0, optional=True), speed_figures(data.get("figures")))
 
 
 # The ring (ring.py, scheduler.py).

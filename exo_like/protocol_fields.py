@@ -9,6 +9,7 @@ from typing import Any, Callable
 
 from exo_like.download_progress import DownloadStatus
 from exo_like.node_load import NodeLoad
+from exo_like.speed_figures import PLACEMENTS, SpeedFigures
 
 MAX_ID = 256  # characters in a request or node id, a digest, a dtype name
 MAX_TEXT = 64 * 1024  # characters in an error message or a reason
@@ -147,3 +148,16 @@ LOAD_FIELDS = plain_readers(NodeLoad)
 
 def node_load(value: Any) -> dict[str, Any]:
     return {} if value is None else plain_map({"load": value}, "load", LOAD_FIELDS, False)
+
+
+FIGURES_FIELDS = plain_readers(SpeedFigures)
+
+
+def speed_figures(value: Any) -> dict[str, Any] | None:
+    """A node's announced SpeedFigures.to_json(), each field checked like a load's; None when it sent none."""
+    if value is None:
+        return None
+    figures = plain_map({"figures": value}, "figures", FIGURES_FIELDS, False)
+    if figures.get("placement", PLACEMENTS[0]) not in PLACEMENTS:
+        raise ProtocolError(f"field 'placement' must be one of {', '.join(PLACEMENTS)}")
+    return figures

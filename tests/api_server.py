@@ -17,7 +17,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -73,10 +73,12 @@ class NodeProcess:
 
 
 def start_node(home: Path, model: str | None, *extra: str, timeout: float = 180, port: int = 0,
-               threads: int = 1, env: dict[str, str | None] | None = None) -> NodeProcess:
+               threads: int = 1, env: dict[str, str | None] | None = None,
+               preexec: Callable[[], None] | None = None) -> NodeProcess:
     """Start `exo-like` (on a free port by default) and wait until it reports its port and answers /health.
 
-    `env` adds to (or, with None values, removes from) the environment the node inherits."""
+    `env` adds to (or, with None values, removes from) the environment the node inherits; `preexec` runs in the
+    new process before exo-like does (e.g. joining a cgroup with a CPU quota, tests/cpu_quota.py)."""
     home.mkdir(parents=True, exist_ok=True)
     fd, name = tempfile.mkstemp(prefix="node-", suffix=".log", dir=home)  # nodes may share a home
     os.close(fd)
@@ -88,7 +90,7 @@ def start_node(home: Path, model: str | None, *extra: str, timeout: float = 180,
     changes = {"OMP_NUM_THREADS": str(threads), **(env or {})}
     env = {name: value for name, value in {**os.environ, **changes}.items() if value is not None}
     with open(log_path, "wb") as log_file:
-        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env, preexec_fn=preexec)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         match = _LISTENING.search(log_path.read_text(errors="replace"))

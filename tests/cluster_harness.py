@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from tests.api_server import NodeProcess, start_node
 
@@ -22,23 +23,35 @@ def free_ports(count: int) -> list[int]:
 
 
 def start_cluster(root: Path, model: str | None, memories_gb: list[float], engines: list[str] | None = None,
-                  extra: tuple[str, ...] = (), threads: int = 1,
-                  envs: list[dict[str, str | None]] | None = None) -> list[NodeProcess]:
+                  extra: tuple[str, ...] = (), threads: int = 1, envs: list[dict[str, str | None]] | None = None,
+                  preexecs: list[Callable[[], None] | None] | None = None,
+                  node_ids: list[str] | None = None) -> list[NodeProcess]:
+    """Nodes node0, node1, ... in homes <root>/home0, ... (node_ids: the ids they take, e.g. to fix the ring's
+    order among nodes of equal memory; preexecs: what each process runs before exo-like, see start_node)."""
     ports = free_ports(len(memories_gb))
     peers = ",".join(f"127.0.0.1:{p}" for p in ports)
     engines = engines or ["torch"] * len(memories_gb)
     nodes = []
     try:
         for i, (memory, engine, port) in enumerate(zip(memories_gb, engines, ports)):
+            if node_ids is not None:
+                seed_identity(root / f"home{i}", node_ids[i])
             nodes.append(start_node(root / f"home{i}", model, "--no-mdns", "--peers", peers, "--memory-gb",
                                     str(memory), "--node-name", f"node{i}", "--engine", engine,
                                     "--dtype", "float32", *extra, port=port, threads=threads,
-                                    env=envs[i] if envs else None))
+                                    env=envs[i] if envs else None, preexec=preexecs[i] if preexecs else None))
     except BaseException:
         for node in nodes:
             node.stop()
         raise
     return nodes
+
+
+def seed_identity(home: Path, node_id: str) -> None:
+    """Make the next node started alone in `home` take `node_id` (exo_like/identity.py's slot 0)."""
+    folder = home / "identity"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "node-0.json").write_text(json.dumps({"node_id": node_id}))
 
 
 def cluster_of(node: NodeProcess) -> dict[str, Any]:

@@ -67,6 +67,12 @@ class FakeEngine(Engine):
     def load(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
         raise NotImplementedError
 
+    def layer_form(self, *args, **kwargs) -> str:  # noqa: ANN002, ANN003
+        raise NotImplementedError
+
+    def layer_runner(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+        raise NotImplementedError
+
     def kv_block_bytes(self) -> int:
         return 1
 

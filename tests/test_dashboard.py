@@ -306,6 +306,36 @@ def test_a_request_recovering_from_a_lost_node_says_which_node_it_lost(three_nod
                       "a re-plan", None]
 
 
+def test_a_node_card_says_its_measured_speed_its_share_and_the_bottleneck(three_nodes: list[NodeProcess],
+                                                                          open_page) -> None:
+    """Placement by speed, shown: the page's text functions on what /v1/cluster reports per node, and the cards of
+    the running cluster (same hardware: the memory split, with each stage's share of a token's time)."""
+    dashboard = open_page(three_nodes[0])
+    result = dashboard.page.evaluate("""async () => {
+        const m = await import('/dashboard/topology.js');
+        const slow = {speed: {decode_ms_per_layer: 8.0, prefill_ms_per_token: 0.5, measure_seconds: 1.2,
+                              cached: false, problem: null}, share: 0.412, bottleneck: true};
+        const fast = {...slow, speed: {...slow.speed, decode_ms_per_layer: 0.0423}, share: 0.2, bottleneck: false};
+        const measuring = {speed: {decode_ms_per_layer: null, problem: null}, share: null, bottleneck: false};
+        const failed = {speed: {decode_ms_per_layer: null, problem: 'cannot measure its speed: no kernel'},
+                        share: null, bottleneck: false};
+        return [m.speedText(slow), m.speedText(fast), m.speedText(measuring), m.speedText(failed),
+                m.speedText({speed: null}),
+                m.leftOutText({node_id: 'x', name: 'nas', reason: 'with it the slowest stage takes 9.00 ms per '
+                                                                  + 'token, without it 4.00 ms'})];
+    }""")
+    assert result == ["8.0 ms per layer · 41% of each token · bottleneck", "0.042 ms per layer · 20% of each token",
+                      "measuring its speed…", "cannot measure its speed: no kernel", None,
+                      "nas holds no layers: with it the slowest stage takes 9.00 ms per token, without it 4.00 ms."]
+    view = cluster_of(three_nodes[0])
+    wait_for_ready_cards(dashboard, 3)
+    cards = {card["id"]: card["text"] for card in dashboard.cards()}
+    for node in view["nodes"]:
+        assert "per layer" in cards[node["id"]] and f"{round(100 * node['share'])}% of each token" in cards[node["id"]]
+    assert "bottleneck" in cards[view["placement"]["bottleneck"]]
+    assert view["placement"]["why"] in dashboard.tile("agreement")
+
+
 @pytest.fixture
 def fresh_three_nodes(seven_layers: Path, tmp_path: Path) -> Iterator[list[NodeProcess]]:
     """A cluster of its own for a test that kills a node (requested before open_page: pages close first)."""

@@ -20,6 +20,7 @@ from exo_like.activations import Activations
 from exo_like.download_progress import DownloadStatus
 from exo_like.node_info import NodeInfo
 from exo_like.node_load import NodeLoad
+from exo_like.speed_figures import SpeedFigures
 from exo_like.protocol import (PROTOCOL, Auth, Error, Forward, Hello, Info, Message, Ping, PlanState, Pong,
                                ProtocolError, Refused, Release, Retire, Sampled, SampledToken, SampleSpec, Submit,
                                Tokens, Welcome, WorkItem, decode, encode, handshake_protocol)
@@ -31,7 +32,10 @@ HIDDEN = Activations("float32", (3, 4), np.arange(12, dtype=np.float32).tobytes(
 HELLO = Hello(b"n" * 16, PROTOCOL, "0.1.0")
 WELCOME = Welcome(INFO.to_dict(), b"p" * 32)
 REFUSED = Refused("cluster key mismatch")
-PLAN = PlanState("org/model@abc", (3, "node-a"), "d1g3st", True, None, NodeLoad(1.5, 2.0, 1, True).to_json(), 512)
+# Round trips by peer are a map of counts like a load's weight counts (checked in test_announced_speed_figures...).
+FIGURES = SpeedFigures("compute", "org/model@abc", 2_310_000, 120_000, 1.25, False, None, {})
+PLAN = PlanState("org/model@abc", (3, "node-a"), "d1g3st", True, None, NodeLoad(1.5, 2.0, 1, True).to_json(), 512,
+                 FIGURES.to_json())
 SUBMIT = Submit("req-1", "node-a", "d1g3st", (1, 2, 3, 4, 5), SAMPLE)
 FORWARD = Forward("d1g3st", (WorkItem("req-1", "node-a", 0, 1, (0,)),
                              WorkItem("req-2", "node-b", 16, 2, (3, 7), SAMPLE)), HIDDEN, kv_used=9)
@@ -53,8 +57,8 @@ EXAMPLES: list[Message] = [
 # whose every field may be (an announced load: a field left out reads as its default); any other missing field
 # refuses the frame.
 OPTIONAL = {"protocol@refused", "version@refused", "model@plan_state", "digest@plan_state", "problem@plan_state",
-            "kv_blocks@plan_state", "load@plan_state", "sample@items", "dtype@info"}
-ALL_OPTIONAL = {"load", "download"}
+            "kv_blocks@plan_state", "load@plan_state", "figures@plan_state", "sample@items", "dtype@info"}
+ALL_OPTIONAL = {"load", "download", "figures"}
 IGNORED = {"percent", "eta_seconds"}  # sent in a download, and worked out again by the receiver
 ODD = msgpack.ExtType(42, b"?")  # no field takes an extension type: ill-typed wherever it is put
 
@@ -127,6 +131,25 @@ def test_every_field_of_an_announced_load_crosses_the_wire() -> None:
     assert load != NodeLoad()
     received = decode(encode(PlanState("m", (1, "a"), "d", True, None, load.to_json())))
     assert NodeLoad.from_json(received.load) == load
+
+
+def test_every_field_of_announced_speed_figures_crosses_the_wire() -> None:
+    """SpeedFigures are checked against their own fields, as a load is: a field added later is carried too."""
+    figures = SpeedFigures("memory", "m", 1, 2, 0.5, True, "cannot measure its speed: no", {"b": 512, "c": 1024})
+    received = decode(encode(PlanState("m", (1, "a"), None, False, None, {}, None, figures.to_json())))
+    assert SpeedFigures.from_json(received.figures) == figures
+    assert set(FIGURES.to_json()) == set(typing.get_type_hints(SpeedFigures))
+    assert decode(encode(PlanState("m", (1, "a"), None, False, None, {}))).figures is None  # said nothing yet
+
+
+@pytest.mark.parametrize("figures, why", [({"placement": "fastest"}, "must be one of compute, memory"),
+                                          ({"decode_ns": -3}, "field 'decode_ns'"),
+                                          ({"decode_ns": 2.5}, "field 'decode_ns'"),
+                                          ({"rtt_us": {f"n{i}": 1 for i in range(65)}}, "at most 64 entries"),
+                                          ({"rtt_us": {"b": -1}}, "field 'rtt_us'"),
+                                          ({"cached": "yes"}, "field 'cached'"), ("fast", "must be a map")])
+def test_announced_speed_figures_are_checked(figures: Any, why: str) -> None:
+    assert why in refusal({**wire_of(PLAN), "figures": figures})
 
 
 @pytest.mark.parametrize("counts, why", [({"Q4_K": -1}, "must be an integer"), ({"Q4_K": 1.5}, "must be an integer"),

@@ -3,7 +3,7 @@
 // silent), so the page survives its node restarting.
 
 import { Chat } from "./chat.js";
-import { ago, recoveryText, renderLayerBar, renderNodeCards, renderRing } from "./topology.js";
+import { ago, leftOutText, recoveryText, renderLayerBar, renderNodeCards, renderRing } from "./topology.js";
 import { assignColours, formatBytes, formatRate, h, plural, replace, s } from "./util.js";
 
 const STALE_AFTER_MS = 4000; // the server sends at least one picture per second
@@ -101,6 +101,9 @@ function clusterBanners(picture) {
     if (paused.length) banners.push(banner("warn", `${node.name}: ${recoveryText({ recovering: node.recovering })}.`,
       "Recovering"));
   }
+  for (const entry of picture.placement ? picture.placement.left_out : []) {
+    banners.push(banner("info", leftOutText(entry), "Left out of the ring"));
+  }
   for (const node of picture.departed) {
     banners.push(banner("warn", `${node.name} (${node.address}) left the cluster ${ago(node.lost_seconds_ago)}. ` +
       "The remaining nodes re-planned the layers.", "Node lost"));
@@ -139,13 +142,24 @@ function renderSummary(picture) {
       plan ? `${plural(plan.n_layers, "layer")} · ${formatBytes(picture.model_bytes)}` : "no model chosen", "model"),
     tile("Memory", formatBytes(picture.total_memory_bytes),
       `layers take ${formatBytes(usedBytes)} · ${plural(picture.nodes.length, "node")}`, "memory"),
-    tile("Ring", ringState(picture), plan ? `digest ${plan.digest}` : "no plan yet", "agreement"),
+    tile("Ring", ringState(picture), [plan ? `digest ${plan.digest}` : "no plan yet",
+      placementLine(picture.placement)], "agreement"),
     tile("Throughput", formatRate(picture.tokens_per_second), sparkline(), "throughput"),
     tile("Requests", `${picture.requests_in_flight} in flight`,
       picture.requests_in_flight ? "generating now" : "idle", "requests"),
     tile("Cluster key", picture.cluster_key === "set" ? "private" : "default",
       picture.cluster_key === "set" ? "only nodes with the key can join" : "any node on the network can join",
       "key"));
+}
+
+// How the layers are split (by measured speed or by memory, and why), and a token's time around the ring.
+function placementLine(placement) {
+  if (!placement) return null;
+  const how = placement.why;
+  const time = placement.time_per_token_ms == null ? "" : ` · ${placement.time_per_token_ms.toFixed(1)} ms per token, `
+    + `slowest stage ${placement.bottleneck_ms.toFixed(1)} ms`;
+  return h("div", { class: "tile-placement", title: "how the layers were placed (--placement), and a token's time "
+    + "around the ring as the measured speeds predict it" }, how + time);
 }
 
 function ringState(picture) {

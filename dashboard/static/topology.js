@@ -184,6 +184,7 @@ function nodeCard(node, picture) {
       h("span", { class: "node-memory" }, memoryText(node.used_bytes, node.memory_bytes)),
       meter(node.used_bytes, node.memory_bytes)),
     kvRow(node),
+    speedLine(node),
     weightsText(node),
     schedulerText(node),
     recoveryLine(node),
@@ -197,6 +198,37 @@ function stepText(node) {
   return h("span", { class: "node-step", title: "median time this node's layers took per generated token over "
     + "its recent steps (sampling included on the last stage); the rest of a token's time is the hops between nodes" },
     `${formatMs(node.decode_step_ms)} per token`);
+}
+
+// Placement by speed: this node's measured time for one layer, its stage's share of each token's time around the
+// ring, and whether it is the ring's bottleneck (the stage that sets the pace of the whole pipeline).
+export function speedText(node) {
+  const speed = node.speed;
+  if (!speed) return null;
+  if (speed.problem) return speed.problem;
+  if (speed.decode_ms_per_layer == null) return "measuring its speed…";
+  const parts = [`${formatLayerMs(speed.decode_ms_per_layer)} per layer`];
+  if (node.share != null) parts.push(`${Math.round(100 * node.share)}% of each token`);
+  if (node.bottleneck) parts.push("bottleneck");
+  return parts.join(" · ");
+}
+
+function speedLine(node) {
+  const text = speedText(node);
+  if (!text) return null;
+  const speed = node.speed;
+  const measured = speed.measure_seconds == null ? "" : speed.cached
+    ? ` (read from its cache; measuring took ${speed.measure_seconds.toFixed(2)} s)`
+    : ` (measured in ${speed.measure_seconds.toFixed(2)} s)`;
+  return h("div", { class: node.bottleneck ? "node-placement node-bottleneck" : "node-placement",
+    title: "one decode step of one layer of this model on this node's engine, device and dtype" + measured
+      + "; the share is this node's stage (its layers, the LM head on the last stage, the hop to the next node) "
+      + "of the time a token takes around the ring" }, text);
+}
+
+// A member the plan gives no layers, and why (placement by speed leaves out a node that would only slow the ring).
+export function leftOutText(entry) {
+  return `${entry.name} holds no layers: ${entry.reason}.`;
 }
 
 // The KV cache: blocks of this node's pool that the ring's requests and its prefix cache hold.
@@ -254,6 +286,11 @@ function schedulerText(node) {
   }
   return h("div", { class: "node-scheduler", title: "this node is the ring's first stage: it schedules every "
     + "request's tokens into batches" }, parts.join(" · "));
+}
+
+// A layer's time: tens of microseconds on a small model, milliseconds on a large one; two significant digits.
+function formatLayerMs(ms) {
+  return ms >= 10 ? `${ms.toFixed(1)} ms` : `${ms.toPrecision(2)} ms`;
 }
 
 function formatMs(ms) {

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from exo_like.activations import Activations
+from exo_like.engines.layer_speed import LayerRunner, LayerSpeed, time_layer
 from exo_like.errors import ExoLikeError
 from exo_like.model_config import ModelArgs
 from exo_like.protocol import WorkItem
@@ -89,6 +90,20 @@ class Engine(ABC):
         logits [S, vocab] of the last row of each item that samples (in item order).
         Raises InvalidRequestError if an item does not fit the pool or the context.
         """
+
+    @abstractmethod
+    def layer_form(self, model_dir: Path, args: ModelArgs) -> str:
+        """How this engine would hold the model's layers (dtype, quantized form), in words: part of the key a
+        measured layer speed is cached under. Cheap: reads no weights."""
+
+    @abstractmethod
+    def layer_runner(self, model_dir: Path, args: ModelArgs) -> LayerRunner:
+        """One layer of the model's shape with random weights, held as `load` would hold the model's layers, and
+        a KV pool for it (see layer_speed.py). Replaces nothing the engine holds."""
+
+    def measure_layer(self, model_dir: Path, args: ModelArgs) -> LayerSpeed:
+        """Time one layer of the model's shape on this engine, device and dtype (call on the engine thread)."""
+        return time_layer(self.layer_runner(model_dir, args))
 
     @abstractmethod
     def kv_block_bytes(self) -> int:

@@ -23,6 +23,8 @@ from exo_like.affine import AffineGroups, pack_words
 from exo_like.checkpoint import ShardLoadPlan, plan_shard_load
 from exo_like.engines.base import Engine, EngineUnavailableError, WeightForms, check_cancel, return_freed_memory
 from exo_like.engines.batch import layout as batch_layout
+from exo_like.engines.layer_speed import LayerRunner
+from exo_like.engines.mlx_layer import layer_runner
 from exo_like.engines.mlx_model import LayerPool, ShardModel, StepIndex
 from exo_like.errors import InvalidRequestError, UnsupportedModelError
 from exo_like.footprint import MLX_BITS
@@ -30,6 +32,7 @@ from exo_like.gguf_file import FLOAT_TYPES, is_gguf, open_gguf
 from exo_like.kv_blocks import BLOCK_SIZE
 from exo_like.model_config import DTYPES, ModelArgs
 from exo_like.protocol import WorkItem
+from exo_like.quantization import QuantSpec
 from exo_like.shard import Shard
 
 log = logging.getLogger(__name__)
@@ -178,6 +181,26 @@ class MLXEngine(Engine):
             shard, self.device_name, dtype_name, len(weights), Path(model_dir).name,
             self.parameter_bytes() / 1e6, time.perf_counter() - started,
         )
+
+    # ---- measuring (placement by speed) -------------------------------------------------------------------
+
+    def layer_form(self, model_dir: Path, args: ModelArgs) -> str:
+        quant = self._measured_quant(model_dir, args)
+        dtype = self.requested_dtype or _checkpoint_dtype(args)
+        return dtype if quant is None else f"{dtype}, {quant.bits}-bit groups of {quant.group_size}"
+
+    def layer_runner(self, model_dir: Path, args: ModelArgs) -> LayerRunner:
+        dtype = MX_DTYPES[self.requested_dtype or _checkpoint_dtype(args)]
+        return layer_runner(args, self._device, dtype, self._measured_quant(model_dir, args))
+
+    def _measured_quant(self, model_dir: Path, args: ModelArgs) -> QuantSpec | None:
+        """An MLX-format checkpoint runs quantized always; a GGUF file's affine types unless a --dtype asks for
+        the dequantized path (as load does), measured as 4-bit groups of 32, their most common form."""
+        if args.quant is not None:
+            return args.quant
+        if self.requested_dtype is None and is_gguf(model_dir) and open_gguf(model_dir).quantized:
+            return QuantSpec(group_size=32, bits=4)
+        return None
 
     # ---- running -------------------------------------------------------------------------------------------
 

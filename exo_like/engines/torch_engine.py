@@ -23,6 +23,8 @@ from exo_like.checkpoint import ShardLoadPlan, plan_shard_load
 from exo_like.engines.base import Engine, WeightForms, check_cancel, return_freed_memory
 from exo_like.engines.openmp import pin_openmp_team
 from exo_like.engines.batch import layout as batch_layout
+from exo_like.engines.layer_speed import LayerRunner
+from exo_like.engines.torch_layer import layer_runner
 from exo_like.engines.torch_model import KVPool, ShardModel, StepIndex, fuse_checkpoint_weights, load_state
 from exo_like.engines.torch_quant import Installer, Matrix, int4_kernel_available
 from exo_like.errors import InvalidRequestError
@@ -33,6 +35,9 @@ from exo_like.quantization import QuantSpec
 from exo_like.shard import Shard
 
 log = logging.getLogger(__name__)
+
+# How a layer of a quantized GGUF file is measured: its K-quant matrices mostly run as 4-bit affine groups of 32.
+GGUF_MEASURED_QUANT = QuantSpec(group_size=32, bits=4)
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_NAMES = {dtype: name for name, dtype in TORCH_DTYPES.items()}
@@ -174,6 +179,21 @@ class TorchEngine(Engine):
         if self.requested_dtype is not None:
             return False
         return args.quant is not None or (is_gguf(model_dir) and open_gguf(model_dir).quantized)
+
+    def layer_form(self, model_dir: Path, args: ModelArgs) -> str:
+        quant = self._measured_quant(model_dir, args)
+        dtype = DTYPE_NAMES[pick_dtype(self.requested_dtype, args.torch_dtype, self.device, quant is not None)]
+        return dtype if quant is None else f"{dtype} activations, {quant.bits}-bit groups of {quant.group_size}"
+
+    def layer_runner(self, model_dir: Path, args: ModelArgs) -> LayerRunner:
+        quant = self._measured_quant(model_dir, args)
+        return layer_runner(args, self.device, pick_dtype(self.requested_dtype, args.torch_dtype, self.device,
+                                                          quant is not None), quant)
+
+    def _measured_quant(self, model_dir: Path, args: ModelArgs) -> QuantSpec | None:
+        if not self._keeps_quantized(model_dir, args):
+            return None
+        return args.quant or GGUF_MEASURED_QUANT
 
     def _read_weights(self, model_dir: Path, args: ModelArgs, shard: Shard, keep: bool, installer: Installer,
                       cancel: threading.Event | None) -> dict[str, Matrix]:

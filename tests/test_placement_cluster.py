@@ -1,0 +1,91 @@
+"""Placement by speed on real nodes: three nodes of equal --memory-gb on one host, one of them held to a quarter of
+a core by a cgroup CPU quota (made here, removed afterwards), get the layers by measured speed: the slow node holds
+fewer, and the ring's greedy output is still transformers'. And the measurement: at most 2 s per node, read from
+the cache in <home> when the node starts again, measured anew with --remeasure.
+
+`python -m pytest tests/test_placement_cluster.py -s` prints each node's measurement and the split.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.api_server import NodeProcess, start_node
+from tests.checkpoints import make_checkpoint
+from tests.cluster_harness import cluster_of, start_cluster, wait_until_ready
+from tests.cpu_quota import CpuQuota
+from tests.oracle import Oracle
+
+PROMPT = "What is the capital of France?"
+MAX_TOKENS = 16
+MEASURE_BUDGET_SECONDS = 2.0
+NODE_IDS = ["node-a", "node-b", "node-c"]  # equal memory: the ring's order is by node id
+SLOW = "node-b"
+
+
+@pytest.fixture(scope="module")
+def twelve_layers(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "llama12", "llama", n_layers=12, max_shard_size="200KB")
+
+
+def greedy_text(node: NodeProcess, model: str) -> str:
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": MAX_TOKENS,
+                       "temperature": 0}).encode()
+    status, _, raw = node.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    assert status == 200, raw
+    return json.loads(raw)["choices"][0]["message"]["content"]
+
+
+def test_a_node_slowed_to_a_quarter_core_gets_fewer_layers(twelve_layers: Path, tmp_path: Path) -> None:
+    reason = CpuQuota.unavailable()
+    if reason:
+        pytest.skip(reason)
+    with CpuQuota("exo-like-test", 0.25) as quota:
+        nodes = start_cluster(tmp_path, str(twelve_layers), [2, 2, 2], node_ids=NODE_IDS,
+                              preexecs=[quota.join if node_id == SLOW else None for node_id in NODE_IDS])
+        try:
+            wait_until_ready(nodes, members=3, timeout=120)
+            views = [cluster_of(node) for node in nodes]
+            assert len({view["plan"]["digest"] for view in views}) == 1
+            view = views[0]
+            layers = {s["node_id"]: s["end_layer"] - s["start_layer"] for s in view["plan"]["stages"]}
+            speeds = {n["id"]: n["speed"] for n in view["nodes"]}
+            for node_id, speed in speeds.items():
+                print(f"{node_id}: {layers.get(node_id, 0)} layers, {speed['decode_ms_per_layer']:.3f} ms per layer "
+                      f"(measured in {speed['measure_seconds']:.2f} s)")
+            print("placement:", view["placement"])
+            assert view["placement"]["mode"] == "compute"
+            assert layers.get(SLOW, 0) < min(layers.get(n, 0) for n in NODE_IDS if n != SLOW), layers
+            assert all(speeds[SLOW]["decode_ms_per_layer"] > 2 * speeds[n]["decode_ms_per_layer"]
+                       for n in NODE_IDS if n != SLOW), speeds
+            assert all(s["measure_seconds"] <= MEASURE_BUDGET_SECONDS and not s["cached"] for s in speeds.values())
+            expected = Oracle(twelve_layers).expected(Oracle(twelve_layers).chat_ids(PROMPT), MAX_TOKENS)[0]
+            for node in nodes:
+                assert greedy_text(node, twelve_layers.name) == expected
+        finally:
+            for node in nodes:
+                node.stop()
+
+
+def test_the_measurement_is_cached_in_home_and_remeasured_on_request(twelve_layers: Path, tmp_path: Path) -> None:
+    def speed_after_start(*extra: str) -> tuple[dict, str]:
+        node = start_node(tmp_path, str(twelve_layers), "--no-mdns", "--dtype", "float32", *extra)
+        try:
+            wait_until_ready([node], members=1)
+            (me,) = cluster_of(node)["nodes"]
+            return me["speed"], node.log()
+        finally:
+            node.stop()
+
+    measured, log = speed_after_start()
+    assert not measured["cached"] and measured["measure_seconds"] <= MEASURE_BUDGET_SECONDS
+    assert "measured in" in log
+    cached, log = speed_after_start()
+    assert cached["cached"] and cached["decode_ms_per_layer"] == measured["decode_ms_per_layer"]
+    assert "read from the cache" in log
+    again, log = speed_after_start("--remeasure")
+    assert not again["cached"] and "measured in" in log
+    print(f"measured in {measured['measure_seconds']:.2f} s; then read from the cache")
