@@ -292,10 +292,8 @@ class Submit(Message):
         tokens = integers(data, "tokens", 0, 2**31 - 1)
         if not tokens:
             raise ProtocolError("field 'tokens' must not be empty")
-        sample = SampleSpec.from_wire(required(data, "sample"))
-        if sample.prompt_len > len(tokens):  # the generated tokens' indexes (prompt_len on) would go negative
-            raise ProtocolError("field 'sample': prompt_len must not exceed the number of tokens")
-        return cls(string(data, "rid"), string(data, "origin"), string(data, "digest"), tokens, sample)
+        return cls(string(data, "rid"), string(data, "origin"), string(data, "digest"), tokens,
+                   SampleSpec.from_wire(required(data, "sample")))
 
 
 @dataclass(frozen=True)

@@ -342,13 +342,3 @@ def test_decode_of_a_valid_message_with_one_field_replaced_raises_only_protocol_
 @given(VALUES)
 def test_decode_of_arbitrary_msgpack_values_raises_only_protocol_errors(value: Any) -> None:
     decodes_or_refuses(frame(value))
-
-
-def test_a_submit_whose_prompt_is_longer_than_its_tokens_is_refused() -> None:
-    """The last stage samples token number (end - prompt_len): a prompt_len past the tokens would go negative."""
-    from exo_like.protocol import SampleSpec, Submit
-    good = Submit("r", "o", "d", (1, 2, 3), SampleSpec(0.0, 1.0, 0, 1, 5, (), 3))
-    assert decode(encode(good)) == good
-    bad = Submit("r", "o", "d", (1, 2), SampleSpec(0.0, 1.0, 0, 1, 5, (), 3))
-    with pytest.raises(ProtocolError, match="prompt_len"):
-        decode(encode(bad))
