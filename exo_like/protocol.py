@@ -265,6 +265,10 @@ class WorkItem:
         # Stages look up the block of every position the item writes before any engine check runs.
         if len(item.blocks) < blocks_for(item.end):
             raise ProtocolError(f"field 'blocks': {len(item.blocks)} blocks cannot hold positions up to {item.end}")
+        # The last stage counts the tokens generated before this one as end - prompt_len (its sampling index).
+        if item.sample is not None and item.end < item.sample.prompt_len:
+            raise ProtocolError(f"field 'sample': a prompt of {item.sample.prompt_len} tokens does not end by the "
+                                f"item's last position {item.end - 1}")
         return item
 
     @property
@@ -292,8 +296,12 @@ class Submit(Message):
         tokens = integers(data, "tokens", 0, 2**31 - 1)
         if not tokens:
             raise ProtocolError("field 'tokens' must not be empty")
-        return cls(string(data, "rid"), string(data, "origin"), string(data, "digest"), tokens,
-                   SampleSpec.from_wire(required(data, "sample")))
+        sample = SampleSpec.from_wire(required(data, "sample"))
+        # The tokens are the prompt and any tokens generated before a replay: the prompt ends within them.
+        if sample.prompt_len > len(tokens):
+            raise ProtocolError(f"field 'sample': a prompt of {sample.prompt_len} tokens is longer than the "
+                                f"{len(tokens)} tokens sent")
+        return cls(string(data, "rid"), string(data, "origin"), string(data, "digest"), tokens, sample)
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ Screenshots go to artifacts/; any console error fails the test that caused it.
 from __future__ import annotations
 
 import json
+import math
 import re
 import signal
 import time
@@ -331,7 +332,8 @@ def test_a_node_card_says_its_measured_speed_its_share_and_the_bottleneck(three_
     wait_for_ready_cards(dashboard, 3)
     cards = {card["id"]: card["text"] for card in dashboard.cards()}
     for node in view["nodes"]:
-        assert "per layer" in cards[node["id"]] and f"{round(100 * node['share'])}% of each token" in cards[node["id"]]
+        share = math.floor(100 * node["share"] + 0.5)  # as JavaScript's Math.round (Python's round halves to even)
+        assert "per layer" in cards[node["id"]] and f"{share}% of each token" in cards[node["id"]]
     assert "bottleneck" in cards[view["placement"]["bottleneck"]]
     assert view["placement"]["why"] in dashboard.tile("agreement")
 

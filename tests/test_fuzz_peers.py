@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 from exo_like.activations import Activations
 from exo_like.node_info import NodeInfo
 from exo_like.node_load import NodeLoad
+from exo_like.speed_figures import SpeedFigures
 from exo_like.peers import PeerLink, PeerNetwork
 from exo_like.protocol import (_TYPES, PROTOCOL, Auth, Error, Forward, Hello, Info, Message, Ping, PlanState, Pong,
                                ProtocolError, Refused, Release, Retire, Sampled, SampledToken, SampleSpec, Submit,
@@ -219,6 +220,12 @@ def refusals(node: NodeProcess) -> int:  # noqa: F811
     return sum(f"refused a frame from {FUZZER} " in line for line in node.log().splitlines())
 
 
+def stage_digest(node: NodeProcess, node_id: str) -> str | None:  # noqa: F811
+    """The node's plan digest once its plan gives `node_id` layers."""
+    plan = node.get_json("/v1/cluster").get("plan") or {}
+    return plan.get("digest") if any(s["node_id"] == node_id for s in plan.get("stages", [])) else None
+
+
 def cluster_member(node: NodeProcess, node_id: str) -> dict[str, Any] | None:  # noqa: F811
     members = {member["id"]: member for member in node.get_json("/v1/cluster")["nodes"]}
     return members.get(node_id)
@@ -241,9 +248,13 @@ def test_generated_frames_are_refused_and_the_node_goes_on(peer_node: NodeProces
     sent = {"frames": 0, "refused": 0}
     try:
         link = fuzzer.dial(node.port)
-        digest = wait_for(lambda: (node.get_json("/v1/cluster").get("plan") or {}).get("digest"))
-        # Agree on the node's plan and say this side is loaded, so frames with its digest reach its scheduler.
-        fuzzer.run(link.send(PlanState(model, (0, ""), digest, True, None, NodeLoad(kv_blocks=64).to_json(), 64)))
+        # Agree on the node's plan and say this side is loaded, so frames with its digest reach its scheduler. The
+        # fuzzer places by memory (it measures nothing), so the ring is split by memory and it holds layers.
+        fuzzer.run(link.send(PlanState(model, (0, ""), None, True, None, NodeLoad().to_json(), None,
+                                       SpeedFigures("memory").to_json())))
+        digest = wait_for(lambda: stage_digest(node, FUZZER))
+        fuzzer.run(link.send(PlanState(model, (0, ""), digest, True, None, NodeLoad(kv_blocks=64).to_json(), 64,
+                                       SpeedFigures("memory").to_json())))
 
         @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
                   suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

@@ -133,6 +133,19 @@ def test_every_field_of_an_announced_load_crosses_the_wire() -> None:
     assert NodeLoad.from_json(received.load) == load
 
 
+def test_an_item_that_samples_before_its_prompt_ends_is_refused() -> None:
+    """Found by test_fuzz_peers: the last stage's sampling index (end - prompt_len) went negative and failed its step
+    (a Forward's item, or a Submit whose prompt is longer than its tokens, on a node that is the whole ring)."""
+    wire = wire_of(FORWARD)
+    wire["items"][1]["sample"]["prompt_len"] = 19  # the item's positions are [16, 18)
+    assert "field 'sample'" in refusal(wire)
+    wire["items"][1]["sample"]["prompt_len"] = 18  # its last position is the prompt's last: it samples token 0
+    decode(frame(wire))
+    submit = wire_of(SUBMIT)
+    submit["sample"]["prompt_len"] = 6  # five tokens sent
+    assert "field 'sample'" in refusal(submit)
+
+
 def test_every_field_of_announced_speed_figures_crosses_the_wire() -> None:
     """SpeedFigures are checked against their own fields, as a load is: a field added later is carried too."""
     figures = SpeedFigures("memory", "m", 1, 2, 0.5, True, "cannot measure its speed: no", {"b": 512, "c": 1024})
