@@ -35,8 +35,8 @@ from tests.cluster_harness import start_cluster, wait_until_ready  # noqa: E402
 PROMPT = "Tell me about the rings of Saturn."
 
 
-def timed_request(node: NodeProcess, model: str, max_tokens: int) -> float:
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": max_tokens,
+def timed_request(node: NodeProcess, model: str, max_tokens: int, prompt: str = PROMPT) -> float:
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
                        "temperature": 0, "ignore_eos": True}).encode()
     started = time.perf_counter()
     status, _, raw = node.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})

@@ -28,7 +28,6 @@ Needs root on cgroups (v1 cpu controller or v2 cpu.max). Usage:
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -41,6 +40,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_cluster import PROMPT, timed_request  # noqa: E402
 from bench_torch_vs_hf import build_checkpoint  # noqa: E402
 
 from exo_like.demo import build_tokenizer, write_tokenizer_files  # noqa: E402
@@ -49,18 +49,6 @@ from tests.cluster_harness import cluster_of, start_cluster, wait_until_ready  #
 from tests.cpu_quota import CpuQuota  # noqa: E402
 
 NODE_IDS = ["node-a", "node-b", "node-c"]
-PROMPT = "Tell me about the rings of Saturn."
-
-
-def timed_request(node: NodeProcess, model: str, max_tokens: int, prompt: str = PROMPT) -> float:
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-                       "temperature": 0, "ignore_eos": True}).encode()
-    started = time.perf_counter()
-    status, _, raw = node.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
-    elapsed = time.perf_counter() - started
-    assert status == 200, raw
-    assert json.loads(raw)["usage"]["completion_tokens"] == max_tokens
-    return elapsed
 
 
 def together(node: NodeProcess, model: str, streams: int, max_tokens: int) -> float:
