@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import logging
 import os
 import signal
@@ -192,6 +193,7 @@ async def serve(node: Node, host: str, port: int) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    faulthandler.enable()  # a native crash (an engine's abort, a segfault) leaves each thread's Python stack in the log
     home = (args.home or default_home()).expanduser()
     node_filter = setup_logging(args.log_level, "-")  # the node id is stamped once the node has claimed it
     limit_worker_spin()  # before anything imports torch: idle stages must not spin on the cores others need

@@ -246,7 +246,9 @@ class Node:
         for task in list(self._tasks):
             task.cancel()
         self.downloader.close()
-        await asyncio.get_running_loop().run_in_executor(None, self.executor.shutdown, True)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self.executor, self.engine.close)
+        await loop.run_in_executor(None, self.executor.shutdown, True)
         self.identity.release()
         log.info("node stopped")
 

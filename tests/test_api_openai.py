@@ -218,7 +218,7 @@ def test_eos_from_generation_config_ends_with_stop(checkpoint: Path, tmp_path: P
         assert streamed == text
         assert chunks[-1].choices[0].finish_reason == "stop"
     finally:
-        assert process.stop() == 0
+        assert process.stop() == 0, process.log()
 
 
 def test_the_client_sees_typed_errors(client: openai.OpenAI, model_id: str) -> None:

@@ -84,7 +84,7 @@ def test_eight_concurrent_requests_each_equal_the_oracle(models, oracles, tmp_pa
         assert results == expected(oracles(arch))
         assert batched_steps(node) > 1  # they really shared steps
     finally:
-        assert node.stop() == 0
+        assert node.stop() == 0, node.log()
     assert "Traceback" not in node.log()
 
 
@@ -146,7 +146,7 @@ def test_64_requests_against_a_small_kv_budget_all_complete(models, oracles, tmp
         # The pool is within the budget; what else grew (allocator arenas, 64 responses' buffers) stays small.
         assert growth < budget + 64 * 2**20, (growth, budget)
     finally:
-        assert node.stop() == 0
+        assert node.stop() == 0, node.log()
     assert "Traceback" not in node.log() and " 500 " not in node.log()
 
 

@@ -92,7 +92,7 @@ def test_log_lines_carry_the_node_id(demo_node: NodeProcess) -> None:
 
 def test_sigint_shuts_down_gracefully(demo_home: Path) -> None:
     process = start_node(demo_home, "demo")
-    assert process.stop(signal.SIGINT) == 0
+    assert process.stop(signal.SIGINT) == 0, process.log()
     assert "shutting down" in process.log() and "node stopped" in process.log()
     assert "Traceback" not in process.log()
 

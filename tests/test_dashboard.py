@@ -415,7 +415,7 @@ def test_page_reconnects_by_itself_when_its_node_restarts(seven_layers: Path, tm
         assert "on its own" in dashboard.page.inner_text("#banners")  # a single node says so
         # The browser logs the event stream cut by the shutdown and each failed reconnection: expected here.
         dashboard.expected_errors.append(re.compile(r"ERR_CONNECTION_REFUSED|ERR_INCOMPLETE_CHUNKED_ENCODING"))
-        assert node.stop() == 0
+        assert node.stop() == 0, node.log()
         dashboard.wait_for("() => document.querySelector('#connection').dataset.state === 'lost'")
         assert "Lost contact" in dashboard.page.inner_text("#banners")
         node = start_node(tmp_path, *args, port=port)

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -350,3 +353,34 @@ def test_last_quarter_opens_only_its_files(tmp_path_factory, monkeypatch, arch):
     assert engine.dtype_name == "float32" and engine.device_name.startswith("mlx ")
     logits = Driver([engine]).forward("r", Activations("float32", (3, 64), np.ones((3, 64), np.float32).tobytes()))
     assert logits.shape == (args.vocab_size,) and logits.dtype == np.float32
+
+
+# A node's life on its engine thread: load, then close when the node stops, then the thread ends and the process
+# exits. Without close() the thread's MLX state is destroyed at its exit, racing the interpreter's finalization:
+# most such processes abort ("terminate called without an active exception").
+ENGINE_THREAD_LIFE = """
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from exo_like.engines.mlx_engine import MLXEngine
+from exo_like.model_config import ModelArgs
+from exo_like.shard import Shard
+model_dir = Path(sys.argv[1])
+args = ModelArgs.from_dir(model_dir)
+engine = MLXEngine(dtype="float32")
+thread = ThreadPoolExecutor(1)
+n = args.num_hidden_layers
+thread.submit(engine.load, model_dir, args, Shard(model_dir.name, 0, n, n)).result()
+thread.submit(engine.allocate_kv, 8).result()
+thread.submit(engine.close).result()
+thread.shutdown(wait=True)
+"""
+
+
+def test_a_process_whose_engine_thread_closed_the_engine_exits_cleanly(model_dir):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parents[1]),
+                                                                     os.environ.get("PYTHONPATH")]))}
+    for _ in range(6):
+        done = subprocess.run([sys.executable, "-c", ENGINE_THREAD_LIFE, str(model_dir("mistral"))], env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr

@@ -122,6 +122,10 @@ class Engine(ABC):
         """Called on the engine thread after each load: settle where the framework's compute threads run.
         Most engines leave that to the operating system."""
 
+    def close(self) -> None:
+        """Called on the engine thread when the node stops, before that thread ends: release what the framework
+        keeps per thread. The engine is not used afterwards. Most engines keep nothing there."""
+
     @abstractmethod
     def parameter_bytes(self) -> int:
         """Bytes of the loaded shard's parameters."""

@@ -232,6 +232,13 @@ class MLXEngine(Engine):
     def kv_blocks(self) -> int:
         return self._kv_blocks if self._pools else 0
 
+    def close(self) -> None:
+        # A thread that ran MLX holds per-thread state (its streams, and the random key layer initialisation
+        # used) whose destructors take the GIL; left to the thread's exit, they can run while the interpreter
+        # finalizes, and the process aborts. MLX asks each such thread to clear them itself before it ends.
+        self._model, self._pools, self._kv_blocks, self.shard, self.args = None, [], 0, None, None
+        mx.clear_streams()
+
     def _to_mlx(self, inputs: np.ndarray | Activations, rows: int) -> mx.array:
         """Token ids -> int32 [R]; activations -> engine dtype [R, H]."""
         shard, args = self.shard, self.args
