@@ -8,6 +8,9 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -417,3 +420,33 @@ def test_rejects_malformed_inputs(model_dirs, prompt, reference):
     tokens, logits = greedy(Driver([first, second]), prompt, 4)
     assert tokens == reference["llama"][0][:4]
     np.testing.assert_allclose(logits, reference["llama"][1][:4], rtol=1e-5, atol=2e-4)
+
+
+# oneDNN products at many row counts, as a serving node's prefill chunks make them, in a process that created a
+# torch engine first (the engine caps oneDNN's caches of compiled products; each library reads its size once).
+# Prints the resident growth in MB.
+MANY_ROW_COUNTS = """
+import psutil, torch
+from exo_like.engines.torch_engine import TorchEngine
+TorchEngine()
+torch.set_num_threads(1)
+shapes = [(576, 576), (192, 576), (1536, 576), (576, 1536)]
+weights = [torch.ops.mkldnn._reorder_linear_weight(torch.randn(o, i), 16) for o, i in shapes]
+process = psutil.Process()
+base = process.memory_info().rss
+for rows in range(1, 257):
+    for weight, (_, inputs) in zip(weights, shapes):
+        torch.ops.mkldnn._linear_pointwise(torch.randn(rows, inputs), weight, None, "none", [], "")
+print((process.memory_info().rss - base) / 2**20)
+"""
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this PyTorch build has no oneDNN")
+def test_a_torch_engine_bounds_the_memory_onednn_caches_for_new_row_counts():
+    # With the libraries' default caches (1,024 entries each) this grows by about 600 MB; capped, by under 100.
+    env = {name: value for name, value in os.environ.items()
+           if name not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parents[1]), env.get("PYTHONPATH")]))
+    done = subprocess.run([sys.executable, "-c", MANY_ROW_COUNTS], env=env, capture_output=True, text=True,
+                          timeout=300, check=True)
+    assert float(done.stdout) < 200, f"oneDNN's caches grew the process by {float(done.stdout):.0f} MB"

@@ -25,7 +25,8 @@ from exo_like.engines.openmp import pin_openmp_team
 from exo_like.engines.batch import layout as batch_layout
 from exo_like.engines.layer_speed import LayerRunner
 from exo_like.engines.torch_layer import layer_runner
-from exo_like.engines.torch_model import KVPool, ShardModel, StepIndex, fuse_checkpoint_weights, load_state
+from exo_like.engines.torch_model import (KVPool, ShardModel, StepIndex, bound_onednn_caches, fuse_checkpoint_weights,
+                                          load_state)
 from exo_like.engines.torch_quant import Installer, Matrix, int4_kernel_available
 from exo_like.errors import InvalidRequestError
 from exo_like.gguf_file import FLOAT_TYPES, is_gguf, open_gguf
@@ -138,6 +139,7 @@ class TorchEngine(Engine):
 
     def __init__(self, device: str | None = None, dtype: str | None = None):
         super().__init__(device=device, dtype=dtype)
+        bound_onednn_caches()
         self.device = pick_device(device)
         if dtype is not None and dtype not in TORCH_DTYPES:
             raise ValueError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")

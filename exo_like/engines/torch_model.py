@@ -13,6 +13,7 @@ for it (see Linear, PACK_BATCH, native_matvec). None of this changes float32 res
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -204,6 +205,20 @@ class Linear(nn.Linear):
     def dense_weight(self) -> torch.Tensor:
         """The weight as a plain [out, in] tensor (a packed one is opaque: no slicing or reading)."""
         return self.weight.to_dense() if self.packed else self.weight
+
+
+# Entries kept by each of oneDNN's two caches of compiled products (ideep's, then oneDNN's own). An entry serves
+# one weight shape at one row count; a step with a row count not seen before compiles new ones (milliseconds), and
+# at the libraries' default of 1,024 entries each, a serving node's many prefill chunk lengths grow its memory by
+# hundreds of MB (bench/bench_onednn_cache.py shows it). Decode steps' few row counts stay cached.
+ONEDNN_CACHE_ENTRIES = 64
+
+
+def bound_onednn_caches() -> None:
+    """Cap both caches unless the user set them; the libraries read these on their first product, so call it
+    before the first (the engine does, when created). LRU_CACHE_CAPACITY is ideep's variable, in PyTorch."""
+    for variable in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
+        os.environ.setdefault(variable, str(ONEDNN_CACHE_ENTRIES))
 
 
 # oneDNN's batch-size hint for its packed weight layout, by dtype: the one measured fastest over 1 to 64 rows here
