@@ -152,6 +152,10 @@ class StageWorker:
             for rid, origin in {(item.rid, item.origin) for item in message.items}:
                 self._notify(rid, origin, "the cluster's plan changed during the request", "plan_changed")
             return
+        if not plan.stage_index(self.node_id):  # the first stage schedules, it never runs a batch from a peer
+            log.warning("node %s: dropped a batch of %d rows sent to it as if it were a later stage of plan %s",
+                        self.node_id, message.hidden.shape[0], plan.digest)
+            return
         self.kv_used = message.kv_used
         self._inbox.append(message)
 

@@ -9,8 +9,9 @@ from collections.abc import Sequence
 
 import pytest
 
+from exo_like.activations import Activations
 from exo_like.errors import ExoLikeError
-from exo_like.protocol import Error, Forward, Message, Release, SampleSpec, Sampled, Submit, Tokens
+from exo_like.protocol import Error, Forward, Message, Release, SampleSpec, Sampled, Submit, Tokens, WorkItem
 from exo_like.sampling import SamplingParams
 from exo_like.scheduler import SchedulerLimits
 from tests.fake_ring import VOCAB, FakeNetwork, FakeNode, generate, ring
@@ -140,6 +141,18 @@ async def test_a_failing_step_fails_its_requests_clearly_and_the_ring_keeps_serv
         await asyncio.sleep(0.1)
         assert net.first.stage.active_requests() == 0  # freed at the first stage
         assert await generate(net.first, "r3", PROMPTS["r3"]) == expected3["r3"]
+
+
+async def test_a_batch_sent_to_the_first_stage_is_dropped_and_the_ring_keeps_serving(expected3) -> None:
+    """Only a faulty or foreign peer sends one: the first stage schedules and never reads batches, so keeping it
+    would hold its memory, and the stage would look busy, for as long as the plan lasts."""
+    async with ring(3) as net:
+        plan = await net.wait_ready(5)
+        item = WorkItem("stray", "n1", 0, 2, (0,))
+        net.first.stage.handle(Forward(plan.digest, (item,), Activations("float32", (2, 4), bytes(32))))
+        assert await generate(net.first, "r3", PROMPTS["r3"]) == expected3["r3"]
+        await asyncio.sleep(1.1)  # past the last step's second
+        assert not net.first.stage.busy()
 
 
 async def test_seeded_sampling_is_the_same_alone_and_in_a_batch() -> None:
