@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_torch_vs_hf import QWEN25_05B, peaky_state  # noqa: E402
 
-from exo_like.demo import build_tokenizer, write_tokenizer_files  # noqa: E402
+from exo_like.models.demo import build_tokenizer, write_tokenizer_files  # noqa: E402
 from tests.api_server import NodeProcess, start_node  # noqa: E402
 from tests.cluster_harness import start_cluster, wait_until_ready  # noqa: E402
 

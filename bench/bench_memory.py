@@ -18,9 +18,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from exo_like.catalog import PACKAGED  # noqa: E402
-from tests.memory_probe import (PARAMETER_RATIO, RESIDENT_RATIO, Checkpoint, Measurement, baseline,  # noqa: E402
-                                build_checkpoints, measure)
+from exo_like.models.catalog import PACKAGED  # noqa: E402
+from tests.memory_probe import (  # noqa: E402
+    PARAMETER_RATIO,
+    RESIDENT_RATIO,
+    Checkpoint,
+    Measurement,
+    baseline,
+    build_checkpoints,
+    measure,
+)
 
 
 def row(m: Measurement) -> str:

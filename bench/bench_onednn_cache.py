@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from exo_like.engines.torch_model import ONEDNN_CACHE_ENTRIES  # noqa: E402
+from exo_like.engines.torch.model import ONEDNN_CACHE_ENTRIES  # noqa: E402
 
 PRODUCTS = """
 import sys, time

@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_cluster import PROMPT, timed_request  # noqa: E402
 from bench_torch_vs_hf import build_checkpoint  # noqa: E402
 
-from exo_like.demo import build_tokenizer, write_tokenizer_files  # noqa: E402
+from exo_like.models.demo import build_tokenizer, write_tokenizer_files  # noqa: E402
 from tests.api_server import NodeProcess  # noqa: E402
 from tests.cluster_harness import cluster_of, start_cluster, wait_until_ready  # noqa: E402
 from tests.cpu_quota import CpuQuota  # noqa: E402

@@ -26,11 +26,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from exo_like.engines.torch_engine import TorchEngine
-from exo_like.kv_blocks import blocks_for
-from exo_like.model_config import ModelArgs
-from exo_like.protocol import SampleSpec, WorkItem
-from exo_like.shard import Shard
+from exo_like.engines.torch.engine import TorchEngine
+from exo_like.engines.work import SampleSpec, WorkItem, blocks_for
+from exo_like.models.config import ModelArgs
+from exo_like.models.shard import Shard
 
 QWEN25_05B = {
     "hidden_size": 896,

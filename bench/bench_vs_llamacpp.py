@@ -49,23 +49,26 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from exo_like.engines.openmp import limit_worker_spin  # noqa: E402
+from exo_like.engines.torch.openmp import limit_worker_spin  # noqa: E402
 
 USER_ENV = dict(os.environ)  # for llama.cpp's processes: ggml's OpenMP must not get exo-like's spin limit
 limit_worker_spin()  # as the CLI does, before torch is imported
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-
 from bench_torch_vs_hf import QWEN25_05B, build_checkpoint  # noqa: E402
-from exo_like.catalog import PACKAGED  # noqa: E402
-from exo_like.demo import build_tokenizer, write_tokenizer_files  # noqa: E402
-from exo_like.engines.torch_engine import TorchEngine  # noqa: E402
-from exo_like.gguf_file import open_gguf  # noqa: E402
-from exo_like.kv_blocks import blocks_for  # noqa: E402
-from exo_like.model_config import ModelArgs  # noqa: E402
-from exo_like.protocol import SampleSpec, WorkItem  # noqa: E402
-from exo_like.shard import Shard  # noqa: E402
+
+from exo_like.engines.torch.engine import TorchEngine  # noqa: E402
+from exo_like.engines.work import (  # noqa: E402
+    SampleSpec,
+    WorkItem,
+    blocks_for,  # noqa: E402
+)
+from exo_like.models.catalog import PACKAGED  # noqa: E402
+from exo_like.models.config import ModelArgs  # noqa: E402
+from exo_like.models.demo import build_tokenizer, write_tokenizer_files  # noqa: E402
+from exo_like.models.gguf.file import open_gguf  # noqa: E402
+from exo_like.models.shard import Shard  # noqa: E402
 
 LLAMACPP = Path(__file__).resolve().parents[2] / "shared" / "tools" / "llamacpp.sh"
 CACHE = Path(os.environ.get("EXO_LIKE_BENCH_CACHE", Path.home() / ".cache" / "exo-like-bench"))

@@ -25,17 +25,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_vs_llamacpp import llamacpp  # noqa: E402  (first: it limits OpenMP's spin before torch is imported)
-
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from bench_vs_llamacpp import llamacpp  # noqa: E402  (first: it limits OpenMP's spin before torch is imported)
 from safetensors.numpy import load_file, save_file  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
 from exo_like.engines.base import create_engine  # noqa: E402
-from exo_like.gguf_file import open_gguf  # noqa: E402
-from exo_like.model_config import ModelArgs  # noqa: E402
-from exo_like.shard import Shard  # noqa: E402
+from exo_like.models.config import ModelArgs  # noqa: E402
+from exo_like.models.gguf.file import open_gguf  # noqa: E402
+from exo_like.models.shard import Shard  # noqa: E402
 from tests.checkpoints import make_checkpoint  # noqa: E402
 from tests.engine_driver import Driver  # noqa: E402
 

@@ -2,7 +2,7 @@
 
 TXT record: node id, version, port and the cluster key digest, so nodes of another cluster on the same LAN
 are ignored before any connection is made. Found peers are reported through a callback; links and their
-authentication are the node's business (exo_like.peers).
+authentication are the node's business (exo_like.cluster.peers).
 """
 
 from __future__ import annotations

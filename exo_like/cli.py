@@ -15,13 +15,17 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from discovery import parse_peers
-from exo_like.api import create_app, finish_generations
-from exo_like.engines.openmp import limit_worker_spin
+from exo_like.api.routes import create_app, finish_generations
+from exo_like.cluster.peers import DEFAULT_PEER_TIMEOUT
+from exo_like.engines.torch.openmp import limit_worker_spin
 from exo_like.errors import ExoLikeError
 from exo_like.node import DEFAULT_CLUSTER_KEY, DEFAULT_STEP_TIMEOUT, Node, NodeOptions, default_home
-from exo_like.peers import DEFAULT_PEER_TIMEOUT
-from exo_like.scheduler import (DEFAULT_INTERLEAVE_TOKENS, DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_RUNNING,
-                                SchedulerLimits)
+from exo_like.serving.scheduler import (
+    DEFAULT_INTERLEAVE_TOKENS,
+    DEFAULT_MAX_BATCH_TOKENS,
+    DEFAULT_MAX_RUNNING,
+    SchedulerLimits,
+)
 
 log = logging.getLogger("exo_like")
 

@@ -22,29 +22,39 @@ from huggingface_hub.utils import disable_progress_bars
 from discovery import MdnsDiscovery, PeerAddress, PeerFinder
 from discovery.mdns import local_ipv4_addresses
 from exo_like import __version__
-from exo_like.cluster import Cluster
-from exo_like.download import ShardDownloader
-from exo_like.download_progress import DownloadProgress, show_progress
+from exo_like.api.metrics import Metrics
+from exo_like.cluster.identity import claim_identity, default_node_name
+from exo_like.cluster.membership import Cluster
+from exo_like.cluster.node_info import NodeInfo
+from exo_like.cluster.node_load import NodeLoad
+from exo_like.cluster.peers import DEFAULT_PEER_TIMEOUT, PeerLink, PeerNetwork, cluster_key_digest
+from exo_like.cluster.protocol import (
+    DEFAULT_MAX_FRAME_BYTES,
+    Error,
+    Forward,
+    Message,
+    PlanState,
+    Release,
+    Sampled,
+    Submit,
+    Tokens,
+)
+from exo_like.cluster.speed import SpeedProbe
+from exo_like.cluster.view import cluster_picture
 from exo_like.engines.base import Engine, create_engine
 from exo_like.errors import ExoLikeError, ModelNotFoundError, ServiceUnavailableError
-from exo_like.generation import TokenGenerator
-from exo_like.hub import default_cache_dir
-from exo_like.identity import claim_identity, default_node_name
-from exo_like.kv_blocks import kv_budget_bytes
-from exo_like.metrics import Metrics
-from exo_like.model_registry import LoadedModel, ModelRegistry
-from exo_like.node_load import NodeLoad
-from exo_like.node_info import NodeInfo
-from exo_like.peers import DEFAULT_PEER_TIMEOUT, PeerLink, PeerNetwork, cluster_key_digest
-from exo_like.plan import Plan
-from exo_like.protocol import (DEFAULT_MAX_FRAME_BYTES, Error, Forward, Message, PlanState, Release, Sampled, Submit,
-                               Tokens)
-from exo_like.ring import RingGenerator
-from exo_like.scheduler import SchedulerLimits
-from exo_like.shard import Shard
-from exo_like.speed import SpeedProbe
-from exo_like.speed_figures import RTT_SAMPLES
-from exo_like.stage import StageWorker
+from exo_like.models.hub.download import ShardDownloader
+from exo_like.models.hub.progress import DownloadProgress, show_progress
+from exo_like.models.hub.repo import default_cache_dir
+from exo_like.models.registry import LoadedModel, ModelRegistry
+from exo_like.models.shard import Shard
+from exo_like.serving.generation import TokenGenerator
+from exo_like.serving.kv_blocks import kv_budget_bytes
+from exo_like.serving.ring import RingGenerator
+from exo_like.serving.scheduler import SchedulerLimits
+from exo_like.serving.stage import StageWorker
+from partitioning.plan import Plan
+from partitioning.speed_figures import RTT_SAMPLES
 
 log = logging.getLogger(__name__)
 
@@ -394,7 +404,7 @@ class Node:
             model_name = model.model_id if model else None
         except ExoLikeError:
             model_name = None  # the model cannot be read here: the cluster's `problem` says why
-        return {**self.cluster.to_json(), "model_name": model_name,
+        return {**cluster_picture(self.cluster), "model_name": model_name,
                 # Whether the key is set, never the key: with the default, anyone on the network can join.
                 "cluster_key": "default" if self.options.cluster_key == DEFAULT_CLUSTER_KEY else "set"}
 

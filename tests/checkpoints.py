@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from exo_like.demo import BOS, EOS, EOT, build_tokenizer, write_tokenizer_files
+from exo_like.models.demo import BOS, EOS, EOT, build_tokenizer, write_tokenizer_files
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 

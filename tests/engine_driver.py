@@ -9,10 +9,10 @@ from typing import Union
 
 import numpy as np
 
-from exo_like.activations import Activations
+from exo_like.engines.activations import Activations
 from exo_like.engines.base import Engine
-from exo_like.kv_blocks import BLOCK_SIZE, BlockPool, blocks_for
-from exo_like.protocol import SampleSpec, WorkItem
+from exo_like.engines.work import BLOCK_SIZE, SampleSpec, WorkItem, blocks_for
+from exo_like.serving.kv_blocks import BlockPool
 
 SPEC = SampleSpec(temperature=0.0, top_p=1.0, top_k=0, seed=0, max_tokens=1 << 20, eos=(), prompt_len=1)
 

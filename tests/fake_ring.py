@@ -16,17 +16,18 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from exo_like.activations import Activations
+from exo_like.cluster.protocol import Error, Message, Tokens, decode, encode
+from exo_like.engines.activations import Activations
 from exo_like.engines.base import Engine
 from exo_like.engines.batch import layout
+from exo_like.engines.work import WorkItem
 from exo_like.errors import ServiceUnavailableError
-from exo_like.protocol import Error, Message, Tokens, WorkItem, decode, encode
-from exo_like.ring import RingGenerator
-from exo_like.sampling import SamplingParams
-from exo_like.scheduler import SchedulerLimits
-from exo_like.stage import RingResources, StageWorker
-from exo_like.plan import Plan
+from exo_like.serving.ring import RingGenerator
+from exo_like.serving.sampling import SamplingParams
+from exo_like.serving.scheduler import SchedulerLimits
+from exo_like.serving.stage import RingResources, StageWorker
 from partitioning import Stage
+from partitioning.plan import Plan
 
 VOCAB = 97
 MODULUS = 1_000_003

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from exo_like.api import SHUTDOWN_GRACE
+from exo_like.api.routes import SHUTDOWN_GRACE
 from tests.api_server import NodeProcess, exo_like_command, start_node, wait_for
 
 

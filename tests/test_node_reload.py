@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from exo_like.api import create_app
+from exo_like.api.routes import create_app
 from exo_like.engines.base import LoadCancelled, create_engine
-from exo_like.model_config import ModelArgs
+from exo_like.models.config import ModelArgs
+from exo_like.models.shard import Shard
 from exo_like.node import Node, NodeOptions
-from exo_like.plan import make_plan
-from exo_like.shard import Shard
 from partitioning import NodeCapacity
+from partitioning.plan import make_plan
 from tests.api_server import checkpoint  # noqa: F401  (fixture)
 
 GIB = 1 << 30

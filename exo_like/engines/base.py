@@ -19,14 +19,14 @@ from pathlib import Path
 
 import numpy as np
 
-from exo_like.activations import Activations
+from exo_like.engines.activations import Activations
 from exo_like.engines.layer_speed import LayerRunner, LayerSpeed, time_layer
+from exo_like.engines.work import WorkItem
 from exo_like.errors import ExoLikeError
-from exo_like.model_config import ModelArgs
-from exo_like.protocol import WorkItem
-from exo_like.shard import Shard
+from exo_like.models.config import ModelArgs
+from exo_like.models.shard import Shard
 
-ENGINE_MODULES = {"torch": "exo_like.engines.torch_engine", "mlx": "exo_like.engines.mlx_engine"}
+ENGINE_MODULES = {"torch": "exo_like.engines.torch.engine", "mlx": "exo_like.engines.mlx.engine"}
 
 
 class EngineUnavailableError(ExoLikeError):

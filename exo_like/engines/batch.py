@@ -13,9 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from exo_like.engines.work import BLOCK_SIZE, WorkItem, blocks_for
 from exo_like.errors import InvalidRequestError
-from exo_like.kv_blocks import BLOCK_SIZE, blocks_for
-from exo_like.protocol import WorkItem
 
 _OFFSETS = np.arange(BLOCK_SIZE, dtype=np.int64)
 

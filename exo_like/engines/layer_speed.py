@@ -21,8 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from exo_like.engines.cpu_wait import ContentionClock
-from exo_like.kv_blocks import blocks_for
-from exo_like.protocol import WorkItem
+from exo_like.engines.work import WorkItem, blocks_for
 
 PREFILL_CHUNK = 64  # positions of the timed prefill chunk
 LAYER_CONTEXT = 64  # positions cached before the timed decode step

@@ -1,0 +1,112 @@
+"""From a validated request to text: prompt tokens, the context-length check, and the stream of text deltas.
+
+Shared by both endpoints and by both response shapes (one JSON body, or SSE chunks): the only difference
+between streamed and non-streamed output is whether the deltas are sent as they come or joined.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Collection
+from contextlib import aclosing
+from dataclasses import dataclass, field
+
+from exo_like.api.openai_requests import GenerationOptions
+from exo_like.errors import InvalidRequestError
+from exo_like.models.tokenizer import IncrementalDetokenizer, ModelTokenizer
+from exo_like.serving.generation import TokenGenerator
+from exo_like.serving.stop_strings import StopStringFilter
+
+
+def chat_prompt_tokens(tokenizer: ModelTokenizer, messages: list[dict[str, str]]) -> list[int]:
+    return tokenizer.encode_chat(messages)
+
+
+def completion_prompt_tokens(tokenizer: ModelTokenizer, prompt: str | list[int]) -> list[int]:
+    if isinstance(prompt, str):
+        tokens = tokenizer.encode(prompt, add_special_tokens=True)
+        if not tokens:
+            raise InvalidRequestError("the prompt is empty", param="prompt", code="empty_prompt")
+        return tokens
+    vocab = tokenizer.vocab_size
+    bad = [t for t in prompt if not 0 <= t < vocab]
+    if bad:
+        raise InvalidRequestError(f"prompt token ids must be in [0, {vocab}); got {bad[0]}", param="prompt",
+                                  code="invalid_value")
+    return list(prompt)
+
+
+def resolve_max_tokens(prompt_length: int, requested: int | None, context_length: int, prompt_param: str) -> int:
+    """How many tokens may be generated; the prompt plus the completion must fit in the context."""
+    if prompt_length >= context_length:
+        raise InvalidRequestError(
+            f"this model's maximum context length is {context_length} tokens, but the prompt has "
+            f"{prompt_length} tokens", param=prompt_param, code="context_length_exceeded")
+    if requested is None:
+        return context_length - prompt_length
+    if prompt_length + requested > context_length:
+        raise InvalidRequestError(
+            f"this model's maximum context length is {context_length} tokens, but you requested "
+            f"{prompt_length + requested} tokens ({prompt_length} in the prompt, {requested} for the completion); "
+            f"reduce the prompt or max_tokens", param="max_tokens", code="context_length_exceeded")
+    return requested
+
+
+@dataclass
+class TextGeneration:
+    """One request's generated text, delivered as deltas. After iterating: finish_reason and usage are set."""
+
+    generator: TokenGenerator
+    tokenizer: ModelTokenizer
+    prompt_tokens: list[int]
+    options: GenerationOptions
+    max_tokens: int
+    eos_ids: Collection[int]
+    request_id: str = ""
+    finish_reason: str | None = None
+    completion_tokens: int = 0
+    started: float = field(default_factory=time.monotonic)
+    token_times: list[float] = field(default_factory=list)  # when each token arrived (monotonic), for /metrics
+    recorded: bool = False  # counted in /metrics already
+
+    def __post_init__(self) -> None:
+        self.request_id = self.request_id or uuid.uuid4().hex
+
+    def usage(self) -> dict[str, int]:
+        prompt = len(self.prompt_tokens)
+        return {"prompt_tokens": prompt, "completion_tokens": self.completion_tokens,
+                "total_tokens": prompt + self.completion_tokens}
+
+    async def deltas(self) -> AsyncIterator[str]:
+        """Non-empty text pieces. Iterate inside `aclosing` so an abandoned request frees its cache at once."""
+        detokenizer = IncrementalDetokenizer(self.tokenizer)
+        stops = StopStringFilter(self.options.stop)
+        eos = () if self.options.ignore_eos else self.eos_ids
+        tokens = self.generator.generate(self.request_id, self.prompt_tokens, self.options.sampling,
+                                         self.max_tokens, eos)
+        async with aclosing(tokens):
+            async for token in tokens:
+                self.completion_tokens += 1
+                self.token_times.append(time.monotonic())
+                if token in eos:  # the EOS token counts as generated but is not part of the text
+                    self.finish_reason = "stop"
+                    break
+                text = stops.feed(detokenizer.add(token))
+                if text:
+                    yield text
+                if stops.stopped:
+                    self.finish_reason = "stop"
+                    return
+        # Out of tokens (EOS or max_tokens): release what the detokenizer and the stop filter held back.
+        tail = stops.feed(detokenizer.flush())
+        tail += stops.flush()
+        if stops.stopped:
+            self.finish_reason = "stop"
+        self.finish_reason = self.finish_reason or "length"
+        if tail:
+            yield tail
+
+    async def text(self) -> str:
+        async with aclosing(self.deltas()) as deltas:
+            return "".join([piece async for piece in deltas])

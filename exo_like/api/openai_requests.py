@@ -1,0 +1,309 @@
+"""Parsing and validation of OpenAI-style request bodies.
+
+Every problem with a request becomes an InvalidRequestError naming the offending parameter, so bad input is
+always a 400 with an OpenAI error body, never a 500. Unknown fields are ignored (clients send `user`,
+`metadata`, ...), but known features this server does not implement are rejected unless they carry their
+neutral value (e.g. presence_penalty=0), so a client never silently gets something other than it asked for.
+Two extensions, spelled as in vLLM: `top_k`, and `ignore_eos` (generate exactly max_tokens; for benchmarks).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from exo_like.errors import InvalidRequestError
+from exo_like.serving.sampling import SamplingParams
+
+MAX_STOP_STRINGS = 4
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # as OpenAI's legacy completions endpoint
+
+# Known but unimplemented parameters, and the values that ask for nothing (so they are safe to accept).
+_NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "logit_bias": (None, {}),
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "tools": (None, []),
+    "functions": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "function_call": (None, "none", "auto"),
+    "response_format": (None, {"type": "text"}),
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+}
+
+
+@dataclass(frozen=True)
+class GenerationOptions:
+    """What both endpoints share. max_tokens None means: as many as the context allows."""
+
+    model: str
+    max_tokens: int | None
+    sampling: SamplingParams
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    ignore_eos: bool
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    options: GenerationOptions
+    messages: list[dict[str, str]]
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    options: GenerationOptions
+    prompt: str | list[int]
+
+
+def parse_chat_request(body: Any) -> ChatRequest:
+    body = _require_object(body)
+    max_tokens = _optional_int(body, "max_completion_tokens", minimum=1)
+    if max_tokens is None:
+        max_tokens = _optional_int(body, "max_tokens", minimum=1)
+    return ChatRequest(_options(body, max_tokens), _messages(body.get("messages")))
+
+
+def parse_completion_request(body: Any) -> CompletionRequest:
+    body = _require_object(body)
+    max_tokens = _optional_int(body, "max_tokens", minimum=1)
+    options = _options(body, COMPLETIONS_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens)
+    return CompletionRequest(options, _prompt(body.get("prompt")))
+
+
+def _require_object(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise InvalidRequestError(f"the request body must be a JSON object, not {_json_type(body)}")
+    return body
+
+
+def _options(body: dict[str, Any], max_tokens: int | None) -> GenerationOptions:
+    _reject_unsupported(body)
+    n = _optional_int(body, "n", minimum=1)
+    if n not in (None, 1):
+        raise InvalidRequestError("only n=1 is supported", param="n", code="unsupported_parameter")
+    stream = _optional_bool(body, "stream") or False
+    return GenerationOptions(
+        model=_model(body),
+        max_tokens=max_tokens,
+        sampling=_sampling(body),
+        stop=_stop(body.get("stop")),
+        stream=stream,
+        include_usage=_include_usage(body, stream),
+        ignore_eos=_optional_bool(body, "ignore_eos") or False,
+    )
+
+
+def _model(body: dict[str, Any]) -> str:
+    model = body.get("model")
+    if model is None:
+        raise InvalidRequestError("you must provide a model parameter", param="model",
+                                  code="missing_required_parameter")
+    if not isinstance(model, str) or not model:
+        raise InvalidRequestError("model must be a non-empty string", param="model", code="invalid_type")
+    return model
+
+
+def _sampling(body: dict[str, Any]) -> SamplingParams:
+    temperature = _optional_float(body, "temperature", 0.0, 2.0)
+    top_p = _optional_float(body, "top_p", 0.0, 1.0)
+    if top_p is not None and top_p <= 0.0:
+        raise InvalidRequestError("top_p must be greater than 0 and at most 1", param="top_p", code="invalid_value")
+    top_k = _optional_int(body, "top_k", minimum=0)
+    seed = _optional_int(body, "seed", minimum=-(2**63), maximum=2**64 - 1)
+    return SamplingParams(
+        temperature=1.0 if temperature is None else temperature,
+        top_p=1.0 if top_p is None else top_p,
+        top_k=top_k or 0,
+        # numpy seeds must be non-negative; map OpenAI's signed 64-bit seeds onto them one to one.
+        seed=None if seed is None else seed % 2**64,
+    )
+
+
+def _stop(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise InvalidRequestError("stop must be a string or a list of strings", param="stop", code="invalid_type")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise InvalidRequestError(f"stop accepts at most {MAX_STOP_STRINGS} strings, got {len(stops)}",
+                                  param="stop", code="invalid_value")
+    if any(s == "" for s in stops):
+        raise InvalidRequestError("stop strings must not be empty", param="stop", code="invalid_value")
+    return tuple(stops)
+
+
+def _include_usage(body: dict[str, Any], stream: bool) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise InvalidRequestError("stream_options must be an object", param="stream_options", code="invalid_type")
+    if not stream:
+        raise InvalidRequestError("stream_options is only allowed when stream is true", param="stream_options",
+                                  code="invalid_value")
+    return _optional_bool(options, "include_usage", param="stream_options.include_usage") or False
+
+
+def _reject_unsupported(body: dict[str, Any]) -> None:
+    for name, neutral in _NEUTRAL_VALUES.items():
+        value = body.get(name)
+        # `value in neutral` alone would accept True for 1 and 0.0 for False: compare types as well.
+        if not any(value == ok and type(value) is type(ok) for ok in neutral):
+            shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+            raise InvalidRequestError(f"{name}={shown} is not supported by this server",
+                                      param=name, code="unsupported_parameter")
+
+
+def _messages(value: Any) -> list[dict[str, str]]:
+    if value is None:
+        raise InvalidRequestError("messages is required", param="messages", code="missing_required_parameter")
+    if not isinstance(value, list):
+        raise InvalidRequestError("messages must be a list", param="messages", code="invalid_type")
+    if not value:
+        raise InvalidRequestError("messages must contain at least one message", param="messages",
+                                  code="invalid_value")
+    return [_message(m, f"messages[{i}]") for i, m in enumerate(value)]
+
+
+def _message(value: Any, where: str) -> dict[str, str]:
+    if not isinstance(value, dict):
+        raise InvalidRequestError(f"{where} must be an object", param=where, code="invalid_type")
+    role = value.get("role")
+    if role in ("tool", "function"):
+        raise InvalidRequestError(f"{where}: role {role!r} is not supported (no tool calling)",
+                                  param=f"{where}.role", code="unsupported_parameter")
+    if role not in CHAT_ROLES:
+        raise InvalidRequestError(f"{where}.role must be one of {', '.join(CHAT_ROLES)}; got {role!r}",
+                                  param=f"{where}.role", code="invalid_value")
+    if value.get("tool_calls"):
+        raise InvalidRequestError(f"{where}.tool_calls is not supported", param=f"{where}.tool_calls",
+                                  code="unsupported_parameter")
+    # `developer` is OpenAI's newer name for `system`; chat templates only know the latter.
+    message = {"role": "system" if role == "developer" else role, "content": _content(value, where)}
+    name = value.get("name")
+    if name is not None:
+        if not isinstance(name, str):
+            raise InvalidRequestError(f"{where}.name must be a string", param=f"{where}.name", code="invalid_type")
+        message["name"] = _unicode(name, f"{where}.name")
+    return message
+
+
+def _content(message: dict[str, Any], where: str) -> str:
+    """Text content: a string, or a list of text parts (joined with newlines, as vLLM does)."""
+    content = message.get("content")
+    param = f"{where}.content"
+    if isinstance(content, str):
+        return _unicode(content, param)
+    if content is None:
+        raise InvalidRequestError(f"{param} is required", param=param, code="missing_required_parameter")
+    if not isinstance(content, list):
+        raise InvalidRequestError(f"{param} must be a string or a list of content parts", param=param,
+                                  code="invalid_type")
+    texts = []
+    for i, part in enumerate(content):
+        if not isinstance(part, dict):
+            raise InvalidRequestError(f"{param}[{i}] must be an object", param=f"{param}[{i}]", code="invalid_type")
+        kind = part.get("type")
+        if kind != "text":
+            raise InvalidRequestError(f"{param}[{i}]: content part type {kind!r} is not supported; this model "
+                                      f"accepts text only", param=f"{param}[{i}].type", code="unsupported_content")
+        if not isinstance(part.get("text"), str):
+            raise InvalidRequestError(f"{param}[{i}].text must be a string", param=f"{param}[{i}].text",
+                                      code="invalid_type")
+        texts.append(_unicode(part["text"], f"{param}[{i}].text"))
+    return "\n".join(texts)
+
+
+def _prompt(value: Any) -> str | list[int]:
+    """A string, a list of one string, a list of token ids, or a list of one list of token ids."""
+    if value is None:
+        raise InvalidRequestError("prompt is required", param="prompt", code="missing_required_parameter")
+    if isinstance(value, str):
+        return _unicode(value, "prompt")
+    if not isinstance(value, list) or not value:
+        raise InvalidRequestError("prompt must be a string, a list of one string, or a non-empty list of token "
+                                  "ids", param="prompt", code="invalid_type")
+    if all(_is_int(v) for v in value):
+        return list(value)
+    if len(value) > 1 and all(isinstance(v, (str, list)) for v in value):
+        raise InvalidRequestError("batched prompts are not supported; send one prompt per request",
+                                  param="prompt", code="unsupported_parameter")
+    if len(value) == 1 and isinstance(value[0], str):
+        return _unicode(value[0], "prompt")
+    if len(value) == 1 and isinstance(value[0], list) and value[0] and all(_is_int(v) for v in value[0]):
+        return list(value[0])
+    raise InvalidRequestError("prompt must be a string, a list of one string, or a non-empty list of token ids",
+                              param="prompt", code="invalid_type")
+
+
+def _unicode(text: str, param: str) -> str:
+    """Text that goes into the prompt. JSON's "\\ud800" escape decodes to a lone surrogate, which is no Unicode
+    character: the tokenizer cannot take it, so it is the client's error."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequestError(f"{param} is not valid Unicode: a lone surrogate {text[e.start]!r} at character "
+                                  f"{e.start}", param=param, code="invalid_value") from None
+    return text
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # JSON true is not the number 1
+
+
+def _optional_int(body: dict[str, Any], name: str, minimum: int | None = None,
+                  maximum: int | None = None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not _is_int(value):
+        raise InvalidRequestError(f"{name} must be an integer, not {_json_type(value)}", param=name,
+                                  code="invalid_type")
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        raise InvalidRequestError(f"{name} must be {_range_text(minimum, maximum)}; got {value}", param=name,
+                                  code="invalid_value")
+    return value
+
+
+def _optional_float(body: dict[str, Any], name: str, minimum: float, maximum: float) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidRequestError(f"{name} must be a number, not {_json_type(value)}", param=name,
+                                  code="invalid_type")
+    if not math.isfinite(value) or not minimum <= value <= maximum:
+        raise InvalidRequestError(f"{name} must be between {minimum:g} and {maximum:g}; got {value}", param=name,
+                                  code="invalid_value")
+    return float(value)
+
+
+def _optional_bool(body: dict[str, Any], name: str, param: str | None = None) -> bool | None:
+    value = body.get(name)
+    if value is None or isinstance(value, bool):
+        return value
+    raise InvalidRequestError(f"{param or name} must be a boolean, not {_json_type(value)}", param=param or name,
+                              code="invalid_type")
+
+
+def _range_text(minimum: int | None, maximum: int | None) -> str:
+    if maximum is None:
+        return f"at least {minimum}"
+    return f"between {minimum} and {maximum}"
+
+
+def _json_type(value: Any) -> str:
+    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
+             dict: "an object", type(None): "null"}
+    return names.get(type(value), type(value).__name__)

@@ -1,0 +1,295 @@
+"""The OpenAI-compatible HTTP API every node serves (aiohttp).
+
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{id}], GET /health,
+GET /v1/debug/requests, GET /v1/cluster, GET /metrics, and the dashboard (GET /, its assets, GET /v1/events).
+Every error, including unknown routes and wrong methods, is an OpenAI error body;
+bad input is always a 4xx. Generation stops and frees its KV cache as soon as the client goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from typing import Any
+
+from aiohttp import web
+from aiohttp.typedefs import Handler
+
+import dashboard
+from exo_like.api.completion import (
+    TextGeneration,
+    chat_prompt_tokens,
+    completion_prompt_tokens,
+    resolve_max_tokens,
+)
+from exo_like.api.metrics import CONTENT_TYPE, FinishedRequest
+from exo_like.api.openai_requests import GenerationOptions, parse_chat_request, parse_completion_request
+from exo_like.api.openai_responses import ResponseFormat, error_body
+from exo_like.cluster.peers import PEER_PATH
+from exo_like.errors import ExoLikeError, InvalidRequestError, ServiceUnavailableError
+from exo_like.node import LoadedModel, Node
+from exo_like.serving.generation import TokenGenerator
+
+log = logging.getLogger(__name__)
+
+NODE_KEY = web.AppKey("node", Node)
+GENERATING_KEY = web.AppKey("generating", set)  # handler tasks of requests that are generating
+MAX_BODY_BYTES = 32 * 1024 * 1024  # a full long-context prompt, JSON-escaped, fits comfortably
+SHUTDOWN_GRACE = 5.0  # seconds requests still generating get to finish on shutdown before they are cancelled
+
+
+def create_app(node: Node) -> web.Application:
+    app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
+    app[NODE_KEY] = node
+    app[GENERATING_KEY] = set()
+    app.on_shutdown.append(finish_generations)  # if serving ends another way than serve()'s own shutdown
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model_id:.+}", get_model)
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/debug/requests", debug_requests)
+    app.router.add_get("/v1/cluster", cluster_view)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get(PEER_PATH, peer_link)
+    app.router.add_get("/", index)
+    dashboard.add_routes(app, node.cluster_json, node.wait_cluster_change)
+    return app
+
+
+async def finish_generations(app: web.Application) -> None:
+    """On shutdown (no new connections any more): let running generations finish briefly, then cancel them.
+
+    Run it before aiohttp's own shutdown, which stops reading every connection this node accepted: peer links
+    included, so the ring would stall under the very requests the grace period is for."""
+    app[NODE_KEY].stopping = True
+    tasks: set[asyncio.Task[object]] = set(app[GENERATING_KEY])
+    if not tasks:
+        return
+    log.info("waiting up to %.0fs for %d request(s) still generating", SHUTDOWN_GRACE, len(tasks))
+    _, late = await asyncio.wait(tasks, timeout=SHUTDOWN_GRACE)
+    for task in late:
+        task.cancel()
+    await asyncio.gather(*late, return_exceptions=True)
+
+
+def error_response(status: int, message: str, type_: str, param: str | None = None, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> web.Response:
+    return web.json_response(error_body(message, type_, param, code), status=status, headers=headers)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ExoLikeError as e:
+        # The path as sent (percent-encoded): decoded, a %0A in it would start a forged line of this log.
+        log.info("%s %s -> %d %s", request.method, request.rel_url.raw_path, e.status, e.message)
+        return error_response(e.status, e.message, e.type, e.param, e.code)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return _http_error(request, e)
+    except Exception as e:
+        log.exception("unexpected error handling %s %s", request.method, request.rel_url.raw_path)
+        return error_response(500, f"internal server error: {type(e).__name__}: {e}", "server_error")
+
+
+def _http_error(request: web.Request, e: web.HTTPException) -> web.Response:
+    """aiohttp's own errors (404, 405, 413, ...) in the OpenAI error shape."""
+    headers = None
+    if isinstance(e, web.HTTPMethodNotAllowed):
+        headers = {"Allow": ", ".join(sorted(e.allowed_methods))}
+        message = f"method {request.method} is not allowed for {request.path}; use {headers['Allow']}"
+    elif isinstance(e, web.HTTPNotFound):
+        message = f"no route {request.method} {request.path}"
+    else:
+        message = e.text or e.reason
+    code = e.reason.lower().replace(" ", "_")
+    return error_response(e.status, message, "invalid_request_error", None, code, headers)
+
+
+async def read_json(request: web.Request) -> Any:
+    """The body as JSON, whatever the Content-Type says (curl -d sends form encoding by default)."""
+    raw = await request.read()
+    if not raw.strip():
+        raise InvalidRequestError("the request body is empty; send a JSON object", code="invalid_json")
+    try:
+        return json.loads(raw, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as e:
+        raise InvalidRequestError(
+            f"the request body is not valid JSON ({e}); send a JSON object with Content-Type: application/json",
+            code="invalid_json") from None
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    node = request.app[NODE_KEY]
+    parsed = parse_chat_request(await read_json(request))
+    model, generator = await node.require_model(parsed.options.model)
+    prompt = chat_prompt_tokens(model.tokenizer, parsed.messages)
+    generation = _generation(model, generator, prompt, parsed.options, "messages")
+    fmt = ResponseFormat(True, f"chatcmpl-{generation.request_id}", model.model_id, parsed.options.include_usage)
+    return await _respond(request, generation, fmt, parsed.options.stream)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    node = request.app[NODE_KEY]
+    parsed = parse_completion_request(await read_json(request))
+    model, generator = await node.require_model(parsed.options.model)
+    prompt = completion_prompt_tokens(model.tokenizer, parsed.prompt)
+    generation = _generation(model, generator, prompt, parsed.options, "prompt")
+    fmt = ResponseFormat(False, f"cmpl-{generation.request_id}", model.model_id, parsed.options.include_usage)
+    return await _respond(request, generation, fmt, parsed.options.stream)
+
+
+def _generation(model: LoadedModel, generator: TokenGenerator, prompt: list[int], options: GenerationOptions,
+                prompt_param: str) -> TextGeneration:
+    max_tokens = resolve_max_tokens(len(prompt), options.max_tokens, model.args.context_length, prompt_param)
+    return TextGeneration(generator, model.tokenizer, prompt, options, max_tokens, model.args.eos_token_ids)
+
+
+async def _respond(request: web.Request, generation: TextGeneration, fmt: ResponseFormat,
+                   stream: bool) -> web.StreamResponse:
+    started = time.monotonic()
+    task = asyncio.current_task()
+    request.app[GENERATING_KEY].add(task)
+    try:
+        if stream:
+            return await _stream(request, generation, fmt)
+        text = await generation.text()
+        _record(request.app[NODE_KEY], generation)
+        return web.json_response(fmt.whole(text, generation.finish_reason or "length", generation.usage()))
+    except asyncio.CancelledError:
+        # The handler is cancelled when the client disconnects (or at shutdown); the generation is closed by now.
+        reason = "the node is shutting down" if request.app[NODE_KEY].stopping else "client disconnected"
+        log.info("request %s: %s after %d tokens; generation stopped", fmt.response_id, reason,
+                 generation.completion_tokens)
+        raise
+    finally:
+        request.app[GENERATING_KEY].discard(task)
+        _log_done(fmt.response_id, generation, time.monotonic() - started)
+        _record(request.app[NODE_KEY], generation)  # a request that failed or was cancelled
+
+
+def _record(node: Node, generation: TextGeneration) -> None:
+    """Count a request in /metrics once: as soon as its tokens are all out (before its response ends, so a
+    client that scrapes right after sees it), or when it ends otherwise."""
+    if generation.recorded:
+        return
+    generation.recorded = True
+    node.metrics.observe_request(FinishedRequest(
+        len(generation.prompt_tokens), generation.completion_tokens, generation.finish_reason or "abort",
+        generation.started, tuple(generation.token_times), time.monotonic()))
+
+
+def _log_done(response_id: str, generation: TextGeneration, seconds: float) -> None:
+    usage = generation.usage()
+    log.info("request %s: %d prompt + %d completion tokens, finish=%s, %.2fs (%.1f tok/s)", response_id,
+             usage["prompt_tokens"], usage["completion_tokens"], generation.finish_reason or "cancelled", seconds,
+             usage["completion_tokens"] / seconds if seconds > 0 else 0.0)
+
+
+async def _stream(request: web.Request, generation: TextGeneration, fmt: ResponseFormat) -> web.StreamResponse:
+    """Server-sent events: chunks as text arrives, a finish chunk, an optional usage chunk, then [DONE]."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           "X-Accel-Buffering": "no"})
+    await response.prepare(request)
+    try:
+        await _stream_events(response, generation, fmt)
+        _record(request.app[NODE_KEY], generation)
+        await _end_stream(response)
+    except ConnectionResetError:
+        log.info("request %s: client disconnected after %d tokens; generation stopped", fmt.response_id,
+                 generation.completion_tokens)
+    except asyncio.CancelledError:
+        if request.app[NODE_KEY].stopping:  # tell the client why its stream ends early
+            with contextlib.suppress(ConnectionResetError):
+                await _send(response, error_body("the node is shutting down", "service_unavailable", None,
+                                                 "shutting_down"))
+                await _end_stream(response)
+        raise
+    return response
+
+
+async def _end_stream(response: web.StreamResponse) -> None:
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+
+
+async def _stream_events(response: web.StreamResponse, generation: TextGeneration, fmt: ResponseFormat) -> None:
+    try:
+        if (first := fmt.first_chunk()) is not None:
+            await _send(response, first)
+        async with contextlib.aclosing(generation.deltas()) as deltas:
+            async for text in deltas:
+                await _send(response, fmt.text_chunk(text))
+        await _send(response, fmt.finish_chunk(generation.finish_reason or "length"))
+        if fmt.include_usage:
+            await _send(response, fmt.usage_chunk(generation.usage()))
+    except ConnectionResetError:
+        raise
+    except ExoLikeError as e:
+        # The status line is sent already: report the error in-band, as OpenAI does mid-stream.
+        await _send(response, error_body(e.message, e.type, e.param, e.code))
+    except Exception as e:
+        log.exception("request %s failed while streaming", fmt.response_id)
+        await _send(response, error_body(f"internal server error: {type(e).__name__}: {e}", "server_error"))
+
+
+async def _send(response: web.StreamResponse, payload: dict[str, Any]) -> None:
+    await response.write(f"data: {json.dumps(payload, ensure_ascii=False)}\n\n".encode())
+
+
+async def list_models(request: web.Request) -> web.Response:
+    """The served model first, then local folders, downloaded repos and the catalog, each with its `state`."""
+    return web.json_response({"object": "list", "data": request.app[NODE_KEY].models_json()})
+
+
+async def get_model(request: web.Request) -> web.Response:
+    return web.json_response(request.app[NODE_KEY].model_entry(request.match_info["model_id"]))
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.json_response(request.app[NODE_KEY].status())
+
+
+async def debug_requests(request: web.Request) -> web.Response:
+    """In-flight requests and KV caches: what the dashboard shows, and how tests see a cancelled request."""
+    node = request.app[NODE_KEY]
+    return web.json_response({"requests": node.in_flight(), **node.generation_stats()})
+
+
+async def cluster_view(request: web.Request) -> web.Response:
+    """The same picture on every node: members, the plan, and whether all members agree on it."""
+    picture = request.app[NODE_KEY].cluster_json()
+    if picture is None:
+        raise ServiceUnavailableError("the node is still starting")
+    return web.json_response(picture)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """Prometheus text format, vLLM's metric names with the prefix exo_like: (see exo_like/metrics.py)."""
+    return web.Response(body=request.app[NODE_KEY].metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+
+async def peer_link(request: web.Request) -> web.StreamResponse:
+    peers = request.app[NODE_KEY].peers
+    if peers is None:
+        raise ServiceUnavailableError("the node is still starting")
+    return await peers.accept(request)
+
+
+async def index(request: web.Request) -> web.StreamResponse:
+    """The dashboard for browsers; a small JSON index for API clients."""
+    if dashboard.wants_html(request):
+        return dashboard.page()
+    node = request.app[NODE_KEY]
+    return web.json_response({"name": "exo-like", "node_id": node.node_id,
+                              "api": ["/v1/chat/completions", "/v1/completions", "/v1/models", "/health"]})

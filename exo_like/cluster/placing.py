@@ -1,0 +1,188 @@
+"""Which placement the cluster uses for its model, from what every member announced, and what to show about it.
+
+Placement by speed (the default) needs every member's measured layer speed for the model. It is used when every
+member runs with --placement compute and has measured the model; otherwise:
+- a member that runs with --placement memory, or could not measure, makes the plan the memory split (and says so);
+- while members are still measuring, there is no plan yet (waiting_for says whose figures are missing), except
+  that a ring already serving this model goes on: members measuring are left out of it until they have figures
+  (a node joining a running cluster measures while the others keep serving).
+Each node decides from the announced figures alone (its own included, as announced), so all decide alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from exo_like.cluster.node_info import NodeInfo
+from exo_like.models.footprint import ModelFootprint
+from partitioning import NodeCapacity, Placement, stage_times
+from partitioning.plan import Holder, Plan, fit_problems, make_plan, make_speed_plan, speed_nodes
+from partitioning.speed_figures import RTT_FLOOR_US, SpeedFigures
+
+PLAN_CACHE = 16  # speed plans kept by their inputs: re-plans with the same figures cost nothing
+
+
+@dataclass(frozen=True)
+class PlacementReport:
+    """Why the plan is what it is: for GET /v1/cluster and the dashboard."""
+
+    mode: str  # "compute" or "memory"
+    why: str
+    stage_ns: dict[str, int] = field(default_factory=dict)  # each stage's time per token, when the figures allow
+    bottleneck: str | None = None  # node id of the slowest stage
+    left_out: tuple[tuple[str, str], ...] = ()  # (node id, reason): members that hold no layers, and why
+    measuring: tuple[str, ...] = ()  # members whose figures for the model are not in yet
+
+    def to_json(self, names: dict[str, str]) -> dict[str, Any]:
+        total = sum(self.stage_ns.values())
+        return {"mode": self.mode, "why": self.why, "bottleneck": self.bottleneck,
+                "bottleneck_ms": _ms(self.stage_ns.get(self.bottleneck)) if self.bottleneck else None,
+                "time_per_token_ms": _ms(total) if self.stage_ns else None,
+                "left_out": [{"node_id": node_id, "name": names.get(node_id, node_id), "reason": reason}
+                             for node_id, reason in self.left_out],
+                "measuring": list(self.measuring)}
+
+    def describe(self) -> str:
+        """One line for the log: the rule, the slowest stage, and who is left out and why."""
+        parts = [self.why]
+        if self.bottleneck is not None:
+            parts.append(f"slowest stage {self.bottleneck} {_ms(self.stage_ns[self.bottleneck])} ms of "
+                         f"{_ms(sum(self.stage_ns.values()))} ms per token")
+        parts.extend(f"left out {node_id}: {reason}" for node_id, reason in self.left_out)
+        return "; ".join(parts)
+
+    def node_json(self, node_id: str, figures: SpeedFigures | None, model: str | None) -> dict[str, Any]:
+        """A member's measured speed, its stage's time and share of the time per token, and whether it is the
+        bottleneck."""
+        total = sum(self.stage_ns.values())
+        stage = self.stage_ns.get(node_id)
+        speed = None
+        if figures is not None and figures.model == model and model is not None:
+            speed = {"decode_ms_per_layer": _ms(figures.decode_ns), "prefill_ms_per_token": _ms(figures.prefill_ns),
+                     "measure_seconds": figures.measure_seconds, "cached": figures.cached,
+                     "problem": figures.problem}
+        return {"speed": speed, "stage_ms": _ms(stage), "share": round(stage / total, 3) if stage and total else None,
+                "bottleneck": node_id == self.bottleneck}
+
+
+@dataclass(frozen=True)
+class Decision:
+    plan: Plan | None
+    problem: str | None
+    pending: str | None  # why there is no plan yet although the model is described
+    report: PlacementReport
+
+
+class Placer:
+    """Decides the plan for one node's view (keeps the last speed plans computed, by their inputs)."""
+
+    def __init__(self, me: str):
+        self.me = me
+        self._plans: dict[tuple, tuple[Plan, Placement] | None] = {}
+
+    def decide(self, model: str, n_layers: int, footprint: ModelFootprint, members: list[NodeInfo],
+               figures: dict[str, SpeedFigures | None], current: Plan | None) -> Decision:
+        names = {m.node_id: m.name for m in members}
+        holders = {m.node_id: Holder(m.engine, m.dtype, m.device) for m in members}
+        memory_reason = self._memory_reason(model, figures, names)
+        if memory_reason is not None:
+            return self._memory(model, n_layers, footprint, members, figures, holders, memory_reason)
+        measuring = tuple(sorted(m.node_id for m in members if not _measured(figures.get(m.node_id), model)))
+        if measuring and not self._keeps_serving(current, model, measuring, members):
+            who = ", ".join(names[n] for n in measuring)
+            report = PlacementReport("compute", f"waiting for the measured speed of {who}", measuring=measuring)
+            return Decision(None, None, f"waiting for nodes {', '.join(measuring)} to measure their speed on the "
+                            "model (placement by speed)", report)
+        placed = [m for m in members if m.node_id not in measuring]
+        capacities = [NodeCapacity(m.node_id, m.memory_bytes) for m in placed]
+        layer_ns = {m.node_id: figures[m.node_id].decode_ns for m in placed}  # type: ignore[union-attr]
+        hop = hop_table(figures)
+        key = (model, n_layers, footprint, tuple(capacities), tuple(sorted(layer_ns.items())),
+               tuple(sorted(holders.items())), tuple(sorted(hop.items())))
+        if key not in self._plans:
+            while len(self._plans) >= PLAN_CACHE:
+                del self._plans[next(iter(self._plans))]
+            self._plans[key] = make_speed_plan(model, n_layers, capacities, layer_ns, footprint, holders,
+                                               lambda a, b: hop_ns(hop, a, b))
+        result = self._plans[key]
+        if result is None:  # no split fits: the memory split's problems say what is missing where
+            plan = make_plan(model, n_layers, [NodeCapacity(m.node_id, m.memory_bytes) for m in members])
+            problems = fit_problems(plan, footprint, holders)
+            return Decision(plan, "the model does not fit: " + "; ".join(problems),
+                            None, PlacementReport("compute", "no split by speed fits every node's memory"))
+        plan, placement = result
+        waiting = tuple((n, "measuring its speed: it joins the ring once measured") for n in measuring)
+        report = PlacementReport("compute", placement.how, {s.node_id: t for s, t in zip(plan.stages,
+                                                                                          placement.stage_ns)},
+                                 placement.bottleneck, tuple((x.node_id, x.reason) for x in placement.left_out)
+                                 + waiting, measuring)
+        return Decision(plan, None, None, report)
+
+    def _memory_reason(self, model: str, figures: dict[str, SpeedFigures | None], names: dict[str, str]
+                       ) -> str | None:
+        mine = figures.get(self.me)
+        if mine is None or mine.placement == "memory":
+            return "this node runs with --placement memory"
+        asked = sorted(names.get(n, n) for n, f in figures.items() if f is not None and f.placement == "memory")
+        if asked:
+            return f"{', '.join(asked)} {'runs' if len(asked) == 1 else 'run'} with --placement memory"
+        failed = sorted((names.get(n, n), f.problem) for n, f in figures.items() if f is not None and
+                        f.failed_for(model))
+        if failed:
+            return f"{failed[0][0]} {failed[0][1]}"
+        return None
+
+    def _memory(self, model: str, n_layers: int, footprint: ModelFootprint, members: list[NodeInfo],
+                figures: dict[str, SpeedFigures | None], holders: dict[str, Holder], why: str) -> Decision:
+        """Today's memory split, with its stages' times per token where every stage has figures."""
+        capacities = [NodeCapacity(m.node_id, m.memory_bytes) for m in members]
+        plan = make_plan(model, n_layers, capacities)
+        problems = fit_problems(plan, footprint, holders)
+        stage_ns: dict[str, int] = {}
+        used = [c for c in capacities if c.node_id in plan.node_ids]
+        if all(_measured(figures.get(c.node_id), model) for c in used):
+            layer_ns = {c.node_id: figures[c.node_id].decode_ns for c in used}  # type: ignore[union-attr]
+            hop = hop_table(figures)
+            times = stage_times(n_layers, plan.stages, speed_nodes(used, layer_ns, footprint, holders),
+                                lambda a, b: hop_ns(hop, a, b))
+            stage_ns = {s.node_id: t for s, t in zip(plan.stages, times)}
+        bottleneck = max(stage_ns, key=lambda n: (stage_ns[n], -plan.node_ids.index(n))) if stage_ns else None
+        left = tuple((c.node_id, "more nodes than layers: the memory split gives it none") for c in capacities
+                     if c.node_id not in plan.node_ids)
+        report = PlacementReport("memory", f"split by memory: {why}", stage_ns, bottleneck, left)
+        return Decision(plan, ("the model does not fit: " + "; ".join(problems)) if problems else None, None, report)
+
+    def _keeps_serving(self, current: Plan | None, model: str, measuring: tuple[str, ...],
+                       members: list[NodeInfo]) -> bool:
+        """Whether the ring already serving this model goes on while the members in `measuring` measure: it does
+        when this node has its figures and every stage of that ring is a member with figures."""
+        live = {m.node_id for m in members}
+        return current is not None and current.model_id == model and self.me not in measuring and \
+            all(s.node_id in live and s.node_id not in measuring for s in current.stages)
+
+
+def hop_table(figures: dict[str, SpeedFigures | None]) -> dict[tuple[str, str], int]:
+    """Round trip of each link as both ends announce it, in microseconds: the larger of the two, so every node
+    reads one figure per link whichever end it asks."""
+    table: dict[tuple[str, str], int] = {}
+    for node_id, mine in figures.items():
+        if mine is None:
+            continue
+        for peer, rtt in mine.rtt_us.items():
+            pair = (min(node_id, peer), max(node_id, peer))
+            table[pair] = max(table.get(pair, 0), rtt)
+    return table
+
+
+def hop_ns(table: dict[tuple[str, str], int], a: str, b: str) -> int:
+    """One way from a to b: half the link's round trip (RTT_FLOOR_US when neither end has measured it yet)."""
+    return table.get((min(a, b), max(a, b)), RTT_FLOOR_US) * 1000 // 2
+
+
+def _measured(figures: SpeedFigures | None, model: str) -> bool:
+    return figures is not None and figures.measured_for(model)
+
+
+def _ms(ns: int | None) -> float | None:
+    return None if ns is None else round(ns / 1e6, 3)

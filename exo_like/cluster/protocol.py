@@ -1,0 +1,454 @@
+"""The peer protocol: every message two nodes exchange, one typed class each, msgpack on the wire. Never pickle.
+
+A frame is one websocket binary message holding one msgpack map with a string "type". `decode` is the only
+place a frame becomes a message: it checks the size, the msgpack, the type, and every field's type and range,
+and raises ProtocolError for anything else, so the code that handles a message can trust its fields. Fields a
+newer peer adds are ignored; a missing or malformed field refuses the frame.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, TypeVar
+
+import msgpack
+
+from exo_like.cluster.protocol_fields import (  # noqa: F401  (ProtocolError is part of this module's interface)
+    INT64,
+    MAX_ID,
+    MAX_TEXT,
+    ProtocolError,
+    array,
+    binary,
+    boolean,
+    check_int,
+    integer,
+    integers,
+    mapping,
+    node_load,
+    number,
+    required,
+    speed_figures,
+    string,
+)
+from exo_like.engines.activations import WIRE_DTYPES, Activations
+from exo_like.engines.work import SampleSpec, WorkItem, blocks_for  # noqa: F401  (part of the protocol's interface)
+
+DEFAULT_MAX_FRAME_BYTES = 64 * 1024 * 1024
+
+# Raise it whenever a message changes so that a node of the previous version would misread it. Nodes link only
+# with nodes of the same number (checked first thing at link set-up, see peers.py).
+# 1: the first numbered protocol (hub models keyed org/name@commit, plan digests, step times).
+# 2: typed messages; batches of work items with KV block tables cross the ring (continuous batching).
+# 3: plan announcements carry speed figures and link round trips; plans place layers by speed.
+PROTOCOL = 3
+
+# -- messages -----------------------------------------------------------------------------------------------
+
+M = TypeVar("M", bound="Message")
+_TYPES: dict[str, type["Message"]] = {}
+
+
+class Message:
+    """Base of every peer message: `type` names it on the wire, `to_wire`/`from_wire` (de)serialise its fields."""
+
+    type: ClassVar[str]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        _TYPES[cls.type] = cls
+
+    def to_wire(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    @classmethod
+    def from_wire(cls: type[M], data: dict[str, Any]) -> M:
+        raise NotImplementedError
+
+
+# Link set-up (peers.py): the acceptor says hello, the dialer proves the key, the acceptor proves it back.
+
+@dataclass(frozen=True)
+class Hello(Message):
+    type: ClassVar[str] = "hello"
+    nonce: bytes
+    protocol: int
+    version: str
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"nonce": self.nonce, "protocol": self.protocol, "version": self.version}
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> "Hello":
+        return cls(binary(data, "nonce"), integer(data, "protocol"), string(data, "version"))
+
+
+@dataclass(frozen=True)
+class Auth(Message):
+    type: ClassVar[str] = "auth"
+    nonce: bytes
+    protocol: int
+    version: str
+    proof: bytes
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"nonce": self.nonce, "protocol": self.protocol, "version": self.version, "proof": self.proof}
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> "Auth":
+        return cls(binary(data, "nonce"), integer(data, "protocol"), string(data, "version"), binary(data, "proof"))
+
+
+@dataclass(frozen=True)
+class Welcome(Message):
+    type: ClassVar[str] = "welcome"
+    info: dict[str, Any]  # NodeInfo.to_dict(); NodeInfo.from_dict validates it
+    proof: bytes
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"info": self.info, "proof": self.proof}
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> "Welcome":
+        return cls(_node_info(required(data, "info")), binary(data, "proof"))
+
+
+@dataclass(frozen=True)
+class Info(Message):
+    type: ClassVar[str] = "info"
+    info: dict[str, Any]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"info": self.info}
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> "Info":
+        return cls(_node_info(required(data, "info")))
+
+
+def _node_info(value: Any) -> dict[str, Any]:
+    """NodeInfo.to_dict() as sent at link set-up, each field checked (NodeInfo.from_dict would take anything)."""
+    data = mapping(value, "info")
+    info = {key: string(data, key, MAX_TEXT if key == "chip" else MAX_ID)
+            for key in ("node_id", "name", "host", "engine", "device", "chip", "version")}
+    info.update(port=integer(data, "port", 0, 65535), memory_bytes=integer(data, "memory_bytes", 0),
+                dtype=string(data, "dtype", optional=True))  # dtype: absent from peers before it was sent
+    return info
+
+
+@dataclass(frozen=True)
+class Refused(Message):
+    """Why a link was refused; with our protocol and version when they are the reason."""
+
+    type: ClassVar[str] = "refused"
+    reason: str
+    protocol: int | None = None
+    version: str | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        wire: dict[str, Any] = {"reason": self.reason}
+        if self.protocol is not None:
+            wire.update(protocol=self.protocol, version=self.version)
+        return wire
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> "Refused":
+        return cls(string(data, "reason", MAX_TEXT), integer(data, "protocol", optional=True),
+                   string(data, "version", optional=True))
+
+
+@dataclass(frozen=True)
+class Retire(Message):
+    """The last frame a side sends on a duplicate link (see peers.py)."""
+
+    type: ClassVar[str] = "retire"
+
+    def to_wire(self) -> dict[str, Any]:
+        return {}
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> "Retire":
+        return cls()
+
+
+@dataclass(frozen=True)
+class Ping(Message):
+    """Asks the peer to echo `sent` (the sender's monotonic clock) at once: the link's round-trip time."""
+
+    type: ClassVar[str] = "ping"
+    sent: float
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"sent": self.sent}
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> "Ping":
+        return cls(number(data, "sent", 0.0, 1e12))
+
+
+@dataclass(frozen=True)
+class Pong(Ping):
+    """The echo of a Ping. (A subclass of Ping: same field; check for it first.)"""
+
+    type: ClassVar[str] = "pong"
+
+
+# Cluster state (cluster.py): sent to every peer on change and every second; doubles as the heartbeat.
+
+@dataclass(frozen=True)
+class PlanState(Message):
+    type: ClassVar[str] = "plan_state"
+    model: str | None
+    clock: tuple[int, str]
+    digest: str | None
+    ready: bool
+    problem: str | None
+    load: dict[str, Any]  # NodeLoad.to_json(); NodeLoad.from_json reads it tolerantly
+    kv_blocks: int | None = None  # KV cache blocks this node's pool holds for its layers, once loaded
+    figures: dict[str, Any] | None = None  # SpeedFigures.to_json(): placement, measured speed, link round trips
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"model": self.model, "clock": list(self.clock), "digest": self.digest, "ready": self.ready,
+                "problem": self.problem, "load": self.load, "kv_blocks": self.kv_blocks, "figures": self.figures}
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> "PlanState":
+        clock = array(data, "clock")
+        if len(clock) != 2:
+            raise ProtocolError("field 'clock' must be [counter, node id]")
+        counter = check_int(clock[0], "clock", 0, INT64 - 1)
+        writer = string({"clock": clock[1]}, "clock")
+        return cls(string(data, "model", 1024, optional=True), (counter, writer),
+                   string(data, "digest", optional=True), boolean(data, "ready"),
+                   string(data, "problem", MAX_TEXT, optional=True), node_load(data.get("load")),
+                   integer(data, "kv_blocks", 0, optional=True), speed_figures(data.get("figures")))
+
+
+# The ring (ring.py, scheduler.py).
+
+def sample_to_wire(spec: SampleSpec) -> dict[str, Any]:
+    return {"temperature": spec.temperature, "top_p": spec.top_p, "top_k": spec.top_k, "seed": spec.seed,
+            "max_tokens": spec.max_tokens, "eos": list(spec.eos), "prompt_len": spec.prompt_len}
+
+
+def sample_from_wire(data: Any) -> SampleSpec:
+    data = mapping(data, "sample")
+    return SampleSpec(number(data, "temperature", 0.0, 1e6), number(data, "top_p", 0.0, 1.0),
+                      integer(data, "top_k", 0, INT64 - 1), integer(data, "seed", 0, INT64 - 1),
+                      integer(data, "max_tokens", 1, INT64 - 1), integers(data, "eos"), integer(data, "prompt_len", 1))
+
+
+def item_to_wire(item: WorkItem) -> dict[str, Any]:
+    wire: dict[str, Any] = {"rid": item.rid, "origin": item.origin, "start": item.start, "count": item.count,
+                            "blocks": list(item.blocks)}
+    if item.sample is not None:
+        wire["sample"] = sample_to_wire(item.sample)
+    return wire
+
+
+def item_from_wire(data: Any) -> WorkItem:
+    data = mapping(data, "items")
+    sample = data.get("sample")
+    item = WorkItem(string(data, "rid"), string(data, "origin"), integer(data, "start", 0), integer(data, "count", 1),
+                    integers(data, "blocks"), None if sample is None else sample_from_wire(sample))
+    # Stages look up the block of every position the item writes before any engine check runs.
+    if len(item.blocks) < blocks_for(item.end):
+        raise ProtocolError(f"field 'blocks': {len(item.blocks)} blocks cannot hold positions up to {item.end}")
+    # The last stage counts the tokens generated before this one as end - prompt_len (its sampling index).
+    if item.sample is not None and item.end < item.sample.prompt_len:
+        raise ProtocolError(f"field 'sample': a prompt of {item.sample.prompt_len} tokens does not end by the "
+                            f"item's last position {item.end - 1}")
+    return item
+
+
+@dataclass(frozen=True)
+class Submit(Message):
+    """Origin -> first stage: run a request. `tokens` is everything the ring has to compute (the prompt)."""
+
+    type: ClassVar[str] = "submit"
+    rid: str
+    origin: str
+    digest: str
+    tokens: tuple[int, ...]
+    sample: SampleSpec
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"rid": self.rid, "origin": self.origin, "digest": self.digest, "tokens": list(self.tokens),
+                "sample": sample_to_wire(self.sample)}
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> "Submit":
+        tokens = integers(data, "tokens", 0, 2**31 - 1)
+        if not tokens:
+            raise ProtocolError("field 'tokens' must not be empty")
+        sample = sample_from_wire(required(data, "sample"))
+        # The tokens are the prompt and any tokens generated before a replay: the prompt ends within them.
+        if sample.prompt_len > len(tokens):
+            raise ProtocolError(f"field 'sample': a prompt of {sample.prompt_len} tokens is longer than the "
+                                f"{len(tokens)} tokens sent")
+        return cls(string(data, "rid"), string(data, "origin"), string(data, "digest"), tokens, sample)
+
+
+@dataclass(frozen=True)
+class Forward(Message):
+    """Stage -> next stage: one batch. `hidden` holds the items' rows in item order ([sum of counts, hidden]).
+
+    `kv_used` is how many KV blocks the ring's requests and prefix cache hold (what every stage reports)."""
+
+    type: ClassVar[str] = "forward"
+    digest: str
+    items: tuple[WorkItem, ...]
+    hidden: Activations
+    kv_used: int = 0
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"digest": self.digest, "items": [item_to_wire(item) for item in self.items],
+                "hidden": self.hidden.to_wire(), "kv_used": self.kv_used}
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> "Forward":
+        items = tuple(item_from_wire(item) for item in array(data, "items"))
+        if not items:
+            raise ProtocolError("field 'items' must hold at least one item")
+        hidden = _activations(required(data, "hidden"))
+        rows = sum(item.count for item in items)
+        if len(hidden.shape) != 2 or hidden.shape[0] != rows:
+            raise ProtocolError(f"field 'hidden' of shape {list(hidden.shape)} does not hold the items' {rows} rows")
+        return cls(string(data, "digest"), items, hidden, integer(data, "kv_used", 0))
+
+
+def _activations(data: Any) -> Activations:
+    data = mapping(data, "hidden")
+    dtype = string(data, "dtype")
+    if dtype not in WIRE_DTYPES:
+        raise ProtocolError(f"field 'dtype': unsupported activation dtype {dtype!r}")
+    shape = integers(data, "shape", 0, 2**31 - 1)
+    payload = required(data, "data")
+    if not isinstance(payload, bytes):
+        raise ProtocolError("field 'data' must be bytes")
+    try:
+        return Activations(dtype, shape, payload)
+    except ValueError as exc:
+        raise ProtocolError(f"field 'data': {exc}") from exc
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    rid: str
+    token: int
+    done: bool
+
+    def to_wire(self) -> list[Any]:
+        return [self.rid, self.token, self.done]
+
+    @classmethod
+    def from_wire(cls, data: Any) -> "SampledToken":
+        if not isinstance(data, list) or len(data) != 3:
+            raise ProtocolError("field 'tokens': each sampled token is [rid, token, done]")
+        rid, token, done = data
+        return cls(string({"rid": rid}, "rid"), check_int(token, "token", 0, 2**31 - 1),
+                   boolean({"done": done}, "done"))
+
+
+@dataclass(frozen=True)
+class Sampled(Message):
+    """Last stage -> first stage: the tokens it sampled, the next step's inputs (and which requests are done)."""
+
+    type: ClassVar[str] = "sampled"
+    digest: str
+    tokens: tuple[SampledToken, ...]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"digest": self.digest, "tokens": [t.to_wire() for t in self.tokens]}
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> "Sampled":
+        return cls(string(data, "digest"), tuple(SampledToken.from_wire(t) for t in array(data, "tokens")))
+
+
+@dataclass(frozen=True)
+class Tokens(Sampled):
+    """Last stage -> an origin: its requests' tokens to stream. (A subclass of Sampled: same fields, another
+    recipient; check for it first.)"""
+
+    type: ClassVar[str] = "tokens"
+
+
+@dataclass(frozen=True)
+class Release(Message):
+    """Origin -> first stage: the request is over (client gone, stop string): free its KV blocks."""
+
+    type: ClassVar[str] = "release"
+    rid: str
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"rid": self.rid}
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> "Release":
+        return cls(string(data, "rid"))
+
+
+@dataclass(frozen=True)
+class Error(Message):
+    """Any stage -> origin: the request failed; `code` is the API error code the client sees."""
+
+    type: ClassVar[str] = "error"
+    rid: str
+    message: str
+    code: str
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"rid": self.rid, "message": self.message, "code": self.code}
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> "Error":
+        return cls(string(data, "rid"), string(data, "message", MAX_TEXT), string(data, "code"))
+
+
+# -- frames -------------------------------------------------------------------------------------------------
+
+
+def encode(message: Message, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> bytes:
+    data = msgpack.packb({"type": message.type, **message.to_wire()}, use_bin_type=True)
+    if len(data) > max_bytes:
+        raise ProtocolError(f"frame of {len(data)} bytes exceeds the {max_bytes}-byte limit ({message.type})")
+    return data
+
+
+def handshake_protocol(data: bytes, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> tuple[str, int | None, str | None]:
+    """(type, protocol, version) of a link set-up frame, read before `decode`: a peer of another protocol (or of
+    none: versions before protocol numbers) may send frames this version cannot decode, and must be told which
+    versions met rather than that its frame is malformed. Protocol and version are None when absent or odd."""
+    wire = _unpack(data, max_bytes)
+    protocol, version = wire.get("protocol"), wire.get("version")
+    protocol = protocol if isinstance(protocol, int) and not isinstance(protocol, bool) else None
+    version = version[:MAX_ID] if isinstance(version, str) else None
+    return wire["type"][:MAX_ID], protocol, version
+
+
+def decode(data: bytes, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Message:
+    """The message a frame holds; ProtocolError for anything that is not exactly one valid message."""
+    wire = _unpack(data, max_bytes)
+    kind = _TYPES.get(wire["type"])
+    if kind is None:
+        raise ProtocolError(f"unknown message type {wire['type'][:MAX_ID]!r}")
+    try:
+        return kind.from_wire(wire)
+    except ProtocolError as exc:
+        raise ProtocolError(f"invalid {kind.type}: {exc}") from exc
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:  # a reader this file missed
+        raise ProtocolError(f"invalid {kind.type}: {exc!r}") from exc
+
+
+def _unpack(data: bytes, max_bytes: int) -> dict[str, Any]:
+    if len(data) > max_bytes:
+        raise ProtocolError(f"frame of {len(data)} bytes exceeds the {max_bytes}-byte limit")
+    try:
+        wire = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError, TypeError) as exc:
+        # FormatError (a byte no msgpack value starts with) says nothing more than its name
+        raise ProtocolError(f"undecodable frame: {str(exc) or type(exc).__name__}") from exc
+    if not isinstance(wire, dict) or not isinstance(wire.get("type"), str):
+        raise ProtocolError("a frame must be a map with a string 'type'")
+    return wire

@@ -1,0 +1,77 @@
+"""The cluster as GET /v1/cluster returns it and the dashboard draws it: members, plan, agreement, each member's
+announced load, and why the layers are placed as they are (measured speeds, each stage's share of the time per
+token, the bottleneck, nodes left out and why)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from exo_like.cluster.membership import DEPARTED_SHOWN_SECONDS, Cluster
+from exo_like.cluster.node_info import NodeInfo
+from exo_like.cluster.node_load import NodeLoad
+from exo_like.cluster.placing import PlacementReport
+from exo_like.models.shard import Shard
+from partitioning.plan import Holder, needed_bytes
+
+
+def cluster_picture(cluster: Cluster, now: float | None = None) -> dict[str, Any]:
+    """What GET /v1/cluster returns and the dashboard shows: the same picture on every node. `now`: the cluster's
+    monotonic clock, which departures are timed by."""
+    now = time.monotonic() if now is None else now
+    members = sorted(cluster.members(), key=lambda m: (-m.memory_bytes, m.node_id))
+    placement = cluster.placement or PlacementReport("memory", "no plan yet")
+    nodes = [_member_json(cluster, m, placement) for m in members]
+    return {
+        "node_id": cluster.me.node_id,
+        "model": cluster.model_id,
+        "nodes": nodes,
+        "departed": [{**info_json(info), "status": "unreachable", "lost_seconds_ago": round(now - lost, 1)}
+                     for info, lost in cluster.departed.values() if now - lost <= DEPARTED_SHOWN_SECONDS],
+        # This node's own view (unlike the rest): peers it knows of but could not link with, and why.
+        "unlinked": cluster.peers.problems.to_json(),
+        "plan": cluster.plan.to_json() if cluster.plan else None,
+        "placement": placement.to_json({m.node_id: m.name for m in members}) if cluster.placement else None,
+        "agreed": cluster.agreed,
+        "ready": cluster.ready,
+        "problem": cluster.problem,
+        "waiting_for": None if cluster.ready else cluster.why_not_ready(),
+        "model_bytes": _model_bytes(cluster),
+        "total_memory_bytes": sum(m.memory_bytes for m in members),
+        # Each token counted once, by the node that streams it to its client.
+        "tokens_per_second": round(sum(n["generated_per_second"] for n in nodes), 2),
+        "requests_in_flight": sum(n["in_flight"] for n in nodes),
+    }
+
+
+def _member_json(cluster: Cluster, member: NodeInfo, placement: PlacementReport) -> dict[str, Any]:
+    announcement = cluster.announcement_of(member.node_id)
+    load = announcement.load if announcement else NodeLoad()
+    return {**info_json(member), "status": cluster.node_status(member.node_id),
+            "used_bytes": _used_bytes(cluster, member), **load.to_json(),
+            "download": load.download.to_json() if load.download is not None else None,
+            "problem": announcement.problem if announcement else None,
+            **placement.node_json(member.node_id, cluster.figures_of(member.node_id), cluster.model_id)}
+
+
+def _used_bytes(cluster: Cluster, member: NodeInfo) -> int:
+    """Parameter bytes of the member's layers in the current plan, as its engine and dtype hold them (what the fit
+    check counts)."""
+    description = cluster.description()
+    shard = cluster.plan.shard_for(member.node_id) if cluster.plan else None
+    if description is None or shard is None:
+        return 0
+    return needed_bytes(description.footprint, Holder(member.engine, member.dtype, member.device), shard)
+
+
+def _model_bytes(cluster: Cluster) -> int | None:
+    description = cluster.description()
+    if description is None:
+        return None
+    return description.footprint.shard_bytes(Shard("whole", 0, description.n_layers, description.n_layers))
+
+
+def info_json(m: NodeInfo) -> dict[str, Any]:
+    return {"id": m.node_id, "name": m.name, "address": f"{m.host}:{m.port}", "engine": m.engine,
+            "device": m.device, "dtype": m.dtype, "chip": m.chip, "memory_bytes": m.memory_bytes,
+            "version": m.version}

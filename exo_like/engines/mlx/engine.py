@@ -1,0 +1,308 @@
+"""The MLX engine: one shard of a Llama-family model on Apple Silicon (Metal) or on CPU.
+
+Reads only the safetensors files that hold the shard's tensors and keeps only those tensors (`mx.load` maps a
+file lazily, so tensors that are never touched are never read). Keys and values of every request on this stage
+live in one pool of KV blocks per layer.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+
+from exo_like.engines.activations import Activations
+from exo_like.engines.base import Engine, EngineUnavailableError, WeightForms, check_cancel, return_freed_memory
+from exo_like.engines.batch import layout as batch_layout
+from exo_like.engines.layer_speed import LayerRunner
+from exo_like.engines.mlx.layer import layer_runner
+from exo_like.engines.mlx.model import LayerPool, ShardModel, StepIndex
+from exo_like.engines.work import BLOCK_SIZE, WorkItem
+from exo_like.errors import InvalidRequestError, UnsupportedModelError
+from exo_like.models.affine import AffineGroups, pack_words
+from exo_like.models.checkpoint import ShardLoadPlan, plan_shard_load
+from exo_like.models.config import DTYPES, ModelArgs
+from exo_like.models.footprint import MLX_BITS
+from exo_like.models.gguf.file import FLOAT_TYPES, is_gguf, open_gguf
+from exo_like.models.quantization import QuantSpec
+from exo_like.models.shard import Shard
+
+log = logging.getLogger(__name__)
+
+EVAL_GROUP = 16  # tensors read per step of a load: a cancelled load stops after at most this many
+
+MX_DTYPES: dict[str, mx.Dtype] = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+
+
+def resolve_device(requested: str | None) -> mx.Device:
+    """None/'auto' -> MLX's default (the GPU on Apple Silicon); 'cpu'; 'gpu'/'metal' if a GPU exists."""
+    if requested in (None, "", "auto"):
+        return mx.default_device()
+    if requested == "cpu":
+        return mx.Device(mx.cpu)
+    if requested in ("gpu", "metal"):
+        if not mx.is_available(mx.gpu):
+            raise EngineUnavailableError("MLX has no GPU on this machine (this MLX build runs on CPU only)")
+        return mx.Device(mx.gpu)
+    raise EngineUnavailableError(f"unknown MLX device {requested!r}; choose auto, cpu or gpu")
+
+
+def describe_device(device: mx.Device) -> str:
+    if device.type == mx.cpu:
+        return "mlx cpu"
+    try:
+        return f"mlx gpu ({mx.device_info()['device_name']})"
+    except (KeyError, RuntimeError):
+        return "mlx gpu"
+
+
+def read_shard_tensors(model_dir: Path, shard: Shard, tied_embeddings: bool, quantized: bool,
+                       forms: WeightForms) -> tuple[dict[str, mx.array], dict[str, dict[str, int]]]:
+    """The shard's tensors under their shard-local names, from a GGUF file or a Hugging Face folder, and the
+    {group_size, bits} of each GGUF matrix kept quantized (`quantized`: in MLX's packed form), by module path.
+    `forms` counts the GGUF matrices kept quantized and those dequantized for want of a kernel."""
+    if not is_gguf(model_dir):
+        return read_plan_tensors(plan_shard_load(model_dir, shard, tied_embeddings), tied_embeddings), {}
+    weights, specs = {}, {}
+    for local, value, type_name in open_gguf(model_dir).read_shard(shard, tied_embeddings, quantized):
+        if isinstance(value, AffineGroups) and value.bits in MLX_BITS:
+            prefix = local.removesuffix(".weight")
+            weights[local] = mx.array(pack_words(value.codes, value.bits))
+            weights[f"{prefix}.scales"], weights[f"{prefix}.biases"] = mx.array(value.scales), mx.array(value.biases)
+            specs[prefix] = {"group_size": value.group_size, "bits": value.bits}
+            forms.add_quantized(type_name)
+            continue
+        if isinstance(value, AffineGroups):
+            forms.add_dequantized(f"{type_name} ({value.bits}-bit codes)")
+            value = value.dequantize()
+        elif quantized and type_name not in FLOAT_TYPES:
+            forms.add_dequantized(f"{type_name} (no affine form)")
+        weights[local] = mx.array(value)
+    return weights, specs
+
+
+def read_plan_tensors(plan: ShardLoadPlan, tied_embeddings: bool) -> dict[str, mx.array]:
+    """The plan's tensors under their shard-local names, from the plan's files only (still lazy)."""
+    weights: dict[str, mx.array] = {}
+    for path, names in plan.files.items():
+        file_arrays = mx.load(str(path))
+        for checkpoint_name, local_name in names:
+            if _is_derived(local_name, tied_embeddings):
+                continue
+            weights[local_name] = file_arrays[checkpoint_name]
+        # Dropping the dict drops the references to tensors outside the plan, which were never read.
+        del file_arrays
+    return weights
+
+
+def _is_derived(name: str, tied_embeddings: bool) -> bool:
+    """Tensors some checkpoints carry that the model recomputes or shares instead of loading."""
+    if name.endswith("rotary_emb.inv_freq"):
+        return True
+    return tied_embeddings and name.startswith("lm_head.")
+
+
+def quantize_like_checkpoint(model: ShardModel, args: ModelArgs, weights: dict[str, mx.array],
+                             specs: dict[str, dict[str, int]]) -> None:
+    """Swap in quantized layers where the checkpoint stores quantized matrices, before loading them.
+
+    As mlx-lm does, a layer is quantized exactly when the checkpoint has its `.scales`: converters leave some
+    layers in float (e.g. ones whose input size is not a multiple of the group size). A GGUF file's matrices
+    each have their own {group_size, bits} (`specs`)."""
+    spec = args.quant
+    if spec is not None:
+        nn.quantize(model, spec.group_size, spec.bits, class_predicate=lambda path, _: f"{path}.scales" in weights)
+    elif specs:
+        nn.quantize(model, class_predicate=lambda path, _: specs.get(path, False))
+
+
+def _cast(array: mx.array, dtype: mx.Dtype) -> mx.array:
+    """Floating tensors take the engine's dtype; packed quantized weights (uint32) stay as stored."""
+    return array.astype(dtype) if mx.issubdtype(array.dtype, mx.floating) else array
+
+
+class MLXEngine(Engine):
+    name = "mlx"
+
+    def __init__(self, device: str | None = None, dtype: str | None = None):
+        super().__init__(device=device, dtype=dtype)
+        if dtype is not None and dtype not in DTYPES:
+            raise ValueError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+        self._device = resolve_device(device)
+        self._dtype_name = dtype or "float32"
+        self._model: ShardModel | None = None
+        self._pools: list[LayerPool] = []
+        self._kv_blocks = 0
+
+    # ---- loading -------------------------------------------------------------------------------------------
+
+    def load(self, model_dir: Path, args: ModelArgs, shard: Shard, cancel: threading.Event | None = None) -> None:
+        if shard.n_layers != args.num_hidden_layers:
+            raise ValueError(f"shard {shard} does not match the model's {args.num_hidden_layers} layers")
+        started = time.perf_counter()
+        dtype_name = self.requested_dtype or _checkpoint_dtype(args)
+        self._model, self._pools, self.shard, self.args = None, [], None, None
+        self.weight_forms = WeightForms()
+        with mx.stream(self._device):
+            model = ShardModel(args, shard)
+            # A float --dtype asks for a GGUF file's dequantized (reference) path; an MLX-format checkpoint
+            # stays quantized (its reference, mlx-lm, runs it so).
+            forms = WeightForms()
+            weights, specs = read_shard_tensors(Path(model_dir), shard, args.tie_word_embeddings,
+                                                self.requested_dtype is None, forms)
+            quantize_like_checkpoint(model, args, weights, specs)
+            if args.quant is not None:
+                forms.quantized[f"mlx {args.quant.bits}-bit"] = sum(n.endswith(".scales") for n in weights)
+            dtype = MX_DTYPES[dtype_name]
+            model.load_weights([(name, _cast(w, dtype)) for name, w in weights.items()], strict=True)
+            # Read everything now, so the first request does not pay for loading and the files can be closed;
+            # a few tensors at a time, so that a cancelled load stops soon.
+            parameters = [array for _, array in tree_flatten(model.parameters())]
+            for start in range(0, len(parameters), EVAL_GROUP):
+                check_cancel(cancel)
+                mx.eval(parameters[start:start + EVAL_GROUP])
+            del parameters
+        return_freed_memory()
+        self._model, self._dtype_name = model, dtype_name
+        self.shard, self.args, self.weight_forms = shard, args, forms
+        if forms.dequantized:
+            log.warning("%s: no quantized kernel for %s: dequantized to %s", shard, forms.describe_dequantized(),
+                        dtype_name)
+        log.info(
+            "loaded %s on %s as %s: %d tensors from %s, %.1f MB in %.2fs",
+            shard, self.device_name, dtype_name, len(weights), Path(model_dir).name,
+            self.parameter_bytes() / 1e6, time.perf_counter() - started,
+        )
+
+    # ---- measuring (placement by speed) -------------------------------------------------------------------
+
+    def layer_form(self, model_dir: Path, args: ModelArgs) -> str:
+        quant = self._measured_quant(model_dir, args)
+        dtype = self.requested_dtype or _checkpoint_dtype(args)
+        return dtype if quant is None else f"{dtype}, {quant.bits}-bit groups of {quant.group_size}"
+
+    def layer_runner(self, model_dir: Path, args: ModelArgs) -> LayerRunner:
+        dtype = MX_DTYPES[self.requested_dtype or _checkpoint_dtype(args)]
+        return layer_runner(args, self._device, dtype, self._measured_quant(model_dir, args))
+
+    def _measured_quant(self, model_dir: Path, args: ModelArgs) -> QuantSpec | None:
+        """An MLX-format checkpoint runs quantized always; a GGUF file's affine types unless a --dtype asks for
+        the dequantized path (as load does), measured as 4-bit groups of 32, their most common form."""
+        if args.quant is not None:
+            return args.quant
+        if self.requested_dtype is None and is_gguf(model_dir) and open_gguf(model_dir).quantized:
+            return QuantSpec(group_size=32, bits=4)
+        return None
+
+    # ---- running -------------------------------------------------------------------------------------------
+
+    def step(self, items: Sequence[WorkItem], inputs: np.ndarray | Activations) -> Activations | np.ndarray:
+        model = self._require_model()
+        if not self._pools:
+            raise RuntimeError("no KV pool: call allocate_kv() after load()")
+        index = StepIndex(batch_layout(items, self._kv_blocks, self.args.context_length))
+        with mx.stream(self._device):
+            x = self._to_mlx(inputs, index.layout.rows)
+            out = model(x, self._pools, index)
+            mx.eval(out, [pool.state for pool in self._pools])
+            return np.array(out.astype(mx.float32)) if model.shard.is_last else self._to_activations(out)
+
+    def kv_block_bytes(self) -> int:
+        args, model = self.args, self._require_model()
+        return 2 * len(model.model.layers) * args.num_key_value_heads * BLOCK_SIZE * args.head_dim * \
+            MX_DTYPES[self._dtype_name].size
+
+    def allocate_kv(self, n_blocks: int) -> None:
+        self._pools = []  # the old pool's memory goes before the new one is taken
+        with mx.stream(self._device):
+            self._pools = self._require_model().make_pools(n_blocks, MX_DTYPES[self._dtype_name])
+            mx.eval([pool.state for pool in self._pools])
+        self._kv_blocks = n_blocks
+        log.info("KV pool: %d blocks (%.1f MB) for %s", n_blocks, n_blocks * self.kv_block_bytes() / 1e6, self.shard)
+
+    @property
+    def kv_blocks(self) -> int:
+        return self._kv_blocks if self._pools else 0
+
+    def close(self) -> None:
+        # A thread that ran MLX holds per-thread state (its streams, and the random key layer initialisation
+        # used) whose destructors take the GIL; left to the thread's exit, they can run while the interpreter
+        # finalizes, and the process aborts. MLX asks each such thread to clear them itself before it ends.
+        self._model, self._pools, self._kv_blocks, self.shard, self.args = None, [], 0, None, None
+        mx.clear_streams()
+
+    def _to_mlx(self, inputs: np.ndarray | Activations, rows: int) -> mx.array:
+        """Token ids -> int32 [R]; activations -> engine dtype [R, H]."""
+        shard, args = self.shard, self.args
+        if shard.is_first:
+            if isinstance(inputs, Activations) or inputs.shape != (rows,) or not np.issubdtype(inputs.dtype,
+                                                                                             np.integer):
+                raise InvalidRequestError(f"the first shard takes the batch's {rows} token ids, got "
+                                          f"{_describe(inputs)}")
+            # MLX does not bounds-check gathers: an out-of-range id would read arbitrary memory.
+            if inputs.min() < 0 or inputs.max() >= args.vocab_size:
+                raise InvalidRequestError(f"token ids must lie in [0, {args.vocab_size})")
+            return mx.array(inputs.astype(np.int32))
+        if not isinstance(inputs, Activations) or tuple(inputs.shape) != (rows, args.hidden_size):
+            raise InvalidRequestError(
+                f"shard {shard} takes activations [{rows}, {args.hidden_size}], got {_describe(inputs)}"
+            )
+        x = mx.array(inputs.bits())
+        if inputs.dtype == "bfloat16":
+            x = x.view(mx.bfloat16)  # the wire carries bfloat16 as its uint16 bit pattern
+        return x.astype(MX_DTYPES[self._dtype_name])
+
+    def _to_activations(self, hidden: mx.array) -> Activations:
+        if hidden.dtype == mx.bfloat16:
+            bits = np.array(hidden.view(mx.uint16))
+        else:
+            bits = np.array(hidden)
+        return Activations(dtype=self._dtype_name, shape=tuple(hidden.shape), data=bits.tobytes())
+
+    def _require_model(self) -> ShardModel:
+        if self._model is None:
+            raise RuntimeError("MLXEngine.forward called before load")
+        return self._model
+
+    # ---- bookkeeping ---------------------------------------------------------------------------------------
+
+    def parameter_bytes(self) -> int:
+        if self._model is None:
+            return 0
+        return sum(array.nbytes for _, array in tree_flatten(self._model.parameters()))
+
+    @property
+    def device_name(self) -> str:
+        return describe_device(self._device)
+
+    @property
+    def on_cpu(self) -> bool:
+        return self._device.type == mx.cpu
+
+    @property
+    def dtype_name(self) -> str:
+        return self._dtype_name
+
+
+def _checkpoint_dtype(args: ModelArgs) -> str:
+    if args.torch_dtype not in MX_DTYPES:
+        raise UnsupportedModelError(f"checkpoint dtype {args.torch_dtype!r} is not supported by the MLX engine")
+    return args.torch_dtype
+
+
+def _describe(inputs: object) -> str:
+    if isinstance(inputs, Activations):
+        return f"activations {inputs.dtype} {list(inputs.shape)}"
+    if isinstance(inputs, np.ndarray):
+        return f"array {inputs.dtype} {list(inputs.shape)}"
+    return type(inputs).__name__
+
+
+ENGINE_CLASS = MLXEngine

@@ -1,0 +1,41 @@
+"""One random layer of a model's shape on the MLX engine (its own initialisation, quantized as a load would), and
+the two steps layer_speed.py times."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from exo_like.engines.batch import layout as batch_layout
+from exo_like.engines.layer_speed import LayerRunner, measure_items
+from exo_like.engines.mlx.model import LayerPool, StepIndex, TransformerBlock
+from exo_like.engines.work import WorkItem
+from exo_like.models.config import ModelArgs
+from exo_like.models.quantization import QuantSpec
+
+
+def layer_runner(args: ModelArgs, device: mx.Device, dtype: mx.Dtype, quant: QuantSpec | None) -> LayerRunner:
+    with mx.stream(device):
+        layer = TransformerBlock(args)  # MLX initialises its layers with random weights
+        if quant is not None:
+            nn.quantize(layer, quant.group_size, quant.bits)
+        layer.set_dtype(dtype)  # floating parameters only: packed codes stay as they are
+        mx.eval(layer.parameters())
+        prefill_item, decode_item, n_blocks = measure_items()
+        pool = LayerPool(args, n_blocks, dtype)
+        mx.eval(pool.state)
+
+    def timed(item: WorkItem) -> Callable[[], None]:
+        index = StepIndex(batch_layout([item], n_blocks, args.context_length))
+        with mx.stream(device):
+            x = (mx.random.normal((item.count, args.hidden_size)) * 0.02).astype(dtype)
+            mx.eval(x)
+
+        def run() -> None:
+            with mx.stream(device):
+                mx.eval(layer(x, pool, index), pool.state)
+        return run
+
+    return LayerRunner(decode=timed(decode_item), prefill=timed(prefill_item))

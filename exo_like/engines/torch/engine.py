@@ -1,0 +1,301 @@
+"""The PyTorch engine: one shard of a Llama-family model on CUDA, MPS or CPU, with a pool of KV blocks.
+
+Calls are serialised by the node (see engines/base.py). A bfloat16 CPU decode step briefly switches PyTorch's
+process-wide oneDNN flag off (torch_model.native_matvec); that, too, relies on torch not being used by
+another thread of this process at the same moment.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+
+from exo_like.engines.activations import Activations
+from exo_like.engines.base import Engine, WeightForms, check_cancel, return_freed_memory
+from exo_like.engines.batch import layout as batch_layout
+from exo_like.engines.layer_speed import LayerRunner
+from exo_like.engines.torch.layer import layer_runner
+from exo_like.engines.torch.model import (
+    KVPool,
+    ShardModel,
+    StepIndex,
+    bound_onednn_caches,
+    fuse_checkpoint_weights,
+    load_state,
+)
+from exo_like.engines.torch.openmp import pin_openmp_team
+from exo_like.engines.torch.quant import Installer, Matrix, int4_kernel_available
+from exo_like.engines.work import WorkItem
+from exo_like.errors import InvalidRequestError
+from exo_like.models.affine import AffineGroups, from_mlx
+from exo_like.models.checkpoint import ShardLoadPlan, plan_shard_load
+from exo_like.models.config import DTYPES, ModelArgs
+from exo_like.models.gguf.file import FLOAT_TYPES, is_gguf, open_gguf
+from exo_like.models.quantization import QuantSpec
+from exo_like.models.shard import Shard
+
+log = logging.getLogger(__name__)
+
+# How a layer of a quantized GGUF file is measured: its K-quant matrices mostly run as 4-bit affine groups of 32.
+GGUF_MEASURED_QUANT = QuantSpec(group_size=32, bits=4)
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = {dtype: name for name, dtype in TORCH_DTYPES.items()}
+
+
+def pick_device(requested: str | None) -> torch.device:
+    """CUDA if available, else MPS, else CPU, unless a device is requested."""
+    if requested:
+        return torch.device(requested)
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    if torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def pick_dtype(requested: str | None, checkpoint_dtype: str, device: torch.device, quantized: bool = False
+               ) -> torch.dtype:
+    """The requested dtype, else the checkpoint's; a float16 checkpoint runs as bfloat16 on CPU. Quantized
+    weights run with float32 activations on CPU, only the kernel's inputs rounded to bfloat16 (bfloat16
+    activations throughout were no faster and agreed less often with the float32 reference; see
+    test_smollm2_quantized_kernels_agree_with_the_dequantized_path), and bfloat16 elsewhere."""
+    if requested:
+        return TORCH_DTYPES[requested]
+    if quantized:
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    name = checkpoint_dtype if checkpoint_dtype in TORCH_DTYPES else "float32"
+    if name == "float16" and device.type == "cpu":
+        # CPU float16 matmuls are far slower than bfloat16 ones; bfloat16 keeps the same memory footprint.
+        log.info("checkpoint dtype float16 runs as bfloat16 on cpu (cpu float16 kernels are slow)")
+        name = "bfloat16"
+    return TORCH_DTYPES[name]
+
+
+def read_planned_tensors(
+    plan: ShardLoadPlan, skip: set[str], device: torch.device, dtype: torch.dtype, quant: QuantSpec | None = None,
+    cancel: threading.Event | None = None, keep_quantized: bool = False,
+) -> dict[str, torch.Tensor | AffineGroups]:
+    """Read exactly the plan's tensors from exactly the plan's files, converted to the engine's device/dtype.
+
+    A quantized checkpoint's matrices come as AffineGroups with `keep_quantized`, else dequantized here, one at
+    a time, so only the packed shard plus one float matrix is ever held beyond the result."""
+    weights: dict[str, torch.Tensor] = {}
+    for path, names in plan.files.items():
+        wanted = [(name, local) for name, local in names if name not in skip]
+        if not wanted:
+            continue
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name, local in wanted:
+                check_cancel(cancel)
+                # get_tensor may return a view of the file's memory map; a private copy lets the mapping close,
+                # so resident memory ends at the shard's bytes instead of also keeping the file pages mapped.
+                tensor = f.get_tensor(name)
+                # Packed tensors keep their stored form (a copy still) until all parts of a matrix are read.
+                weights[local] = tensor.clone() if quant else tensor.to(device=device, dtype=dtype, copy=True)
+    if quant is None:
+        return weights
+    held: dict[str, torch.Tensor | AffineGroups] = {}
+    for name in [n for n in weights if n.endswith(".scales")]:
+        prefix = name.removesuffix(".scales")
+        packed, scales, biases = (weights.pop(f"{prefix}.{kind}") for kind in ("weight", "scales", "biases"))
+        groups = from_mlx(packed.view(torch.int32).numpy().view(np.uint32), scales.float().numpy(),
+                          biases.float().numpy(), quant.bits, quant.group_size)
+        held[f"{prefix}.weight"] = groups if keep_quantized else \
+            torch.from_numpy(groups.dequantize()).to(device=device, dtype=dtype)
+    held.update((name, tensor.to(device=device, dtype=dtype)) for name, tensor in weights.items())
+    return held
+
+
+def checkpoint_skips(plan: ShardLoadPlan, tied_embeddings: bool) -> set[str]:
+    """A tied model's stored LM head (and, when quantized, its scales and biases) duplicates the embedding,
+    which is what we use."""
+    if not tied_embeddings:
+        return set()
+    return {name for names in plan.files.values() for name, _ in names if name.startswith("lm_head.")}
+
+
+def activations_to_tensor(activations: Activations, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    bits = np.array(activations.bits())  # copy: the payload is read-only bytes
+    if activations.dtype == "bfloat16":
+        tensor = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16)
+    else:
+        tensor = torch.from_numpy(bits)
+    return tensor.to(device=device, dtype=dtype)
+
+
+def tensor_to_activations(tensor: torch.Tensor) -> Activations:
+    tensor = tensor.detach().contiguous().cpu()
+    name = DTYPE_NAMES[tensor.dtype]
+    if tensor.dtype == torch.bfloat16:
+        # numpy has no bfloat16: ship the 16-bit patterns.
+        tensor = tensor.view(torch.int16)
+    return Activations(dtype=name, shape=tuple(tensor.shape), data=tensor.numpy().tobytes())
+
+
+class TorchEngine(Engine):
+    name = "torch"
+
+    def __init__(self, device: str | None = None, dtype: str | None = None):
+        super().__init__(device=device, dtype=dtype)
+        bound_onednn_caches()
+        self.device = pick_device(device)
+        if dtype is not None and dtype not in TORCH_DTYPES:
+            raise ValueError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+        self.dtype: torch.dtype = TORCH_DTYPES[dtype or "float32"]  # until load() reads the checkpoint's
+        self.model: ShardModel | None = None
+        self.pool: KVPool | None = None
+        self._threads_placed = False
+
+    def load(self, model_dir: Path, args: ModelArgs, shard: Shard, cancel: threading.Event | None = None) -> None:
+        if shard.n_layers != args.num_hidden_layers:
+            raise ValueError(f"shard {shard} does not match the model's {args.num_hidden_layers} layers")
+        self.model, self.shard, self.args, self.pool = None, None, None, None
+        self.weight_forms = WeightForms()
+        started = time.perf_counter()
+        keep_quantized = self._keeps_quantized(model_dir, args)
+        self.dtype = pick_dtype(self.requested_dtype, args.torch_dtype, self.device, keep_quantized)
+        log.info("loading %s from %s on %s as %s", shard, Path(model_dir).name, self.device, DTYPE_NAMES[self.dtype])
+        with torch.device("meta"):  # no memory, no random init: every parameter is replaced by a loaded tensor
+            model = ShardModel(args, shard.layer_count, shard.is_first, shard.is_last)
+        installer = Installer(self.dtype, self.device, int4_kernel_available(self.device))
+        weights = self._read_weights(Path(model_dir), args, shard, keep_quantized, installer, cancel)
+        state = fuse_checkpoint_weights(weights, args, shard.is_first, shard.is_last)
+        installer.install(model, state)
+        load_state(model, state)
+        # Drop our references so prepare()'s relayout frees each old tensor as it goes.
+        del weights, state
+        model.requires_grad_(False).eval().prepare()
+        self.model, self.shard, self.args = model, shard, args
+        self.weight_forms = installer.forms
+        if installer.forms.dequantized:
+            log.warning("%s: no quantized kernel for %s: dequantized to %s", shard,
+                        installer.forms.describe_dequantized(), DTYPE_NAMES[installer.dense_dtype])
+        return_freed_memory()
+        log.info("loaded %s: %.1f MB in %.2fs", shard, self.parameter_bytes() / 1e6, time.perf_counter() - started)
+
+    def _keeps_quantized(self, model_dir: Path, args: ModelArgs) -> bool:
+        """A quantized checkpoint runs on quantized kernels unless a float --dtype asks for the dequantized
+        (reference) path."""
+        if self.requested_dtype is not None:
+            return False
+        return args.quant is not None or (is_gguf(model_dir) and open_gguf(model_dir).quantized)
+
+    def layer_form(self, model_dir: Path, args: ModelArgs) -> str:
+        quant = self._measured_quant(model_dir, args)
+        dtype = DTYPE_NAMES[pick_dtype(self.requested_dtype, args.torch_dtype, self.device, quant is not None)]
+        return dtype if quant is None else f"{dtype} activations, {quant.bits}-bit groups of {quant.group_size}"
+
+    def layer_runner(self, model_dir: Path, args: ModelArgs) -> LayerRunner:
+        quant = self._measured_quant(model_dir, args)
+        return layer_runner(args, self.device, pick_dtype(self.requested_dtype, args.torch_dtype, self.device,
+                                                          quant is not None), quant)
+
+    def _measured_quant(self, model_dir: Path, args: ModelArgs) -> QuantSpec | None:
+        if not self._keeps_quantized(model_dir, args):
+            return None
+        return args.quant or GGUF_MEASURED_QUANT
+
+    def _read_weights(self, model_dir: Path, args: ModelArgs, shard: Shard, keep: bool, installer: Installer,
+                      cancel: threading.Event | None) -> dict[str, Matrix]:
+        if is_gguf(model_dir):
+            weights: dict[str, Matrix] = {}
+            for local, value, type_name in open_gguf(model_dir).read_shard(shard, args.tie_word_embeddings, keep):
+                check_cancel(cancel)
+                if isinstance(value, AffineGroups):
+                    weights[local] = value
+                elif keep and type_name not in FLOAT_TYPES:
+                    weights[local] = installer.dense(value, f"{type_name} (no affine form)")
+                else:
+                    weights[local] = torch.from_numpy(value).to(device=self.device, dtype=self.dtype)
+            return weights
+        plan = plan_shard_load(model_dir, shard, args.tie_word_embeddings)
+        skip = checkpoint_skips(plan, args.tie_word_embeddings)
+        return read_planned_tensors(plan, skip, self.device, self.dtype, args.quant, cancel, keep)
+
+    def step(self, items: Sequence[WorkItem], inputs: np.ndarray | Activations) -> Activations | np.ndarray:
+        model, pool = self._loaded_model(), self._pool()
+        index = StepIndex.build(batch_layout(items, pool.n_blocks, self.args.context_length), self.device)
+        x = self._input_tensor(inputs, index.layout.rows)
+        with torch.inference_mode():
+            out = model(x, pool, index)
+            if model.is_last:
+                return out.float().cpu().numpy()
+            return tensor_to_activations(out)
+
+    def kv_block_bytes(self) -> int:
+        model = self._loaded_model()
+        return KVPool.block_bytes(self.args, len(model.layers), self.dtype)
+
+    def allocate_kv(self, n_blocks: int) -> None:
+        self.pool = None  # the old pool's memory goes before the new one is taken
+        self.pool = self._loaded_model().new_pool(n_blocks)
+        log.info("KV pool: %d blocks (%.1f MB) for %s", n_blocks, n_blocks * self.kv_block_bytes() / 1e6, self.shard)
+
+    @property
+    def kv_blocks(self) -> int:
+        return 0 if self.pool is None else self.pool.n_blocks
+
+    def place_threads(self) -> None:
+        """On CPU, one core per OpenMP thread of this (the engine) thread's team: see engines/openmp.py."""
+        if self.device.type != "cpu" or self._threads_placed:
+            return
+        self._threads_placed = True
+        cpus = pin_openmp_team(torch.get_num_threads())
+        if cpus is not None:
+            log.info("pinned %d torch threads to cpus %s", len(cpus), ",".join(map(str, cpus)))
+
+    def parameter_bytes(self) -> int:
+        if self.model is None:
+            return 0
+        return sum(t.numel() * t.element_size() for t in self.model.held_tensors())
+
+    @property
+    def device_name(self) -> str:
+        if self.device.type == "cuda":
+            return f"{self.device} ({torch.cuda.get_device_name(self.device)})"
+        return str(self.device)
+
+    @property
+    def on_cpu(self) -> bool:
+        return self.device.type == "cpu"
+
+    @property
+    def dtype_name(self) -> str:
+        return DTYPE_NAMES[self.dtype]
+
+    def _loaded_model(self) -> ShardModel:
+        if self.model is None:
+            raise RuntimeError("no shard loaded: call load() first")
+        return self.model
+
+    def _pool(self) -> KVPool:
+        if self.pool is None:
+            raise RuntimeError("no KV pool: call allocate_kv() after load()")
+        return self.pool
+
+    def _input_tensor(self, inputs: np.ndarray | Activations, rows: int) -> torch.Tensor:
+        """Token ids [R] on the first shard, hidden states [R, H] (any wire dtype) on the others."""
+        if self.model.is_first:
+            ids = np.asarray(inputs)
+            if isinstance(inputs, Activations) or ids.shape != (rows,) or ids.dtype.kind not in "iu":
+                raise InvalidRequestError(f"the first shard takes the batch's {rows} integer token ids")
+            if ids.min() < 0 or ids.max() >= self.args.vocab_size:
+                raise InvalidRequestError(f"token ids must lie in [0, {self.args.vocab_size})")
+            return torch.from_numpy(ids.astype(np.int64)).to(self.device)
+        if not isinstance(inputs, Activations):
+            raise InvalidRequestError("a shard after the first takes hidden states as Activations")
+        if tuple(inputs.shape) != (rows, self.args.hidden_size):
+            raise InvalidRequestError(f"hidden states must be [{rows}, {self.args.hidden_size}], "
+                                      f"got {list(inputs.shape)}")
+        return activations_to_tensor(inputs, self.device, self.dtype)
+
+
+ENGINE_CLASS = TorchEngine

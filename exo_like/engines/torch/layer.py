@@ -1,0 +1,107 @@
+"""One random layer of a model's shape on the torch engine, built the way a load builds a shard: the same fused
+projections, quantized kernels, weight layouts (ShardModel.prepare) and KV pool. What layer_speed.py times."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from exo_like.engines.batch import layout as batch_layout
+from exo_like.engines.layer_speed import LayerRunner, measure_items
+from exo_like.engines.torch.model import ShardModel, StepIndex, fuse_checkpoint_weights, load_state
+from exo_like.engines.torch.quant import Installer, Matrix, int4_kernel_available
+from exo_like.engines.work import WorkItem
+from exo_like.models.affine import AffineGroups
+from exo_like.models.config import ModelArgs
+from exo_like.models.quantization import QuantSpec
+
+TILE = 1 << 16  # random values drawn per tensor; a large matrix repeats them (the kernels' speed does not care)
+WEIGHT_SCALE = 0.02  # keeps activations in range through the timed steps
+
+
+def layer_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """Checkpoint names (as a shard of one layer names them) and shapes of one decoder layer's tensors."""
+    hidden, heads, kv, dim = args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim
+    inner = args.intermediate_size
+    prefix = "model.layers.0."
+    shapes: dict[str, tuple[int, ...]] = {
+        "self_attn.q_proj.weight": (heads * dim, hidden), "self_attn.k_proj.weight": (kv * dim, hidden),
+        "self_attn.v_proj.weight": (kv * dim, hidden), "self_attn.o_proj.weight": (hidden, heads * dim),
+        "mlp.gate_proj.weight": (inner, hidden), "mlp.up_proj.weight": (inner, hidden),
+        "mlp.down_proj.weight": (hidden, inner),
+        "input_layernorm.weight": (hidden,), "post_attention_layernorm.weight": (hidden,),
+    }
+    if args.qkv_bias:
+        shapes.update({"self_attn.q_proj.bias": (heads * dim,), "self_attn.k_proj.bias": (kv * dim,),
+                       "self_attn.v_proj.bias": (kv * dim,)})
+    if args.o_bias:
+        shapes["self_attn.o_proj.bias"] = (hidden,)
+    if args.mlp_bias:
+        shapes.update({"mlp.gate_proj.bias": (inner,), "mlp.up_proj.bias": (inner,),
+                       "mlp.down_proj.bias": (hidden,)})
+    if args.qk_norm:
+        shapes.update({"self_attn.q_norm.weight": (dim,), "self_attn.k_norm.weight": (dim,)})
+    return {prefix + name: shape for name, shape in shapes.items()}
+
+
+def random_tensor(shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    """float32 values of scale WEIGHT_SCALE: one tile of random values repeated (fast for large matrices)."""
+    numel = math.prod(shape)
+    tile = torch.randn(min(numel, TILE), generator=generator) * WEIGHT_SCALE
+    return tile.repeat(-(-numel // tile.numel()))[:numel].reshape(shape)
+
+
+def random_groups(shape: tuple[int, ...], quant: QuantSpec, rng: np.random.Generator) -> AffineGroups:
+    out, inputs = shape
+    codes = rng.integers(0, 2**quant.bits, size=(out, inputs), dtype=np.uint8)
+    groups = (out, inputs // quant.group_size)
+    scales = np.full(groups, WEIGHT_SCALE / 2**quant.bits, dtype=np.float32)
+    return AffineGroups(codes, scales, np.full(groups, -WEIGHT_SCALE / 2, dtype=np.float32), quant.bits,
+                        quant.group_size, f"{quant.bits}-bit (measured)")
+
+
+def layer_runner(args: ModelArgs, device: torch.device, dtype: torch.dtype, quant: QuantSpec | None) -> LayerRunner:
+    """The layer and its two timed steps. quant: hold the matrices quantized so (None: in `dtype`)."""
+    generator, rng = torch.Generator().manual_seed(0), np.random.default_rng(0)
+    weights: dict[str, Matrix] = {}
+    for name, shape in layer_shapes(args).items():
+        if name.endswith("norm.weight"):
+            weights[name] = torch.ones(shape, dtype=dtype, device=device)
+        elif quant is not None and len(shape) == 2 and shape[1] % quant.group_size == 0:
+            weights[name] = random_groups(shape, quant, rng)
+        else:
+            weights[name] = random_tensor(shape, generator).to(device=device, dtype=dtype)
+    with torch.device("meta"):
+        model = ShardModel(args, 1, False, False)
+    installer = Installer(dtype, device, int4_kernel_available(device))
+    state = fuse_checkpoint_weights(weights, args, False, False)
+    installer.install(model, state)
+    load_state(model, state)
+    model.requires_grad_(False).eval().prepare()
+    prefill_item, decode_item, n_blocks = measure_items()
+    pool = model.new_pool(n_blocks)
+    pool.keys.zero_()  # torch.empty: whatever the memory held (denormals would slow the attention down)
+    pool.values.zero_()
+
+    def timed(item: WorkItem) -> Callable[[], None]:
+        index = StepIndex.build(batch_layout([item], n_blocks, args.context_length), device)
+        x = (torch.randn(item.count, args.hidden_size, generator=generator) * WEIGHT_SCALE).to(device, dtype)
+
+        def run() -> None:
+            with torch.inference_mode():
+                model(x, pool, index)
+            synchronize(device)
+        return run
+
+    return LayerRunner(decode=timed(decode_item), prefill=timed(prefill_item))
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device: a step timed on an accelerator ends when its kernels do, not when they are queued."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()

@@ -1,0 +1,277 @@
+"""Quantized matrices on the PyTorch engine: weight-only int4 kernels, no dequantized copy.
+
+PyTorch's CPU kernel `_weight_int4pack_mm_for_cpu` multiplies bfloat16 activations by 4-bit codes with a
+bfloat16 scale and zero per group of inputs: w = (q - 8) * scale + zero. An AffineGroups matrix (w = s*q + b)
+maps onto it exactly:
+- up to 4 bits: one pack, scale s, zero b + 8 s;
+- 5 to 8 bits: two packs of the high and low nibbles, q = 16 h + l: the high one with scale 16 s, the low one
+  with scale s; their zeros share out the bias (see int4_packs) and their products add up to the whole.
+Shapes the kernel refuses (footprint.int4_refusal), other devices and types without an affine form (GGUF's
+Q2_K, Q3_K, Q6_K) are dequantized by the engine instead: on CPU to bfloat16 `Dense` pieces (half float32's bytes,
+and oneDNN's bfloat16 matmul is no slower there than float32's), elsewhere to the engine's dtype.
+
+The kernel keeps its packs in a private layout. An embedding needs rows of the matrix, not products: rows are
+decoded from the packs where the layout is the one checked at load (`Int4Pack.codes`, `check_layout`), else
+from a plain copy of the codes, which costs memory and is logged.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from exo_like.engines.base import WeightForms
+from exo_like.models.affine import AffineGroups
+from exo_like.models.footprint import int4_refusal
+
+log = logging.getLogger(__name__)
+
+KERNEL_DTYPE = torch.bfloat16  # the only activation dtype the CPU kernel runs fast (others take a slow path)
+PACK_ROWS = 4096  # rows packed per call, a multiple of the kernel's 64-row blocks: bounds the int32 copy it takes
+_LAYOUT_BLOCK = 64  # rows per block of the pack layout Int4Pack.rows decodes
+
+
+def int4_kernel_available(device: torch.device) -> bool:
+    return device.type == "cpu" and hasattr(torch, "_weight_int4pack_mm_for_cpu")
+
+
+@dataclass
+class Int4Pack:
+    """One int4 matrix in the kernel's layout: packed codes [out, in/2] and scale/zero [in/group, out, 2]."""
+
+    packed: torch.Tensor
+    scale_zeros: torch.Tensor
+    group_size: int
+
+    @classmethod
+    def from_codes(cls, codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray, group_size: int) -> "Int4Pack":
+        rows = [torch._convert_weight_to_int4pack_for_cpu(torch.from_numpy(chunk.astype(np.int32)), 1)
+                for chunk in np.split(codes, range(PACK_ROWS, codes.shape[0], PACK_ROWS))]
+        scale_zeros = torch.from_numpy(np.stack([scales.T, zeros.T], axis=-1)).to(KERNEL_DTYPE).contiguous()
+        return cls(torch.cat(rows), scale_zeros, group_size)
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.packed, self.scale_zeros
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, in] bfloat16 -> [rows, out] bfloat16."""
+        return torch._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scale_zeros)
+
+    def codes(self, ids: torch.Tensor) -> torch.Tensor:
+        """The 4-bit codes of rows `ids` [n] -> uint8 [n, in], read from the pack (see check_layout)."""
+        out, half = self.packed.shape
+        inputs = 2 * half
+        flat = self.packed.reshape(-1)
+        block, within = ids // _LAYOUT_BLOCK, ids % _LAYOUT_BLOCK
+        block_rows = torch.clamp(out - block * _LAYOUT_BLOCK, max=_LAYOUT_BLOCK)
+        full = block_rows == _LAYOUT_BLOCK
+        # A full block is [in, 32] bytes: byte d holds rows d (low nibble) and 32 + d (high nibble). A shorter
+        # last block of r rows is [in, r / 2] bytes: byte j holds rows 2j and 2j + 1.
+        column = torch.where(full, within % 32, within // 2)
+        high = torch.where(full, within // 32, within % 2)
+        stride = block_rows // 2
+        base = block * _LAYOUT_BLOCK * half + column
+        index = base[:, None] + torch.arange(inputs)[None, :] * stride[:, None]
+        return (flat[index] >> (4 * high)[:, None].to(torch.uint8)) & 0x0F
+
+    def dequantized_rows(self, codes: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """float32 [n, in] of rows `ids` given their codes."""
+        scale_zeros = self.scale_zeros[:, ids].float()  # [in/group, n, 2]
+        scale = scale_zeros[..., 0].T.repeat_interleave(self.group_size, dim=1)
+        zero = scale_zeros[..., 1].T.repeat_interleave(self.group_size, dim=1)
+        return (codes.float() - 8) * scale + zero
+
+
+def check_layout(pack: Int4Pack, codes: np.ndarray) -> bool:
+    """Whether Int4Pack.codes reads back exactly `codes` from this pack (the kernel's layout is private)."""
+    ids = torch.arange(codes.shape[0])
+    for start in range(0, len(ids), PACK_ROWS):
+        chunk = ids[start:start + PACK_ROWS]
+        if not torch.equal(pack.codes(chunk), torch.from_numpy(codes[start:start + PACK_ROWS])):
+            return False
+    return True
+
+
+def code_planes(groups: AffineGroups) -> list[np.ndarray]:
+    """The 4-bit codes of each pack int4_packs makes: the codes themselves up to 4 bits, else the high
+    nibbles (centred on the kernel's 8, which keeps its partial sums small: the two products are added after
+    each is rounded to bfloat16) and the low nibbles."""
+    if groups.bits <= 4:
+        return [groups.codes]
+    return [(groups.codes >> 4) + np.uint8(8 - _high_centre(groups.bits)), groups.codes & 0x0F]
+
+
+def _high_centre(bits: int) -> int:
+    """Half the number of values a high nibble takes (2**(bits-4) of them)."""
+    return 2 ** (bits - 4) // 2
+
+
+def int4_packs(groups: AffineGroups) -> list[Int4Pack]:
+    """The packs whose products add up to x @ w.T (one for up to 4 bits, two for 5 to 8)."""
+    s, b = groups.scales, groups.biases
+    planes = code_planes(groups)
+    if len(planes) == 1:
+        return [Int4Pack.from_codes(planes[0], s, b + 8 * s, groups.group_size)]
+    high_zero, low_zero = _place_bias(16 * _high_centre(groups.bits) * s, 8 * s, b)
+    return [Int4Pack.from_codes(planes[0], 16 * s, high_zero, groups.group_size),
+            Int4Pack.from_codes(planes[1], s, low_zero, groups.group_size)]
+
+
+def _place_bias(high: np.ndarray, low: np.ndarray, bias: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Add each group's bias to the zero it shrinks most: a symmetric type's bias (-128 s for Q8_0) cancels
+    the high zero exactly, and small zeros keep the products' rounding small."""
+    on_high = np.abs(high + bias) + np.abs(low) <= np.abs(high) + np.abs(low + bias)
+    return np.where(on_high, high + bias, high), np.where(on_high, low, low + bias)
+
+
+class QuantLinear(nn.Module):
+    """x @ w.T (+ bias) with w held as int4 packs; activations are cast to bfloat16 for the kernel and the
+    result back to the input's dtype. `pieces` stack along the outputs, so a fused projection may mix packed
+    and (dequantized) dense matrices, as GGUF files mixing types per tensor need."""
+
+    def __init__(self, pieces: list[list[Int4Pack] | torch.Tensor], bias: torch.Tensor | None):
+        super().__init__()
+        self.pieces = pieces
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x16 = x.to(KERNEL_DTYPE)
+        outputs = [self._piece(x, x16, piece) for piece in self.pieces]
+        out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
+        return out if self.bias is None else out + self.bias
+
+    @staticmethod
+    def _piece(x: torch.Tensor, x16: torch.Tensor, piece: list[Int4Pack] | torch.Tensor) -> torch.Tensor:
+        if isinstance(piece, torch.Tensor):
+            return F.linear(x16 if piece.dtype == x16.dtype else x.to(piece.dtype), piece).to(x.dtype)
+        out = piece[0].matmul(x16).to(x.dtype)
+        for pack in piece[1:]:
+            out += pack.matmul(x16).to(x.dtype)
+        return out
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Everything this layer holds (for counting its memory)."""
+        held = [] if self.bias is None else [self.bias]
+        for piece in self.pieces:
+            held += [piece] if isinstance(piece, torch.Tensor) else [t for pack in piece for t in pack.tensors()]
+        return held
+
+
+class QuantEmbedding(nn.Module):
+    """Rows of an int4-packed embedding, dequantized on lookup (to float32, then the model's dtype)."""
+
+    def __init__(self, packs: list[Int4Pack], dtype: torch.dtype, plain_codes: list[torch.Tensor] | None):
+        super().__init__()
+        self.packs, self.dtype = packs, dtype
+        self.plain_codes = plain_codes  # a copy of the codes when the pack layout is not the one decoded
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = None
+        for i, pack in enumerate(self.packs):
+            codes = pack.codes(ids) if self.plain_codes is None else self.plain_codes[i][ids]
+            part = pack.dequantized_rows(codes, ids)
+            rows = part if rows is None else rows + part
+        return rows.to(self.dtype)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for pack in self.packs for t in pack.tensors()] + list(self.plain_codes or [])
+
+
+class CastEmbedding(nn.Module):
+    """An embedding held in another dtype than the model's (a dequantized fallback): rows cast on lookup."""
+
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype):
+        super().__init__()
+        self.weight_rows, self.dtype = weight, dtype  # not `weight`: that name would make it a parameter
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight_rows).to(self.dtype)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.weight_rows]
+
+
+@dataclass
+class Dense:
+    """A quantized matrix that no kernel here takes, dequantized (in Installer.dense_dtype)."""
+
+    weight: torch.Tensor
+
+
+Matrix = AffineGroups | Dense | torch.Tensor
+
+
+def stack_rows(parts: list[Matrix | list[Matrix]]) -> Matrix | list[Matrix]:
+    """Matrices stacked along their outputs (q, k, v fused into one projection): one tensor or one AffineGroups
+    when they share a form, else the list of pieces for a QuantLinear."""
+    flat = [p for part in parts for p in (part if isinstance(part, list) else [part])]
+    if all(isinstance(p, torch.Tensor) for p in flat):
+        return torch.cat(flat)
+    if all(isinstance(p, Dense) for p in flat):
+        return Dense(torch.cat([p.weight for p in flat]))
+    if all(isinstance(p, AffineGroups) and p.same_form(flat[0]) for p in flat):
+        return AffineGroups.stack(flat)
+    return flat
+
+
+class Installer:
+    """Puts quantized modules into a ShardModel built on the meta device, from its state dict's quantized
+    entries (AffineGroups, or lists of pieces), and counts what ran on the kernel and what was dequantized."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device, use_kernel: bool):
+        self.dtype, self.device, self.use_kernel = dtype, device, use_kernel
+        # On CPU the activations are float32, but a dequantized matrix is held in bfloat16 (half the bytes).
+        self.dense_dtype = KERNEL_DTYPE if use_kernel else dtype
+        self.forms = WeightForms()
+        self._pieces: dict[int, list[Int4Pack] | torch.Tensor] = {}  # by id(AffineGroups)
+
+    def dense(self, values: np.ndarray, why: str) -> Dense:
+        """A dequantized matrix (`why`: its type and the reason it has no kernel, for the counts)."""
+        self.forms.add_dequantized(why)
+        return Dense(torch.from_numpy(values).to(device=self.device, dtype=self.dense_dtype))
+
+    def install(self, model: nn.Module, state: dict[str, Matrix | list[Matrix]]) -> None:
+        for name in [n for n, v in state.items() if not isinstance(v, torch.Tensor)]:
+            value, path = state.pop(name), name.removesuffix(".weight")
+            pieces = [self._piece(p) for p in (value if isinstance(value, list) else [value])]
+            module = model.get_submodule(path)
+            if all(isinstance(p, torch.Tensor) and p.dtype == self.dtype for p in pieces):
+                state[name] = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+                continue
+            if isinstance(module, nn.Embedding):
+                replacement: nn.Module = CastEmbedding(pieces[0], self.dtype) if isinstance(pieces[0], torch.Tensor) \
+                    else self._embedding(value, pieces[0])
+            else:
+                replacement = QuantLinear(pieces, state.pop(f"{path}.bias", None))
+            parent, _, child = path.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, replacement)
+
+    def _piece(self, matrix: Matrix) -> list[Int4Pack] | torch.Tensor:
+        if isinstance(matrix, torch.Tensor):
+            return matrix
+        if isinstance(matrix, Dense):
+            return matrix.weight
+        if id(matrix) not in self._pieces:  # a tied embedding and head are one AffineGroups: one piece
+            self._pieces[id(matrix)] = self._convert(matrix)
+        return self._pieces[id(matrix)]
+
+    def _convert(self, matrix: AffineGroups) -> list[Int4Pack] | torch.Tensor:
+        refusal = "no int4 kernel on this device" if not self.use_kernel else \
+            int4_refusal(matrix.bits, matrix.group_size, matrix.shape[0])
+        if refusal is not None:
+            return self.dense(matrix.dequantize(), f"{matrix.source} ({refusal})").weight
+        self.forms.add_quantized(matrix.source)
+        return int4_packs(matrix)
+
+    def _embedding(self, matrix: AffineGroups, packs: list[Int4Pack]) -> QuantEmbedding:
+        codes = code_planes(matrix)
+        if all(check_layout(pack, c) for pack, c in zip(packs, codes)):
+            return QuantEmbedding(packs, self.dtype, None)
+        log.warning("this torch build packs int4 weights in a layout not read here: the embedding keeps a plain "
+                    "copy of its codes for lookups (%.1f MB more)", sum(c.nbytes for c in codes) / 1e6)
+        return QuantEmbedding(packs, self.dtype, [torch.from_numpy(np.ascontiguousarray(c)) for c in codes])

@@ -1,0 +1,182 @@
+"""ModelArgs: the one parsed view of a Hugging Face `config.json` that both engines build their model from.
+
+Covers the Llama family as it appears on the Hub: Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5 and Qwen3. Reads rope
+settings from both conventions: the Hub's `rope_theta` + `rope_scaling`, and transformers >= 5's
+`rope_parameters` (which carries `rope_theta` inside it).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from exo_like.errors import UnsupportedModelError
+from exo_like.models.quantization import QuantSpec, quant_spec
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    model_type: str
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    torch_dtype: str
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    quantization: dict[str, Any] | None = field(default=None)
+    sliding_window: int | None = None
+
+    @property
+    def context_length(self) -> int:
+        """Positions a request may use. Within a sliding window, full attention is exactly sliding-window
+        attention, so capping the context at the window keeps every result exact instead of silently wrong."""
+        if self.sliding_window:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
+
+    @classmethod
+    def from_dict(cls, config: dict[str, Any]) -> "ModelArgs":
+        model_type = config.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            arch = (config.get("architectures") or [model_type])[0]
+            raise UnsupportedModelError(
+                f"unsupported architecture {arch!r} (model_type {model_type!r}); "
+                f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}",
+                code="unsupported_architecture",
+            )
+        hidden = int(config["hidden_size"])
+        heads = int(config["num_attention_heads"])
+        rope_theta, rope_scaling = _rope_settings(config)
+        is_qwen2 = model_type == "qwen2"
+        attention_bias = bool(config.get("attention_bias", False))
+        return cls(
+            model_type=model_type,
+            hidden_size=hidden,
+            num_hidden_layers=int(config["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(config.get("num_key_value_heads") or heads),
+            head_dim=int(config.get("head_dim") or hidden // heads),
+            intermediate_size=int(config["intermediate_size"]),
+            vocab_size=int(config["vocab_size"]),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            # Qwen2 always has q/k/v bias and no o bias; Llama/Qwen3 use `attention_bias` for all four.
+            qkv_bias=True if is_qwen2 else attention_bias,
+            o_bias=False if is_qwen2 else attention_bias,
+            mlp_bias=bool(config.get("mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
+            torch_dtype=str(config.get("torch_dtype") or config.get("dtype") or "float32"),
+            eos_token_ids=_as_id_tuple(config.get("eos_token_id")),
+            bos_token_id=config.get("bos_token_id"),
+            quantization=_quantization(config),
+            sliding_window=_sliding_window(config),
+        )
+
+    @property
+    def quant(self) -> QuantSpec | None:
+        """The uniform MLX quantization of the checkpoint (validated in from_dict), None for float."""
+        return quant_spec(self.quantization)
+
+    @classmethod
+    def from_dir(cls, model_dir: Path) -> "ModelArgs":
+        """Read config.json, merging eos ids from generation_config.json (where eos may be a list)."""
+        config = json.loads((model_dir / "config.json").read_text())
+        args = cls.from_dict(config)
+        gen_path = model_dir / "generation_config.json"
+        if gen_path.exists():
+            gen_eos = _as_id_tuple(json.loads(gen_path.read_text()).get("eos_token_id"))
+            merged = tuple(dict.fromkeys(args.eos_token_ids + gen_eos))
+            args = replace(args, eos_token_ids=merged)
+        return args
+
+
+def _sliding_window(config: dict[str, Any]) -> int | None:
+    """Mistral sets `sliding_window` when it uses one; Qwen2/3 carry a size but use it only if `use_sliding_window`."""
+    window = config.get("sliding_window")
+    if not window or config.get("use_sliding_window") is False:
+        return None
+    return int(window)
+
+
+def _as_id_tuple(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def _rope_settings(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """Return (rope_theta, scaling-or-None) from either config convention, validated."""
+    params = config.get("rope_parameters") or {}
+    scaling = dict(config.get("rope_scaling") or params or {})
+    theta = float(config.get("rope_theta") or params.get("rope_theta") or scaling.get("rope_theta") or 10000.0)
+    rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
+    scaling.pop("type", None)
+    scaling.pop("rope_theta", None)
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"unsupported rope scaling {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}",
+            code="unsupported_rope_scaling",
+        )
+    if rope_type == "default":
+        return theta, None
+    return theta, {"rope_type": rope_type, **scaling}
+
+
+def rope_inv_freq(args: ModelArgs) -> np.ndarray:
+    """Inverse rotary frequencies (float32, head_dim // 2), with linear or llama3 scaling applied.
+
+    Computed in float64 and rounded once, so both engines start from identical values.
+    """
+    dim = args.head_dim
+    inv_freq = 1.0 / (args.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    scaling = args.rope_scaling
+    if scaling is None:
+        return inv_freq.astype(np.float32)
+    factor = float(scaling["factor"])
+    if scaling["rope_type"] == "linear":
+        return (inv_freq / factor).astype(np.float32)
+    # llama3: keep high frequencies, divide low ones by `factor`, interpolate smoothly in between.
+    low_freq_factor = float(scaling.get("low_freq_factor", 1.0))
+    high_freq_factor = float(scaling.get("high_freq_factor", 4.0))
+    old_context = float(scaling.get("original_max_position_embeddings", 8192))
+    low_freq_wavelen = old_context / low_freq_factor
+    high_freq_wavelen = old_context / high_freq_factor
+    wavelen = 2 * np.pi / inv_freq
+    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return np.where(is_medium, smoothed, scaled).astype(np.float32)
+
+
+def _quantization(config: dict[str, Any]) -> dict[str, Any] | None:
+    """The config's quantization entry, checked now so an unsupported form fails before any weights move."""
+    quantization = config.get("quantization") or config.get("quantization_config")
+    quant_spec(quantization)
+    return quantization

@@ -1,0 +1,123 @@
+"""GGUF's quantized blocks as AffineGroups (codes, scale and bias per group of 32), for the quantized kernels.
+
+Layouts are ggml's (`ggml-quants.c`; `gguf.quants` decodes the same bytes to floats). Each row of a matrix is
+a run of blocks; within a block:
+- Q4_0 (18 bytes / 32 values): f16 d, 16 bytes of nibbles (value j in the low nibble of byte j, value 16 + j in
+  its high nibble); w = d * (q - 8).
+- Q4_1 (20 / 32): f16 d, f16 m, nibbles as Q4_0; w = d * q + m.
+- Q5_0 (22 / 32): f16 d, 32 high bits (bit j is value j's fifth bit), nibbles; w = d * (q - 16).
+- Q5_1 (24 / 32): f16 d, f16 m, high bits, nibbles; w = d * q + m.
+- Q8_0 (34 / 32): f16 d, 32 int8; w = d * q.
+- Q4_K (144 / 256): f16 d, f16 dmin, 12 bytes of eight 6-bit scales and mins, 128 bytes of nibbles (each run of
+  32 bytes holds two groups of 32: low nibbles, then high); w = d * scale * q - dmin * min per group of 32.
+- Q5_K (176 / 256): as Q4_K, with 32 bytes of fifth bits before the nibbles (bit g of byte j is value j of
+  group g's fifth bit).
+Q2_K, Q3_K and Q6_K scale groups of 16, which no engine's quantized kernel takes: they are dequantized.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from exo_like.models.affine import AffineGroups
+
+GROUP = 32
+
+
+def _halves(d: np.ndarray) -> np.ndarray:
+    """Leading f16 fields [blocks, 2] bytes -> float32 [blocks, 1]."""
+    return np.ascontiguousarray(d).view(np.float16).astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """[blocks, 16] bytes -> [blocks, 32] codes: low nibbles are values 0-15, high nibbles values 16-31."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _fifth_bits(qh: np.ndarray) -> np.ndarray:
+    """[blocks, 4] bytes (one little-endian uint32) -> [blocks, 32] bits: bit j belongs to value j."""
+    return np.unpackbits(np.ascontiguousarray(qh), axis=-1, bitorder="little")
+
+
+def _q4_0(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    d = _halves(blocks[:, :2])
+    return _nibbles(blocks[:, 2:]), d, -8 * d, 4
+
+
+def _q4_1(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    return _nibbles(blocks[:, 4:]), _halves(blocks[:, :2]), _halves(blocks[:, 2:4]), 4
+
+
+def _q5_0(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    d = _halves(blocks[:, :2])
+    return _nibbles(blocks[:, 6:]) | (_fifth_bits(blocks[:, 2:6]) << 4), d, -16 * d, 5
+
+
+def _q5_1(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    codes = _nibbles(blocks[:, 8:]) | (_fifth_bits(blocks[:, 4:8]) << 4)
+    return codes, _halves(blocks[:, :2]), _halves(blocks[:, 2:4]), 5
+
+
+def _q8_0(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    d = _halves(blocks[:, :2])
+    # Signed values -128..127 become codes 0..255 with the offset moved into the bias.
+    codes = (np.ascontiguousarray(blocks[:, 2:]).view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+    return codes, d, -128 * d, 8
+
+
+def _k_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K superblocks -> per-group scale and bias [blocks, 8] (w = scale * q + bias)."""
+    from gguf.quants import Q4_K  # imported here: gguf.quants takes a quarter of a second to import
+
+    d, dmin = _halves(blocks[:, :2]), _halves(blocks[:, 2:4])
+    scale, minimum = Q4_K.get_scale_min(np.ascontiguousarray(blocks[:, 4:16]))
+    return d * scale.astype(np.float32), -(dmin * minimum.astype(np.float32))
+
+
+def _k_nibbles(qs: np.ndarray) -> np.ndarray:
+    """[blocks, 128] bytes -> [blocks, 8, 32] codes: each 32 bytes are group 2i (low) and 2i+1 (high)."""
+    runs = qs.reshape(qs.shape[0], 4, 1, 32)
+    return np.concatenate([runs & 0x0F, runs >> 4], axis=2).reshape(qs.shape[0], 8, 32)
+
+
+def _q4_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    scales, biases = _k_scales(blocks)
+    return _k_nibbles(blocks[:, 16:]).reshape(blocks.shape[0], -1), scales, biases, 4
+
+
+def _q5_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    scales, biases = _k_scales(blocks)
+    high = blocks[:, 16:48]  # [blocks, 32]: bit g of byte j is group g's value j
+    fifth = (high[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1
+    codes = _k_nibbles(blocks[:, 48:]) | (fifth << 4)
+    return codes.reshape(blocks.shape[0], -1), scales, biases, 5
+
+
+# type name -> (bytes per block, values per block, decoder)
+DECODERS = {
+    "Q4_0": (18, 32, _q4_0),
+    "Q4_1": (20, 32, _q4_1),
+    "Q5_0": (22, 32, _q5_0),
+    "Q5_1": (24, 32, _q5_1),
+    "Q8_0": (34, 32, _q8_0),
+    "Q4_K": (144, 256, _q4_k),
+    "Q5_K": (176, 256, _q5_k),
+}
+
+
+BITS = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q8_0": 8, "Q4_K": 4, "Q5_K": 5}
+
+
+def has_affine_form(type_name: str) -> bool:
+    return type_name in DECODERS
+
+
+def affine_groups(type_name: str, stored: np.ndarray, shape: tuple[int, int]) -> AffineGroups:
+    """A quantized matrix's bytes (uint8, [out, bytes per row]) -> its codes, scales and biases in groups of 32."""
+    block_bytes, block_values, decode = DECODERS[type_name]
+    out, inputs = shape
+    blocks = np.asarray(stored, dtype=np.uint8).reshape(-1, block_bytes)
+    codes, scales, biases, bits = decode(blocks)
+    return AffineGroups(codes.astype(np.uint8, copy=False).reshape(out, inputs),
+                        scales.reshape(out, inputs // GROUP), biases.reshape(out, inputs // GROUP), bits, GROUP,
+                        type_name)

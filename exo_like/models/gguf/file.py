@@ -1,0 +1,308 @@
+"""GGUF files, llama.cpp's single-file format: a model's config, tokenizer and tensors, read with `gguf`.
+
+A GGUF model is one file (or a split set `name-00001-of-00003.gguf`, ...): a header of metadata (architecture,
+hyper-parameters, tokenizer, chat template) and tensor descriptions, then the tensors' bytes at offsets the
+header gives. The header is parsed with `gguf`'s reader; a node then maps and reads only its own layers'
+tensors, by offset.
+
+Names and layouts are llama.cpp's: `blk.N.attn_q.weight` is `model.layers.N.self_attn.q_proj.weight`, and for
+the `llama` architecture llama.cpp's converter reorders the rows of the query and key projections (its rotary
+embedding pairs neighbouring dimensions, Hugging Face's pairs the two halves of a head); they are put back here,
+so a tensor read from a GGUF is the tensor the Hugging Face checkpoint holds, and the engines need no GGUF
+knowledge. Quantized matrices come either dequantized to float32 (`gguf.quants`), the exact reference, or
+as codes, scales and biases (gguf_blocks.py) for the engines' quantized kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from exo_like.errors import ModelNotFoundError, UnsupportedModelError
+from exo_like.models.affine import AffineGroups
+from exo_like.models.checkpoint import local_tensor_name
+from exo_like.models.gguf.blocks import affine_groups, has_affine_form
+from exo_like.models.shard import Shard
+
+GGUF_SUFFIX = ".gguf"
+# GGUF's `general.architecture` -> the model_type the engines implement (Mistral files say "llama").
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+# Tensor types read (and dequantized) here: what F32/F16/BF16 conversions and Q8_0, Q4_0, Q4_1, Q4_K_M, Q5_K_M,
+# Q6_K and the like files contain.
+TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
+                "Q6_K")
+FLOAT_TYPES = ("F32", "F16", "BF16")
+_SPLIT_NAME = re.compile(r"^(?P<stem>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
+_LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.(.+)$")
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def is_gguf(path: Path) -> bool:
+    return path.suffix == GGUF_SUFFIX and path.is_file()
+
+
+def is_later_part(path: Path) -> bool:
+    """A part of a split set other than its first (a model is named by its first part)."""
+    match = _SPLIT_NAME.match(path.name)
+    return match is not None and int(match["index"]) != 1
+
+
+def find_gguf(path: Path) -> Path | None:
+    """The GGUF file a path names: the file itself, or the one model in a folder (the first part of a split
+    set); None if the path holds no GGUF. A folder with several models is an error naming them."""
+    if is_gguf(path):
+        return path
+    if not path.is_dir():
+        return None
+    files = sorted(p for p in path.glob(f"*{GGUF_SUFFIX}") if p.is_file())
+    models = [p for p in files if not is_later_part(p)]
+    if len(models) > 1:
+        raise ModelNotFoundError(f"{path} holds several GGUF models ({', '.join(p.name for p in models)}): "
+                                 "name the file")
+    return models[0] if models else None
+
+
+def split_parts(first: Path) -> list[Path]:
+    """Every file of a split GGUF model, in order (just `first` for a single file); missing parts are an error."""
+    match = _SPLIT_NAME.match(first.name)
+    if match is None:
+        return [first]
+    count = int(match["count"])
+    parts = [first.with_name(f"{match['stem']}-{i:05d}-of-{count:05d}{GGUF_SUFFIX}") for i in range(1, count + 1)]
+    missing = [p.name for p in parts if not p.is_file()]
+    if missing:
+        raise ModelNotFoundError(f"the split GGUF model {first.name} is missing {', '.join(missing)}")
+    return parts
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of the file, by its Hugging Face name, and where its bytes are."""
+
+    gguf_name: str
+    type_name: str
+    shape: tuple[int, ...]  # rows first (numpy order), e.g. [out_features, in_features]
+    n_bytes: int
+    part: Path  # the file of a split set that holds it
+    offset: int  # of its first byte in that file
+
+
+def open_gguf(path: Path) -> "GGUFCheckpoint":
+    """The checkpoint at `path`, parsed once per process while the file is unchanged: parsing a header with a
+    large vocabulary takes seconds, and the registry and the engine both need it."""
+    stat = path.stat()
+    return _open_cached(path.absolute(), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=4)
+def _open_cached(path: Path, _mtime_ns: int, _size: int) -> "GGUFCheckpoint":
+    return GGUFCheckpoint(path)
+
+
+class GGUFCheckpoint:
+    """A GGUF model's metadata and tensor table (all parts of a split set). No file stays mapped: each read
+    maps the tensor's own bytes and lets them go, so a node's memory ends at the tensors it copied."""
+
+    def __init__(self, path: Path):
+        from gguf import GGUFReader  # imported here: only nodes serving a GGUF model need it
+
+        self.path = path
+        self.parts = split_parts(path)
+        # Every tensor, checked in `tensors`. Plain values: the reader's tensor objects hold on to its parse of
+        # the whole header (tens of MB for a large vocabulary).
+        self._stored: list[TensorEntry] = []
+        try:
+            for index, part in enumerate(self.parts):
+                reader = GGUFReader(part)
+                if index == 0:
+                    self.metadata = _metadata(reader)
+                self._stored.extend(TensorEntry(str(t.name), t.tensor_type.name, tuple(reversed(t.shape.tolist())),
+                                                int(t.n_bytes), part, int(t.data_offset)) for t in reader.tensors)
+                del reader
+        except (ValueError, OSError, IndexError, KeyError, TypeError) as exc:  # a truncated or foreign file
+            raise UnsupportedModelError(f"{path.name} is not a readable GGUF file: {exc!r}") from None
+        architecture = self.metadata.get("general.architecture")
+        if architecture not in ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"{path.name}: unsupported GGUF architecture {architecture!r}; supported: "
+                f"{', '.join(ARCHITECTURES)}", code="unsupported_architecture")
+        self.architecture = str(architecture)
+
+    @cached_property
+    def tensors(self) -> dict[str, TensorEntry]:
+        """Hugging Face name -> entry, for every tensor the model uses (unknown extras are an error)."""
+        entries = {}
+        for entry in self._stored:
+            name = hf_tensor_name(entry.gguf_name)
+            if name is None:
+                raise UnsupportedModelError(f"{self.path.name}: tensor {entry.gguf_name!r} is not part of a "
+                                            f"{self.architecture} model this project runs")
+            if entry.type_name not in TENSOR_TYPES:
+                raise UnsupportedModelError(
+                    f"{self.path.name}: tensor {entry.gguf_name} has type {entry.type_name}, which is not "
+                    f"supported; supported: {', '.join(TENSOR_TYPES)}", code="unsupported_quantization")
+            entries[name] = entry
+        return entries
+
+    def _key(self, name: str, default: Any = None) -> Any:
+        return self.metadata.get(f"{self.architecture}.{name}", default)
+
+    def config(self) -> dict[str, Any]:
+        """The model's hyper-parameters in `config.json`'s terms (what ModelArgs.from_dict reads)."""
+        heads = int(self._key("attention.head_count"))
+        hidden = int(self._key("embedding_length"))
+        tokens = self.metadata.get("tokenizer.ggml.tokens")
+        embedding = self.tensors["model.embed_tokens.weight"]
+        config: dict[str, Any] = {
+            "model_type": ARCHITECTURES[self.architecture],
+            "hidden_size": hidden,
+            "num_hidden_layers": int(self._key("block_count")),
+            "num_attention_heads": heads,
+            "num_key_value_heads": int(self._key("attention.head_count_kv", heads)),
+            "head_dim": int(self._key("attention.key_length", hidden // heads)),
+            "intermediate_size": int(self._key("feed_forward_length")),
+            "vocab_size": int(self._key("vocab_size", len(tokens) if tokens else embedding.shape[0])),
+            "rms_norm_eps": float(self._key("attention.layer_norm_rms_epsilon", 1e-6)),
+            "rope_theta": float(self._key("rope.freq_base", 10000.0)),
+            "max_position_embeddings": int(self._key("context_length", 4096)),
+            "tie_word_embeddings": "lm_head.weight" not in self.tensors,
+            "attention_bias": "model.layers.0.self_attn.q_proj.bias" in self.tensors,
+            "torch_dtype": self._float_dtype(),
+            "bos_token_id": self.metadata.get("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": self._stop_ids(),
+        }
+        config.update(self._rope_scaling())
+        return config
+
+    def _rope_scaling(self) -> dict[str, Any]:
+        if "rope_freqs.weight" in self.tensors:
+            raise UnsupportedModelError(f"{self.path.name}: per-dimension rope frequency factors (rope_freqs) are "
+                                        "not supported yet", code="unsupported_rope_scaling")
+        kind = self._key("rope.scaling.type", "none")
+        if kind in ("none", None):
+            return {}
+        if kind == "linear":
+            return {"rope_scaling": {"rope_type": "linear", "factor": float(self._key("rope.scaling.factor"))}}
+        raise UnsupportedModelError(f"{self.path.name}: rope scaling {kind!r} is not supported; supported: linear",
+                                    code="unsupported_rope_scaling")
+
+    def _stop_ids(self) -> list[int]:
+        """llama.cpp stops at any end-of-generation token: end of sequence, end of turn, end of message."""
+        keys = ("eos_token_id", "eot_token_id", "eom_token_id")
+        ids = [self.metadata.get(f"tokenizer.ggml.{key}") for key in keys]
+        return list(dict.fromkeys(int(i) for i in ids if i is not None))
+
+    def _float_dtype(self) -> str:
+        """The float dtype the model's matrices are stored in; for quantized ones, bfloat16: the dtype an MLX
+        node (or a torch node off CPU) runs them with (a float --dtype asks for the dequantized path instead)."""
+        kinds = {entry.type_name for entry in self.tensors.values() if len(entry.shape) == 2}
+        if kinds == {"BF16"}:
+            return "bfloat16"
+        if kinds <= {"F16", "F32"} and "F16" in kinds:
+            return "float16"
+        return "float32" if kinds <= {"F32"} else "bfloat16"
+
+    def read(self, name: str, quantized: bool = False) -> np.ndarray | AffineGroups:
+        """A tensor as the Hugging Face checkpoint holds it, in float32; with `quantized`, a matrix of a type
+        that has an affine form (gguf_blocks.py) comes as its codes, scales and biases instead."""
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        entry = self.tensors[name]
+        stored = np.memmap(entry.part, dtype=np.uint8, mode="r", offset=entry.offset, shape=(entry.n_bytes,))
+        if len(entry.shape) > 1:  # one row of bytes per output row: the form gguf's dequantizers take
+            stored = stored.reshape(entry.shape[0], -1)
+        values: np.ndarray | AffineGroups
+        if quantized and len(entry.shape) == 2 and has_affine_form(entry.type_name):
+            values = affine_groups(entry.type_name, stored, entry.shape)
+        else:
+            values = dequantize(stored, GGMLQuantizationType[entry.type_name])
+            # A copy: a float tensor comes back as a view of the memory map, which must not outlive the load.
+            values = np.array(values, dtype=np.float32).reshape(entry.shape)
+        heads = {"q_proj": self.config_heads, "k_proj": self.config_kv_heads}.get(name.split(".")[-2])
+        if self.architecture == "llama" and heads is not None:
+            return _map_rows(values, lambda rows: unpermute_rotary_rows(rows, heads))
+        return values
+
+    @cached_property
+    def config_heads(self) -> int:
+        return int(self._key("attention.head_count"))
+
+    @cached_property
+    def config_kv_heads(self) -> int:
+        return int(self._key("attention.head_count_kv", self.config_heads))
+
+    @cached_property
+    def quantized(self) -> bool:
+        """Whether any matrix is stored in a quantized type."""
+        return any(len(e.shape) == 2 and e.type_name not in FLOAT_TYPES for e in self.tensors.values())
+
+    def read_shard(self, shard: Shard, tied: bool, quantized: bool = False
+                   ) -> Iterator[tuple[str, np.ndarray | AffineGroups, str]]:
+        """(shard-local name, tensor, stored type) of exactly the tensors `shard` needs (see `read` for
+        `quantized`)."""
+        for name, entry in self.tensors.items():
+            local = local_tensor_name(name, shard, tied)
+            if local is not None:
+                yield local, self.read(name, quantized), entry.type_name
+
+
+def _map_rows(values: np.ndarray | AffineGroups, reorder: Callable[[np.ndarray], np.ndarray]
+              ) -> np.ndarray | AffineGroups:
+    return values.map_rows(reorder) if isinstance(values, AffineGroups) else reorder(values)
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    match = _LAYER_TENSOR.match(gguf_name)
+    if match:
+        part = _LAYER_NAMES.get(match.group(2))
+        return None if part is None else f"model.layers.{match.group(1)}.{part}"
+    if gguf_name == "rope_freqs.weight":
+        return "rope_freqs.weight"
+    return _GLOBAL_NAMES.get(gguf_name)
+
+
+def unpermute_rotary_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's converter, which orders each head's rows as pairs (0, d/2), (1, d/2+1), ... for its
+    rotary embedding; Hugging Face's rotate-half wants the two halves of the head one after the other."""
+    rows = weight.shape[0]
+    half = rows // n_heads // 2
+    return weight.reshape(n_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def _metadata(reader: Any) -> dict[str, Any]:
+    """Every metadata key with its value (strings decoded, arrays as lists)."""
+    values = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        values[key] = field.contents()
+    return values

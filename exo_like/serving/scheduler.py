@@ -1,0 +1,314 @@
+"""The first stage's scheduler: which requests' tokens the ring computes in each step.
+
+Continuous batching as vLLM does it: every step takes each running request that has a token to compute (decode
+first), then chunks of prompts up to a token budget, so a long prompt no longer stalls everyone else's stream.
+New requests are admitted while the KV pool has room for their whole prompt (waiting in arrival order otherwise);
+a running request that needs a block when the pool is full takes it from the most recently admitted request,
+which is put back to wait and recomputed later (its tokens so far are kept, and sampling is a function of the
+seed and the token's index, so its text does not change).
+
+Pure bookkeeping, no engine and no network: the stage worker (stage.py) turns a Step into an engine call.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import deque
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from exo_like.cluster.protocol import Submit
+from exo_like.engines.work import BLOCK_SIZE, SampleSpec, WorkItem, blocks_for
+from exo_like.serving.kv_blocks import ROOT_HASH, BlockPool, block_hash
+
+# Rows of one engine step, by where the first stage computes, unless --max-batch-tokens says otherwise: big steps
+# prefill fastest (each step reads every weight once) when nobody waits for tokens...
+DEFAULT_MAX_BATCH_TOKENS = {"cpu": 512, "accelerator": 2048}
+# ...while requests are streaming, prompt chunks are kept small so their steps stay close to a step of the
+# streams' tokens alone (on 2 CPU cores a 32-token chunk adds ~40 ms to a ~50 ms step), and weigh more the deeper
+# they are in a long prompt (see attention_scale).
+DEFAULT_INTERLEAVE_TOKENS = {"cpu": 32, "accelerator": 512}
+DEFAULT_MAX_RUNNING = 64
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    max_batch_tokens: int | None = None  # rows of one step (vLLM's max_num_batched_tokens); None: by device
+    max_running: int = DEFAULT_MAX_RUNNING  # requests holding KV blocks at once (vLLM's max_num_seqs)
+    prefix_cache: bool = True
+    interleave_tokens: int | None = None  # rows of one step while requests stream; None: by device
+
+    def __post_init__(self) -> None:
+        budgets = (self.max_batch_tokens, self.interleave_tokens)
+        if any(b is not None and b < 1 for b in budgets) or self.max_running < 1:
+            raise ValueError("the batch token budgets and the running-request limit must be at least 1")
+
+    def for_device(self, cpu: bool) -> "SchedulerLimits":
+        """These limits with the batch token budgets decided (the defaults for a CPU or an accelerator)."""
+        kind = "cpu" if cpu else "accelerator"
+        batch = self.max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS[kind]
+        interleave = min(batch, self.interleave_tokens or DEFAULT_INTERLEAVE_TOKENS[kind])
+        return replace(self, max_batch_tokens=batch, interleave_tokens=interleave)
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A request as the first stage tracks it: every token known so far and how many have KV in the ring."""
+
+    rid: str
+    origin: str
+    tokens: list[int]
+    sample: SampleSpec
+    arrival: int
+    computed: int = 0  # positions scheduled so far: their keys and values are (or will be) in `blocks`
+    blocks: list[int] = field(default_factory=list)
+    registered: int = 0  # leading blocks registered in the prefix cache
+    parent_hash: bytes = ROOT_HASH  # hash of the last registered block
+    in_flight: bool = False  # a token is being sampled for it: it has nothing to compute until that arrives
+    batch: int = -1  # the step whose token it awaits, while in flight
+
+    @property
+    def pending(self) -> int:
+        """Known tokens whose keys and values are not scheduled yet."""
+        return len(self.tokens) - self.computed
+
+
+@dataclass(frozen=True)
+class Failure:
+    rid: str
+    origin: str
+    message: str
+    code: str
+
+
+@dataclass
+class Step:
+    items: list[WorkItem]
+    tokens: np.ndarray  # the items' input token ids, in item order
+
+
+class Scheduler:
+    def __init__(self, n_blocks: int, limits: SchedulerLimits = SchedulerLimits(), pipeline_depth: int = 1,
+                 cpu: bool = True, attention_scale: int | None = None):
+        self.pool = BlockPool(n_blocks)
+        self.limits = limits.for_device(cpu)
+        # A prompt token at position p costs (1 + p // attention_scale) of the step's budget: its attention to the
+        # p positions before it grows with p, so chunks late in a long prompt are smaller and the step's time
+        # (and every stream's inter-token latency) stays about the same. None: every token costs 1.
+        self.attention_scale = attention_scale
+        self._weighted = False  # whether this step weighs prompt tokens by depth (only while requests stream)
+        # Batches the ring should keep in flight: with stages on separate machines, splitting the decoding
+        # requests into this many batches lets every stage work at once instead of waiting for one batch.
+        self.pipeline_depth = max(1, pipeline_depth)
+        self.waiting: deque[Sequence] = deque()
+        self.running: dict[str, Sequence] = {}
+        self.failures: list[Failure] = []  # requests ended by the scheduler, for the worker to report
+        self.preemptions = 0
+        # Prompt tokens looked up in the prefix cache at admission, and found there (vLLM counts tokens too). A
+        # request that has to wait for blocks gives its cached ones back and is counted when it is admitted.
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+        self._steps = 0
+        self._arrivals = itertools.count()
+
+    # -- requests in and out ----------------------------------------------------------------------------
+
+    def submit(self, message: Submit) -> None:
+        capacity = self.pool.n_blocks * BLOCK_SIZE
+        needed = len(message.tokens) + 1
+        if needed > capacity:
+            self.failures.append(Failure(message.rid, message.origin, (
+                f"the request needs {needed} positions of KV cache but the ring's KV cache holds {capacity} "
+                "(set a larger --kv-cache-gb on the nodes, or send a shorter prompt)"), "context_length_exceeded"))
+            return
+        if message.rid in self.running or any(seq.rid == message.rid for seq in self.waiting):
+            self.failures.append(Failure(message.rid, message.origin, f"request id {message.rid!r} is already "
+                                         "running", "duplicate_request"))
+            return
+        self.waiting.append(Sequence(message.rid, message.origin, list(message.tokens), message.sample,
+                                     next(self._arrivals)))
+
+    def on_sampled(self, rid: str, token: int, done: bool) -> None:
+        seq = self.running.get(rid)
+        if seq is None:
+            return  # released meanwhile
+        seq.in_flight = False
+        if done:
+            self._finish(seq)
+        else:
+            seq.tokens.append(token)
+
+    def release(self, rid: str) -> bool:
+        """Drop a request wherever it is; False if it is not here."""
+        seq = self.running.get(rid)
+        if seq is not None:
+            self._finish(seq)
+            return True
+        for seq in self.waiting:
+            if seq.rid == rid:
+                self.waiting.remove(seq)
+                return True
+        return False
+
+    def drain(self) -> list[Sequence]:
+        """Every request, removed (the plan changed: the ring they ran on is gone)."""
+        sequences = list(self.running.values()) + list(self.waiting)
+        for seq in list(self.running.values()):
+            self._finish(seq)
+        self.waiting.clear()
+        self.pool.clear_cache()
+        return sequences
+
+    def _finish(self, seq: Sequence) -> None:
+        del self.running[seq.rid]
+        self.pool.release(seq.blocks)
+        seq.blocks = []
+
+    # -- steps --------------------------------------------------------------------------------------------
+
+    def batches_in_flight(self) -> int:
+        return len({s.batch for s in self.running.values() if s.in_flight})
+
+    def schedule(self) -> Step | None:
+        """The next step's items (decode tokens first, then prompt chunks), or None if nothing can run now.
+
+        No more than `pipeline_depth` batches are out at once: with stages sharing one machine, requests whose
+        tokens come back a little apart would otherwise go round as separate batches for ever, each reading
+        every stage's weights again; waiting for the batch in flight keeps them in one."""
+        if self.batches_in_flight() >= self.pipeline_depth:
+            return None
+        # While requests stream, prompts get small chunks on top of the streams' tokens; else big ones. A request
+        # recomputing its generated tokens (preempted, or replayed on a new ring) is not streaming yet.
+        streaming = any(s.pending <= 1 and len(s.tokens) > s.sample.prompt_len for s in self.running.values())
+        self._weighted = streaming
+        rows_left = self.limits.max_batch_tokens
+        prompt_budget = self.limits.interleave_tokens if streaming else rows_left
+        chosen: list[tuple[Sequence, int]] = []
+        decode_quota = math.ceil(len(self.running) / self.pipeline_depth)
+        ready = [s for s in self.running.values() if not s.in_flight and s.pending > 0]
+        ready.sort(key=lambda s: (s.pending > 1, s.arrival))
+        for seq in ready:
+            if rows_left == 0:
+                break
+            if seq.rid not in self.running:
+                continue  # preempted for an earlier one in this loop
+            if seq.pending == 1:
+                if decode_quota == 0:
+                    continue
+                decode_quota -= 1
+                count = self._grow(seq, 1, chosen)
+            else:
+                want = self._chunk(seq, min(prompt_budget, rows_left), chosen)
+                count = self._grow(seq, want, chosen) if want else 0
+                prompt_budget -= min(prompt_budget, count * self._weight(seq.computed))
+            if count:
+                chosen.append((seq, count))
+                rows_left -= count
+        while rows_left and self.waiting and len(self.running) < self.limits.max_running:
+            count = self._admit(self.waiting[0], min(prompt_budget, rows_left), chosen)
+            if not count:
+                break
+            seq = self.waiting.popleft()
+            chosen.append((seq, count))
+            rows_left -= count
+            prompt_budget -= min(prompt_budget, count * self._weight(seq.computed))
+        if not chosen:
+            return None
+        self._steps += 1
+        return self._step(chosen)
+
+    def _weight(self, position: int) -> int:
+        if self.attention_scale is None or not self._weighted:
+            return 1
+        return 1 + position // self.attention_scale
+
+    def _chunk(self, seq: Sequence, budget: int, chosen: list[tuple[Sequence, int]]) -> int:
+        """How many of a request's pending tokens fit the budget left; at least one for the first prompt of the
+        step, so a prompt too deep for any chunk still moves."""
+        if seq.pending == 1:
+            return 1
+        count = min(seq.pending, budget // self._weight(seq.computed))
+        return count if count or any(s.pending > 1 for s, _ in chosen) else 1
+
+    def _admit(self, seq: Sequence, budget: int, chosen: list[tuple[Sequence, int]]) -> int:
+        """Give the oldest waiting request the blocks for its first chunk (after any cached prefix)."""
+        if self.limits.prefix_cache:
+            # At least one position is computed, so the last prompt token's logits exist to sample from.
+            blocks, parent = self.pool.take_prefix(seq.tokens, (len(seq.tokens) - 1) // BLOCK_SIZE)
+            seq.blocks, seq.parent_hash = blocks, parent
+            seq.computed = len(blocks) * BLOCK_SIZE
+            seq.registered = len(blocks)
+        count = self._chunk(seq, budget, chosen)
+        # Blocks for the whole prompt at once, in one run after any cached prefix where the pool allows: its
+        # later chunks then attend to consecutive slots (see BlockPool), and it is admitted only when all fit.
+        new = self.pool.allocate(blocks_for(len(seq.tokens)) - len(seq.blocks), self._last_block(seq)) \
+            if count else None
+        if new is None:
+            self.pool.release(seq.blocks)  # wait without holding cached blocks others may need
+            seq.blocks, seq.computed, seq.registered, seq.parent_hash = [], 0, 0, ROOT_HASH
+            return 0
+        seq.blocks += new
+        self.running[seq.rid] = seq
+        if self.limits.prefix_cache:
+            self.prefix_queries += len(seq.tokens)
+            self.prefix_hits += seq.registered * BLOCK_SIZE
+        return count
+
+    def _grow(self, seq: Sequence, count: int, chosen: list[tuple[Sequence, int]]) -> int:
+        """Blocks for `count` more positions of a running request, preempting newer idle requests if the pool
+        is full; the positions it can have (0: it waits)."""
+        needed = blocks_for(seq.computed + count) - len(seq.blocks)
+        if needed <= 0:
+            return count
+        busy = {s.rid for s, _ in chosen} | {seq.rid}
+        while (new := self.pool.allocate(needed, self._last_block(seq))) is None:
+            victims = [s for s in self.running.values() if not s.in_flight and s.rid not in busy]
+            if not victims:
+                room = len(seq.blocks) * BLOCK_SIZE - seq.computed  # what its own last block still holds
+                if room == 0 and len(self.running) == 1:
+                    self._fail_alone(seq)
+                return min(room, count)
+            self._preempt(max(victims, key=lambda s: s.arrival))
+        seq.blocks += new
+        return count
+
+    @staticmethod
+    def _last_block(seq: Sequence) -> int | None:
+        return seq.blocks[-1] if seq.blocks else None
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free a running request's blocks and put it back first in line; it will be recomputed from its tokens."""
+        self._finish(seq)
+        seq.computed, seq.registered, seq.parent_hash = 0, 0, ROOT_HASH
+        self.waiting.appendleft(seq)
+        self.preemptions += 1
+
+    def _fail_alone(self, seq: Sequence) -> None:
+        self._finish(seq)
+        self.failures.append(Failure(seq.rid, seq.origin, (
+            f"the ring's KV cache ({self.pool.n_blocks * BLOCK_SIZE} positions) is full with this request alone "
+            "(set a larger --kv-cache-gb on the nodes, or ask for fewer tokens)"), "kv_cache_full"))
+
+    def _step(self, chosen: list[tuple[Sequence, int]]) -> Step:
+        items, tokens = [], []
+        for seq, count in chosen:
+            start = seq.computed
+            seq.computed += count
+            sample = seq.computed == len(seq.tokens)
+            seq.in_flight, seq.batch = sample, self._steps
+            items.append(WorkItem(seq.rid, seq.origin, start, count, tuple(seq.blocks),
+                                  seq.sample if sample else None))
+            tokens.extend(seq.tokens[start:seq.computed])
+            if self.limits.prefix_cache:
+                self._register_full_blocks(seq)
+        return Step(items, np.asarray(tokens, dtype=np.int64))
+
+    def _register_full_blocks(self, seq: Sequence) -> None:
+        """Blocks whose every position is now scheduled can serve later prompts: later steps' readers of them
+        reach each stage after this step's writers (every stage runs the first stage's steps in order)."""
+        for i in range(seq.registered, seq.computed // BLOCK_SIZE):
+            seq.parent_hash = block_hash(seq.parent_hash, seq.tokens[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE])
+            self.pool.register(seq.blocks[i], seq.parent_hash)
+            seq.registered = i + 1

@@ -1,0 +1,447 @@
+"""The dashboard in a real browser (Debian's headless Chromium, driven by Playwright) against real nodes.
+
+Three nodes on loopback (6, 3 and 1 GiB over a 7-layer checkpoint), the page opened on them: it must show what
+/v1/cluster says, follow a node's death without a reload, chat with the same greedy answer as the API, stop a
+request everywhere, look the same from every node, and come back by itself when its node restarts.
+Screenshots go to artifacts/; any console error fails the test that caused it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import signal
+import time
+from collections.abc import Callable, Iterator
+from decimal import ROUND_HALF_UP, Decimal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.api_server import NodeProcess, start_node, wait_for
+from tests.checkpoints import make_checkpoint
+from tests.cluster_harness import cluster_of, free_ports, start_cluster, wait_until_ready
+
+CHROMIUM = Path("/usr/bin/chromium")
+pytestmark = [pytest.mark.browser,
+              pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium at /usr/bin/chromium "
+                                 "(apt-get install chromium; .ci/run installs it)")]
+
+ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
+BROWSER_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+DESKTOP = {"width": 1280, "height": 800}
+PHONE = {"width": 390, "height": 844}
+PROMPT = "What is the capital of France?"
+MAX_TOKENS = 24
+
+
+# -- what the page should say, formatted as the page formats it -------------------------------------------
+
+def format_bytes(count: int) -> str:
+    value, unit = float(count), 0
+    units = ["B", "KiB", "MiB", "GiB", "TiB"]
+    while value >= 1024 and unit < len(units) - 1:
+        value, unit = value / 1024, unit + 1
+    # JavaScript's toFixed rounds an exact half up; Python's format would round it to even.
+    rounded = Decimal(value).quantize(Decimal("0.1"), rounding=ROUND_HALF_UP)
+    return f"{count} B" if unit == 0 else f"{rounded} {units[unit]}"
+
+
+def format_layers(start: int, end: int) -> str:
+    return f"layer {start}" if end - start == 1 else f"layers {start}–{end - 1}"
+
+
+# -- fixtures -----------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def seven_layers(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "llama7", "llama", n_layers=7, max_shard_size="200KB")
+
+
+@pytest.fixture(scope="module")
+def three_nodes(seven_layers: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[NodeProcess]]:
+    nodes = start_cluster(tmp_path_factory.mktemp("dashboard"), str(seven_layers), [6, 3, 1])
+    wait_until_ready(nodes, members=3)
+    yield nodes
+    for node in nodes:
+        node.stop()
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        context = playwright.chromium.launch_persistent_context(
+            str(tmp_path_factory.mktemp("chromium-profile")), executable_path=str(CHROMIUM), headless=True,
+            args=BROWSER_ARGS, viewport=DESKTOP)
+        yield context
+        context.close()
+
+
+class Dashboard:
+    """One open page on one node, and every error its console reported."""
+
+    def __init__(self, browser: Any, node: NodeProcess):
+        self.page = browser.new_page()
+        self.page.set_viewport_size(DESKTOP)
+        self.errors: list[str] = []
+        self.expected_errors: list[re.Pattern[str]] = []
+        self.page.on("console", lambda message: message.type == "error" and self.errors.append(message.text))
+        self.page.on("pageerror", lambda error: self.errors.append(f"uncaught: {error}"))
+        self.page.goto(node.base_url + "/")
+        self.page.wait_for_selector("#connection[data-state=live]", timeout=10_000)
+
+    def cards(self) -> list[dict[str, Any]]:
+        """The node cards, top to bottom."""
+        return self.page.eval_on_selector_all("#nodes .node", """cards => cards.map(card => ({
+            id: card.dataset.nodeId, status: card.dataset.status,
+            start: card.dataset.start === undefined ? null : Number(card.dataset.start),
+            end: card.dataset.end === undefined ? null : Number(card.dataset.end),
+            name: card.querySelector('.node-name').textContent, you: card.querySelector('.you') !== null,
+            text: card.textContent }))""")
+
+    def tile(self, key: str) -> str:
+        return self.page.inner_text(f'[data-tile="{key}"]')
+
+    def wait_for(self, script: str, arg: Any = None, timeout: float = 5.0) -> None:
+        self.page.wait_for_function(script, arg=arg, timeout=timeout * 1000)
+
+    def screenshot(self, name: str, viewport: dict[str, int], full_page: bool = False) -> Path:
+        self.page.set_viewport_size(viewport)
+        ARTIFACTS.mkdir(exist_ok=True)
+        path = ARTIFACTS / name
+        self.page.screenshot(path=str(path), full_page=full_page)
+        # Readable means no sideways scrolling at this width.
+        assert self.page.evaluate("document.documentElement.scrollWidth") <= viewport["width"], name
+        return path
+
+    def unexpected_errors(self) -> list[str]:
+        return [e for e in self.errors if not any(p.search(e) for p in self.expected_errors)]
+
+
+@pytest.fixture
+def open_page(browser: Any) -> Iterator[Callable[[NodeProcess], Dashboard]]:
+    pages: list[Dashboard] = []
+
+    def opener(node: NodeProcess) -> Dashboard:
+        pages.append(Dashboard(browser, node))
+        return pages[-1]
+
+    yield opener
+    for dashboard in pages:
+        dashboard.page.close()
+    assert [e for d in pages for e in d.unexpected_errors()] == [], "the browser console reported errors"
+
+
+def wait_for_ready_cards(dashboard: Dashboard, count: int) -> None:
+    dashboard.wait_for("n => { const cards = document.querySelectorAll('#nodes .node');"
+                       " return cards.length === n && [...cards].every(c => c.dataset.status === 'ready'); }",
+                       count, timeout=10)
+
+
+def greedy_chat(node: NodeProcess, model: str, content: str, max_tokens: int) -> dict[str, Any]:
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": content}],
+                       "max_tokens": max_tokens, "temperature": 0}).encode()
+    status, _, raw = node.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    assert status == 200, raw
+    return json.loads(raw)
+
+
+def open_settings(dashboard: Dashboard, temperature: str = "", max_tokens: str = "", ignore_eos: bool = False) -> None:
+    page = dashboard.page
+    if not page.is_visible("#chat-temperature"):
+        page.click("#chat-settings summary")
+    page.fill("#chat-temperature", temperature)
+    page.fill("#chat-max-tokens", max_tokens)
+    page.set_checked("#chat-ignore-eos", ignore_eos)
+
+
+# -- tests --------------------------------------------------------------------------------------------------
+
+def test_page_lists_the_nodes_their_memory_and_layers_as_v1_cluster_does(three_nodes: list[NodeProcess],
+                                                                         open_page, seven_layers: Path) -> None:
+    dashboard = open_page(three_nodes[0])
+    wait_for_ready_cards(dashboard, 3)
+    view = cluster_of(three_nodes[0])
+    nodes = {n["id"]: n for n in view["nodes"]}
+    stages = view["plan"]["stages"]
+    cards = dashboard.cards()
+    assert [c["id"] for c in cards] == [s["node_id"] for s in stages]  # pipeline order
+    for card, stage in zip(cards, stages):
+        node = nodes[stage["node_id"]]
+        assert card["name"] == node["name"]
+        assert (card["start"], card["end"]) == (stage["start_layer"], stage["end_layer"])
+        layers = format_layers(stage["start_layer"], stage["end_layer"])
+        assert f"{layers} · {stage['end_layer'] - stage['start_layer']} of 7" in card["text"]
+        assert f"{format_bytes(node['used_bytes'])} used of {format_bytes(node['memory_bytes'])}" in card["text"]
+        assert node["address"] in card["text"] and card["you"] == (node["id"] == view["node_id"])
+    assert [c["name"] for c in cards] == ["node0", "node1", "node2"]
+    assert "6.0 GiB" in cards[0]["text"] and "1.0 GiB" in cards[2]["text"]
+    assert "10.0 GiB" in dashboard.tile("memory")
+    assert view["plan"]["digest"] in dashboard.tile("agreement") and "agreed" in dashboard.tile("agreement")
+    assert seven_layers.name in dashboard.tile("model") and "7 layers" in dashboard.tile("model")
+    assert "default" in dashboard.tile("key")
+    ring = dashboard.page.eval_on_selector_all("#ring .bubble", "els => els.map(e => e.dataset.nodeId)")
+    assert ring == [s["node_id"] for s in stages]
+    assert dashboard.page.locator("#ring path.link[marker-end]").count() == 3  # one arrow per hop, back to the start
+    assert dashboard.page.get_attribute("#ring .bubble.me", "data-node-id") == view["node_id"]
+
+
+def test_every_node_serves_the_same_view(three_nodes: list[NodeProcess], open_page) -> None:
+    seen = []
+    for node in three_nodes:
+        dashboard = open_page(node)
+        wait_for_ready_cards(dashboard, 3)
+        cards = dashboard.cards()
+        me = cluster_of(node)["node_id"]
+        assert [c["id"] for c in cards if c["you"]] == [me]
+        seen.append(([(c["id"], c["name"], c["status"], c["start"], c["end"]) for c in cards],
+                     dashboard.tile("agreement"), dashboard.tile("memory")))
+    assert seen[0] == seen[1] == seen[2]
+
+
+def test_chat_streams_the_same_greedy_answer_as_the_api(three_nodes: list[NodeProcess], open_page,
+                                                        seven_layers: Path) -> None:
+    dashboard = open_page(three_nodes[1])
+    wait_for_ready_cards(dashboard, 3)
+    page = dashboard.page
+    page.wait_for_selector("#chat-model option", state="attached")
+    assert page.input_value("#chat-model") == seven_layers.name  # the picker lists /v1/models
+    open_settings(dashboard, temperature="0", max_tokens=str(MAX_TOKENS))
+    page.fill("#chat-input", PROMPT)
+    page.press("#chat-input", "Enter")
+    page.wait_for_selector(".msg.assistant[data-state=done]", timeout=60_000)
+    streamed = page.eval_on_selector(".msg.assistant .msg-text", "e => e.textContent")
+    answer = greedy_chat(three_nodes[1], seven_layers.name, PROMPT, MAX_TOKENS)
+    assert streamed == answer["choices"][0]["message"]["content"]
+    meta = page.inner_text(".msg.assistant .msg-meta")
+    assert f"{answer['usage']['completion_tokens']} tokens" in meta and "first token" in meta, meta
+    assert page.inner_text(".msg.user .msg-text") == PROMPT
+    # Settled before the screenshot: both requests finished on every node.
+    dashboard.wait_for("() => document.querySelector('[data-tile=requests]').textContent.includes('0 in flight')"
+                       " && [...document.querySelectorAll('#nodes .node')].every(c => c.dataset.status === 'ready')")
+    dashboard.screenshot("dashboard-1280x800.png", DESKTOP)
+    dashboard.screenshot("dashboard-390x844.png", PHONE)
+    dashboard.screenshot("dashboard-390-full.png", PHONE, full_page=True)
+
+
+def test_stop_cancels_the_request_on_every_node(three_nodes: list[NodeProcess], open_page) -> None:
+    dashboard = open_page(three_nodes[0])
+    wait_for_ready_cards(dashboard, 3)
+    page = dashboard.page
+    page.wait_for_selector("#chat-model option", state="attached")
+    open_settings(dashboard, max_tokens="100000", ignore_eos=True)  # far longer than the test waits
+    page.fill("#chat-input", "Write a very long poem.")
+    page.click("#chat-send")
+    text = ".msg.assistant[data-state=streaming] .msg-text"
+    dashboard.wait_for(f"() => document.querySelector('{text}')?.textContent.length > 0", timeout=30)
+    first = len(page.eval_on_selector(text, "e => e.textContent"))
+    dashboard.wait_for(f"n => document.querySelector('{text}')?.textContent.length > n", first)  # it streams
+    # While it runs, every node's card is busy with a live rate and its layers' time per token: numbers shared
+    # in the announcements.
+    dashboard.wait_for("() => { const cards = [...document.querySelectorAll('#nodes .node')];"
+                       " return cards.length === 3 && cards.every(c => c.dataset.status === 'busy'"
+                       " && c.querySelector('.node-tps').textContent !== '0 tok/s'"
+                       " && /^[0-9.]+ ms per token$/.test(c.querySelector('.node-step')?.textContent ?? '')); }")
+    assert "1 in flight" in dashboard.tile("requests")
+    assert three_nodes[0].get_json("/v1/debug/requests")["in_flight_requests"] == 1
+    dashboard.screenshot("dashboard-generating-1280x800.png", DESKTOP)
+    page.click("#chat-stop")
+    page.wait_for_selector(".msg.assistant[data-state=stopped]", timeout=5_000)
+    assert page.is_visible("#chat-send") and not page.is_visible("#chat-stop")
+    assert page.inner_text(".msg.assistant .msg-meta").startswith("Stopped.")
+
+    def stopped_everywhere() -> list[dict[str, Any]] | None:
+        debug = [node.get_json("/v1/debug/requests") for node in three_nodes]
+        idle = all(d["in_flight_requests"] == 0 and d["requests"] == [] and d["active_kv_caches"] == 0 for d in debug)
+        return debug if idle else None
+
+    assert wait_for(stopped_everywhere, timeout=5), [n.get_json("/v1/debug/requests") for n in three_nodes]
+    dashboard.wait_for("() => [...document.querySelectorAll('#nodes .node')].every(c => c.dataset.status === 'ready')")
+
+
+def test_a_downloading_node_says_how_far_it_is(three_nodes: list[NodeProcess], open_page) -> None:
+    """The page's own status rules, run in the browser on the download object /v1/cluster reports per node."""
+    dashboard = open_page(three_nodes[0])
+    result = dashboard.page.evaluate("""async () => {
+        const m = await import('/dashboard/topology.js');
+        const downloading = {status: 'loading', busy: false, problem: null,
+                             download: {state: 'downloading', percent: 42.7}};
+        const finished = {...downloading, download: {state: 'done', percent: 100}};
+        const failing = {...downloading, problem: 'cannot reach the hub'};
+        const status = m.displayStatus(downloading);
+        return [status, m.statusLabel(downloading, status), m.displayStatus(finished), m.displayStatus(failing)];
+    }""")
+    assert result == ["downloading", "downloading 42 %", "loading", "problem"]
+
+
+def test_a_node_long_inside_one_step_says_so(three_nodes: list[NodeProcess], open_page) -> None:
+    """A hung engine keeps its node alive: the page tells it apart from an ordinary busy node by step_seconds."""
+    dashboard = open_page(three_nodes[0])
+    result = dashboard.page.evaluate("""async () => {
+        const m = await import('/dashboard/topology.js');
+        const computing = {status: 'ready', busy: true, problem: null, step_seconds: 0.4};
+        const stuck = {...computing, step_seconds: 42.9};
+        const status = m.displayStatus(stuck);
+        return [m.displayStatus(computing), status, m.statusLabel(stuck, status)];
+    }""")
+    assert result == ["busy", "slow-step", "one step for 42 s"]
+
+
+def test_a_request_recovering_from_a_lost_node_says_which_node_it_lost(three_nodes: list[NodeProcess],
+                                                                       open_page) -> None:
+    """The card of the node whose clients' requests are paused names the node they lost; a banner says it too."""
+    dashboard = open_page(three_nodes[0])
+    result = dashboard.page.evaluate("""async () => {
+        const m = await import('/dashboard/topology.js');
+        return [m.recoveryText({recovering: {node1: 2}, replays: 3}), m.recoveryText({recovering: {}, replays: 1}),
+                m.recoveryText({recovering: {'': 1}, replays: 1}), m.recoveryText({recovering: {}, replays: 0})];
+    }""")
+    assert result == ["2 requests recovering: lost node1, replaying on the re-formed ring · 3 requests resumed after "
+                      "a lost node or a re-plan", "1 request resumed after a lost node or a re-plan",
+                      "1 request recovering: the ring re-formed, replaying · 1 request resumed after a lost node or "
+                      "a re-plan", None]
+
+
+def test_a_node_card_says_its_measured_speed_its_share_and_the_bottleneck(three_nodes: list[NodeProcess],
+                                                                          open_page) -> None:
+    """Placement by speed, shown: the page's text functions on what /v1/cluster reports per node, and the cards of
+    the running cluster (same hardware: the memory split, with each stage's share of a token's time)."""
+    dashboard = open_page(three_nodes[0])
+    result = dashboard.page.evaluate("""async () => {
+        const m = await import('/dashboard/topology.js');
+        const slow = {speed: {decode_ms_per_layer: 8.0, prefill_ms_per_token: 0.5, measure_seconds: 1.2,
+                              cached: false, problem: null}, share: 0.412, bottleneck: true};
+        const fast = {...slow, speed: {...slow.speed, decode_ms_per_layer: 0.0423}, share: 0.2, bottleneck: false};
+        const measuring = {speed: {decode_ms_per_layer: null, problem: null}, share: null, bottleneck: false};
+        const failed = {speed: {decode_ms_per_layer: null, problem: 'cannot measure its speed: no kernel'},
+                        share: null, bottleneck: false};
+        return [m.speedText(slow), m.speedText(fast), m.speedText(measuring), m.speedText(failed),
+                m.speedText({speed: null}),
+                m.leftOutText({node_id: 'x', name: 'nas', reason: 'with it the slowest stage takes 9.00 ms per '
+                                                                  + 'token, without it 4.00 ms'})];
+    }""")
+    assert result == ["8.0 ms per layer · 41% of each token · bottleneck", "0.042 ms per layer · 20% of each token",
+                      "measuring its speed…", "cannot measure its speed: no kernel", None,
+                      "nas holds no layers: with it the slowest stage takes 9.00 ms per token, without it 4.00 ms."]
+    view = cluster_of(three_nodes[0])
+    wait_for_ready_cards(dashboard, 3)
+    cards = {card["id"]: card["text"] for card in dashboard.cards()}
+    for node in view["nodes"]:
+        share = math.floor(100 * node["share"] + 0.5)  # as JavaScript's Math.round (Python's round halves to even)
+        assert "per layer" in cards[node["id"]] and f"{share}% of each token" in cards[node["id"]]
+    assert "bottleneck" in cards[view["placement"]["bottleneck"]]
+    assert view["placement"]["why"] in dashboard.tile("agreement")
+
+
+@pytest.fixture
+def fresh_three_nodes(seven_layers: Path, tmp_path: Path) -> Iterator[list[NodeProcess]]:
+    """A cluster of its own for a test that kills a node (requested before open_page: pages close first)."""
+    nodes = start_cluster(tmp_path, str(seven_layers), [6, 3, 1])
+    wait_until_ready(nodes, members=3)
+    yield nodes
+    for node in nodes:
+        node.stop()
+
+
+def test_a_killed_node_shows_unreachable_and_the_new_layer_ranges_within_5s(fresh_three_nodes: list[NodeProcess],
+                                                                           open_page) -> None:
+    nodes = fresh_three_nodes
+    dashboard = open_page(nodes[0])
+    wait_for_ready_cards(dashboard, 3)
+    lost = cluster_of(nodes[1])["node_id"]
+    nodes[1].process.send_signal(signal.SIGKILL)
+    killed_at = time.monotonic()
+    # 7 layers over the 6 and 1 GiB that are left: [0, 6) and [6, 7); no reload in between.
+    dashboard.wait_for("lost => { const cards = [...document.querySelectorAll('#nodes .node')];"
+                       " const ranges = cards.filter(c => c.dataset.start)"
+                       "   .map(c => c.dataset.start + '-' + c.dataset.end).join();"
+                       " return ranges === '0-6,6-7' && cards.some(c => c.dataset.nodeId === lost"
+                       " && c.dataset.status === 'unreachable'); }", lost, timeout=5)
+    assert time.monotonic() - killed_at <= 5.0
+    view = cluster_of(nodes[0])
+    cards = dashboard.cards()
+    assert [(c["id"], c["start"], c["end"]) for c in cards if c["status"] != "unreachable"] == [
+        (s["node_id"], s["start_layer"], s["end_layer"]) for s in view["plan"]["stages"]]
+    assert [c["name"] for c in cards if c["status"] == "unreachable"] == ["node1"]
+    assert dashboard.page.locator("#ring .bubble").count() == 2
+    assert "node1" in dashboard.page.inner_text("#banners")
+    dashboard.screenshot("dashboard-node-lost-1280x800.png", DESKTOP)
+
+
+@pytest.fixture
+def tiny_pair_without_model(tmp_path: Path) -> Iterator[list[NodeProcess]]:
+    """Two nodes with no model and 100 KiB each: any real model is too big for them."""
+    nodes = start_cluster(tmp_path, None, [0.0001, 0.0001])
+    yield nodes
+    for node in nodes:
+        node.stop()
+
+
+def test_no_model_and_a_model_that_does_not_fit_are_explained(tiny_pair_without_model: list[NodeProcess],
+                                                              open_page, seven_layers: Path) -> None:
+    nodes = tiny_pair_without_model
+    dashboard = open_page(nodes[0])
+    page = dashboard.page
+    dashboard.wait_for("() => document.querySelectorAll('#nodes .node').length === 2", timeout=10)
+    assert "No model yet" in page.inner_text("#banners") and "none yet" in dashboard.tile("model")
+    assert [c["status"] for c in dashboard.cards()] == ["idle", "idle"]
+    # Nothing to pick yet: the picker is a text field, and the first request's model becomes the cluster's.
+    page.fill("#chat-model", str(seven_layers))
+    page.fill("#chat-input", PROMPT)
+    page.click("#chat-send")
+    page.wait_for_selector(".msg.assistant[data-state=error]", timeout=30_000)
+    problem = cluster_of(nodes[0])["problem"]
+    assert problem.startswith("the model does not fit: ") and "bytes available" in problem
+    assert problem in page.inner_text(".msg.assistant .msg-meta")  # the server's reason, in words
+    dashboard.wait_for("problem => document.querySelector('#banners').textContent.includes(problem)", problem)
+    dashboard.wait_for(
+        "() => [...document.querySelectorAll('#nodes .node')].every(c => c.dataset.status === 'problem')")
+    assert "needs" in dashboard.cards()[0]["text"]
+    dashboard.screenshot("dashboard-does-not-fit-1280x800.png", DESKTOP)
+
+
+def test_page_reconnects_by_itself_when_its_node_restarts(seven_layers: Path, tmp_path: Path, open_page) -> None:
+    port = free_ports(1)[0]
+    args = (str(seven_layers), "--no-mdns", "--node-name", "phoenix", "--dtype", "float32")
+    node = start_node(tmp_path, *args, port=port)
+    try:
+        dashboard = open_page(node)
+        wait_for_ready_cards(dashboard, 1)
+        assert "on its own" in dashboard.page.inner_text("#banners")  # a single node says so
+        # The browser logs the event stream cut by the shutdown and each failed reconnection: expected here.
+        dashboard.expected_errors.append(re.compile(r"ERR_CONNECTION_REFUSED|ERR_INCOMPLETE_CHUNKED_ENCODING"))
+        assert node.stop() == 0, node.log()
+        dashboard.wait_for("() => document.querySelector('#connection').dataset.state === 'lost'")
+        assert "Lost contact" in dashboard.page.inner_text("#banners")
+        node = start_node(tmp_path, *args, port=port)
+        dashboard.wait_for("() => document.querySelector('#connection').dataset.state === 'live'", timeout=10)
+        wait_for_ready_cards(dashboard, 1)
+        assert dashboard.cards()[0]["name"] == "phoenix"
+        assert "Lost contact" not in dashboard.page.inner_text("#banners")
+    finally:
+        node.stop()
+
+
+def test_a_peer_that_cannot_be_linked_is_named_with_the_reason(tmp_path: Path, open_page) -> None:
+    missing = f"127.0.0.1:{free_ports(1)[0]}"  # say, a --peers entry for a machine where exo-like is not running
+    node = start_node(tmp_path, None, "--no-mdns", "--peers", missing)
+    try:
+        assert wait_for(lambda: cluster_of(node)["unlinked"], timeout=10)
+        [unlinked] = cluster_of(node)["unlinked"]
+        assert unlinked["address"] == missing and unlinked["code"] == "unreachable"
+        assert unlinked["reason"].startswith("cannot connect (Connection refused)")
+        dashboard = open_page(node)
+        dashboard.wait_for("() => document.querySelector('#banners').textContent.includes('Not linked')")
+        banners = dashboard.page.inner_text("#banners")
+        assert f"{missing}: {unlinked['reason']}." in banners
+        assert "on its own" not in banners  # it is alone because of that peer: the generic advice would mislead
+        dashboard.screenshot("dashboard-not-linked-1280x800.png", DESKTOP)
+        assert f"not linked with {missing}: cannot connect" in node.log()
+        dashboard.page.close()  # before its node stops, which would cut the page's event stream
+    finally:
+        node.stop()

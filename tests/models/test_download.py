@@ -1,0 +1,283 @@
+"""Real nodes fetching a generated checkpoint from a loopback hub (tests/hub_server.py) through HF_ENDPOINT.
+
+Shard-only downloads per node (from the hub's request log and each node's cache), greedy output equal to
+transformers, a download cut mid-file that resumes on restart, offline mode with a warm and a cold cache, and
+the clear errors: unknown repo, gated repo, unsupported architecture, no network, a request waiting on a
+download. The oracle is transformers' greedy `generate` on the same checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from exo_like.models.checkpoint import files_for_shard, weight_map
+from exo_like.models.hub.download import WRITE_CHUNK
+from exo_like.models.shard import Shard
+from tests.api_server import NodeProcess, exo_like_command, start_node, wait_for
+from tests.checkpoints import make_checkpoint
+from tests.cluster_harness import cluster_of, free_ports, start_cluster, wait_until_ready
+from tests.hub_server import HubServer
+from tests.oracle import Oracle
+
+REPO, GATED, UNSUPPORTED, MISSING = "test-org/llama7", "gated-org/llama7", "test-org/gpt-neox", "test-org/missing"
+BIG = "test-org/big"  # files of several write chunks (WRITE_CHUNK), so a cut leaves a partial file
+EVOLVING = "test-org/evolving"  # gets a second commit mid-test
+PROMPT = "What is the capital of France?"
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def llama7(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # ~200 KB files: about one layer per file, so each stage needs a different subset.
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "llama7", "llama", n_layers=7, max_shard_size="200KB")
+
+
+@pytest.fixture(scope="module")
+def oracle(llama7: Path) -> Oracle:
+    return Oracle(llama7)
+
+
+@pytest.fixture(scope="module")
+def big(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # One model.safetensors (no index): the single-file layout, which every stage needs whole.
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "big", "llama", n_layers=2, hidden_size=256,
+                           intermediate_size=1024, max_shard_size="50MB")
+
+
+@pytest.fixture(scope="module")
+def hub(llama7: Path, big: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[HubServer]:
+    neox = tmp_path_factory.mktemp("neox")
+    (neox / "config.json").write_text(json.dumps({"model_type": "gpt_neox", "architectures": ["GPTNeoXForCausalLM"],
+                                                  "hidden_size": 64, "num_hidden_layers": 2}))
+    server = HubServer()
+    server.add_repo(REPO, llama7)
+    server.add_repo(GATED, llama7, gated=True)
+    server.add_repo(UNSUPPORTED, neox)
+    server.add_repo(BIG, big)
+    server.start()
+    yield server
+    server.stop()
+
+
+def hub_env(endpoint: str, origin: str, root: Path, **more: str) -> dict[str, str | None]:
+    """The node's environment: this hub, a tag that names the node in the hub's log, no token or cache from the
+    machine (HF_HOME isolates a token file, too)."""
+    return {"HF_ENDPOINT": endpoint, "HF_HUB_USER_AGENT_ORIGIN": origin, "HF_HOME": str(root / f"hf-home-{origin}"),
+            "HF_TOKEN": None, "HF_HUB_OFFLINE": None, "HF_HUB_CACHE": None, **more}
+
+
+def chat(node: NodeProcess, model: str) -> tuple[int, dict[str, Any]]:
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": PROMPT}],
+                       "max_tokens": MAX_TOKENS, "temperature": 0}).encode()
+    status, _, raw = node.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    return status, json.loads(raw)
+
+
+def answer(node: NodeProcess, model: str) -> str:
+    status, body = chat(node, model)
+    assert status == 200, body
+    return body["choices"][0]["message"]["content"]
+
+
+def expected_text(oracle: Oracle) -> str:
+    return oracle.expected(oracle.chat_ids(PROMPT), MAX_TOKENS)[0]
+
+
+def snapshot(home: Path, hub: HubServer) -> Path:
+    return home / "hub" / "models--test-org--llama7" / "snapshots" / hub.repos[REPO].commit
+
+
+def stop_cleanly(node: NodeProcess) -> None:
+    assert node.stop() == 0, node.log()
+    assert "Traceback" not in node.log(), node.log()
+
+
+def test_three_nodes_each_fetch_only_their_layers_files_and_match_transformers(hub: HubServer, llama7: Path,
+                                                                              oracle: Oracle, tmp_path: Path) -> None:
+    envs = [hub_env(hub.endpoint, f"node{i}", tmp_path) for i in range(3)]
+    # No --model: the nodes first find each other, then the first request chooses the model, so every node plans
+    # (and downloads) for the three-node ring from the start.
+    nodes = start_cluster(tmp_path, None, [6, 3, 1], envs=envs)
+    try:
+        assert wait_for(lambda: all(len(cluster_of(node)["nodes"]) == 3 for node in nodes), timeout=30)
+        expected = expected_text(oracle)
+        assert answer(nodes[1], REPO) == expected
+        wait_until_ready(nodes, members=3, timeout=60)
+        view = cluster_of(nodes[0])
+        stages = {s["node_id"]: Shard(REPO, s["start_layer"], s["end_layer"], 7) for s in view["plan"]["stages"]}
+        weights, sizes = weight_map(llama7), {p.name: p.stat().st_size for p in llama7.glob("*.safetensors")}
+        for i, node in enumerate(nodes):
+            node_id = cluster_of(node)["node_id"]
+            needed = files_for_shard(weights, stages[node_id], tied_embeddings=False)
+            assert 0 < len(needed) < len(sizes)  # a real subset: fetching everything would fail this test
+            fetched = hub.weight_downloads(f"node{i}")
+            assert sorted(r.file for r in fetched) == sorted(needed)  # each needed file once, nothing else
+            assert all(r.range_start is None and r.bytes_sent == sizes[r.file] for r in fetched)
+            assert {p.name for p in snapshot(tmp_path / f"home{i}", hub).glob("*.safetensors")} == needed
+            download = next(n for n in view["nodes"] if n["id"] == node_id)["download"]
+            assert download["state"] == "complete" and download["files_total"] == len(needed)
+            assert download["done_bytes"] == download["total_bytes"] == sum(sizes[f] for f in needed)
+        for node in (nodes[0], nodes[2]):
+            assert answer(node, REPO) == expected
+        models = nodes[0].get_json("/v1/models")["data"]
+        assert (models[0]["id"], models[0]["state"], models[0]["source"]) == (REPO, "serving", "hub")
+        assert {m["id"]: m["state"] for m in models}["qwen2.5-0.5b"] == "not_downloaded"
+    finally:
+        for node in nodes:
+            stop_cleanly(node)
+
+
+def test_cut_download_resumes_on_restart_and_the_warm_cache_serves_offline(hub: HubServer, big: Path,
+                                                                           tmp_path: Path) -> None:
+    name = max(hub.repos[BIG].files.values(), key=lambda f: f.size).path.name
+    size, sha256 = hub.repos[BIG].files[name].size, hub.repos[BIG].files[name].sha256
+    # The node writes whole WRITE_CHUNK pieces: cut after several, so a good part of the file is on disk.
+    assert size > 4 * WRITE_CHUNK
+    cut_at = size // 2 + 12345
+    env = hub_env(hub.endpoint, "resume", tmp_path)
+    args = ("--no-mdns", "--dtype", "float32")
+    expected = expected_text(Oracle(big))
+
+    hub.cut(BIG, name, cut_at)
+    try:
+        node = start_node(tmp_path, BIG, *args, env=env)
+        problem = wait_for(lambda: cluster_of(node)["problem"], timeout=60)
+        assert problem and name in problem and "503" in problem, problem
+        stop_cleanly(node)
+    finally:
+        hub.uncut()
+    first = [r for r in hub.weight_downloads("resume") if r.file == name]
+    assert [(r.range_start, r.bytes_sent) for r in first] == [(None, cut_at)]  # the cut transfer
+    part = tmp_path / "hub" / "models--test-org--big" / "blobs" / f"{sha256}.part"
+    kept = part.stat().st_size
+    assert 0 < kept <= cut_at
+
+    seen = len(hub.requests())
+    node = start_node(tmp_path, BIG, *args, env=env)
+    try:
+        wait_until_ready([node], members=1, timeout=60)
+        resumed = hub.weight_downloads("resume", since=seen)
+        assert [(r.file, r.range_start, r.bytes_sent) for r in resumed] == [(name, kept, size - kept)]
+        snapshot = tmp_path / "hub" / "models--test-org--big" / "snapshots" / hub.repos[BIG].commit
+        assert not part.exists() and (snapshot / name).read_bytes() == (big / name).read_bytes()
+        assert answer(node, BIG) == expected
+    finally:
+        stop_cleanly(node)
+
+    seen = len(hub.requests())
+    node = start_node(tmp_path, BIG, *args, env={**env, "HF_HUB_OFFLINE": "1"})
+    try:
+        wait_until_ready([node], members=1, timeout=60)
+        assert answer(node, BIG) == expected
+        assert hub.requests(since=seen) == []  # offline means offline
+    finally:
+        stop_cleanly(node)
+
+
+def test_a_node_that_joins_after_a_new_commit_fetches_the_commit_the_cluster_serves(
+        hub: HubServer, llama7: Path, oracle: Oracle, tmp_path: Path) -> None:
+    # Mixed weights would be silent: each node would plan and answer without error, the tokens would be wrong.
+    first = hub.add_repo(EVOLVING, llama7)
+    retrained = make_checkpoint(tmp_path / "retrained", "llama", n_layers=7, max_shard_size="200KB", seed=1)
+    expected = expected_text(oracle)
+    assert expected_text(Oracle(retrained)) != expected  # else this test could not tell the commits apart
+    ports = free_ports(2)
+    common = ("--no-mdns", "--dtype", "float32", "--memory-gb", "4")
+    nodes = [start_node(tmp_path / "home0", EVOLVING, *common, "--node-name", "first", port=ports[0],
+                        env=hub_env(hub.endpoint, "first", tmp_path))]
+    try:
+        wait_until_ready(nodes, members=1, timeout=60)
+        pinned = f"{EVOLVING}@{first.commit}"
+        assert cluster_of(nodes[0])["plan"]["model"] == pinned
+        second = hub.add_repo(EVOLVING, retrained)  # pushed while the cluster runs
+        assert second.commit != first.commit
+        nodes.append(start_node(tmp_path / "home1", None, *common, "--node-name", "joiner", "--peers",
+                                f"127.0.0.1:{ports[0]}", port=ports[1], env=hub_env(hub.endpoint, "joiner", tmp_path)))
+        wait_until_ready(nodes, members=2, timeout=60)
+        for node in nodes:
+            view = cluster_of(node)
+            assert view["plan"]["model"] == pinned and len(view["plan"]["stages"]) == 2, view
+            assert answer(node, EVOLVING) == expected
+        joiner_cache = tmp_path / "home1" / "hub" / "models--test-org--evolving" / "snapshots"
+        assert [p.name for p in joiner_cache.iterdir()] == [first.commit]
+        fetched = {r.path.removeprefix("/cdn/") for r in hub.weight_downloads("joiner")}
+        assert fetched and fetched <= {f.sha256 for f in first.files.values()}  # the first commit's blobs only
+        served = nodes[1].get_json("/v1/models")["data"][0]
+        assert (served["id"], served["repo"], served["revision"]) == (EVOLVING, EVOLVING, first.commit)
+        # A revision of the served repo is answered on every node when it names the served commit (say, the
+        # first node was started with it), and refused with both commits named when it does not.
+        hub.tag(EVOLVING, "v1", first.commit)
+        hub.tag(EVOLVING, "v2", second.commit)
+        assert answer(nodes[1], f"{EVOLVING}@v1") == expected
+        for revision, commit in (("v2", second.commit), ("main", second.commit)):
+            status, body = chat(nodes[1], f"{EVOLVING}@{revision}")
+            message = body["error"]["message"]
+            assert status == 404 and f"{EVOLVING}@{commit}" in message and pinned in message, message
+    finally:
+        for node in nodes:
+            stop_cleanly(node)
+
+
+def test_offline_with_a_cold_cache_fails_clearly(hub: HubServer, tmp_path: Path) -> None:
+    env = hub_env(hub.endpoint, "cold", tmp_path, HF_HUB_OFFLINE="1")
+    process_env = {k: v for k, v in {**os.environ, **env}.items() if v is not None}
+    started = subprocess.run([*exo_like_command(), "--model", REPO, "--home", str(tmp_path / "a"), "--port", "0",
+                              "--host", "127.0.0.1", "--no-mdns"], env=process_env, capture_output=True, text=True,
+                             timeout=120)
+    assert started.returncode == 1, started.stderr
+    assert "HF_HUB_OFFLINE is set" in started.stderr and "does not hold" in started.stderr, started.stderr
+    assert "Traceback" not in started.stderr
+
+    node = start_node(tmp_path / "b", None, "--no-mdns", env=env)  # no --model: a request asks for it
+    try:
+        status, body = chat(node, REPO)
+        assert status == 503 and body["error"]["code"] == "model_not_cached", body
+        assert "HF_HUB_OFFLINE is set" in body["error"]["message"] and REPO in body["error"]["message"]
+        assert node.get_json("/health")["status"] == "ok"
+    finally:
+        stop_cleanly(node)
+
+
+def test_hub_errors_are_clear_and_the_node_keeps_serving(hub: HubServer, tmp_path: Path) -> None:
+    node = start_node(tmp_path, None, "--no-mdns", "--dtype", "float32", "--request-wait", "3",
+                      env=hub_env(hub.endpoint, "errors", tmp_path))
+    try:
+        for model, status, code, words in [
+            (MISSING, 404, "model_not_found", "was not found on"),
+            (f"{REPO}@no-such-branch", 404, "model_not_found", "has no revision 'no-such-branch'"),
+            (GATED, 401, "gated_model", "HF_TOKEN"),
+            (UNSUPPORTED, 400, "unsupported_architecture", "gpt_neox"),
+        ]:
+            got, body = chat(node, model)
+            assert (got, body["error"]["code"]) == (status, code), body
+            assert model.partition("@")[0] in body["error"]["message"] and words in body["error"]["message"], body
+            assert body["error"]["message"] in node.log()  # and in the node's log
+        # A request that has to wait for the download says what it waits for.
+        hub.throttle = 100_000  # per transfer: the 1.5 MB take several seconds, longer than --request-wait
+        got, body = chat(node, REPO)
+        assert got == 503 and body["error"]["code"] == "plan_unavailable", body
+        message = body["error"]["message"]
+        assert f"{REPO} layers [0, 7): downloading" in message and "% (" in message and "files" in message, message
+        assert node.get_json("/health")["status"] == "ok"
+    finally:
+        hub.throttle = None
+        stop_cleanly(node)
+
+
+def test_no_network_is_a_clear_503(tmp_path: Path) -> None:
+    closed = f"http://127.0.0.1:{free_ports(1)[0]}"  # nothing listens here
+    node = start_node(tmp_path, None, "--no-mdns", env=hub_env(closed, "offline", tmp_path))
+    try:
+        status, body = chat(node, REPO)
+        assert status == 503 and body["error"]["code"] == "hub_unreachable", body
+        message = body["error"]["message"]
+        assert f"cannot reach the hub at {closed}" in message and "does not hold" in message, message
+        assert node.get_json("/health")["status"] == "ok"
+    finally:
+        stop_cleanly(node)
