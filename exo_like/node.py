@@ -22,7 +22,6 @@ from huggingface_hub.utils import disable_progress_bars
 from discovery import MdnsDiscovery, PeerAddress, PeerFinder
 from discovery.mdns import local_ipv4_addresses
 from exo_like import __version__
-from exo_like.api.metrics import Metrics
 from exo_like.cluster.identity import claim_identity, default_node_name
 from exo_like.cluster.membership import Cluster
 from exo_like.cluster.node_info import NodeInfo
@@ -50,6 +49,7 @@ from exo_like.models.registry import LoadedModel, ModelRegistry
 from exo_like.models.shard import Shard
 from exo_like.serving.generation import TokenGenerator
 from exo_like.serving.kv_blocks import kv_budget_bytes
+from exo_like.serving.metrics import Metrics
 from exo_like.serving.ring import RingGenerator
 from exo_like.serving.scheduler import SchedulerLimits
 from exo_like.serving.stage import StageWorker

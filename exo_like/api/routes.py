@@ -25,13 +25,13 @@ from exo_like.api.completion import (
     completion_prompt_tokens,
     resolve_max_tokens,
 )
-from exo_like.api.metrics import CONTENT_TYPE, FinishedRequest
 from exo_like.api.openai_requests import GenerationOptions, parse_chat_request, parse_completion_request
 from exo_like.api.openai_responses import ResponseFormat, error_body
 from exo_like.cluster.peers import PEER_PATH
 from exo_like.errors import ExoLikeError, InvalidRequestError, ServiceUnavailableError
 from exo_like.node import LoadedModel, Node
 from exo_like.serving.generation import TokenGenerator
+from exo_like.serving.metrics import CONTENT_TYPE, FinishedRequest
 
 log = logging.getLogger(__name__)
 

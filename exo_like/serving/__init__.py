@@ -1,4 +1,4 @@
 """Serving requests on the ring: the first stage's scheduler, each stage's step loop, the origin's side of a request
-(with replay), sampling, stop strings and the KV block pool.
+(with replay), sampling, stop strings, the KV block pool, and what the node counts for /metrics.
 
 May import: cluster (the peer protocol, the ring's resources), engines, models, partitioning, errors, meter."""

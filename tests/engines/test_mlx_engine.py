@@ -17,8 +17,8 @@ mx = pytest.importorskip("mlx.core", reason="mlx is not installed (install the '
 
 from tokenizers import Tokenizer  # noqa: E402
 
-from exo_like.engines.mlx import engine as mlx_engine  # noqa: E402
 from exo_like.engines.activations import Activations  # noqa: E402
+from exo_like.engines.mlx import engine as mlx_engine  # noqa: E402
 from exo_like.engines.mlx.engine import MLXEngine  # noqa: E402
 from exo_like.engines.work import (  # noqa: E402
     BLOCK_SIZE,

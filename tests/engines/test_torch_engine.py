@@ -18,8 +18,8 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from exo_like.engines.torch import engine as torch_engine
 from exo_like.engines.activations import Activations
+from exo_like.engines.torch import engine as torch_engine
 from exo_like.engines.torch.engine import TorchEngine
 from exo_like.engines.work import BLOCK_SIZE, WorkItem, blocks_for
 from exo_like.errors import InvalidRequestError

@@ -11,9 +11,9 @@ from typing import Iterator
 
 import pytest
 
-from exo_like.models.hub import download as download_module
 from exo_like.errors import DownloadError, InsufficientDiskError, ModelAccessError
 from exo_like.models.checkpoint import files_for_shard, weight_map
+from exo_like.models.hub import download as download_module
 from exo_like.models.hub.download import WRITE_CHUNK, ShardDownloader
 from exo_like.models.hub.progress import DownloadProgress
 from exo_like.models.hub.repo import storage_folder
