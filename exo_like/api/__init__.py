@@ -1,3 +1,3 @@
 """The HTTP API every node serves: OpenAI routes, request parsing, response shapes; /metrics renders serving/metrics.
 
-May import: serving, cluster, models, errors, and the dashboard package it mounts. Only node and cli import it."""
+May import: serving, cluster, models, errors, and the dashboard package it mounts. Only cli imports it (it drives the node)."""
