@@ -6,7 +6,7 @@ difference, so prefill and HTTP overhead cancel: time a greedy request for 1 tok
 alternating rounds; the ratio reported is the median of the rounds' ratios.
 
 Every node process runs with the product's defaults unless told otherwise; `--spincount 300000` gives each
-node libgomp's own default OpenMP spin instead of exo-like's shorter one (see exo_like/engines/openmp.py), to
+node libgomp's own default OpenMP spin instead of exo-like's shorter one (see exo_like/engines/torch/openmp.py), to
 show what that setting is worth on a shared host.
 
 Usage: python bench/bench_cluster.py [--new-tokens 64] [--repeats 7] [--dtype bfloat16] [--threads 2]

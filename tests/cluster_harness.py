@@ -48,7 +48,7 @@ def start_cluster(root: Path, model: str | None, memories_gb: list[float], engin
 
 
 def seed_identity(home: Path, node_id: str) -> None:
-    """Make the next node started alone in `home` take `node_id` (exo_like/identity.py's slot 0)."""
+    """Make the next node started alone in `home` take `node_id` (exo_like/cluster/identity.py's slot 0)."""
     folder = home / "identity"
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "node-0.json").write_text(json.dumps({"node_id": node_id}))

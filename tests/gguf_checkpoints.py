@@ -100,7 +100,7 @@ def _add_tensor(writer, name: str, values: np.ndarray, kind: str) -> None:  # no
 
 # -- K-quants ------------------------------------------------------------------------------------------------------
 # gguf's Python package reads Q4_K, Q5_K and Q6_K but cannot write them. These quantizers write valid blocks
-# in ggml's layouts (see exo_like/gguf_blocks.py) from plain min/max rounding: simpler than llama.cpp's
+# in ggml's layouts (see exo_like/models/gguf/blocks.py) from plain min/max rounding: simpler than llama.cpp's
 # error-minimising search, so the values differ from what llama-quantize would pick, but every field is real
 # and the file dequantizes close to the float weights. Rows must be a multiple of 256 long.
 

@@ -1,6 +1,6 @@
 """Resident memory of a real `exo-like` node holding a 4-bit model, against the same node without a model.
 
-Shared by tests/test_memory.py (which asserts the issue's bounds) and bench/bench_memory.py (which prints them,
+Shared by tests/engines/test_memory.py (which asserts the issue's bounds) and bench/bench_memory.py (which prints them,
 with the float reference path beside them). The checkpoints are random but large enough that a node which
 dequantized its matrices to bfloat16 (3.6x the stored bytes of Q4_K) would break the resident bound.
 """

@@ -275,7 +275,7 @@ async def cluster_view(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    """Prometheus text format, vLLM's metric names with the prefix exo_like: (see exo_like/metrics.py)."""
+    """Prometheus text format, vLLM's metric names with the prefix exo_like: (see exo_like/serving/metrics.py)."""
     return web.Response(body=request.app[NODE_KEY].metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
 

@@ -193,7 +193,7 @@ class Pong(Ping):
     type: ClassVar[str] = "pong"
 
 
-# Cluster state (cluster.py): sent to every peer on change and every second; doubles as the heartbeat.
+# Cluster state (membership.py): sent to every peer on change and every second; doubles as the heartbeat.
 
 @dataclass(frozen=True)
 class PlanState(Message):

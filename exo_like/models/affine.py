@@ -1,7 +1,7 @@
 """Quantized matrices in one framework-free form: integer codes with a scale and a bias per group of inputs.
 
 Every quantized format this project reads comes down to it: an MLX checkpoint's packed words with its
-`scales` and `biases`, and GGUF's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q5_K blocks (see gguf_blocks.py).
+`scales` and `biases`, and GGUF's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q5_K blocks (see gguf/blocks.py).
 w[n, k] = scales[n, k // group_size] * codes[n, k] + biases[n, k // group_size], the arithmetic of
 `mx.dequantize` (mode "affine"). Each engine turns this form into what its quantized kernels take (MLX's packed
 words, torch's int4 packs), so no engine knows any file format.

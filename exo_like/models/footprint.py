@@ -4,7 +4,7 @@ Read from tensor headers only (safetensors headers, local or from the hub; a GGU
 node can plan a ring before any weight moves. A quantized checkpoint is held differently by each engine:
 - an MLX node keeps MLX-format matrices as stored, and turns GGUF's affine types into MLX's packed form;
 - a torch node on CPU keeps affine matrices in int4 packs (two packs for 5 to 8 bits; see
-  engines/torch_quant.py), quantized matrices the kernel cannot take dequantized to bfloat16, and float tensors
+  engines/torch/quant.py), quantized matrices the kernel cannot take dequantized to bfloat16, and float tensors
   in float32; on other devices it dequantizes to bfloat16;
 - any node given a float --dtype dequantizes everything to that dtype (the reference path);
 - GGUF types without an affine form (Q2_K, Q3_K, Q6_K) are dequantized by both engines.

@@ -4,7 +4,7 @@ A name is `demo`, a local Hugging Face folder or GGUF file (a path, or under <ho
 one GGUF model counts as that file), a model shipped in a Python package (smollm2-135m), a catalog short name
 (llama-3.2-1b, qwen2.5-7b, ...), or a hub repo id (organisation/name), optionally at a revision
 (organisation/name@branch-tag-or-commit). A repo of GGUF files is named with a quantization tag as llama.cpp's
-`-hf` takes it (organisation/name-GGUF:Q4_K_M, gguf_select.py); without one, a repo whose name ends in GGUF or
+`-hf` takes it (organisation/name-GGUF:Q4_K_M, gguf/select.py); without one, a repo whose name ends in GGUF or
 that has no config.json but GGUF files picks llama.cpp's default file. In the cluster a hub model is keyed by its
 repo id and the commit the first node resolved it to (organisation/name@<commit>[:TAG]): every node fetches the
 model itself, and that key makes them all fetch the same weights, even if the repo changes meanwhile or one

@@ -63,7 +63,7 @@ CASES: list[tuple[str, str, str, Any, dict[str, str], int, str | None]] = [
      JSON, 400, "messages[0].content[0].type"),
     ("text part without text", "POST", CHAT, chat(messages=[{"role": "user", "content": [{"type": "text"}]}]),
      JSON, 400, "messages[0].content[0].text"),
-    # Lone surrogates (JSON "\ud800" escapes) are no text a tokenizer takes; found by tests/test_fuzz_api.py.
+    # Lone surrogates (JSON "\ud800" escapes) are no text a tokenizer takes; found by tests/api/test_fuzz_api.py.
     ("lone surrogate in content", "POST", CHAT, chat(messages=[{"role": "user", "content": "\ud800 hi"}]), JSON, 400,
      "messages[0].content"),
     ("lone surrogate in a text part", "POST", CHAT,
@@ -129,7 +129,7 @@ CASES: list[tuple[str, str, str, Any, dict[str, str], int, str | None]] = [
     ("completion unknown model", "POST", COMPLETIONS, completion(model="nope"), JSON, 404, "model"),
     ("unknown route", "POST", "/v1/embeddings", {"model": "MODEL", "input": "x"}, JSON, 404, None),
     ("unknown model id", "GET", "/v1/models/nope", None, {}, 404, "model"),
-    # Found by tests/test_fuzz_api.py: the asset handler took both to the file system, which raised.
+    # Found by tests/api/test_fuzz_api.py: the asset handler took both to the file system, which raised.
     ("NUL in an asset name", "GET", "/dashboard/app%00.js", None, {}, 404, None),
     ("asset name too long for a file name", "GET", "/dashboard/" + "a" * 300, None, {}, 404, None),
     ("GET on chat", "GET", CHAT, None, {}, 405, None),
@@ -200,7 +200,7 @@ def test_oversized_body_is_413(node: NodeProcess) -> None:  # noqa: F811
 
 
 def test_a_path_cannot_forge_log_lines(node: NodeProcess) -> None:  # noqa: F811
-    """Found by tests/test_fuzz_api.py: the log showed a model id's path decoded, control characters and all."""
+    """Found by tests/api/test_fuzz_api.py: the log showed a model id's path decoded, control characters and all."""
     path = "/v1/models/x%0D2026-01-01%2000:00:00,000%20ERROR%20forged%00"
     status, _, raw = node.request("GET", path)
     assert status == 404
@@ -211,7 +211,7 @@ def test_a_path_cannot_forge_log_lines(node: NodeProcess) -> None:  # noqa: F811
 
 
 def test_a_request_the_http_parser_rejects_is_one_warning(node: NodeProcess) -> None:  # noqa: F811
-    """Found by tests/test_fuzz_api.py: aiohttp logged such a request as an ERROR with a traceback."""
+    """Found by tests/api/test_fuzz_api.py: aiohttp logged such a request as an ERROR with a traceback."""
     status, _, raw = node.request("CONNECT", "/health?a[b]=1")  # CONNECT takes host:port, not a path
     assert status == 400, raw
     lines = [line for line in node.log().splitlines() if "malformed HTTP request" in line]

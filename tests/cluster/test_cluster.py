@@ -1,5 +1,5 @@
 """Three real nodes on loopback: the agreed memory-weighted ring, inference through it from any node, node loss
-(a request running through a lost node: tests/test_failover.py).
+(a request running through a lost node: tests/cluster/test_failover.py).
 
 The oracle is transformers' greedy `generate` on the same 7-layer checkpoint.
 """

@@ -2,7 +2,7 @@
 and a stage killed (SIGKILL), frozen (SIGSTOP) or joined by a new node in the middle of it. The stream must go on
 to the same text as an uninterrupted run of the same request, with no gap between two tokens over 8 s.
 
-In-process tests of the same logic, with every ordering under control: tests/test_replay.py.
+In-process tests of the same logic, with every ordering under control: tests/serving/test_replay.py.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Generated peer frames on an authenticated link to a real node: msgpack values of every shape, maps of every
 message type with random fields, and a valid frame of every message type with one field corrupted.
 
-The rules are those of tests/test_peers.py: a frame that is no valid message is refused with a log line and the
+The rules are those of tests/cluster/test_peers.py: a frame that is no valid message is refused with a log line and the
 link goes on. Here every such frame must be refused exactly once (the node logs at debug level, so all refusals
 are counted), none may raise a traceback, the link stays up and is read to the end, and afterwards the node
 serves requests and links with peers as before. Frames that do decode (a Ping, a Release of an unknown request,

@@ -3,7 +3,7 @@ a core by a cgroup CPU quota (made here, removed afterwards), get the layers by 
 fewer, and the ring's greedy output is still transformers'. And the measurement: at most 2 s per node, read from
 the cache in <home> when the node starts again, measured anew with --remeasure.
 
-`python -m pytest tests/test_placement_cluster.py -s` prints each node's measurement and the split.
+`python -m pytest tests/cluster/test_placement_cluster.py -s` prints each node's measurement and the split.
 """
 
 from __future__ import annotations

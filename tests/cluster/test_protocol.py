@@ -281,7 +281,8 @@ OUT_OF_RANGE: list[tuple[Message, tuple, Any, str]] = [
     (FORWARD, ("items", 0, "count"), 0, "count"),
     (FORWARD, ("items", 0, "start"), -1, "start"),
     (FORWARD, ("items", 0, "blocks"), [-1], "blocks"),
-    # Found by tests/test_fuzz_peers.py: a last stage's loop failed looking up the block of a position past them.
+    # Found by tests/cluster/test_fuzz_peers.py: a last stage's loop failed looking up the block of a position past
+    # them.
     (FORWARD, ("items", 1, "blocks"), [3], "blocks"),
     (FORWARD, ("items", 0, "start"), 16, "blocks"),
     (FORWARD, ("items", 0), "req-1", "items"),

@@ -1,4 +1,4 @@
-"""The OpenMP settings of a torch node (exo_like/engines/openmp.py): spin limit, and one core per thread."""
+"""The OpenMP settings of a torch node (exo_like/engines/torch/openmp.py): spin limit, and one core per thread."""
 
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ def test_greedy_is_argmax_and_ignores_seed() -> None:
 
 @pytest.mark.parametrize("temperature", [5e-324, 1e-310, 1e-300])
 def test_a_temperature_whose_scaling_overflows_is_greedy(temperature: float) -> None:
-    """Found by tests/test_fuzz_api.py: logits / 1e-310 overflow to inf, and softmax of that is NaN."""
+    """Found by tests/api/test_fuzz_api.py: logits / 1e-310 overflow to inf, and softmax of that is NaN."""
     logits = np.array([-3.0, 7.5, 2.0, -8.0], dtype=np.float32)
     with np.errstate(over="raise", invalid="raise", divide="raise"):  # no RuntimeWarning in the node's log
         assert sample_nth(logits, SamplingParams(temperature=temperature), 1, 0) == 1

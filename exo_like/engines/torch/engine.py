@@ -244,7 +244,7 @@ class TorchEngine(Engine):
         return 0 if self.pool is None else self.pool.n_blocks
 
     def place_threads(self) -> None:
-        """On CPU, one core per OpenMP thread of this (the engine) thread's team: see engines/openmp.py."""
+        """On CPU, one core per OpenMP thread of this (the engine) thread's team: see engines/torch/openmp.py."""
         if self.device.type != "cpu" or self._threads_placed:
             return
         self._threads_placed = True

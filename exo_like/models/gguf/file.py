@@ -10,7 +10,7 @@ the `llama` architecture llama.cpp's converter reorders the rows of the query an
 embedding pairs neighbouring dimensions, Hugging Face's pairs the two halves of a head); they are put back here,
 so a tensor read from a GGUF is the tensor the Hugging Face checkpoint holds, and the engines need no GGUF
 knowledge. Quantized matrices come either dequantized to float32 (`gguf.quants`), the exact reference, or
-as codes, scales and biases (gguf_blocks.py) for the engines' quantized kernels.
+as codes, scales and biases (gguf/blocks.py) for the engines' quantized kernels.
 """
 
 from __future__ import annotations
@@ -232,7 +232,7 @@ class GGUFCheckpoint:
 
     def read(self, name: str, quantized: bool = False) -> np.ndarray | AffineGroups:
         """A tensor as the Hugging Face checkpoint holds it, in float32; with `quantized`, a matrix of a type
-        that has an affine form (gguf_blocks.py) comes as its codes, scales and biases instead."""
+        that has an affine form (gguf/blocks.py) comes as its codes, scales and biases instead."""
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 

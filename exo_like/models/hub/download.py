@@ -6,7 +6,7 @@ never fetched again, so a new plan only fetches what the new range adds.
 
 A GGUF model from a hub repo is fetched by byte range instead: the node's own tensors (its layers, and the
 embedding / final norm / LM head its stage uses) out of each part, into the sparse files that hold the headers
-(gguf_hub.py). Only sizes can be verified there: the LFS hash covers the whole file, which the node never holds.
+(gguf/hub.py). Only sizes can be verified there: the LFS hash covers the whole file, which the node never holds.
 
 Why not hf_hub_download for the weights: huggingface_hub 2.x downloads into a temporary file unique to the
 process and deletes it when the download fails, so a node that is stopped mid-file starts that file over. Here
