@@ -9,7 +9,6 @@ import asyncio
 import logging
 import os
 import platform
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -48,10 +47,10 @@ from exo_like.models.hub.repo import default_cache_dir
 from exo_like.models.registry import LoadedModel, ModelRegistry
 from exo_like.models.shard import Shard
 from exo_like.serving.generation import TokenGenerator
-from exo_like.serving.kv_blocks import kv_budget_bytes
 from exo_like.serving.metrics import Metrics
 from exo_like.serving.ring import RingGenerator
 from exo_like.serving.scheduler import SchedulerLimits
+from exo_like.serving.shard_holder import ShardHolder
 from exo_like.serving.stage import StageWorker
 from partitioning.plan import Plan
 from partitioning.speed_figures import RTT_SAMPLES
@@ -103,9 +102,10 @@ class Node:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self.cache_dir = default_cache_dir(options.home, options.hub_cache)
         self.models = ModelRegistry(options.home, self.cache_dir, self.node_id, self._model_prepared)
-        self._loaded: tuple[str, Shard] | None = None  # (model key, shard) the engine holds
         self.download_progress = DownloadProgress()
         self.downloader = ShardDownloader(self.cache_dir, self.node_id, self.download_progress)
+        self.shards = ShardHolder(self.node_id, self.engine, self.executor, self.models, self.downloader,
+                                  options.kv_cache_gb)
         disable_progress_bars()  # huggingface_hub's per-file bars: the node draws one bar of its own
         self._tasks: set[asyncio.Task] = set()
         self.started = time.time()
@@ -158,38 +158,8 @@ class Node:
         return await self.models.by_name(name, current), self.generator
 
     async def _load_shard(self, plan: Plan, shard: Shard | None) -> None:
-        """Hold this plan's shard (reloading only if the range changed), then serve the plan."""
         assert self.stage is not None
-        if shard is None:
-            self.stage.activate(plan, None)
-            return
-        if self._loaded != (plan.model_id, shard):
-            model = self.models.resolve(plan.model_id)  # described already: no network here
-            started = time.monotonic()
-            self.stage.activate(None, None)
-            # A load replaces what the engine holds from its first step. Forget the old range now: if a newer plan
-            # cancels this load (and wants the old range back), the engine must load that range again.
-            self._loaded = None
-            if model.manifest is not None:  # a hub model: fetch the files this shard needs that are not here yet
-                await self.downloader.ensure(model.manifest, model.path, shard, model.args.tie_word_embeddings)
-            loop = asyncio.get_running_loop()
-            cancel = threading.Event()
-            try:
-                await loop.run_in_executor(self.executor, self.engine.load, model.path, model.args, shard, cancel)
-            except asyncio.CancelledError:
-                cancel.set()  # a newer plan replaced this one: the engine thread gives up at its next tensor
-                raise
-            await loop.run_in_executor(self.executor, self.engine.place_threads)
-            await loop.run_in_executor(self.executor, self._allocate_kv)
-            self._loaded = (plan.model_id, shard)
-            log.info("node %s: loaded %s layers [%d, %d) on %s %s (%.1f MB) in %.1fs", self.node_id, model.model_id,
-                     shard.start_layer, shard.end_layer, self.engine.device_name, self.engine.dtype_name,
-                     self.engine.parameter_bytes() / 1e6, time.monotonic() - started)
-        self.stage.activate(plan, self.engine)
-
-    def _allocate_kv(self) -> None:
-        """Engine thread, after a load: the KV pool for this node's layers, within the budget."""
-        self.engine.allocate_kv(max(1, kv_budget_bytes(self.options.kv_cache_gb) // self.engine.kv_block_bytes()))
+        await self.shards.hold(plan, shard, self.stage)
 
     # -- start and stop -----------------------------------------------------------------------------------
 
