@@ -45,7 +45,8 @@ from exo_like.errors import ExoLikeError, ModelNotFoundError, ServiceUnavailable
 from exo_like.models.hub.download import ShardDownloader
 from exo_like.models.hub.progress import DownloadProgress, show_progress
 from exo_like.models.hub.repo import default_cache_dir
-from exo_like.models.registry import LoadedModel, ModelRegistry
+from exo_like.models.registry import ModelRegistry
+from exo_like.models.resolver import LoadedModel
 from exo_like.models.shard import Shard
 from exo_like.serving.generation import TokenGenerator
 from exo_like.serving.kv_blocks import kv_budget_bytes
@@ -164,7 +165,7 @@ class Node:
             self.stage.activate(plan, None)
             return
         if self._loaded != (plan.model_id, shard):
-            model = self.models.resolve(plan.model_id)  # described already: no network here
+            model = self.models.loaded(plan.model_id)  # described already (it was planned): no network here
             started = time.monotonic()
             self.stage.activate(None, None)
             # A load replaces what the engine holds from its first step. Forget the old range now: if a newer plan
