@@ -13,6 +13,7 @@ node's cache is older.
 
 from __future__ import annotations
 
+import errno
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,9 +92,14 @@ def parse_model_name(text: str, home: Path) -> ModelName:
 def _local_path(text: str, home: Path) -> Path | None:
     """The Hugging Face folder or GGUF file the text names, as a path or under <home>/models."""
     for candidate in (Path(text).expanduser(), home / "models" / text):
-        if (candidate / "config.json").is_file():
-            return candidate.resolve()
-        gguf = find_gguf(candidate)
+        try:
+            if (candidate / "config.json").is_file():
+                return candidate.resolve()
+            gguf = find_gguf(candidate)
+        except OSError as exc:
+            if exc.errno != errno.ENAMETOOLONG:
+                raise
+            continue  # a request's `model` may be any text: one too long for a path names no local model
         if gguf is not None:  # not resolved: a split set's parts sit beside the link (the hub cache links blobs)
             return gguf.absolute()
     return None

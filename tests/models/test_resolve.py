@@ -58,6 +58,8 @@ def test_each_form_of_name_parses_to_its_parts(tmp_path: Path) -> None:
     for text, wanted in expected.items():
         assert parts(parse_model_name(text, tmp_path)) == wanted, text
     assert parse_model_name(CATALOG_REPO, tmp_path).catalog is lookup(CATALOG_NAME)  # the repo's catalog entry
+    with pytest.raises(ModelNotFoundError, match="not found"):  # too long for a path: no local model, not an OSError
+        parse_model_name("x" * 300, tmp_path)
     packaged = PACKAGED["smollm2-135m"].path()
     if packaged is None:  # the package is not installed: the name says how to get it
         with pytest.raises(ModelNotFoundError, match="pip install"):
@@ -109,3 +111,5 @@ def test_a_name_is_resolved_once_and_nothing_downstream_asks_the_hub_again(hub: 
         assert registry.listing(model, 0)[0]["id"] == model.model_id  # GET /v1/models
         assert registry.entry(model.key, model, 0)["id"] == model.model_id  # GET /v1/models/{id}
         assert hub.requests(since=seen) == [], f"{first}: asked the hub again"
+        with pytest.raises(ModelNotFoundError, match="does not exist"):  # any text a request sends: a 404
+            asyncio.run(registry.by_name("x" * 300, model))
