@@ -44,7 +44,8 @@ from exo_like.errors import ExoLikeError, ModelNotFoundError, ServiceUnavailable
 from exo_like.models.hub.download import ShardDownloader
 from exo_like.models.hub.progress import DownloadProgress, show_progress
 from exo_like.models.hub.repo import default_cache_dir
-from exo_like.models.registry import LoadedModel, ModelRegistry
+from exo_like.models.registry import ModelRegistry
+from exo_like.models.resolver import LoadedModel
 from exo_like.models.shard import Shard
 from exo_like.serving.generation import TokenGenerator
 from exo_like.serving.metrics import Metrics

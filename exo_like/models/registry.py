@@ -1,4 +1,8 @@
-"""The models a node knows: what a name refers to (read once), and what planning needs about it.
+"""The models a node knows: each name resolved once (resolver.py), then found in the cache by any of its names.
+
+Every spelling met is kept: the text as given, its canonical form (name.py) and the model's own names (its id,
+key, repo, catalog name); a later lookup by any of them, or by another spelling of one, is answered from the cache
+without parsing it twice or asking the hub again.
 
 Local folders and `demo` are read from disk. A hub model's description (config, tokenizer, per-layer bytes) may
 have to come from the hub, so it is fetched in a worker thread and the event loop is never blocked: until it
@@ -11,80 +15,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
 from exo_like.errors import ExoLikeError, ModelNotFoundError, ModelPendingError
-from exo_like.models.catalog import PACKAGED, entry_for_repo
 from exo_like.models.config import ModelArgs
-from exo_like.models.demo import DEMO_NAME, ensure_demo_model
-from exo_like.models.footprint import ModelDescription, ModelFootprint, model_footprint
-from exo_like.models.gguf.file import is_gguf, open_gguf
-from exo_like.models.gguf.hub import gguf_description
-from exo_like.models.gguf.select import split_tag, with_tag
-from exo_like.models.gguf.tokenizer import gguf_tokenizer
-from exo_like.models.hub.repo import RepoManifest
-from exo_like.models.source import HubModel, list_models, locate, prepare_hub_model, split_revision
-from exo_like.models.tokenizer import ModelTokenizer
+from exo_like.models.footprint import ModelDescription
+from exo_like.models.listing import list_models
+from exo_like.models.name import ModelName, parse_model_name
+from exo_like.models.resolver import LoadedModel, resolve_model
 
 log = logging.getLogger(__name__)
 
 RETRY_DESCRIBE_SECONDS = 30.0  # a model whose description could not be fetched is tried again after this long
-
-
-@dataclass(frozen=True)
-class LoadedModel:
-    """A model this node can serve: its id, the names requests may use for it, and what describes it."""
-
-    model_id: str
-    key: str  # how peers name it: "demo", the folder's absolute path, or repo id@commit[:TAG] (HubModel.key)
-    path: Path  # for a hub model: its snapshot folder in the cache, where the shard's weight files arrive (a GGUF
-    # repo: the sparse first part of the file, where the shard's byte ranges arrive)
-    args: ModelArgs
-    tokenizer: ModelTokenizer
-    aliases: frozenset[str]
-    manifest: RepoManifest | None = None  # hub models: the weight files and the bytes per layer
-    footprint: ModelFootprint | None = None  # local models: the bytes per layer
-    created: int = field(default_factory=lambda: int(time.time()))
-
-    def answers_to(self, name: str) -> bool:
-        return name == self.model_id or name in self.aliases
-
-    def to_json(self) -> dict[str, object]:
-        return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "exo-like",
-                "context_length": self.args.context_length}
-
-    def listing(self) -> dict[str, object]:
-        """Its entry in GET /v1/models."""
-        where = ({"source": "hub", "repo": self.manifest.repo_id, "revision": self.manifest.commit}
-                 if self.manifest is not None else {"source": "local", "path": str(self.path.resolve())})
-        return {**self.to_json(), **where}
-
-
-def resolve_model_dir(spec: str, home: Path) -> tuple[str, Path]:
-    """(model id, folder or GGUF file) for `demo`, a local Hugging Face folder, a GGUF file (or a folder holding
-    one), either under <home>/models too, or a model shipped in a Python package."""
-    if spec == DEMO_NAME:
-        return DEMO_NAME, ensure_demo_model(home)
-    source = locate(spec, home)
-    if source.kind != "local" or source.folder is None:
-        raise ModelNotFoundError(f"model {spec!r} not found: give 'demo', a local Hugging Face model folder "
-                                 f"(with config.json) or a GGUF file")
-    if is_gguf(source.folder):
-        packaged = PACKAGED.get(spec.strip().lower())
-        return (packaged.name if packaged else source.folder.stem), source.folder
-    return source.folder.name, source.folder
-
-
-def read_local_model(folder: Path) -> tuple[ModelArgs, ModelTokenizer, ModelFootprint]:
-    """Config, tokenizer and per-layer bytes of a local Hugging Face folder or GGUF file (headers only)."""
-    if is_gguf(folder):
-        args, footprint = gguf_description(folder)
-        return args, gguf_tokenizer(open_gguf(folder).metadata, folder.name), footprint
-    args = ModelArgs.from_dir(folder)
-    footprint = model_footprint(folder, args.num_hidden_layers, args.tie_word_embeddings, args.quant)
-    return args, ModelTokenizer.from_dir(folder), footprint
 
 
 class ModelRegistry:
@@ -93,55 +37,60 @@ class ModelRegistry:
         self.cache_dir = cache_dir
         self.node_id = node_id
         self._on_prepared = on_prepared  # called on the event loop when a hub description arrives (or fails)
-        self._models: dict[str, LoadedModel] = {}
-        self._descriptions: dict[str, ModelDescription] = {}  # by model key: re-plans must not re-read headers
+        self._models: dict[str, LoadedModel] = {}  # by key
+        self._keys: dict[str, str] = {}  # every spelling met -> the key of the model it names
+        self._hub_names: dict[str, ModelName] = {}  # hub names parsed but not resolved yet: parsed once
         self._preparing: dict[str, asyncio.Future[LoadedModel]] = {}  # hub descriptions being fetched
         self._failures: dict[str, tuple[float, ExoLikeError]] = {}  # the last failure of each, with when
 
-    def resolve(self, spec: str) -> LoadedModel:
+    def resolve(self, text: str) -> LoadedModel:
         """The model a name refers to (demo, a folder, a catalog name, a hub repo, or one already known).
 
         Blocking: a hub model's description may be fetched from the hub, so call this before the event loop
         runs or from a worker thread (prepare() does)."""
-        known = self._lookup(spec)
-        if known is not None:
-            return known
-        source = locate(spec, self.home)
-        if source.kind == "hub":
-            return self._remember(self._hub_model(prepare_hub_model(source, self.cache_dir), spec))
-        model_id, folder = resolve_model_dir(spec, self.home)
-        args, tokenizer, footprint = read_local_model(folder)
-        key = DEMO_NAME if spec == DEMO_NAME else str(folder)
-        return self._remember(LoadedModel(model_id, key, folder, args, tokenizer,
-                                          frozenset({spec, model_id, str(folder), key}), footprint=footprint))
+        found = self._find(text)
+        if isinstance(found, LoadedModel):
+            return found
+        return self._remember(resolve_model(found, self.home, self.cache_dir), found)
 
-    def files(self, key: str) -> tuple[Path, ModelArgs]:
-        """A described model's folder and config (what measuring a layer of it needs; no network then)."""
-        model = self.resolve(key)
-        return model.path, model.args
-
-    def known(self, spec: str) -> LoadedModel | None:
+    def known(self, text: str) -> LoadedModel | None:
         """The model if it can be had without the network: known already, or demo / a local folder (disk only)."""
-        known = self._lookup(spec)
-        if known is None and locate(spec, self.home).kind != "hub":
-            known = self.resolve(spec)
-        return known
+        found = self._find(text)
+        if isinstance(found, LoadedModel):
+            return found
+        if found.kind == "hub":
+            self._hub_names[text] = found  # waiting for its description: describe() asks again at each re-plan
+            return None
+        return self._remember(resolve_model(found, self.home, self.cache_dir), found)
 
-    async def prepare(self, spec: str) -> LoadedModel:
+    def loaded(self, key: str) -> LoadedModel:
+        """A described model (a plan's, the speed probe's): from the cache, never from the network."""
+        model = self.known(key)
+        if model is None:
+            raise ModelPendingError(f"node {self.node_id} has no description of {key} yet")
+        return model
+
+    async def prepare(self, text: str) -> LoadedModel:
         """resolve() without blocking the event loop; concurrent callers share one fetch."""
-        known = self.known(spec)
+        known = self.known(text)
         if known is not None:
             return known
-        return await asyncio.shield(self._preparation(spec))
+        return await asyncio.shield(self._preparation(text))
 
     async def by_name(self, name: str, served: LoadedModel) -> LoadedModel:
         """`served` if a request's model `name` refers to it, else ModelNotFoundError. Besides the served model's
-        own names, `org/name@revision` of its repo counts when the revision is the served commit: another node
-        may have been started with that name. Such a revision is resolved once, then kept as a name."""
-        if served.answers_to(name) or served.answers_to(with_tag(*split_tag(name))):  # any spelling of a GGUF tag
+        own names (in any spelling), `org/name@revision` of its repo counts when the revision is the served
+        commit: another node may have been started with that name. Such a revision is resolved once, then kept as
+        a name."""
+        if served.answers_to(name):
             return served
-        repo_id, revision = split_revision(name)
-        if revision is not None and served.manifest is not None and served.answers_to(repo_id):
+        found = self._find_quietly(name)
+        if isinstance(found, LoadedModel):
+            if found.key == served.key:  # another spelling of one of its names
+                return served
+            found = self._parse_quietly(name)  # another model's name: a revision of the served repo, maybe
+        if (found is not None and found.revision is not None and served.manifest is not None
+                and served.answers_to(found.repos[0])):
             named = await self.prepare(name)
             if named.key == served.key:
                 return named
@@ -151,14 +100,15 @@ class ModelRegistry:
 
     def describe(self, key: str) -> ModelDescription:
         """What planning needs. A hub model not described yet is fetched in the background meanwhile."""
-        if key not in self._descriptions:
-            model = self.known(key)
-            if model is None:
-                raise self._pending(key)
-            footprint = model.manifest.footprint if model.manifest is not None else model.footprint
-            assert footprint is not None  # a local model's is read with it
-            self._descriptions[key] = ModelDescription(model.args.num_hidden_layers, footprint)
-        return self._descriptions[key]
+        model = self.known(key)
+        if model is None:
+            raise self._pending(key)
+        return model.description
+
+    def files(self, key: str) -> tuple[Path, ModelArgs]:
+        """A described model's folder and config (what measuring a layer of it needs; no network then)."""
+        model = self.loaded(key)
+        return model.path, model.args
 
     def listing(self, served: LoadedModel | None, created: int) -> list[dict[str, Any]]:
         """GET /v1/models: the served model first, then local folders, downloaded repos and the catalog."""
@@ -170,52 +120,75 @@ class ModelRegistry:
         for entry in entries:
             if name in (entry["id"], entry.get("repo"), entry.get("path")):
                 return entry
-        if served is not None and served.answers_to(name):
+        if served is not None and (served.answers_to(name) or self._spelling_of(name, served)):
             return entries[0]
         raise ModelNotFoundError(f"the model {name!r} does not exist: GET /v1/models lists the models")
 
     # -- internals ------------------------------------------------------------------------------------------
 
-    def _hub_model(self, hub: HubModel, spec: str) -> LoadedModel:
-        entry = entry_for_repo(hub.repo_id)
-        aliases = {spec, hub.repo_id, hub.name, hub.key} | ({entry.name} if entry else set())
-        tokenizer = (gguf_tokenizer(open_gguf(hub.folder).metadata, hub.folder.name) if is_gguf(hub.folder)
-                     else ModelTokenizer.from_dir(hub.folder))
-        return LoadedModel(hub.name, hub.key, hub.folder, hub.args, tokenizer, frozenset(aliases), hub.manifest)
+    def _find(self, text: str, keep: bool = True) -> LoadedModel | ModelName:
+        """The cached model a name refers to (by this spelling, or by the canonical form of the name), else the
+        name parsed, for the resolver. Raises ModelNotFoundError for a name that is none of the kinds."""
+        known = self._models.get(self._keys.get(text, ""))
+        if known is not None:
+            return known
+        name = self._hub_names.get(text) or parse_model_name(text, self.home)
+        known = self._models.get(self._keys.get(name.canonical, ""))
+        if known is None:
+            return name
+        if keep:
+            self._keys[text] = known.key  # the next lookup by this spelling is one dictionary read
+        return known
 
-    def _remember(self, model: LoadedModel) -> LoadedModel:
+    def _find_quietly(self, text: str) -> LoadedModel | ModelName | None:
+        """_find() for a request's name: None for one that is none of the kinds, and the spelling is not kept
+        (clients may send any number of them)."""
+        try:
+            return self._find(text, keep=False)
+        except ModelNotFoundError:
+            return None
+
+    def _spelling_of(self, text: str, model: LoadedModel) -> bool:
+        found = self._find_quietly(text)
+        return isinstance(found, LoadedModel) and found.key == model.key
+
+    def _parse_quietly(self, text: str) -> ModelName | None:
+        try:
+            return parse_model_name(text, self.home)
+        except ModelNotFoundError:
+            return None
+
+    def _remember(self, model: LoadedModel, name: ModelName) -> LoadedModel:
         known = self._models.get(model.key)
         if known is not None:  # the same model by another name (a revision that resolved to the same commit)
             model = replace(known, aliases=known.aliases | model.aliases)
-        self._models[model.key] = model
+        self._models[model.key] = model  # first: a spelling must never name a key that is not here yet
+        for spelling in model.aliases | {model.model_id, name.text, name.canonical}:
+            self._keys.setdefault(spelling, model.key)  # a name two models share (a repo id) keeps the first
+        self._keys[model.key] = model.key
+        self._hub_names.pop(name.text, None)
         return model
 
-    def _lookup(self, spec: str) -> LoadedModel | None:
-        for model in list(self._models.values()):  # a copy: worker threads may add models meanwhile
-            if model.answers_to(spec) or model.key == spec:
-                return model
-        return None
-
-    def _preparation(self, spec: str) -> asyncio.Future[LoadedModel]:
-        future = self._preparing.get(spec)
+    def _preparation(self, text: str) -> asyncio.Future[LoadedModel]:
+        future = self._preparing.get(text)
         if future is None:
-            future = asyncio.ensure_future(asyncio.to_thread(self.resolve, spec))
-            self._preparing[spec] = future
-            future.add_done_callback(lambda done: self._prepared(spec, done))
+            future = asyncio.ensure_future(asyncio.to_thread(self.resolve, text))
+            self._preparing[text] = future
+            future.add_done_callback(lambda done: self._prepared(text, done))
         return future
 
-    def _prepared(self, spec: str, future: asyncio.Future[LoadedModel]) -> None:
-        self._preparing.pop(spec, None)
+    def _prepared(self, text: str, future: asyncio.Future[LoadedModel]) -> None:
+        self._preparing.pop(text, None)
         if future.cancelled():
             return
         error = future.exception()
         if error is None:
-            self._failures.pop(spec, None)
+            self._failures.pop(text, None)
         else:
             failure = error if isinstance(error, ExoLikeError) else ExoLikeError(f"{type(error).__name__}: {error}")
-            self._failures[spec] = (time.monotonic(), failure)
-            log.error("node %s: cannot use model %s: %s", self.node_id, spec, failure.message)
-        self._on_prepared(spec)
+            self._failures[text] = (time.monotonic(), failure)
+            log.error("node %s: cannot use model %s: %s", self.node_id, text, failure.message)
+        self._on_prepared(text)
 
     def _pending(self, key: str) -> ExoLikeError:
         failure = self._failures.get(key)

@@ -46,7 +46,7 @@ class ShardHolder:
         stage.activate(plan, self.engine)
 
     async def _load(self, model_key: str, shard: Shard) -> None:
-        model = self.models.resolve(model_key)  # described already: no network here
+        model = self.models.loaded(model_key)  # described already (it was planned): no network here
         started = time.monotonic()
         # A load replaces what the engine holds from its first step. Forget the old range now: if a newer plan
         # cancels this load (and wants the old range back), the engine must load that range again.

@@ -8,7 +8,8 @@ import pytest
 
 from exo_like.errors import ModelNotFoundError
 from exo_like.models.catalog import CATALOG, entry_for_repo, lookup
-from exo_like.models.source import is_repo_id, list_models, locate
+from exo_like.models.listing import list_models
+from exo_like.models.name import is_repo_id, parse_model_name
 
 # Exact parameter counts of the published checkpoints (their safetensors metadata), which the shapes must give.
 PUBLISHED_PARAMETERS = {
@@ -44,7 +45,7 @@ def test_every_entry_names_valid_repos_publisher_first_and_an_mlx_variant() -> N
         assert all(entry_for_repo(repo) is entry for repo in entry.repos)
 
 
-def test_v1_models_lists_what_home_models_holds_under_names_that_locate_takes(tmp_path: Path) -> None:
+def test_v1_models_lists_what_home_models_holds_under_names_that_parse_as_local(tmp_path: Path) -> None:
     models = tmp_path / "models"
     for folder in ("hf", "one-gguf", "two-ggufs", "empty"):
         (models / folder).mkdir(parents=True)
@@ -54,25 +55,25 @@ def test_v1_models_lists_what_home_models_holds_under_names_that_locate_takes(tm
         (models / name).write_bytes(b"GGUF")
     listed = [m["id"] for m in list_models(tmp_path, tmp_path / "hub", None, 0) if m["source"] == "local"]
     assert listed == ["a.gguf", "b-00001-of-00002.gguf", "hf", "one-gguf"]
-    assert all(locate(name, tmp_path).kind == "local" for name in listed)
+    assert all(parse_model_name(name, tmp_path).kind == "local" for name in listed)
 
 
 def test_names_are_classified_without_the_network(tmp_path: Path) -> None:
     (tmp_path / "models" / "mine").mkdir(parents=True)
     (tmp_path / "models" / "mine" / "config.json").write_text("{}")
-    assert locate("demo", tmp_path).kind == "demo"
-    assert locate("mine", tmp_path).folder == (tmp_path / "models" / "mine").resolve()
-    assert locate(str(tmp_path / "models" / "mine"), tmp_path).kind == "local"
-    qwen = locate("Qwen2.5-7B", tmp_path)  # catalog names ignore case
+    assert parse_model_name("demo", tmp_path).kind == "demo"
+    assert parse_model_name("mine", tmp_path).path == (tmp_path / "models" / "mine").resolve()
+    assert parse_model_name(str(tmp_path / "models" / "mine"), tmp_path).kind == "local"
+    qwen = parse_model_name("Qwen2.5-7B", tmp_path)  # catalog names ignore case
     assert (qwen.kind, qwen.repos[0], qwen.catalog) == ("hub", "Qwen/Qwen2.5-7B-Instruct", lookup("qwen2.5-7b"))
-    repo = locate("someone/some-model_v1.5", tmp_path)
+    repo = parse_model_name("someone/some-model_v1.5", tmp_path)
     assert (repo.kind, repo.repos, repo.catalog, repo.revision) == ("hub", ("someone/some-model_v1.5",), None, None)
     commit = "0123456789abcdef0123456789abcdef01234567"
     for revision in (commit, "v1.0", "refs/pr/1"):
-        pinned = locate(f"Qwen/Qwen2.5-7B-Instruct@{revision}", tmp_path)
+        pinned = parse_model_name(f"Qwen/Qwen2.5-7B-Instruct@{revision}", tmp_path)
         assert (pinned.kind, pinned.repos, pinned.revision) == ("hub", ("Qwen/Qwen2.5-7B-Instruct",), revision)
         assert pinned.catalog is lookup("qwen2.5-7b")
     for bad in ("not a model", "/no/such/folder", "a/b/c", "org--x/y", "../x", "org/name@", "org/name@a b",
                 "org/name@../x", "org/name@-x", "qwen2.5-7b@main", "org/name@x@y"):
         with pytest.raises(ModelNotFoundError):
-            locate(bad, tmp_path)
+            parse_model_name(bad, tmp_path)

@@ -23,7 +23,8 @@ from exo_like.models.catalog import PACKAGED  # noqa: E402
 from exo_like.models.config import ModelArgs  # noqa: E402
 from exo_like.models.gguf.file import find_gguf, open_gguf, unpermute_rotary_rows  # noqa: E402
 from exo_like.models.gguf.tokenizer import gguf_tokenizer  # noqa: E402
-from exo_like.models.registry import read_local_model, resolve_model_dir  # noqa: E402
+from exo_like.models.name import parse_model_name  # noqa: E402
+from exo_like.models.resolver import read_local_model  # noqa: E402
 from exo_like.models.shard import Shard  # noqa: E402
 from exo_like.models.tokenizer import ModelTokenizer  # noqa: E402
 from tests.checkpoints import built_once, make_checkpoint  # noqa: E402
@@ -134,7 +135,7 @@ def test_a_folder_holding_one_gguf_names_it_and_bad_files_fail_clearly(gguf_path
     lone.mkdir()
     (lone / path.name).symlink_to(path)
     assert find_gguf(lone) == lone / path.name
-    assert resolve_model_dir(str(lone / path.name), tmp_path)[1] == lone / path.name
+    assert parse_model_name(str(lone / path.name), tmp_path).path == lone / path.name
     (lone / "other.gguf").write_bytes(b"GGUF")
     with pytest.raises(ModelNotFoundError, match="several GGUF models"):
         find_gguf(lone)

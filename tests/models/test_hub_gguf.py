@@ -29,8 +29,9 @@ from exo_like.models.gguf.tokenizer import gguf_tokenizer  # noqa: E402
 from exo_like.models.hub.download import ShardDownloader  # noqa: E402
 from exo_like.models.hub.progress import DownloadProgress  # noqa: E402
 from exo_like.models.hub.sparse_file import SparseFile, coalesce, subtract  # noqa: E402
+from exo_like.models.name import parse_model_name  # noqa: E402
+from exo_like.models.resolver import fetch_hub_model  # noqa: E402
 from exo_like.models.shard import Shard  # noqa: E402
-from exo_like.models.source import locate, prepare_hub_model  # noqa: E402
 from tests.api_server import NodeProcess, start_node, wait_for  # noqa: E402
 from tests.checkpoints import make_checkpoint  # noqa: E402
 from tests.cluster_harness import cluster_of, start_cluster, wait_until_ready  # noqa: E402
@@ -166,7 +167,7 @@ def test_planning_reads_headers_and_each_plan_fetches_only_what_it_adds(hub: Hub
     data = original.read_bytes()
     end = header_end(data, original.name)
     seen = len(hub.requests())
-    model = prepare_hub_model(locate(f"{REPO}:q8_0", tmp_path), tmp_path / "cache")
+    model = fetch_hub_model(parse_model_name(f"{REPO}:q8_0", tmp_path), tmp_path / "cache")
     assert (model.name, model.key) == (f"{REPO}:Q8_0", f"{REPO}@{hub.repos[REPO].commit}:Q8_0")
     assert model.folder.name == "tiny-Q8_0.gguf" and model.folder.stat().st_size == len(data)
     headers = cdn_ranges(hub.requests(since=seen))
@@ -200,14 +201,14 @@ def test_offline_a_restarted_node_serves_the_ranges_it_holds(hub: HubServer, tmp
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
     cache = tmp_path / "cache"
-    model = prepare_hub_model(locate(REPO, tmp_path), cache)  # the repo's name ends in GGUF: the default tag
+    model = fetch_hub_model(parse_model_name(REPO, tmp_path), cache)  # the repo's name ends in GGUF: the default tag
     assert model.folder.name == "tiny-Q8_0.gguf" and model.tag is None
     downloader = ShardDownloader(cache, "n0", DownloadProgress())
     try:
         asyncio.run(downloader.ensure(model.manifest, model.folder, Shard(REPO, 2, 4, N_LAYERS), False))
         monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
         seen = len(hub.requests())
-        again = prepare_hub_model(locate(REPO, tmp_path), cache)
+        again = fetch_hub_model(parse_model_name(REPO, tmp_path), cache)
         assert (again.key, again.folder) == (model.key, model.folder)
         asyncio.run(downloader.ensure(again.manifest, again.folder, Shard(REPO, 2, 4, N_LAYERS), False))
         with pytest.raises(HubUnavailableError, match="HF_HUB_OFFLINE is set"):

@@ -18,7 +18,9 @@ from exo_like.models.hub.download import WRITE_CHUNK, ShardDownloader
 from exo_like.models.hub.progress import DownloadProgress
 from exo_like.models.hub.repo import storage_folder
 from exo_like.models.shard import Shard
-from exo_like.models.source import HubModel, list_models, locate, prepare_hub_model
+from exo_like.models.listing import list_models
+from exo_like.models.name import parse_model_name
+from exo_like.models.resolver import HubModel, fetch_hub_model
 from tests.checkpoints import make_checkpoint
 from tests.hub_server import TOKEN, HubServer
 
@@ -57,7 +59,7 @@ def online(hub: HubServer, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> P
 
 
 def prepare(repo: str, cache: Path) -> HubModel:
-    return prepare_hub_model(locate(repo, cache.parent), cache)
+    return fetch_hub_model(parse_model_name(repo, cache.parent), cache)
 
 
 def needed(checkpoint: Path, shard: Shard) -> set[str]:
