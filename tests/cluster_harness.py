@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import select
 import socket
+import socketserver
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -77,3 +80,52 @@ def _view(node: NodeProcess) -> dict[str, Any] | None:
         return cluster_of(node)
     except (AssertionError, OSError):
         return None
+
+
+class _RelayServer(socketserver.ThreadingTCPServer):
+    allow_reuse_address = True
+    daemon_threads = True
+
+
+class LateRelay:
+    """A loopback port that refuses connections until `open()`, then forwards each one to `target_port`.
+
+    A node given it in --peers is started in advance (its start takes seconds) yet reaches its peer only when the
+    test says, e.g. in the middle of a stream. The address is one the peer does not advertise, like a bootstrap
+    address across a VPN or NAT."""
+
+    def __init__(self, target_port: int):
+        self.port = free_ports(1)[0]
+        self.target_port = target_port
+        self._server: socketserver.ThreadingTCPServer | None = None
+        self._closed = threading.Event()
+
+    def open(self) -> None:
+        relay = self
+
+        class Forward(socketserver.BaseRequestHandler):
+            def handle(self) -> None:
+                with socket.create_connection(("127.0.0.1", relay.target_port)) as upstream:
+                    relay._pipe(self.request, upstream)
+
+        self._server = _RelayServer(("127.0.0.1", self.port), Forward)
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def _pipe(self, a: socket.socket, b: socket.socket) -> None:
+        while not self._closed.is_set():
+            readable, _, _ = select.select([a, b], [], [], 0.5)
+            for source in readable:
+                try:
+                    data = source.recv(65536)
+                    if data:
+                        (b if source is a else a).sendall(data)
+                except OSError:  # one side reset the connection (a node killed)
+                    data = b""
+                if not data:
+                    return
+
+    def close(self) -> None:
+        self._closed.set()
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
