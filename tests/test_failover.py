@@ -61,15 +61,17 @@ def stream(node: NodeProcess, model: str, at: int = BREAK_AT, action: Callable[[
         extra_body={"ignore_eos": True, **sampling}, stream_options={"include_usage": True},
         messages=[{"role": "user", "content": PROMPT}])
     pieces, tokens, times = [], 0, []
+    acting = 0.0  # seconds the test spent acting (starting a node, say): the client read nothing meanwhile
     for chunk in chunks:
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
         if chunk.choices and chunk.choices[0].delta.content:
             pieces.append(chunk.choices[0].delta.content)
-            times.append(time.monotonic())
+            times.append(time.monotonic() - acting)
             if len(pieces) == at and action is not None:
+                started = time.monotonic()
                 action()
-                times[-1] = time.monotonic()  # the client read nothing while the test acted (started a node, say)
+                acting += time.monotonic() - started
     gaps = [after - before for before, after in zip(times, times[1:])]
     return Streamed("".join(pieces), tokens, max(gaps, default=0.0))
 
