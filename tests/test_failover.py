@@ -163,6 +163,7 @@ def test_a_node_joining_through_one_member_and_members_leaving_cost_the_stream_n
         newcomer = nodes[2]
         wait_until_ready([first, second], members=2)
         reference = stream(first, seven_layers.name)
+        relay.wait_for_dial()  # the newcomer's dial waits at the relay: opening it links them at that moment
         got = stream(first, seven_layers.name, action=relay.open)
         print(f"the join replayed the request {replays(first)} time(s)")
         check_against(reference, got, "a third node joined through the first")
