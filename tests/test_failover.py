@@ -1,6 +1,7 @@
 """A node lost mid-request costs the request nothing: real nodes on loopback, a streaming request of 200 tokens,
-and a stage killed (SIGKILL), frozen (SIGSTOP) or joined by a new node in the middle of it. The stream must go on
-to the same text as an uninterrupted run of the same request, with no gap between two tokens over 8 s.
+and a stage killed (SIGKILL), stopped (SIGTERM), frozen (SIGSTOP) or joined by a new node (given every member's
+address, or only one) in the middle of it. The stream must go on to the same text as an uninterrupted run of the
+same request, with no gap between two tokens over 8 s.
 
 In-process tests of the same logic, with every ordering under control: tests/test_replay.py.
 """
