@@ -1,8 +1,11 @@
-"""Keeps this node linked to every peer it knows of: static `--peers` and peers seen on mDNS.
+"""Keeps this node linked to every peer it knows of: static `--peers`, peers seen on mDNS, and peers its linked
+peers are linked with (peer exchange, exo_like/peers.py), so that any one member's address is enough to join.
 
 It only decides whom to dial and when; the dialing itself (and the authentication) is a callable from the
 transport. Unlinked peers are redialled every few seconds, so a restarted or briefly unreachable peer comes
-back without anyone doing anything. mDNS peers that stay unreachable are forgotten after a while.
+back without anyone doing anything. mDNS and exchanged peers that stay unreachable are forgotten after a while
+(an exchanged address is redialled again only once a peer reports it anew), so an address that answers with
+something other than exo-like, or that does not reach the peer from here, is not dialed forever.
 
 Nodes advertising another cluster key are never dialed; while their advertisement lasts, every round reports
 them (`report`), so a user who set a key on one machine and not on another sees why they stay apart.
@@ -22,6 +25,7 @@ log = logging.getLogger(__name__)
 
 REDIAL_SECONDS = 2.0
 FORGET_AFTER_SECONDS = 60.0
+MAX_EXCHANGED = 256  # peers learned from other peers kept at once: what peers report cannot grow without bound
 
 Dial = Callable[[str, int], Awaitable[str | None]]  # (host, port) -> linked node id, or None
 Report = Callable[[PeerAddress, str, str], None]  # a peer this node will not link with: (peer, code, reason)
@@ -39,6 +43,7 @@ class PeerFinder:
         self._static = static_peers
         self._static_ids: dict[PeerAddress, str] = {}
         self._mdns_peers: dict[str, tuple[PeerAddress, float]] = {}  # node id -> (address, last seen)
+        self._exchanged: dict[str, tuple[PeerAddress, float]] = {}  # the same, for peers learned from peers
         self._other_clusters: dict[str, PeerAddress] = {}  # node id -> address, while it advertises
         self._mdns = mdns
         self._report = report
@@ -50,6 +55,17 @@ class PeerFinder:
             return
         self._mdns_peers[peer.node_id] = (peer, time.monotonic())
         self._other_clusters.pop(peer.node_id, None)  # it now advertises our key (restarted with it)
+        self._wake.set()
+
+    def found_by_peer(self, peer: PeerAddress) -> None:
+        """A linked peer is linked with `peer` (as `peer` advertises itself): dial it like a static peer."""
+        if peer.node_id is None or peer.node_id == self.node_id:
+            return
+        if peer.node_id not in self._exchanged and len(self._exchanged) >= MAX_EXCHANGED:
+            log.warning("node %s: not dialing %s at %s: already %d peers learned from peers", self.node_id,
+                        peer.node_id, peer.address, MAX_EXCHANGED)
+            return
+        self._exchanged[peer.node_id] = (peer, time.monotonic())
         self._wake.set()
 
     def found_other_cluster(self, peer: PeerAddress) -> None:
@@ -87,17 +103,23 @@ class PeerFinder:
             self._report(peer, "other_cluster", OTHER_CLUSTER)
         attempts = [self._dial_static(peer) for peer in self._static
                     if not self._is_linked(self._static_ids.get(peer, ""))]
-        now = time.monotonic()
-        for node_id, (peer, seen) in list(self._mdns_peers.items()):
-            if self._is_linked(node_id):
-                self._mdns_peers[node_id] = (peer, now)
-            elif now - seen > FORGET_AFTER_SECONDS:
-                log.info("node %s: forgetting %s (unreachable at %s)", self.node_id, node_id, peer.address)
-                del self._mdns_peers[node_id]
-            else:
-                attempts.append(self._dial(peer.host, peer.port))
+        attempts += self._dial_known(self._mdns_peers) + self._dial_known(self._exchanged)
         if attempts:
             await asyncio.gather(*attempts, return_exceptions=True)
+
+    def _dial_known(self, peers: dict[str, tuple[PeerAddress, float]]) -> list[Awaitable[str | None]]:
+        """Dials of the unlinked peers among `peers` (by node id); forgets those unreachable for too long."""
+        attempts = []
+        now = time.monotonic()
+        for node_id, (peer, seen) in list(peers.items()):
+            if self._is_linked(node_id):
+                peers[node_id] = (peer, now)
+            elif now - seen > FORGET_AFTER_SECONDS:
+                log.info("node %s: forgetting %s (unreachable at %s)", self.node_id, node_id, peer.address)
+                del peers[node_id]
+            else:
+                attempts.append(self._dial(peer.host, peer.port))
+        return attempts
 
     async def _dial_static(self, peer: PeerAddress) -> None:
         node_id = await self._dial(peer.host, peer.port)

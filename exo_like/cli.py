@@ -73,7 +73,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--memory-gb", type=float, default=None,
                         help="memory this node offers for layers (default: available RAM)")
     parser.add_argument("--peers", default=None,
-                        help="static peers host:port,... for networks where multicast (mDNS) cannot reach")
+                        help="static peers host:port,... where multicast (mDNS) cannot reach (one member of a cluster "
+                             "is enough: linked peers exchange addresses)")
     parser.add_argument("--no-mdns", action="store_true", help="do not advertise or browse on mDNS")
     parser.add_argument("--cluster-key", default=os.environ.get("EXO_LIKE_CLUSTER_KEY"),
                         help="shared secret peers must hold (env EXO_LIKE_CLUSTER_KEY; default: a built-in key)")

@@ -55,6 +55,7 @@ from exo_like.serving.shard_holder import ShardHolder
 from exo_like.serving.stage import StageWorker
 from partitioning.plan import Plan
 from partitioning.speed_figures import RTT_SAMPLES
+from exo_like.cluster.protocol import MemberAddress
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +169,7 @@ class Node:
         """Join the cluster: identity, peer links, discovery and plan agreement (call once the port is bound)."""
         self.info = self._node_info(host, port)
         self.peers = PeerNetwork(self.info, self.options.cluster_key, self._on_peer_message, self._links_changed,
-                                 self.options.max_frame_bytes, self.options.peer_timeout)
+                                 self.options.max_frame_bytes, self.options.peer_timeout, self._peers_of_peers)
         self.speed = SpeedProbe(self.node_id, self.engine, self.executor, self.home, self.options.placement,
                                 self.options.remeasure, self.models.files,
                                 lambda: self.peers.lowest_round_trips(RTT_SAMPLES),
@@ -272,6 +273,12 @@ class Node:
         assert self.peers is not None
         link = await self.peers.dial(host, port)
         return link.remote.node_id if link else None
+
+    def _peers_of_peers(self, addresses: list[MemberAddress]) -> None:
+        """Members a linked peer is linked with: dial them too (peer exchange, see peers.py)."""
+        if self.finder is not None:
+            for member in addresses:
+                self.finder.found_by_peer(PeerAddress(member.host, member.port, member.node_id))
 
     def _report_unlinked(self, peer: PeerAddress, code: str, reason: str) -> None:
         assert self.peers is not None

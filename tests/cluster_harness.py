@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import select
 import socket
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -77,3 +79,92 @@ def _view(node: NodeProcess) -> dict[str, Any] | None:
         return cluster_of(node)
     except (AssertionError, OSError):
         return None
+
+
+class LateRelay:
+    """A loopback port that reaches a node only once opened, for another node's --peers: an address the node does
+    not advertise, like a bootstrap address across a VPN or NAT.
+
+    Until `open()` it accepts connections and holds them unanswered (a dial waits), closing each after HOLD_SECONDS
+    (the dial fails and the dialer retries). `open()` forwards the connections it holds and every later one, so a
+    node whose dial is waiting links at that moment: a test can start the node in advance (its start takes
+    seconds), wait for its dial (`wait_for_dial`), and make it join at an exact point, e.g. mid-stream."""
+
+    HOLD_SECONDS = 4.0
+
+    def __init__(self, target_port: int):
+        self.target_port = target_port
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener.settimeout(0.1)
+        self.port = self._listener.getsockname()[1]
+        self._held: list[tuple[socket.socket, float]] = []
+        self._accepted = threading.Condition()
+        self._dials = 0
+        self._opened = threading.Event()
+        self._closed = threading.Event()
+        self._threads = [threading.Thread(target=self._accept_forever, daemon=True)]
+        self._threads[0].start()
+
+    def wait_for_dial(self, timeout: float = 30) -> None:
+        """Return once a dial made after this call is waiting here."""
+        with self._accepted:
+            seen = self._dials
+            if not self._accepted.wait_for(lambda: self._dials > seen, timeout):
+                raise AssertionError(f"nothing dialed the relay on port {self.port} within {timeout}s")
+
+    def open(self) -> None:
+        with self._accepted:
+            self._opened.set()
+            held, self._held = self._held, []
+        for connection, _ in held:
+            self._forward_in_thread(connection)
+
+    def close(self) -> None:
+        self._closed.set()
+        for thread in self._threads:
+            thread.join(5)
+        with self._accepted:
+            for connection, _ in self._held:
+                connection.close()
+
+    def _accept_forever(self) -> None:
+        with self._listener:
+            while not self._closed.is_set():
+                self._drop_expired()
+                try:
+                    connection, _ = self._listener.accept()
+                except TimeoutError:
+                    continue
+                with self._accepted:
+                    if not self._opened.is_set():
+                        self._held.append((connection, time.monotonic()))
+                        self._dials += 1
+                        self._accepted.notify_all()
+                        continue
+                self._forward_in_thread(connection)
+
+    def _drop_expired(self) -> None:
+        with self._accepted:
+            expired = [c for c, since in self._held if time.monotonic() - since > self.HOLD_SECONDS]
+            self._held = [(c, since) for c, since in self._held if c not in expired]
+        for connection in expired:
+            connection.close()
+
+    def _forward_in_thread(self, connection: socket.socket) -> None:
+        thread = threading.Thread(target=self._forward, args=(connection,), daemon=True)
+        self._threads.append(thread)
+        thread.start()
+
+    def _forward(self, connection: socket.socket) -> None:
+        with connection, socket.create_connection(("127.0.0.1", self.target_port)) as upstream:
+            while not self._closed.is_set():
+                readable, _, _ = select.select([connection, upstream], [], [], 0.2)
+                for source in readable:
+                    try:
+                        data = source.recv(65536)
+                        if data:
+                            (upstream if source is connection else connection).sendall(data)
+                    except OSError:  # one side reset the connection (a node killed)
+                        data = b""
+                    if not data:
+                        return

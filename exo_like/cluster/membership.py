@@ -1,7 +1,9 @@
 """Membership and plan agreement.
 
 Every node computes the plan from its own view (itself plus its linked peers) and announces the plan's digest
-to all peers. A plan is agreed only when every member announces the same digest, and ready once every stage
+to all peers, with the peers it is linked with. It makes a new plan only once that view is one every member sees
+(membership.py): while a joining node is linked with some members only, the plan in place stands or there is
+none. A plan is agreed only when every member announces the same digest, and ready once every stage
 has loaded its shard. Membership changes re-plan; a node reloads only when its own range changed.
 
 Which model the cluster serves is cluster state too: `--model` or the first request sets it with a Lamport
@@ -27,6 +29,8 @@ from exo_like.models.hub.progress import DownloadStatus
 from exo_like.models.shard import Shard
 from partitioning.plan import Plan
 from partitioning.speed_figures import SpeedFigures, SpeedSource
+from exo_like.cluster.settled import meshed, unsettled
+from exo_like.cluster.protocol import MAX_MEMBERS
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +58,7 @@ class Announcement:
     load: NodeLoad = field(default_factory=NodeLoad)
     kv_blocks: int | None = None  # KV cache blocks the node's pool holds for its layers (None: not loaded, or not said)
     figures: SpeedFigures | None = None  # its placement, measured speed and link round trips (None: not said)
+    linked: frozenset[str] = frozenset()  # the peers it is linked with
 
 
 class Cluster:
@@ -88,6 +93,7 @@ class Cluster:
         self._announcer: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()  # strong references: the loop keeps only weak ones
         self.plan_wait_seconds = PLAN_WAIT_SECONDS
+        self.unsettled: str | None = None  # why this node's view of the members is not one they all see yet
 
     # -- membership -------------------------------------------------------------------------------------
 
@@ -96,6 +102,10 @@ class Cluster:
 
     def member_ids(self) -> set[str]:
         return {m.node_id for m in self.members()}
+
+    def linked_ids(self) -> set[str]:
+        """The members other than this node: the peers it is linked with."""
+        return self.member_ids() - {self.me.node_id}
 
     def name_of(self, node_id: str) -> str:
         """A node's name: a member's, or a departed one's (errors about a lost node name it)."""
@@ -145,7 +155,11 @@ class Cluster:
         self.replan()
 
     def replan(self) -> None:
-        plan, problem = self._compute_plan()
+        self._check_membership()
+        if self.unsettled is not None and self._plan_still_meshed():
+            self._announce_soon()  # the ring in place goes on while the new member links with everyone
+            return
+        plan, problem = self._compute_plan() if self.unsettled is None else self._no_plan_until_settled()
         if plan != self.plan or problem != self.problem:
             if plan is not None and (self.plan is None or plan.digest != self.plan.digest):
                 log.info("node %s: plan %s for %s: %s%s", self.me.node_id, plan.digest, plan.model_id,
@@ -174,6 +188,32 @@ class Cluster:
                                        figures, self.plan)
         self.pending, self.placement = decision.pending, decision.report
         return decision.plan, decision.problem
+
+    def _check_membership(self) -> None:
+        """Note whether some linked peer is linked with other members than this node is (see membership.py)."""
+        before = self.unsettled
+        self.unsettled = unsettled(self.me.node_id, self.linked_ids(), self._announced_links()) \
+            if self.model_id is not None else None
+        if self.unsettled != before:
+            if self.unsettled is None:
+                log.info("node %s: every member is linked with every other", self.me.node_id)
+            else:
+                log.info("node %s: waiting for the members to link with each other: %s", self.me.node_id,
+                         self.unsettled)
+
+    def _plan_still_meshed(self) -> bool:
+        """Whether the plan in place serves this model and its stages are all still linked with each other."""
+        if self.plan is None or self.plan.model_id != self.model_id:
+            return False
+        return meshed(self.plan.node_ids, self.me.node_id, self.linked_ids(), self._announced_links())
+
+    def _announced_links(self) -> dict[str, frozenset[str]]:
+        return {node_id: announcement.linked for node_id, announcement in self.announcements.items()}
+
+    def _no_plan_until_settled(self) -> tuple[None, None]:
+        self.placement = None
+        self.pending = f"waiting for the members to link with each other ({self.unsettled})"
+        return None, None
 
     def figures_of(self, node_id: str) -> SpeedFigures | None:
         """A member's figures as announced (this node's: as it announces them)."""
@@ -213,21 +253,23 @@ class Cluster:
         digest = self.plan.digest if self.plan else None
         ready = digest is not None and self.loaded_digest == digest
         return Announcement(self.model_id, self.clock, digest, ready, self.problem, self._current_load(),
-                            self._kv_blocks() if ready else None, self._speed.figures(self.model_id))
+                            self._kv_blocks() if ready else None, self._speed.figures(self.model_id),
+                            frozenset(self.linked_ids()))
 
     def receive(self, node_id: str, message: PlanState) -> None:
         """A peer's announcement (fields checked by protocol.decode)."""
         figures = SpeedFigures.from_json(message.figures) if message.figures is not None else None
         announcement = Announcement(message.model, message.clock, message.digest, message.ready, message.problem,
-                                    NodeLoad.from_json(message.load), message.kv_blocks, figures)
+                                    NodeLoad.from_json(message.load), message.kv_blocks, figures,
+                                    frozenset(message.linked))
         before = self.announcements.get(node_id)
         self.announcements[node_id] = announcement
         if announcement.model is not None and message.clock > self.clock:
             self.clock, self.model_id = message.clock, announcement.model
             log.info("node %s: adopting model %s from %s", self.me.node_id, announcement.model, node_id)
             self.replan()
-        elif before is None or before.figures != figures:
-            self.replan()  # the plan is made from every member's announced figures
+        elif before is None or before.figures != figures or before.linked != announcement.linked:
+            self.replan()  # the plan is made from every member's announced figures and links
         self._notify()
 
     def _plan_members(self) -> set[str]:
@@ -321,7 +363,8 @@ class Cluster:
         mine = self.my_announcement()
         self._announced, self._announced_figures = (time.monotonic(), mine.load.in_flight, mine.load.busy), mine.figures
         message = PlanState(mine.model, mine.clock, mine.digest, mine.ready, mine.problem, mine.load.to_json(),
-                            kv_blocks=mine.kv_blocks, figures=mine.figures.to_json() if mine.figures else None)
+                            kv_blocks=mine.kv_blocks, figures=mine.figures.to_json() if mine.figures else None,
+                            linked=tuple(sorted(mine.linked))[:MAX_MEMBERS])
         for link in list(self.peers.links.values()):
             try:
                 await link.send(message)

@@ -16,6 +16,12 @@ always agree on which one survives. The other link is retired, not cut: each sid
 it and reads it until the other's `retire` arrives, so no frame already on its way is lost (a peer that does not
 retire it in time is cut off entirely and relinked, so nothing it sends can vanish unnoticed). A dial of an
 address where a linked peer already listens makes no second link at all.
+
+Peer exchange: whenever a node links with a new peer, it tells every linked peer where all its linked peers listen
+(PeerAddresses, each as the peer advertises itself), and the finder dials those it is not linked with. So a node
+given any one member of a cluster (a bootstrap address, as users give one across subnets and VPNs) links with all
+of them, as the plan needs (cluster.py plans only over members linked with each other). The list is sent only on
+authenticated links, so only holders of the cluster key can make a node dial anything.
 """
 
 from __future__ import annotations
@@ -32,22 +38,9 @@ from aiohttp import web
 from exo_like.cluster.handshake import HANDSHAKE_TIMEOUT, Handshake, HandshakeRefused
 from exo_like.cluster.link_problems import LinkProblems, dial_failure
 from exo_like.cluster.node_info import NodeInfo
-from exo_like.cluster.protocol import (
-    DEFAULT_MAX_FRAME_BYTES,
-    PROTOCOL,
-    Auth,
-    Hello,
-    Info,
-    Message,
-    Ping,
-    Pong,
-    ProtocolError,
-    Refused,
-    Retire,
-    Welcome,
-    decode,
-    encode,
-)
+from exo_like.cluster.protocol import (DEFAULT_MAX_FRAME_BYTES, MAX_MEMBERS, PROTOCOL, Auth, Hello, Info, MemberAddress,
+                               Message, PeerAddresses, Ping, Pong, ProtocolError, Refused, Retire, Welcome, decode,
+                               encode)
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +81,7 @@ def cluster_key_digest(cluster_key: str) -> str:
 
 
 MessageHandler = Callable[["PeerLink", Message], Awaitable[None]]
+AddressesHandler = Callable[[list[MemberAddress]], None]  # members a peer is linked with (never this node)
 
 
 class PeerLink:
@@ -138,12 +132,14 @@ class PeerNetwork:
 
     def __init__(self, me: NodeInfo, cluster_key: str, handler: MessageHandler,
                  on_change: Callable[[], None], max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
-                 peer_timeout: float = DEFAULT_PEER_TIMEOUT):
+                 peer_timeout: float = DEFAULT_PEER_TIMEOUT,
+                 on_addresses: AddressesHandler = lambda addresses: None):
         self.me = me
         self.heartbeat = peer_timeout / 1.5
         self._key = hashlib.sha256(cluster_key.encode()).digest()
         self._handler = handler
         self._on_change = on_change
+        self._on_addresses = on_addresses
         self.max_frame_bytes = max_frame_bytes
         self.links: dict[str, PeerLink] = {}
         self.problems = LinkProblems(me.node_id)
@@ -270,8 +266,37 @@ class PeerNetwork:
         self.links[remote_id] = link
         log.info("node %s: linked with %s (%s) at %s", self.me.node_id, remote_id, link.remote.name, link.address)
         self._spawn(self._ping_forever(link))
+        self._share_addresses()
         self._on_change()
         return True
+
+    def member_addresses(self) -> list[MemberAddress]:
+        """Where each linked peer listens, as it advertises itself (at most MAX_MEMBERS of them)."""
+        remotes = sorted((link.remote for link in self.links.values() if not link.closed and not link.retired),
+                         key=lambda remote: remote.node_id)
+        return [MemberAddress(r.node_id, r.host, r.port) for r in remotes[:MAX_MEMBERS]]
+
+    def _share_addresses(self) -> None:
+        """Tell every linked peer where the others listen (a new peer learns of all of them, they of it)."""
+        message = PeerAddresses(tuple(self.member_addresses()))
+        for link in list(self.links.values()):
+            self._spawn(self._send_quietly(link, message))
+
+    @staticmethod
+    async def _send_quietly(link: PeerLink, message: Message) -> None:
+        try:
+            await link.send(message)
+        except (ConnectionError, OSError, ProtocolError):
+            pass  # the link is gone or replaced: its successor's registration shares the addresses again
+
+    def _addresses_in(self, link: PeerLink, message: PeerAddresses) -> None:
+        """Members a peer is linked with: the finder dials those this node is not linked with."""
+        others = [m for m in message.members if m.node_id not in (self.me.node_id, link.remote.node_id)]
+        unlinked = [m for m in others if not self.linked(m.node_id)]
+        if unlinked:
+            log.info("node %s: %s is linked with %s", self.me.node_id, link.remote.node_id,
+                     ", ".join(f"{m.node_id} at {m.host}:{m.port}" for m in unlinked))
+            self._on_addresses(unlinked)
 
     def _retire(self, link: PeerLink) -> None:
         """Stop sending on a duplicate link; close it once the other side has said it sends nothing more."""
@@ -311,6 +336,9 @@ class PeerNetwork:
                     continue  # this side still uses it until its duplicate registers here
                 if isinstance(message, Ping):
                     self._answer_ping(link, message)
+                    continue
+                if isinstance(message, PeerAddresses):
+                    self._addresses_in(link, message)
                     continue
                 try:
                     await self._handler(link, message)

@@ -41,7 +41,12 @@ DEFAULT_MAX_FRAME_BYTES = 64 * 1024 * 1024
 # 1: the first numbered protocol (hub models keyed org/name@commit, plan digests, step times).
 # 2: typed messages; batches of work items with KV block tables cross the ring (continuous batching).
 # 3: plan announcements carry speed figures and link round trips; plans place layers by speed.
-PROTOCOL = 3
+# 4: linked nodes exchange where their members listen (PeerAddresses); plan announcements name the announcer's
+#    linked peers, and plans are made only over a membership every member sees.
+PROTOCOL = 4
+# Entries in a list of members (addresses shared, linked peers announced): far above any real cluster, and a bound
+# on what one peer can make this node remember or dial.
+MAX_MEMBERS = 256
 
 # -- messages -----------------------------------------------------------------------------------------------
 
@@ -193,7 +198,50 @@ class Pong(Ping):
     type: ClassVar[str] = "pong"
 
 
-# Cluster state (membership.py): sent to every peer on change and every second; doubles as the heartbeat.
+@dataclass(frozen=True)
+class MemberAddress:
+    """Where a member listens, as it advertises itself (its NodeInfo's host and port, never the address its socket
+    came from: a peer that dialed in comes from a port nobody can dial)."""
+
+    node_id: str
+    host: str
+    port: int
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"node_id": self.node_id, "host": self.host, "port": self.port}
+
+    @classmethod
+    def from_wire(cls, data: Any) -> "MemberAddress":
+        data = mapping(data, "members")
+        member = cls(string(data, "node_id"), string(data, "host"), integer(data, "port", 1, 65535))
+        if not member.host:
+            raise ProtocolError("field 'host' must not be empty")  # it would be dialed
+        return member
+
+
+@dataclass(frozen=True)
+class PeerAddresses(Message):
+    """Where the sender's linked peers listen, sent on every link whenever the sender links with a new peer: a node
+    given any one member (a bootstrap address) links with all of them (peers.py)."""
+
+    type: ClassVar[str] = "peer_addresses"
+    members: tuple[MemberAddress, ...]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"members": [member.to_wire() for member in self.members]}
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> "PeerAddresses":
+        return cls(tuple(MemberAddress.from_wire(member) for member in bounded(array(data, "members"), "members")))
+
+
+def bounded(values: list[Any], key: str) -> list[Any]:
+    if len(values) > MAX_MEMBERS:
+        raise ProtocolError(f"field {key!r} must hold at most {MAX_MEMBERS} entries")
+    return values
+
+
+# Cluster state (cluster.py): sent to every peer on change and every second; doubles as the heartbeat.
 
 @dataclass(frozen=True)
 class PlanState(Message):
@@ -206,10 +254,12 @@ class PlanState(Message):
     load: dict[str, Any]  # NodeLoad.to_json(); NodeLoad.from_json reads it tolerantly
     kv_blocks: int | None = None  # KV cache blocks this node's pool holds for its layers, once loaded
     figures: dict[str, Any] | None = None  # SpeedFigures.to_json(): placement, measured speed, link round trips
+    linked: tuple[str, ...] = ()  # node ids of the announcer's linked peers: plans need a membership all members see
 
     def to_wire(self) -> dict[str, Any]:
         return {"model": self.model, "clock": list(self.clock), "digest": self.digest, "ready": self.ready,
-                "problem": self.problem, "load": self.load, "kv_blocks": self.kv_blocks, "figures": self.figures}
+                "problem": self.problem, "load": self.load, "kv_blocks": self.kv_blocks, "figures": self.figures,
+                "linked": list(self.linked)}
 
     @classmethod
     def from_wire(cls, data: dict[str, Any]) -> "PlanState":
@@ -221,7 +271,8 @@ class PlanState(Message):
         return cls(string(data, "model", 1024, optional=True), (counter, writer),
                    string(data, "digest", optional=True), boolean(data, "ready"),
                    string(data, "problem", MAX_TEXT, optional=True), node_load(data.get("load")),
-                   integer(data, "kv_blocks", 0, optional=True), speed_figures(data.get("figures")))
+                   integer(data, "kv_blocks", 0, optional=True), speed_figures(data.get("figures")),
+                   tuple(string({"linked": peer}, "linked") for peer in bounded(array(data, "linked"), "linked")))
 
 
 # The ring (ring.py, scheduler.py).

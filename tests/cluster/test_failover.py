@@ -1,6 +1,7 @@
 """A node lost mid-request costs the request nothing: real nodes on loopback, a streaming request of 200 tokens,
-and a stage killed (SIGKILL), frozen (SIGSTOP) or joined by a new node in the middle of it. The stream must go on
-to the same text as an uninterrupted run of the same request, with no gap between two tokens over 8 s.
+and a stage killed (SIGKILL), stopped (SIGTERM), frozen (SIGSTOP) or joined by a new node (given every member's
+address, or only one) in the middle of it. The stream must go on to the same text as an uninterrupted run of the
+same request, with no gap between two tokens over 8 s.
 
 In-process tests of the same logic, with every ordering under control: tests/serving/test_replay.py.
 """
@@ -17,7 +18,7 @@ import pytest
 
 from tests.api_server import NodeProcess, start_node
 from tests.checkpoints import make_checkpoint
-from tests.cluster_harness import cluster_of, start_cluster, wait_until_ready
+from tests.cluster_harness import LateRelay, cluster_of, start_cluster, wait_until_ready
 
 PROMPT = "Tell me a long story about a lighthouse."
 TOKENS = 200
@@ -61,14 +62,17 @@ def stream(node: NodeProcess, model: str, at: int = BREAK_AT, action: Callable[[
         extra_body={"ignore_eos": True, **sampling}, stream_options={"include_usage": True},
         messages=[{"role": "user", "content": PROMPT}])
     pieces, tokens, times = [], 0, []
+    acting = 0.0  # seconds the test spent acting (starting a node, say): the client read nothing meanwhile
     for chunk in chunks:
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
         if chunk.choices and chunk.choices[0].delta.content:
             pieces.append(chunk.choices[0].delta.content)
-            times.append(time.monotonic())
+            times.append(time.monotonic() - acting)
             if len(pieces) == at and action is not None:
+                started = time.monotonic()
                 action()
+                acting += time.monotonic() - started
     gaps = [after - before for before, after in zip(times, times[1:])]
     return Streamed("".join(pieces), tokens, max(gaps, default=0.0))
 
@@ -139,6 +143,47 @@ def test_a_node_joining_mid_stream_reforms_the_ring_under_the_request(three_node
         assert late[0].get_json("/health")["node_id"] in stage_ids(three_nodes[0])
     finally:
         for node in late:
+            node.stop()
+
+
+def test_a_node_joining_through_one_member_and_members_leaving_cost_the_stream_nothing(seven_layers: Path,
+                                                                                      tmp_path: Path) -> None:
+    """Two nodes with each other in --peers; a third given only the first's address (a bootstrap address, as users
+    give one across subnets and VPNs) links with it in the middle of a stream. Peer exchange must link it with the
+    second node too, and all three must plan over the same membership: the stream ends as on a cluster that did not
+    change, and all agree. (Before, the second node never heard of the third: three plans over three memberships,
+    and the stream ended with 503 plan_unavailable.) Then the second node, which the third knows only from the
+    first, stops (SIGTERM), and the third is killed, each in the middle of a stream."""
+    first, second = start_cluster(tmp_path, str(seven_layers), [6, 4])
+    nodes = [first, second]
+    relay = LateRelay(first.port)  # the newcomer's one peer address: it reaches the first node once opened
+    try:
+        nodes.append(start_node(tmp_path / "home2", str(seven_layers), "--no-mdns", "--peers",
+                                f"127.0.0.1:{relay.port}", "--memory-gb", "2", "--node-name", "node2",
+                                "--engine", "torch", "--dtype", "float32"))
+        newcomer = nodes[2]
+        wait_until_ready([first, second], members=2)
+        reference = stream(first, seven_layers.name)
+        relay.wait_for_dial()  # the newcomer's dial waits at the relay: opening it links them at that moment
+        got = stream(first, seven_layers.name, action=relay.open)
+        print(f"the join replayed the request {replays(first)} time(s)")
+        check_against(reference, got, "a third node joined through the first")
+        wait_until_ready(nodes, members=3)
+        views = [cluster_of(node) for node in nodes]
+        assert len({frozenset(n["id"] for n in view["nodes"]) for view in views}) == 1
+        assert len({view["plan"]["digest"] for view in views}) == 1 and all(view["agreed"] for view in views)
+
+        got = stream(first, seven_layers.name, action=lambda: second.process.send_signal(signal.SIGTERM))
+        check_against(reference, got, "the second node stopped")
+        assert second.process.wait(timeout=30) == 0
+        wait_until_ready([first, newcomer], members=2)
+
+        got = stream(first, seven_layers.name, action=kill(newcomer))
+        check_against(reference, got, "the third node killed")
+        wait_until_ready([first], members=1)
+    finally:
+        relay.close()
+        for node in nodes:
             node.stop()
 
 

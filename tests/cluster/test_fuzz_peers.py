@@ -24,8 +24,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from exo_like.engines.activations import Activations
 from exo_like.cluster.node_info import NodeInfo
 from exo_like.cluster.node_load import NodeLoad
+from partitioning.speed_figures import SpeedFigures
 from exo_like.cluster.peers import PeerLink, PeerNetwork
 from exo_like.cluster.protocol import (
     _TYPES,
@@ -35,7 +37,9 @@ from exo_like.cluster.protocol import (
     Forward,
     Hello,
     Info,
+    MemberAddress,
     Message,
+    PeerAddresses,
     Ping,
     PlanState,
     Pong,
@@ -51,14 +55,13 @@ from exo_like.cluster.protocol import (
     decode,
     encode,
 )
-from exo_like.engines.activations import Activations
 from exo_like.engines.work import SampleSpec, WorkItem
-from partitioning.speed_figures import SpeedFigures
 from tests.api_server import NodeProcess, checkpoint, start_node, wait_for  # noqa: F401  (checkpoint: a fixture)
 from tests.cluster_harness import wait_until_ready
 
 EXAMPLES = int(os.environ.get("EXO_LIKE_FUZZ_EXAMPLES", "1000"))
 KEY = "peer-fuzz-key"
+NOBODY = ("127.0.0.1", 9)  # where the members of valid PeerAddresses frames are said to listen: a closed port
 FUZZER = "peer-fuzzer"
 T = TypeVar("T")
 
@@ -134,6 +137,7 @@ def prototypes(digest: str, hidden: int = 8) -> dict[str, Message]:
         Forward(digest, (item,), Activations("float32", (1, hidden), bytes(4 * hidden))),
         Sampled(digest, (SampledToken("r1", 5, False),)), Tokens(digest, (SampledToken("r1", 5, True),)),
         Release("r1"), Error("r1", "it broke", "stage_failed"),
+        PeerAddresses((MemberAddress("fuzz-other", NOBODY[0], NOBODY[1]),)),
     ]}
 
 
@@ -218,13 +222,17 @@ def frames(digest: str, hidden: int) -> st.SearchStrategy[bytes]:
 
 def harmless(frame: bytes, model: str) -> bytes:
     """A frame as sent. The one valid frame that would change the node for good is a PlanState that names a newer
-    model: the cluster rightly adopts it. Such an announcement keeps the served model (any clock, as generated)."""
+    model: the cluster rightly adopts it. Such an announcement keeps the served model (any clock, as generated).
+    A valid PeerAddresses makes the node dial the members it names: they are all said to listen at NOBODY."""
     try:
         message = decode(frame)
     except ProtocolError:
         return frame
     if isinstance(message, PlanState) and message.model not in (None, model):
         return encode(dataclasses.replace(message, model=model))
+    if isinstance(message, PeerAddresses):  # the node dials what it names: only ever a closed port on loopback
+        return encode(PeerAddresses(tuple(dataclasses.replace(m, host=NOBODY[0], port=NOBODY[1])
+                                          for m in message.members)))
     return frame
 
 
@@ -272,11 +280,12 @@ def test_generated_frames_are_refused_and_the_node_goes_on(peer_node: NodeProces
         link = fuzzer.dial(node.port)
         # Agree on the node's plan and say this side is loaded, so frames with its digest reach its scheduler. The
         # fuzzer places by memory (it measures nothing), so the ring is split by memory and it holds layers.
+        linked = (link.remote.node_id,)  # the fuzzer's links, as a member announces them
         fuzzer.run(link.send(PlanState(model, (0, ""), None, True, None, NodeLoad().to_json(), None,
-                                       SpeedFigures("memory").to_json())))
+                                       SpeedFigures("memory").to_json(), linked)))
         digest = wait_for(lambda: stage_digest(node, FUZZER))
         fuzzer.run(link.send(PlanState(model, (0, ""), digest, True, None, NodeLoad(kv_blocks=64).to_json(), 64,
-                                       SpeedFigures("memory").to_json())))
+                                       SpeedFigures("memory").to_json(), linked)))
 
         @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
                   suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

@@ -24,18 +24,8 @@ from exo_like.cluster.node_info import NodeInfo
 from exo_like.cluster.node_load import NodeLoad
 from exo_like.cluster.peers import CONNECT_TIMEOUT, PEER_PATH, PeerLink, PeerNetwork
 from exo_like.cluster.protocol import (
-    DEFAULT_MAX_FRAME_BYTES,
-    PROTOCOL,
-    Error,
-    Hello,
-    Message,
-    PlanState,
-    ProtocolError,
-    Refused,
-    Release,
-    Retire,
-    decode,
-    encode,
+    DEFAULT_MAX_FRAME_BYTES, PROTOCOL, Error, Hello, MemberAddress, Message, PeerAddresses, PlanState, ProtocolError,
+    Refused, Release, Retire, decode, encode,
 )
 from tests.api_server import NodeProcess, checkpoint, start_node  # noqa: F401  (checkpoint: a fixture)
 from tests.api_server import wait_for as node_wait_for
@@ -47,9 +37,11 @@ class Peer:
 
     def __init__(self, node_id: str, key: str, max_frame: int = 1 << 20, dtype: str | None = None):
         self.received: list[tuple[str, Message]] = []
+        self.learned: list[MemberAddress] = []  # where members of its peers listen (peer exchange)
         self.changes = 0
         self.info = NodeInfo(node_id, f"name-{node_id}", "127.0.0.1", 0, "torch", "cpu", "test", 1 << 30, "0", dtype)
-        self.net = PeerNetwork(self.info, key, self._handle, self._changed, max_frame_bytes=max_frame)
+        self.net = PeerNetwork(self.info, key, self._handle, self._changed, max_frame_bytes=max_frame,
+                               on_addresses=self.learned.extend)
         self.port = 0
 
     async def _handle(self, link: PeerLink, message: Message) -> None:
@@ -207,6 +199,36 @@ async def test_a_peer_that_does_not_retire_the_duplicate_is_cut_off_and_seen_los
     changes = a.changes, b.changes
     await wait_for(lambda: old.closed and not a.net.linked("bbb") and not b.net.linked("aaa"), timeout=3.0)
     assert a.changes > changes[0] and b.changes > changes[1]
+
+
+async def test_a_node_given_one_member_learns_where_the_others_listen_and_links_with_them(peers) -> None:
+    a, b, c = await peers("aaa"), await peers("bbb"), await peers("ccc")
+    assert await b.net.dial("127.0.0.1", a.port) is not None  # b dials: a sees it come from a port nobody listens on
+    assert await c.net.dial("127.0.0.1", c.port) is None  # (itself: nothing to learn)
+    assert await c.net.dial("127.0.0.1", a.port) is not None  # c was given a's address only
+    await wait_for(lambda: c.learned and b.learned)
+    # Each learns the other as it advertises itself, never itself nor the peer that told it.
+    assert c.learned == [MemberAddress("bbb", "127.0.0.1", b.port)]
+    assert b.learned == [MemberAddress("ccc", "127.0.0.1", c.port)]
+    assert a.learned == []
+    finder = PeerFinder("ccc", lambda host, port: _dial_id(c, host, port), c.net.linked, [], None)
+    for member in c.learned:
+        finder.found_by_peer(PeerAddress(member.host, member.port, member.node_id))
+    await finder._dial_unlinked()  # one round of the redial loop
+    await wait_for(lambda: c.net.linked("bbb") and b.net.linked("ccc"))
+    await asyncio.sleep(0.1)
+    assert c.learned == [MemberAddress("bbb", "127.0.0.1", b.port)]  # linked now: nothing more to learn
+
+
+async def test_addresses_of_this_node_and_of_linked_peers_are_not_passed_on(peers) -> None:
+    a, b = await peers("aaa"), await peers("bbb")
+    link = await a.net.dial("127.0.0.1", b.port)
+    assert link is not None
+    await link.send(PeerAddresses((MemberAddress("bbb", "127.0.0.1", b.port), MemberAddress("aaa", "10.9.9.9", 1),
+                                   MemberAddress("zzz", "127.0.0.1", 9))))
+    await wait_for(lambda: b.learned)
+    assert b.learned == [MemberAddress("zzz", "127.0.0.1", 9)]
+    assert not any(isinstance(message, PeerAddresses) for _, message in b.received)  # the transport's own
 
 
 async def test_dialing_yourself_makes_no_link_and_is_not_repeated(peers, monkeypatch) -> None:

@@ -70,8 +70,10 @@ def make_cluster(speed: FakeSpeed, peers_memory: dict[str, int], memory_gib: int
 
 
 def announce(cluster: Cluster, node_id: str, figures: SpeedFigures | None, digest: str | None = None) -> None:
+    """Peer `node_id`'s announcement: linked with every other member, as once the mesh is complete."""
+    linked = tuple(sorted(cluster.member_ids() - {node_id}))
     cluster.receive(node_id, PlanState(MODEL, cluster.clock, digest, digest is not None, None, {}, None,
-                                       None if figures is None else figures.to_json()))
+                                       None if figures is None else figures.to_json(), linked))
 
 
 def measured(decode_ns: int, placement: str = "compute", rtt_us: dict[str, int] | None = None) -> SpeedFigures:
@@ -85,6 +87,8 @@ def layers(cluster: Cluster) -> dict[str, int]:
 
 async def test_a_slow_node_gets_fewer_layers_and_the_picture_says_why() -> None:
     cluster = make_cluster(FakeSpeed(decode_ns=2 * MS), {"b": 8, "c": 8})
+    announce(cluster, "b", None)
+    announce(cluster, "c", None)
     assert cluster.plan is None and "waiting for nodes b, c to measure" in cluster.why_not_ready()
     announce(cluster, "b", measured(8 * MS))
     assert cluster.plan is None and "waiting for nodes c to measure" in cluster.why_not_ready()
@@ -158,12 +162,13 @@ async def test_a_ring_goes_on_while_a_newcomer_measures_then_takes_it_in() -> No
     assert cluster.agreed
     cluster.peers.links["n"] = FakeLink(info("n", 8))  # a newcomer, measuring
     cluster.links_changed()
+    assert cluster.plan == serving and cluster.agreed  # the ring goes on while n links with every member
+    announce(cluster, "b", measured(2 * MS), serving.digest)  # b is linked with n too
+    announce(cluster, "n", SpeedFigures("compute", MODEL))  # announced: still measuring
     assert cluster.plan == serving and cluster.agreed  # the ring goes on without it
     left_out = cluster_picture(cluster)["placement"]["left_out"]
     assert left_out == [{"node_id": "n", "name": "name-n",
                          "reason": "measuring its speed: it joins the ring once measured"}]
-    announce(cluster, "n", SpeedFigures("compute", MODEL))  # announced: still measuring
-    assert cluster.plan == serving
     announce(cluster, "n", measured(2 * MS))
     assert cluster.plan != serving and set(layers(cluster)) == {"a", "b", "n"}
     assert not cluster.agreed  # every member must announce the new plan now

@@ -16,16 +16,22 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from exo_like.cluster import protocol
+from exo_like.engines.activations import Activations
+from exo_like.models.hub.progress import DownloadStatus
 from exo_like.cluster.node_info import NodeInfo
 from exo_like.cluster.node_load import NodeLoad
+from partitioning.speed_figures import SpeedFigures
 from exo_like.cluster.protocol import (
+    MAX_MEMBERS,
     PROTOCOL,
     Auth,
     Error,
     Forward,
     Hello,
     Info,
+    MemberAddress,
     Message,
+    PeerAddresses,
     Ping,
     PlanState,
     Pong,
@@ -42,10 +48,7 @@ from exo_like.cluster.protocol import (
     encode,
     handshake_protocol,
 )
-from exo_like.engines.activations import Activations
 from exo_like.engines.work import SampleSpec, WorkItem
-from exo_like.models.hub.progress import DownloadStatus
-from partitioning.speed_figures import SpeedFigures
 
 INFO = NodeInfo("node-a", "studio", "10.0.0.5", 52415, "torch", "cpu", "x86_64", 16 << 30, "0.1.0", "float32")
 SAMPLE = SampleSpec(temperature=0.7, top_p=0.9, top_k=40, seed=1234, max_tokens=32, eos=(2, 151645), prompt_len=5)
@@ -57,7 +60,8 @@ REFUSED = Refused("cluster key mismatch")
 # Round trips by peer are a map of counts like a load's weight counts (checked in test_announced_speed_figures...).
 FIGURES = SpeedFigures("compute", "org/model@abc", 2_310_000, 120_000, 1.25, False, None, {})
 PLAN = PlanState("org/model@abc", (3, "node-a"), "d1g3st", True, None, NodeLoad(1.5, 2.0, 1, True).to_json(), 512,
-                 FIGURES.to_json())
+                 FIGURES.to_json(), ("node-b", "node-c"))
+ADDRESSES = PeerAddresses((MemberAddress("node-b", "10.0.0.6", 52415), MemberAddress("node-c", "192.168.1.9", 7)))
 SUBMIT = Submit("req-1", "node-a", "d1g3st", (1, 2, 3, 4, 5), SAMPLE)
 FORWARD = Forward("d1g3st", (WorkItem("req-1", "node-a", 0, 1, (0,)),
                              WorkItem("req-2", "node-b", 16, 2, (3, 7), SAMPLE)), HIDDEN, kv_used=9)
@@ -72,7 +76,7 @@ EXAMPLES: list[Message] = [
     Refused("different exo-like versions", PROTOCOL, "0.1.0"), Retire(),
     PLAN, PlanState(None, (0, ""), None, False, "the model does not fit", {}),
     SUBMIT, FORWARD, SAMPLED, Tokens("d1g3st", (SampledToken("req-3", 5, False),)), RELEASE, ERROR,
-    Ping(12345.678), Pong(12345.678),
+    Ping(12345.678), Pong(12345.678), ADDRESSES, PeerAddresses(()),
 ]
 
 # Fields a frame may leave out (older peers, or nothing to say; a nullable field left out reads as None), and maps
@@ -264,6 +268,17 @@ OUT_OF_RANGE: list[tuple[Message, tuple, Any, str]] = [
     (PLAN, ("load", "download"), {"label": 5}, "label"),
     (PLAN, ("load", "download"), [1], "download"),
     (PLAN, ("load",), "busy", "load"),
+    (PLAN, ("linked",), ["node-b", 5], "linked"),
+    (PLAN, ("linked",), ["n" * 257], "linked"),
+    (PLAN, ("linked",), [f"node-{i}" for i in range(MAX_MEMBERS + 1)], "linked"),
+    (PLAN, ("linked",), "node-b", "linked"),
+    (ADDRESSES, ("members", 0, "port"), 0, "port"),
+    (ADDRESSES, ("members", 0, "port"), 65536, "port"),
+    (ADDRESSES, ("members", 0, "host"), "h" * 257, "host"),
+    (ADDRESSES, ("members", 0, "host"), "", "host"),
+    (ADDRESSES, ("members", 1), ["node-c", "192.168.1.9", 7], "members"),
+    (ADDRESSES, ("members",), [{"node_id": f"n{i}", "host": "h", "port": 1} for i in range(MAX_MEMBERS + 1)],
+     "members"),
     (SUBMIT, ("tokens",), [], "tokens"),
     (SUBMIT, ("tokens",), [2**31], "tokens"),
     (SUBMIT, ("tokens",), [1, "2"], "tokens"),

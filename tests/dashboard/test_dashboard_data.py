@@ -100,7 +100,7 @@ def make_cluster(local_load: NodeLoad | Callable[[], NodeLoad]) -> tuple[Cluster
 def announcement_from(cluster: Cluster, load: NodeLoad) -> PlanState:
     """What peer b sends once it has the same plan (built from our own announcement: same model and digest)."""
     mine = cluster.my_announcement()
-    return PlanState(mine.model, mine.clock, mine.digest, True, None, load.to_json())
+    return PlanState(mine.model, mine.clock, mine.digest, True, None, load.to_json(), linked=(cluster.me.node_id,))
 
 
 async def test_picture_has_bytes_per_node_and_every_members_shared_load() -> None:

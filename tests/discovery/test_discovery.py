@@ -1,4 +1,5 @@
-"""Static peer parsing, and mDNS discovery between real network namespaces (real multicast)."""
+"""Static peer parsing, mDNS discovery between real network namespaces (real multicast), and which found peers
+the finder dials."""
 
 from __future__ import annotations
 
@@ -6,11 +7,14 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+import discovery.finder as finder_module
 from discovery import PeerAddress, PeerFinder, parse_peers
-from tests.netns import netns_hosts, requires_netns
+from discovery.finder import FORGET_AFTER_SECONDS, MAX_EXCHANGED
+from tests.netns import requires_netns, netns_hosts
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -84,3 +88,48 @@ async def test_a_node_of_another_cluster_is_reported_not_dialed_until_it_adverti
     reports.clear()
     await finder._dial_unlinked()
     assert dialed == [] and reports == []
+
+
+async def test_peers_learned_from_peers_are_dialed_until_linked_and_forgotten_when_unreachable(monkeypatch) -> None:
+    now = [1000.0]
+    monkeypatch.setattr(finder_module, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    dialed: list[tuple[str, int]] = []
+    linked: set[str] = set()
+
+    async def dial(host: str, port: int) -> str | None:
+        dialed.append((host, port))
+        return None
+
+    finder = PeerFinder("me", dial, lambda node_id: node_id in linked, [], None)
+    finder.found_by_peer(PeerAddress("10.0.0.9", 52415, "me"))  # this node, as a peer knows it: never dialed
+    finder.found_by_peer(PeerAddress("10.0.0.7", 52415, "b"))
+    await finder._dial_unlinked()
+    assert dialed == [("10.0.0.7", 52415)]
+    linked.add("b")
+    await finder._dial_unlinked()
+    assert dialed == [("10.0.0.7", 52415)]  # linked: not dialed again
+    linked.clear()  # lost; still dialed for a while, like a static peer
+    now[0] += FORGET_AFTER_SECONDS
+    await finder._dial_unlinked()
+    assert dialed == [("10.0.0.7", 52415)] * 2
+    now[0] += 1  # unreachable for longer than that: forgotten until a peer reports it anew
+    await finder._dial_unlinked()
+    await finder._dial_unlinked()
+    assert dialed == [("10.0.0.7", 52415)] * 2
+    finder.found_by_peer(PeerAddress("10.0.0.7", 52415, "b"))
+    await finder._dial_unlinked()
+    assert dialed == [("10.0.0.7", 52415)] * 3
+
+
+async def test_a_node_remembers_a_bounded_number_of_peers_learned_from_peers() -> None:
+    dialed: list[tuple[str, int]] = []
+
+    async def dial(host: str, port: int) -> str | None:
+        dialed.append((host, port))
+        return None
+
+    finder = PeerFinder("me", dial, lambda node_id: False, [], None)
+    for i in range(MAX_EXCHANGED + 5):
+        finder.found_by_peer(PeerAddress("127.0.0.1", 1000 + i, f"n{i}"))
+    await finder._dial_unlinked()
+    assert sorted(dialed) == [("127.0.0.1", 1000 + i) for i in range(MAX_EXCHANGED)]
