@@ -2,8 +2,9 @@
 
 Planning needs only the GGUF header (metadata with the tokenizer, and the tensor table), so a node first fetches
 each part's header: a growing prefix of the file until the header parses (a real model's holds the vocabulary,
-several MB), and then the few bytes of the tensors the config is made of (Llama 3.1's `rope_freqs`). Config, tokenizer, chat template and the bytes per layer then come from the header as for a local
-file. Later the node fetches only its own tensors' byte ranges (download.py).
+several MB), and then the few bytes of the tensors the config is made of (Llama 3.1's `rope_freqs`). Config,
+tokenizer, chat template and the bytes per layer then come from these as for a local file. Later the node fetches
+only its own tensors' byte ranges (download.py).
 
 Both land in a sparse file of the part's full size (sparse_file.py) under the repo's cache folder,
 `models--org--name/exo-like/gguf/<commit>/<path in the repo>`, so the local GGUF reader opens it unchanged. It
