@@ -8,7 +8,12 @@ quantizers. Then, from the same prompt ids, transformers' greedy tokens (`from_p
 gguf_file=...)`, which dequantizes to float32) against each engine's with --dtype float32 (the dequantized
 reference path): torch, and mlx when it is installed. Exit status 1 on any mismatch.
 
-Usage: python bench/check_llamacpp_q4km.py [--archs llama,qwen2] [--layers 4] [--seed S] [--tokens 32]
+`llama3` is a llama checkpoint with Llama 3.1's rope scaling (`rope_type: llama3`, an original context short
+enough to change the frequencies at this head_dim), which the converter writes as the tensor rope_freqs.weight.
+transformers' GGUF loader ignores that tensor, so its reference is given the checkpoint's config.json (the
+file's tensors, the llama3 rope the factors encode).
+
+Usage: python bench/check_llamacpp_q4km.py [--archs llama,qwen2,llama3] [--layers 4] [--seed S] [--tokens 32]
            [--type Q4_K_M]
 """
 
@@ -41,22 +46,31 @@ from tests.engine_driver import Driver  # noqa: E402
 PROMPT = "The quick brown fox jumps over the lazy dog. Paris is the capital of"
 K_SIZES = {"hidden_size": 256, "intermediate_size": 512}  # K-quant rows are multiples of 256 values
 # Seeds whose greedy continuation is not one token repeated (random qwen2 models at this size often are).
-SEEDS = {"llama": 1, "mistral": 1, "qwen2": 4, "qwen3": 1}
+SEEDS = {"llama": 1, "mistral": 1, "qwen2": 4, "qwen3": 1, "llama3": 1}
+# Llama 3.1's rope scaling with an original context of 64: at head_dim 64 (theta 500000) some frequencies are kept,
+# some smoothed and most divided by 8.
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+# name -> (architecture, rope scaling): no rope scaling but for llama3.
+CASES = {"llama": ("llama", None), "mistral": ("mistral", None), "qwen2": ("qwen2", None), "qwen3": ("qwen3", None),
+         "llama3": ("llama", LLAMA3_ROPE)}
 
 
-def quantized_file(arch: str, opts: argparse.Namespace, work: Path) -> tuple[Path, list[int]]:
-    """The llama.cpp-quantized file of a random `arch` checkpoint, and the prompt's ids from its tokenizer."""
-    # No rope scaling: llama 3's is stored in GGUF as a frequency tensor this project does not read yet.
-    seed = SEEDS[arch] if opts.seed is None else opts.seed
-    folder = make_checkpoint(work / arch, arch, n_layers=opts.layers, seed=seed, rope_scaling=None, **K_SIZES)
+def quantized_file(name: str, opts: argparse.Namespace, work: Path) -> tuple[Path, list[int], Path]:
+    """The llama.cpp-quantized file of a random checkpoint, the prompt's ids from its tokenizer, and the
+    checkpoint's folder."""
+    arch, rope_scaling = CASES[name]
+    seed = SEEDS[name] if opts.seed is None else opts.seed
+    folder = make_checkpoint(work / name, arch, n_layers=opts.layers, seed=seed, rope_scaling=rope_scaling,
+                             **K_SIZES)
     pad_vocabulary(folder, 64)
-    f32 = work / f"{arch}-f32.gguf"
+    f32 = work / f"{name}-f32.gguf"
     # The converter does not know this tokenizer's pre-tokenizer; it needs a name llama.cpp accepts.
     llamacpp("convert", str(folder), str(f32), "f32", env={"LLAMACPP_PRE": "smollm"})
-    out = work / f"{arch}-{opts.type.lower()}.gguf"
+    out = work / f"{name}-{opts.type.lower()}.gguf"
     llamacpp("quantize", str(f32), str(out), opts.type)
     prompt = Tokenizer.from_file(str(folder / "tokenizer.json")).encode(PROMPT).ids
-    return out, prompt
+    return out, prompt, folder
 
 
 def pad_vocabulary(folder: Path, rows: int) -> None:
@@ -73,11 +87,14 @@ def pad_vocabulary(folder: Path, rows: int) -> None:
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
-def transformers_greedy(path: Path, prompt: list[int], n_tokens: int) -> tuple[list[int], np.ndarray]:
-    """transformers' greedy tokens from the file, and the logits [n_tokens, vocab] that picked them."""
-    from transformers import AutoModelForCausalLM
+def transformers_greedy(path: Path, prompt: list[int], n_tokens: int, config_dir: Path | None = None
+                        ) -> tuple[list[int], np.ndarray]:
+    """transformers' greedy tokens from the file, and the logits [n_tokens, vocab] that picked them (with
+    `config_dir`'s config.json instead of the one transformers makes from the file's metadata)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    config = {"config": AutoConfig.from_pretrained(config_dir)} if config_dir is not None else {}
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32, **config)
     inputs = torch.tensor([prompt])
     with torch.no_grad():
         out = model.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=n_tokens,
@@ -99,13 +116,18 @@ def engine_greedy(engine_name: str, path: Path, prompt: list[int], n_tokens: int
     return tokens, np.stack(logits)
 
 
-def check(arch: str, opts: argparse.Namespace, work: Path) -> bool:
-    path, prompt = quantized_file(arch, opts, work)
-    types = Counter(e.type_name for e in open_gguf(path).tensors.values() if len(e.shape) == 2)
-    print(f"{arch}: {path.name}, matrices {', '.join(f'{k} x {n}' for k, n in types.most_common())}", flush=True)
-    expected, reference = transformers_greedy(path, prompt, opts.tokens)
-    print(f"  transformers float32: {expected}")
-    ok = len(set(expected)) > 1
+def check(name: str, opts: argparse.Namespace, work: Path) -> bool:
+    path, prompt, folder = quantized_file(name, opts, work)
+    gguf = open_gguf(path)
+    types = Counter(e.type_name for e in gguf.tensors.values() if len(e.shape) == 2)
+    print(f"{name}: {path.name}, matrices {', '.join(f'{k} x {n}' for k, n in types.most_common())}", flush=True)
+    scaled = CASES[name][1] is not None
+    factors = ModelArgs.from_dict(gguf.config()).rope_freq_factors
+    if scaled:
+        print(f"  rope_freqs.weight from the converter: {np.round(factors, 4).tolist() if factors else None}")
+    expected, reference = transformers_greedy(path, prompt, opts.tokens, folder if scaled else None)
+    print(f"  transformers float32{' (the checkpoint config)' if scaled else ''}: {expected}")
+    ok = len(set(expected)) > 1 and (factors is not None) == scaled
     if not ok:
         print("  degenerate reference (one token repeated): pick another --seed")
     engines = ["torch", "mlx"] if importlib.util.find_spec("mlx") is not None else ["torch"]
@@ -123,14 +145,15 @@ def check(arch: str, opts: argparse.Namespace, work: Path) -> bool:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--archs", default="llama,qwen2", help="of tests/checkpoints.py's architectures")
+    parser.add_argument("--archs", default="llama,qwen2,llama3",
+                        help=f"of {', '.join(CASES)} (tests/checkpoints.py's architectures, and llama3 rope)")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--seed", type=int, help="checkpoint seed (default: one whose greedy output varies)")
     parser.add_argument("--tokens", type=int, default=32, help="greedy tokens compared")
     parser.add_argument("--type", default="Q4_K_M", help="llama-quantize's type")
     opts = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="check-llamacpp-q4km-") as work:
-        results = [check(arch, opts, Path(work)) for arch in opts.archs.split(",")]
+        results = [check(name, opts, Path(work)) for name in opts.archs.split(",")]
     print("all equal" if all(results) else "MISMATCH")
     sys.exit(0 if all(results) else 1)
 

@@ -1,13 +1,15 @@
 """Random GGUF checkpoints for the tests, written with `gguf`'s own writer from the tests' Hugging Face folders.
 
 The tensors are laid out as llama.cpp's converter writes them (its names; for the llama architecture the query
-and key rows reordered for its rotary embedding), the tokenizer is the folder's byte-level BPE as a `gpt2`
-vocabulary, and each matrix is stored in the tensor type asked for (quantized with `gguf.quants`).
+and key rows reordered for its rotary embedding; llama3 rope scaling as a `rope_freqs` tensor of per-dimension
+factors, first in the file), the tokenizer is the folder's byte-level BPE as a `gpt2` vocabulary, and each
+matrix is stored in the tensor type asked for (quantized with `gguf.quants`).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +45,37 @@ def permute_rotary_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
     return weight.reshape(n_heads, 2, half, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
+def llama3_rope_factors(config: dict) -> np.ndarray | None:
+    """llama.cpp's `rope_freqs` for a llama3-scaled config, None for any other: its converter's computation
+    (convert_hf_to_gguf.py, LlamaModel.generate_extra_tensors), float32 as there. llama.cpp divides each rotary
+    frequency by its factor."""
+    import torch
+
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "")).lower() != "llama3":
+        return None
+    base = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+    dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor = rope.get("factor", 8.0)
+    low_freq_factor = rope.get("low_freq_factor", 1.0)
+    high_freq_factor = rope.get("high_freq_factor", 4.0)
+    old_context_len = rope.get("original_max_position_embeddings", 8192)
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    rope_factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_freq_wavelen:
+            rope_factors.append(1)
+        elif wavelen > low_freq_wavelen:
+            rope_factors.append(factor)
+        else:
+            smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            rope_factors.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(rope_factors, dtype=torch.float32).numpy()
+
+
 def write_gguf(hf_dir: Path, out: Path, matrix_type: str = "F32", embedding_type: str | None = None,
                split_max_tensors: int = 0) -> Path:
     """`hf_dir` (a tests/checkpoints.py folder, float32, llama or qwen2) as one GGUF file: 2-D weights in
@@ -66,6 +99,9 @@ def write_gguf(hf_dir: Path, out: Path, matrix_type: str = "F32", embedding_type
     writer.add_rope_freq_base(float(config.get("rope_theta") or rope.get("rope_theta") or 10000.0))
     writer.add_vocab_size(config["vocab_size"])
     _add_tokenizer(writer, hf_dir, config)
+    rope_factors = llama3_rope_factors(config)
+    if rope_factors is not None:  # as the converter does: its extra tensors come before the checkpoint's
+        writer.add_tensor("rope_freqs.weight", rope_factors)
     tensors = load_file(str(hf_dir / "model.safetensors"))
     if config.get("tie_word_embeddings"):
         tensors.pop("lm_head.weight", None)

@@ -50,12 +50,18 @@ class Oracle:
         return any(not full.startswith(self.decode(tokens[:k])) for k in range(1, len(tokens)))
 
 
-def gguf_greedy(path: Path, prompt: list[int], n_tokens: int = 16, stop_at_eos: bool = False) -> list[int]:
+def gguf_greedy(path: Path, prompt: list[int], n_tokens: int = 16, stop_at_eos: bool = False,
+                config_dir: Path | None = None) -> list[int]:
     """transformers' greedy tokens from a GGUF file (it dequantizes to float32); all `n_tokens` unless
-    `stop_at_eos` (then up to and including the model's first end-of-sequence token)."""
-    from transformers import AutoModelForCausalLM
+    `stop_at_eos` (then up to and including the model's first end-of-sequence token).
 
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    `config_dir`: a Hugging Face folder whose config.json to use instead of the one transformers makes from the
+    file's metadata. Its GGUF loader ignores llama.cpp's `rope_freqs` tensor (how the converter stores Llama
+    3.1's llama3 rope scaling) and runs such a file with unscaled rope; the checkpoint's own config has it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = {"config": AutoConfig.from_pretrained(config_dir)} if config_dir is not None else {}
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32, **config)
     inputs = torch.tensor([prompt])
     with torch.no_grad():
         out = model.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=n_tokens,

@@ -2,7 +2,9 @@
 
 Covers the Llama family as it appears on the Hub: Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5 and Qwen3. Reads rope
 settings from both conventions: the Hub's `rope_theta` + `rope_scaling`, and transformers >= 5's
-`rope_parameters` (which carries `rope_theta` inside it).
+`rope_parameters` (which carries `rope_theta` inside it). A GGUF file's config (gguf_file.py) may add
+`rope_freq_factors`: llama.cpp's per-dimension divisors of the rotary frequencies (its `rope_freqs` tensor, how
+its converter stores Llama 3.1's llama3 rope scaling).
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ class ModelArgs:
     bos_token_id: int | None = None
     quantization: dict[str, Any] | None = field(default=None)
     sliding_window: int | None = None
+    # llama.cpp's `rope_freqs`: each rotary frequency is divided by its factor (head_dim // 2 of them).
+    rope_freq_factors: tuple[float, ...] | None = None
 
     @property
     def context_length(self) -> int:
@@ -67,6 +71,7 @@ class ModelArgs:
             )
         hidden = int(config["hidden_size"])
         heads = int(config["num_attention_heads"])
+        head_dim = int(config.get("head_dim") or hidden // heads)
         rope_theta, rope_scaling = _rope_settings(config)
         is_qwen2 = model_type == "qwen2"
         attention_bias = bool(config.get("attention_bias", False))
@@ -76,7 +81,7 @@ class ModelArgs:
             num_hidden_layers=int(config["num_hidden_layers"]),
             num_attention_heads=heads,
             num_key_value_heads=int(config.get("num_key_value_heads") or heads),
-            head_dim=int(config.get("head_dim") or hidden // heads),
+            head_dim=head_dim,
             intermediate_size=int(config["intermediate_size"]),
             vocab_size=int(config["vocab_size"]),
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
@@ -94,6 +99,7 @@ class ModelArgs:
             bos_token_id=config.get("bos_token_id"),
             quantization=_quantization(config),
             sliding_window=_sliding_window(config),
+            rope_freq_factors=_rope_freq_factors(config.get("rope_freq_factors"), head_dim),
         )
 
     @property
@@ -148,19 +154,41 @@ def _rope_settings(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None
     return theta, {"rope_type": rope_type, **scaling}
 
 
+def _rope_freq_factors(value: Any, head_dim: int) -> tuple[float, ...] | None:
+    """llama.cpp's per-dimension frequency divisors, checked: one per rotary frequency, each positive."""
+    if value is None:
+        return None
+    factors = tuple(float(v) for v in value)
+    if len(factors) != head_dim // 2 or not all(np.isfinite(f) and f > 0 for f in factors):
+        shown = ", ".join(f"{f:g}" for f in factors[:8]) + (", ..." if len(factors) > 8 else "")
+        raise UnsupportedModelError(
+            f"rope frequency factors (rope_freqs) must be {head_dim // 2} positive numbers (head_dim {head_dim}), "
+            f"got {len(factors)}: [{shown}]", code="unsupported_rope_scaling")
+    return factors
+
+
 def rope_inv_freq(args: ModelArgs) -> np.ndarray:
-    """Inverse rotary frequencies (float32, head_dim // 2), with linear or llama3 scaling applied.
+    """Inverse rotary frequencies (float32, head_dim // 2), with linear or llama3 scaling applied, then divided
+    by a GGUF file's per-dimension factors as llama.cpp does (`theta / freq_factor`).
 
     Computed in float64 and rounded once, so both engines start from identical values.
     """
+    inv_freq = _scaled_inv_freq(args)
+    if args.rope_freq_factors is not None:
+        inv_freq = inv_freq / np.asarray(args.rope_freq_factors, dtype=np.float64)
+    return inv_freq.astype(np.float32)
+
+
+def _scaled_inv_freq(args: ModelArgs) -> np.ndarray:
+    """Inverse rotary frequencies in float64 after the config's rope scaling."""
     dim = args.head_dim
     inv_freq = 1.0 / (args.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
     scaling = args.rope_scaling
     if scaling is None:
-        return inv_freq.astype(np.float32)
+        return inv_freq
     factor = float(scaling["factor"])
     if scaling["rope_type"] == "linear":
-        return (inv_freq / factor).astype(np.float32)
+        return inv_freq / factor
     # llama3: keep high frequencies, divide low ones by `factor`, interpolate smoothly in between.
     low_freq_factor = float(scaling.get("low_freq_factor", 1.0))
     high_freq_factor = float(scaling.get("high_freq_factor", 4.0))
@@ -172,7 +200,7 @@ def rope_inv_freq(args: ModelArgs) -> np.ndarray:
     smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-    return np.where(is_medium, smoothed, scaled).astype(np.float32)
+    return np.where(is_medium, smoothed, scaled)
 
 
 def _quantization(config: dict[str, Any]) -> dict[str, Any] | None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -20,7 +22,7 @@ pytest.importorskip("gguf", reason="gguf is not installed")
 from exo_like.engines.base import create_engine  # noqa: E402
 from exo_like.errors import ModelNotFoundError, UnsupportedModelError  # noqa: E402
 from exo_like.models.catalog import PACKAGED  # noqa: E402
-from exo_like.models.config import ModelArgs  # noqa: E402
+from exo_like.models.config import ModelArgs, rope_inv_freq  # noqa: E402
 from exo_like.models.gguf.file import find_gguf, open_gguf, unpermute_rotary_rows  # noqa: E402
 from exo_like.models.gguf.tokenizer import gguf_tokenizer  # noqa: E402
 from exo_like.models.name import parse_model_name  # noqa: E402
@@ -29,7 +31,8 @@ from exo_like.models.shard import Shard  # noqa: E402
 from exo_like.models.tokenizer import ModelTokenizer  # noqa: E402
 from tests.checkpoints import built_once, make_checkpoint  # noqa: E402
 from tests.engine_driver import Driver  # noqa: E402
-from tests.gguf_checkpoints import permute_rotary_rows, write_gguf  # noqa: E402
+from tests.gguf_checkpoints import llama3_rope_factors, permute_rotary_rows, write_gguf  # noqa: E402
+from tests.oracle import Oracle  # noqa: E402
 from tests.oracle import gguf_greedy as transformers_greedy  # noqa: E402
 
 N_LAYERS, SEED, N_TOKENS = 4, 1, 16
@@ -58,20 +61,22 @@ def gguf_path(tmp_path_factory) -> Callable[[str], Path]:
     def build(name: str, path: Path) -> Path:
         arch, matrix_type, embedding_type, overrides = CASES[name]
         options = {"seed": SEED, **overrides}
-        # No rope scaling: llama 3's is stored in GGUF as a frequency tensor this project does not read yet.
+        # No rope scaling: transformers' GGUF loader, the oracle here, ignores llama.cpp's rope_freqs (see the
+        # llama3 tests below).
         folder = make_checkpoint(path, arch, n_layers=N_LAYERS, rope_scaling=None, **options)
         return write_gguf(folder, path / f"{name}.gguf", matrix_type, embedding_type)
 
     return built_once(tmp_path_factory.mktemp("gguf_checkpoints"), build)
 
 
-def engine_greedy(path: Path, engines: list[str], prompt: list[int], n_tokens: int = N_TOKENS) -> list[int]:
-    args = ModelArgs.from_dict(open_gguf(path).config())
+def engine_greedy(path: Path, engines: list[str], prompt: list[int], n_tokens: int = N_TOKENS,
+                  args: ModelArgs | None = None, dtype: str | None = "float32") -> list[int]:
+    args = args or ModelArgs.from_dict(open_gguf(path).config())
     n = args.num_hidden_layers
     bounds = [round(i * n / len(engines)) for i in range(len(engines) + 1)]
     chain = []
     for name, start, end in zip(engines, bounds, bounds[1:]):
-        engine = create_engine(name, device="cpu", dtype="float32")
+        engine = create_engine(name, device="cpu", dtype=dtype)
         engine.load(path, args, Shard(path.name, start, end, n))
         chain.append(engine)
     driver = Driver(chain)
@@ -214,6 +219,141 @@ RINGS = {"torch": ["torch"] * 3, "mlx": ["mlx"] * 3, "mixed": ["torch", "mlx", "
 def test_a_three_stage_ring_matches_transformers(gguf_path, expected, name, ring) -> None:
     path = gguf_path(name)
     assert engine_greedy(path, RINGS[ring], prompt_of(path)) == expected(name)
+
+
+# -- Llama 3.1's rope scaling: llama.cpp's rope_freqs -----------------------------------------------------------
+# llama.cpp's converter stores a llama3 `rope_scaling` only as the tensor `rope_freqs.weight` (per-dimension factors
+# that divide the rotary frequencies). A short original context makes it bite at the test's head_dim 16 (theta
+# 500000): one frequency kept, one smoothed, six divided by 8, so a 16-token prompt already rotates differently.
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+
+
+@dataclass(frozen=True)
+class Llama3Files:
+    hf: Path  # the Hugging Face checkpoint (config.json with the llama3 rope_scaling)
+    f32: Path  # it as GGUF, float32 matrices
+    q8_0: Path  # it as GGUF, Q8_0 matrices
+    prompt: list[int]
+    hf_tokens: list[int]  # transformers' greedy tokens on `hf`
+
+
+@pytest.fixture(scope="session")
+def llama3(tmp_path_factory) -> Llama3Files:
+    root = tmp_path_factory.mktemp("llama3_rope")
+    # A context of 4096 (Llama 3.1 says 131072): the nodes' KV pools stay small; the llama3 rope does not use it.
+    folder = make_checkpoint(root / "hf", "llama", n_layers=N_LAYERS, seed=SEED, rope_scaling=LLAMA3_ROPE,
+                             max_position_embeddings=4096)
+    f32 = write_gguf(folder, root / "llama3-f32.gguf", "F32")
+    q8_0 = write_gguf(folder, root / "llama3-q8_0.gguf", "Q8_0")
+    oracle = Oracle(folder)
+    prompt = list(oracle.completion_ids(PROMPT))
+    hf_tokens = oracle.generate(tuple(prompt), N_TOKENS)
+    assert len(set(hf_tokens)) > 1, "degenerate reference continuation; pick another seed or prompt"
+    return Llama3Files(folder, f32, q8_0, prompt, hf_tokens)
+
+
+def test_llama3_rope_freqs_give_the_frequencies_of_the_checkpoints_rope_scaling(llama3) -> None:
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    gguf = open_gguf(llama3.f32)
+    # The converter writes the tensor only: no metadata names llama3 or its parameters.
+    assert "rope_freqs.weight" in gguf.tensors and gguf.metadata.get("llama.rope.scaling.type") is None
+    args = ModelArgs.from_dict(gguf.config())
+    assert args.rope_scaling is None
+    factors = np.array(args.rope_freq_factors)
+    assert np.array_equal(factors, llama3_rope_factors(json.loads((llama3.hf / "config.json").read_text())))
+    assert factors[0] == 1 and 1 < factors[1] < 8 and np.all(factors[2:] == 8)  # all three llama3 regimes
+    hf_args = ModelArgs.from_dir(llama3.hf)
+    assert hf_args.rope_scaling["rope_type"] == "llama3" and hf_args.rope_freq_factors is None
+    transformers_inv_freq, _ = ROPE_INIT_FUNCTIONS["llama3"](AutoConfig.from_pretrained(llama3.hf), "cpu")
+    for inv_freq in (rope_inv_freq(args), rope_inv_freq(hf_args)):
+        np.testing.assert_allclose(inv_freq, transformers_inv_freq.numpy(), rtol=1e-6)
+    # Every stage rotates, so every stage has the factors: from the config, not from its share of the tensors.
+    for start, end in ((0, 2), (2, N_LAYERS)):
+        shard = Shard(llama3.f32.name, start, end, N_LAYERS)
+        assert "rope_freqs.weight" not in {name for name, _, _ in gguf.read_shard(shard, args.tie_word_embeddings)}
+
+
+@pytest.mark.parametrize("ring", [["torch"], ["mlx"], ["torch", "mlx"]] if HAS_MLX else [["torch"]],
+                         ids=lambda ring: "-".join(ring))
+def test_a_llama3_gguf_gives_transformers_tokens_on_the_hf_checkpoint(llama3, ring) -> None:
+    assert engine_greedy(llama3.f32, ring, llama3.prompt) == llama3.hf_tokens
+    # The factors matter here: the same file run with unscaled rope (what ignoring rope_freqs would do) diverges.
+    unscaled = replace(ModelArgs.from_dict(open_gguf(llama3.f32).config()), rope_freq_factors=None)
+    assert engine_greedy(llama3.f32, ring[:1], llama3.prompt, args=unscaled) != llama3.hf_tokens
+
+
+@pytest.mark.parametrize("engine_name", ENGINES)
+def test_a_quantized_llama3_gguf_loads_on_kernels_and_float32_matches_transformers_on_the_file(llama3,
+                                                                                              engine_name) -> None:
+    path = llama3.q8_0
+    args = ModelArgs.from_dict(open_gguf(path).config())
+    engine = create_engine(engine_name, device="cpu")  # the default: Q8_0 on the quantized kernels
+    engine.load(path, args, Shard(path.name, 0, N_LAYERS, N_LAYERS))
+    assert set(engine.weight_forms.quantized) == {"Q8_0"}
+    # torch's kernel refuses the embedding and head of 617 outputs (not a multiple of 16): they are dequantized.
+    refused = {"Q8_0 (617 outputs (not a multiple of 16))": 2} if engine_name == "torch" else {}
+    assert engine.weight_forms.dequantized == refused
+    assert len(engine_greedy(path, [engine_name], llama3.prompt, dtype=None)) == N_TOKENS
+    # transformers reads the file's tensors but not its rope_freqs: given the checkpoint's config, it runs the
+    # llama3 rope the factors encode.
+    expected = transformers_greedy(path, llama3.prompt, config_dir=llama3.hf)
+    assert len(set(expected)) > 1
+    assert engine_greedy(path, [engine_name], llama3.prompt) == expected
+
+
+def completion(node, model: str, prompt: str, max_tokens: int = N_TOKENS) -> dict:  # noqa: ANN001
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}).encode()
+    status, _, raw = node.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    assert status == 200, raw
+    return json.loads(raw)
+
+
+def test_llama3_ggufs_are_served_through_the_api_as_transformers_answers(llama3, tmp_path) -> None:
+    """Real nodes (a node serves one model): the float file on each engine alone and on a torch + MLX ring gives
+    transformers' answer on the Hugging Face checkpoint; the Q8_0 file runs on the quantized kernels."""
+    from tests.api_server import start_node
+    from tests.cluster_harness import cluster_of, start_cluster, wait_until_ready
+
+    oracle = Oracle(llama3.hf)
+    expected = oracle.expected(tuple(llama3.prompt), N_TOKENS)
+    assert oracle.generate(tuple(llama3.prompt), N_TOKENS) == llama3.hf_tokens
+    served = [(engine_name, llama3.f32) for engine_name in ENGINES] + [("torch", llama3.q8_0)]
+
+    def serve(engine_name: str, path: Path) -> tuple[dict, dict]:
+        node = start_node(tmp_path / f"{engine_name}-{path.stem}", str(path), "--no-mdns", "--engine", engine_name)
+        try:
+            wait_until_ready([node], 1, timeout=120)
+            return completion(node, str(path), PROMPT), node.get_json("/health")["weights"]
+        finally:
+            assert node.stop() == 0, node.log()
+            assert "Traceback" not in node.log(), node.log()
+
+    with ThreadPoolExecutor(len(served)) as pool:  # started together: most of a node's start is imports
+        results = list(pool.map(lambda item: serve(*item), served))
+    for (engine_name, path), (answer, weights) in zip(served, results):
+        if path == llama3.f32:
+            assert answer_of(answer) == expected, (engine_name, answer)
+        else:  # not transformers' float tokens (the weights are Q8_0's): it loads on the kernels and answers
+            assert set(weights["quantized"]) == {"Q8_0"} and answer["usage"]["completion_tokens"] == N_TOKENS
+    engines = ["torch", "mlx"] if HAS_MLX else ["torch", "torch"]
+    nodes = start_cluster(tmp_path / "ring", str(llama3.f32), [1, 1], engines=engines)  # with --dtype float32
+    try:
+        wait_until_ready(nodes, members=2, timeout=120)
+        assert len(cluster_of(nodes[0])["plan"]["stages"]) == 2
+        for node in nodes:
+            assert answer_of(completion(node, str(llama3.f32), PROMPT)) == expected
+    finally:
+        for node in nodes:
+            assert node.stop() == 0, node.log()
+
+
+def answer_of(completion_body: dict) -> tuple[str, str, int]:
+    """(text, finish_reason, completion_tokens) of a completion, as Oracle.expected gives them."""
+    choice = completion_body["choices"][0]
+    return choice["text"], choice["finish_reason"], completion_body["usage"]["completion_tokens"]
 
 
 # -- the real model ----------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ pytest.importorskip("gguf", reason="gguf is not installed")
 
 from exo_like.errors import HubUnavailableError, ModelNotFoundError  # noqa: E402
 from exo_like.models.checkpoint import local_tensor_name  # noqa: E402
+from exo_like.models.config import ModelArgs  # noqa: E402
 from exo_like.models.gguf.file import GGUFCheckpoint, open_gguf  # noqa: E402
 from exo_like.models.gguf.header import header_end  # noqa: E402
 from exo_like.models.gguf.select import available_tags, pick_gguf, split_tag  # noqa: E402
@@ -39,7 +40,7 @@ from tests.gguf_checkpoints import write_gguf  # noqa: E402
 from tests.hub_server import HubServer, Served  # noqa: E402
 from tests.oracle import gguf_greedy  # noqa: E402
 
-REPO, SPLIT = "test-org/tiny-GGUF", "test-org/tiny-split-GGUF"
+REPO, SPLIT, LLAMA3 = "test-org/tiny-GGUF", "test-org/tiny-split-GGUF", "test-org/tiny-llama3-GGUF"
 N_LAYERS, MAX_TOKENS = 6, 12
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -131,7 +132,14 @@ def gguf_repos(hf_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
     split = tmp_path_factory.mktemp("split-repo")
     (split / "Q8_0").mkdir()
     write_gguf(hf_folder, split / "Q8_0" / "tiny-Q8_0.gguf", "Q8_0", split_max_tensors=22)
-    return {REPO: single, SPLIT: split}
+    # Llama 3.1's rope scaling, which llama.cpp's converter writes as the tensor rope_freqs.weight, first in the file.
+    llama3 = tmp_path_factory.mktemp("llama3-repo")
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64}
+    llama3_folder = make_checkpoint(tmp_path_factory.mktemp("hf") / "llama3", "llama", n_layers=N_LAYERS, seed=1,
+                                    hidden_size=256, intermediate_size=512, rope_scaling=rope)
+    write_gguf(llama3_folder, llama3 / "tiny-llama3-Q8_0.gguf", "Q8_0")
+    return {REPO: single, SPLIT: split, LLAMA3: llama3}
 
 
 @pytest.fixture(scope="module")
@@ -214,6 +222,35 @@ def test_offline_a_restarted_node_serves_the_ranges_it_holds(hub: HubServer, tmp
         with pytest.raises(HubUnavailableError, match="HF_HUB_OFFLINE is set"):
             asyncio.run(downloader.ensure(again.manifest, again.folder, Shard(REPO, 3, 6, N_LAYERS), False))
         assert hub.requests(since=seen) == []
+    finally:
+        downloader.close()
+
+
+def test_every_node_fetches_the_rope_freqs_with_the_headers(hub: HubServer, gguf_repos: dict[str, Path],
+                                                           tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """rope_freqs belongs to no layer, and every stage rotates: planning fetches its bytes with the headers, the
+    config carries them to whichever stage a node holds, and no shard fetches them again."""
+    monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
+    original = gguf_repos[LLAMA3] / "tiny-llama3-Q8_0.gguf"
+    whole = GGUFCheckpoint(original)
+    rope = whole.tensors["rope_freqs.weight"]
+    head = header_end(original.read_bytes(), original.name)
+    cache = tmp_path / "cache"
+    seen = len(hub.requests())
+    model = fetch_hub_model(parse_model_name(LLAMA3, tmp_path), cache)
+    fetched = cdn_ranges(hub.requests(since=seen))
+    assert [span for span in fetched if span[0] >= head] == [(rope.offset, rope.offset + rope.n_bytes)]
+    assert model.args == ModelArgs.from_dict(whole.config()) and len(model.args.rope_freq_factors) == 32
+    downloader = ShardDownloader(cache, "n0", DownloadProgress())
+    try:
+        shard = Shard(LLAMA3, 2, 4, N_LAYERS)  # a middle stage: no embedding, no head
+        seen = len(hub.requests())
+        asyncio.run(downloader.ensure(model.manifest, model.folder, shard, False))
+        assert cdn_ranges(hub.requests(since=seen)) == coalesce(tensor_spans(original, shard)[original], 31)
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # a restarted node plans from what it holds
+        seen = len(hub.requests())
+        again = fetch_hub_model(parse_model_name(LLAMA3, tmp_path), cache)
+        assert again.args == model.args and hub.requests(since=seen) == []
     finally:
         downloader.close()
 

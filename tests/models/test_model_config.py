@@ -66,6 +66,20 @@ def test_unsupported_rope_scaling_is_named() -> None:
         ModelArgs.from_dict(config)
 
 
+def test_gguf_rope_freq_factors_divide_the_frequencies_and_are_checked() -> None:
+    """llama.cpp's rope_freqs (a GGUF file's config carries them): each frequency divided by its factor, after any
+    linear scaling, as llama.cpp rotates by theta / freq_factor."""
+    config = config_dict("qwen2", rope_scaling={"rope_type": "linear", "factor": 2.0})  # head_dim 16
+    factors = [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 8.0]
+    plain = rope_inv_freq(ModelArgs.from_dict(config))
+    scaled = ModelArgs.from_dict({**config, "rope_freq_factors": factors})
+    assert scaled.rope_freq_factors == tuple(factors)
+    np.testing.assert_allclose(rope_inv_freq(scaled), plain / np.array(factors), rtol=1e-7)
+    for wrong in (factors[:-1], factors[:-1] + [0.0], factors[:-1] + [float("nan")]):
+        with pytest.raises(UnsupportedModelError, match=r"rope_freqs\) must be 8 positive numbers"):
+            ModelArgs.from_dict({**config, "rope_freq_factors": wrong})
+
+
 def test_eos_ids_merge_config_and_generation_config(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(config_dict("llama")))
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))

@@ -58,6 +58,11 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Per-dimension rotary frequency factors: part of the model's config (read while planning, see _rope_scaling),
+# not of any shard's weights. Kept under its GGUF name.
+ROPE_FREQS = "rope_freqs.weight"
+# Tensors a node reads while planning, from the header's tensor table (gguf_hub.py fetches them with the header).
+CONFIG_TENSORS = (ROPE_FREQS,)
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -203,14 +208,20 @@ class GGUFCheckpoint:
         return config
 
     def _rope_scaling(self) -> dict[str, Any]:
-        if "rope_freqs.weight" in self.tensors:
-            raise UnsupportedModelError(f"{self.path.name}: per-dimension rope frequency factors (rope_freqs) are "
-                                        "not supported yet", code="unsupported_rope_scaling")
+        """The metadata's rope scaling, and the per-dimension frequency factors of a `rope_freqs` tensor.
+
+        llama.cpp's converter stores Llama 3.1/3.2's llama3 scaling only as that tensor (no metadata names it or
+        its parameters), and llama.cpp divides each rotary frequency by its factor: so the tensor is what the
+        model's rope is, and it reaches the engines through the config (ModelArgs.rope_freq_factors)."""
+        settings: dict[str, Any] = {}
+        if ROPE_FREQS in self.tensors:
+            settings["rope_freq_factors"] = self.read(ROPE_FREQS).reshape(-1).tolist()
         kind = self._key("rope.scaling.type", "none")
         if kind in ("none", None):
-            return {}
+            return settings
         if kind == "linear":
-            return {"rope_scaling": {"rope_type": "linear", "factor": float(self._key("rope.scaling.factor"))}}
+            return {**settings,
+                    "rope_scaling": {"rope_type": "linear", "factor": float(self._key("rope.scaling.factor"))}}
         raise UnsupportedModelError(f"{self.path.name}: rope scaling {kind!r} is not supported; supported: linear",
                                     code="unsupported_rope_scaling")
 
@@ -285,8 +296,8 @@ def hf_tensor_name(gguf_name: str) -> str | None:
     if match:
         part = _LAYER_NAMES.get(match.group(2))
         return None if part is None else f"model.layers.{match.group(1)}.{part}"
-    if gguf_name == "rope_freqs.weight":
-        return "rope_freqs.weight"
+    if gguf_name == ROPE_FREQS:
+        return ROPE_FREQS
     return _GLOBAL_NAMES.get(gguf_name)
 
 

@@ -2,8 +2,9 @@
 
 Planning needs only the GGUF header (metadata with the tokenizer, and the tensor table), so a node first fetches
 each part's header: a growing prefix of the file until the header parses (a real model's holds the vocabulary,
-several MB). Config, tokenizer, chat template and the bytes per layer then come from the header as for a local
-file. Later the node fetches only its own tensors' byte ranges (download.py).
+several MB), and then the few bytes of the tensors the config is made of (Llama 3.1's `rope_freqs`). Config,
+tokenizer, chat template and the bytes per layer then come from these as for a local file. Later the node fetches
+only its own tensors' byte ranges (download.py).
 
 Both land in a sparse file of the part's full size (sparse_file.py) under the repo's cache folder,
 `models--org--name/exo-like/gguf/<commit>/<path in the repo>`, so the local GGUF reader opens it unchanged. It
@@ -29,7 +30,7 @@ from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_st
 from exo_like.errors import DownloadError, UnsupportedModelError
 from exo_like.models.config import ModelArgs
 from exo_like.models.footprint import ModelFootprint, footprint_from_matrices, gguf_matrices
-from exo_like.models.gguf.file import GGUFCheckpoint, open_gguf
+from exo_like.models.gguf.file import CONFIG_TENSORS, GGUFCheckpoint, open_gguf
 from exo_like.models.gguf.header import header_end
 from exo_like.models.gguf.select import pick_gguf
 from exo_like.models.hub.repo import (
@@ -65,15 +66,20 @@ def prepare_gguf_repo(repo_id: str, cache_dir: Path, revision: str | None, tag: 
     folder = gguf_folder(cache_dir, repo_id, commit)
     for name in names:
         ensure_header(repo_id, commit, name, listed[name], folder / name, cache_dir)
-    args, footprint = gguf_description(folder / names[0])
+    gguf = open_gguf(folder / names[0])
+    ensure_config_tensors(repo_id, commit, listed, folder, gguf, cache_dir)
+    args, footprint = describe(gguf)
     log.info("%s@%s: GGUF %s (%d part%s, %.1f MB): planned from its header", repo_id, commit[:8], names[0], len(names),
              "" if len(names) == 1 else "s", sum(listed[n].size for n in names) / 1e6)
     return folder / names[0], args, RepoManifest(repo_id, commit, {n: listed[n] for n in names}, footprint)
 
 
 def gguf_description(path: Path) -> tuple[ModelArgs, ModelFootprint]:
-    """Config and per-layer bytes of a GGUF model, from its header."""
-    gguf = open_gguf(path)
+    """Config and per-layer bytes of a GGUF model, from its header (and its config tensors)."""
+    return describe(open_gguf(path))
+
+
+def describe(gguf: GGUFCheckpoint) -> tuple[ModelArgs, ModelFootprint]:
     args = ModelArgs.from_dict(gguf.config())
     matrices = gguf_matrices((n, e.type_name, e.n_bytes, e.shape) for n, e in gguf.tensors.items())
     return args, footprint_from_matrices(matrices, args.num_hidden_layers, args.tie_word_embeddings)
@@ -122,6 +128,20 @@ def ensure_header(repo_id: str, commit: str, name: str, remote: RemoteFile, path
         sparse.write(0, prefix[:end])
         sparse.mark(0, end, header=True)
         log.info("%s@%s: %s: header of %d bytes fetched in %d bytes", repo_id, commit[:8], name, end, len(prefix))
+
+
+def ensure_config_tensors(repo_id: str, commit: str, listed: dict[str, RemoteFile], folder: Path,
+                          gguf: GGUFCheckpoint, cache_dir: Path) -> None:
+    """The few bytes of the tensors the config is read from (a `rope_freqs` of head_dim / 2 floats), fetched with
+    the headers: every node needs them to plan and every stage to rotate, whatever layers it holds."""
+    for part, ranges in shard_ranges(gguf, lambda name: name in CONFIG_TENSORS).items():
+        name = part.relative_to(folder).as_posix()
+        if offline():
+            if SparseFile(part, listed[name].size).missing(ranges):
+                raise not_cached_error(repo_id, cache_dir, f"the rope frequencies of {name}", RuntimeError("offline"))
+            continue
+        with hub_errors(repo_id, cache_dir, f"the rope frequencies of {name}"):
+            fetch_ranges(repo_id, commit, name, listed[name], part, ranges, lambda _count: None)
 
 
 def read_range(url: str, span: Range, size: int) -> bytes:
