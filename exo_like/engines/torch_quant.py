@@ -325,6 +325,6 @@ class Installer:
         if layout is not None and all(check_layout(pack, c, layout) for pack, c in zip(packs, codes)):
             return QuantEmbedding(packs, self.dtype, layout)
         copies = [NibbleCodes(c) for c in codes]
-        log.warning("this torch build packs int4 weights in a layout not read here: the embedding keeps a copy of "
-                    "its codes for lookups (%.1f MB more)", sum(c.packed.nbytes for c in copies) / 1e6)
+        log.warning("held beyond the weights: a copy of the embedding's codes for lookups, %.1f MB (this torch "
+                    "build packs int4 weights in a layout not read here)", sum(c.packed.nbytes for c in copies) / 1e6)
         return QuantEmbedding(packs, self.dtype, None, copies)
