@@ -74,9 +74,13 @@ def resident_bytes(node: NodeProcess) -> int:
     return psutil.Process(node.process.pid).memory_info().rss
 
 
-def baseline(home: Path) -> int:
-    """Resident memory of a torch node started without a model, once it serves."""
-    node = start_node(home, None, "--no-mdns", "--engine", "torch", threads=2)
+TORCH_NODE = ("--engine", "torch")
+DEFAULT_NODE: tuple[str, ...] = ()  # what `make run` starts: no engine named (torch on a machine without MLX)
+
+
+def baseline(home: Path, options: tuple[str, ...] = TORCH_NODE) -> int:
+    """Resident memory of a node started without a model (with `options`), once it serves."""
+    node = start_node(home, None, "--no-mdns", *options, threads=2)
     try:
         node.get_json("/health")
         return resident_bytes(node)
@@ -84,19 +88,29 @@ def baseline(home: Path) -> int:
         node.stop()
 
 
-def measure(home: Path, checkpoint: Checkpoint, without_model: int, dtype: str | None = None) -> Measurement:
-    """Start a torch node on the checkpoint, answer one request, and read its memory."""
+def measure(home: Path, checkpoint: Checkpoint, without_model: int, dtype: str | None = None,
+            options: tuple[str, ...] = TORCH_NODE, chat: bool = False) -> Measurement:
+    """Start a node on the checkpoint (with `options`, as `baseline` was), answer one request (a chat one with
+    `chat`), and read its memory."""
     extra = ["--dtype", dtype] if dtype else []
-    node = start_node(home, str(checkpoint.path), "--no-mdns", "--engine", "torch", *extra, threads=2)
+    node = start_node(home, str(checkpoint.path), "--no-mdns", *options, *extra, threads=2)
     try:
         wait_until_ready([node], 1, timeout=300)
-        body = {"model": str(checkpoint.path), "prompt": "The capital of France is", "max_tokens": 16,
-                "temperature": 0}
-        status, _, raw = node.request("POST", "/v1/completions", json.dumps(body).encode(),
-                                      {"Content-Type": "application/json"})
+        status, raw = one_request(node, str(checkpoint.path), chat)
         assert status == 200, raw
         weights = node.get_json("/health")["weights"]
         return Measurement(checkpoint, dtype, weights["parameter_bytes"], resident_bytes(node) - without_model,
                            weights)
     finally:
         node.stop()
+
+
+def one_request(node: NodeProcess, model: str, chat: bool) -> tuple[int, bytes]:
+    if chat:
+        messages = [{"role": "user", "content": "What is the capital of France?"}]
+        path, body = "/v1/chat/completions", {"messages": messages}
+    else:
+        path, body = "/v1/completions", {"prompt": "The capital of France is"}
+    body.update({"model": model, "max_tokens": 16, "temperature": 0})
+    status, _, raw = node.request("POST", path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    return status, raw

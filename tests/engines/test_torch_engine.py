@@ -448,3 +448,29 @@ def test_a_torch_engine_bounds_the_memory_onednn_caches_for_new_row_counts():
     done = subprocess.run([sys.executable, "-c", MANY_ROW_COUNTS], env=env, capture_output=True, text=True,
                           timeout=300, check=True)
     assert float(done.stdout) < 200, f"oneDNN's caches grew the process by {float(done.stdout):.0f} MB"
+
+
+@pytest.mark.parametrize("bits", [4, 8])  # 8 bits: two packs (Q8_0, as SmolLM2's tied embedding)
+def test_an_int4_embedding_reads_its_rows_from_the_packs_in_this_builds_layout(bits: int) -> None:
+    from exo_like.models.affine import AffineGroups
+    from exo_like.engines.torch.quant import NibbleCodes, QuantEmbedding, code_planes, int4_packs, pack_layout
+
+    # AVX-512, AVX2 and scalar builds each write one of the layouts read here: the embedding needs no copy.
+    layout = pack_layout()
+    assert layout is not None, torch.backends.cpu.get_cpu_capability()
+    rng = np.random.default_rng(bits)
+    rows, inputs, group = 4096 + 96, 64, 32  # two pack calls; a last block shorter than 64 rows
+    groups = AffineGroups(rng.integers(0, 2**bits, (rows, inputs), dtype=np.uint8),
+                          rng.random((rows, inputs // group), dtype=np.float32) / 100,
+                          -rng.random((rows, inputs // group), dtype=np.float32) / 100, bits, group, "test")
+    packs = int4_packs(groups)
+    planes = code_planes(groups)
+    ids = torch.from_numpy(rng.integers(0, rows, 300))
+    for pack, plane in zip(packs, planes):
+        assert torch.equal(pack.codes(ids, layout), torch.from_numpy(plane)[ids])
+    # A build writing another layout keeps a copy of the codes, two to a byte; its rows are the same to the bit.
+    from_packs = QuantEmbedding(packs, torch.float32, layout)
+    from_copies = QuantEmbedding(packs, torch.float32, None, [NibbleCodes(plane) for plane in planes])
+    assert torch.equal(from_packs(ids), from_copies(ids))
+    assert sum(t.nbytes for t in from_copies.tensors()) - sum(t.nbytes for t in from_packs.tensors()) == \
+        len(planes) * rows * inputs // 2

@@ -153,6 +153,20 @@ def test_a_folder_holding_one_gguf_names_it_and_bad_files_fail_clearly(gguf_path
         open_gguf(split / "m-00001-of-00002.gguf")
 
 
+def test_the_header_reads_as_gguf_s_own_reader_reads_it(gguf_path, smollm2) -> None:
+    from gguf import GGUFReader
+
+    for path in [gguf_path(name) for name in CASES] + [smollm2]:
+        reader = GGUFReader(path)
+        theirs = {str(t.name): (t.tensor_type.name, tuple(reversed(t.shape.tolist())), int(t.n_bytes),
+                                int(t.data_offset)) for t in reader.tensors}
+        checkpoint = open_gguf(path)
+        assert checkpoint.metadata == {key: field.contents() for key, field in reader.fields.items()
+                                       if not key.startswith("GGUF.")}, path.name
+        ours = {e.gguf_name: (e.type_name, e.shape, e.n_bytes, e.offset) for e in checkpoint.tensors.values()}
+        assert ours == theirs, path.name
+
+
 def test_an_unsupported_tensor_type_is_named(tmp_path) -> None:
     folder = make_checkpoint(tmp_path / "tq", "qwen2", n_layers=1, seed=SEED, hidden_size=256, intermediate_size=512)
     path = write_gguf(folder, tmp_path / "tq.gguf", "TQ2_0", "F32")  # ternary weights: no engine here runs them

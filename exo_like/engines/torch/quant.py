@@ -10,13 +10,16 @@ Shapes the kernel refuses (footprint.int4_refusal), other devices and types with
 Q2_K, Q3_K, Q6_K) are dequantized by the engine instead: on CPU to bfloat16 `Dense` pieces (half float32's bytes,
 and oneDNN's bfloat16 matmul is no slower there than float32's), elsewhere to the engine's dtype.
 
-The kernel keeps its packs in a private layout. An embedding needs rows of the matrix, not products: rows are
-decoded from the packs where the layout is the one checked at load (`Int4Pack.codes`, `check_layout`), else
-from a plain copy of the codes, which costs memory and is logged.
+The kernel keeps its packs in a private layout, which differs between torch's CPU builds (PackLayout). An
+embedding needs rows of the matrix, not products: its rows are decoded from the packs themselves, in the layout
+this build writes (found once by packing a probe, `pack_layout`, then checked on the embedding's own codes at
+load, `check_layout`). Only a build writing none of the known layouts makes the embedding keep a second copy of
+its codes, two to a byte (`NibbleCodes`), which costs memory and is logged.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -33,11 +36,57 @@ log = logging.getLogger(__name__)
 
 KERNEL_DTYPE = torch.bfloat16  # the only activation dtype the CPU kernel runs fast (others take a slow path)
 PACK_ROWS = 4096  # rows packed per call, a multiple of the kernel's 64-row blocks: bounds the int32 copy it takes
-_LAYOUT_BLOCK = 64  # rows per block of the pack layout Int4Pack.rows decodes
 
 
 def int4_kernel_available(device: torch.device) -> bool:
     return device.type == "cpu" and hasattr(torch, "_weight_int4pack_mm_for_cpu")
+
+
+@dataclass(frozen=True)
+class PackLayout:
+    """Where torch's `_convert_weight_to_int4pack_for_cpu` puts code (row, input) (its weight_to_int4pack_kernel):
+    rows in blocks of `block`, each block [in, rows / 2] bytes. In a full block of a vectorized build (`halves`),
+    byte j holds rows j (low nibble) and j + block / 2 (high nibble); in a shorter last block, and in every
+    block of the scalar build, byte j holds rows 2j and 2j + 1."""
+
+    block: int
+    halves: bool
+
+
+# The layouts of torch's AVX-512 (64 rows per block), AVX2 (32) and scalar (32) kernels, in that order.
+PACK_LAYOUTS = (PackLayout(64, True), PackLayout(32, True), PackLayout(32, False))
+# A probe's rows: full blocks of 64 then one of 16 (for 32-row blocks: full blocks then one of 16), and full
+# blocks of 64 then one of 48 (of 32: full blocks then 16), so every kind of block of each layout is read back.
+_PROBE_ROWS, _PROBE_INPUTS = (144, 112), 32
+
+
+@functools.cache
+def pack_layout() -> PackLayout | None:
+    """The layout this torch build packs in, found by packing probes of random codes and reading them back with
+    each known layout (None: none reads them back, so Int4Pack.codes cannot be used)."""
+    rng = np.random.default_rng(0)
+    probes = [rng.integers(0, 16, (rows, _PROBE_INPUTS), dtype=np.uint8) for rows in _PROBE_ROWS]
+    packs = [torch._convert_weight_to_int4pack_for_cpu(torch.from_numpy(p.astype(np.int32)), 1) for p in probes]
+    for layout in PACK_LAYOUTS:
+        if all(torch.equal(codes_in_layout(pack, torch.arange(len(p)), layout), torch.from_numpy(p))
+               for pack, p in zip(packs, probes)):
+            return layout
+    return None
+
+
+def codes_in_layout(packed: torch.Tensor, ids: torch.Tensor, layout: PackLayout) -> torch.Tensor:
+    """The 4-bit codes of rows `ids` [n] of a pack [out, in / 2] written in `layout` -> uint8 [n, in]."""
+    out, half = packed.shape
+    flat = packed.reshape(-1)
+    block, within = ids // layout.block, ids % layout.block
+    block_rows = torch.clamp(out - block * layout.block, max=layout.block)
+    by_halves = (block_rows == layout.block) & layout.halves
+    column = torch.where(by_halves, within % (layout.block // 2), within // 2)
+    high = torch.where(by_halves, within // (layout.block // 2), within % 2)
+    stride = block_rows // 2  # bytes per input in the row's block
+    base = block * layout.block * half + column
+    index = base[:, None] + torch.arange(2 * half)[None, :] * stride[:, None]
+    return (flat[index] >> (4 * high)[:, None].to(torch.uint8)) & 0x0F
 
 
 @dataclass
@@ -62,22 +111,9 @@ class Int4Pack:
         """x [rows, in] bfloat16 -> [rows, out] bfloat16."""
         return torch._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scale_zeros)
 
-    def codes(self, ids: torch.Tensor) -> torch.Tensor:
+    def codes(self, ids: torch.Tensor, layout: PackLayout) -> torch.Tensor:
         """The 4-bit codes of rows `ids` [n] -> uint8 [n, in], read from the pack (see check_layout)."""
-        out, half = self.packed.shape
-        inputs = 2 * half
-        flat = self.packed.reshape(-1)
-        block, within = ids // _LAYOUT_BLOCK, ids % _LAYOUT_BLOCK
-        block_rows = torch.clamp(out - block * _LAYOUT_BLOCK, max=_LAYOUT_BLOCK)
-        full = block_rows == _LAYOUT_BLOCK
-        # A full block is [in, 32] bytes: byte d holds rows d (low nibble) and 32 + d (high nibble). A shorter
-        # last block of r rows is [in, r / 2] bytes: byte j holds rows 2j and 2j + 1.
-        column = torch.where(full, within % 32, within // 2)
-        high = torch.where(full, within // 32, within % 2)
-        stride = block_rows // 2
-        base = block * _LAYOUT_BLOCK * half + column
-        index = base[:, None] + torch.arange(inputs)[None, :] * stride[:, None]
-        return (flat[index] >> (4 * high)[:, None].to(torch.uint8)) & 0x0F
+        return codes_in_layout(self.packed, ids, layout)
 
     def dequantized_rows(self, codes: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """float32 [n, in] of rows `ids` given their codes."""
@@ -87,14 +123,26 @@ class Int4Pack:
         return (codes.float() - 8) * scale + zero
 
 
-def check_layout(pack: Int4Pack, codes: np.ndarray) -> bool:
-    """Whether Int4Pack.codes reads back exactly `codes` from this pack (the kernel's layout is private)."""
+def check_layout(pack: Int4Pack, codes: np.ndarray, layout: PackLayout) -> bool:
+    """Whether Int4Pack.codes reads back exactly `codes` from this pack in `layout` (the kernel's is private)."""
     ids = torch.arange(codes.shape[0])
     for start in range(0, len(ids), PACK_ROWS):
         chunk = ids[start:start + PACK_ROWS]
-        if not torch.equal(pack.codes(chunk), torch.from_numpy(codes[start:start + PACK_ROWS])):
+        if not torch.equal(pack.codes(chunk, layout), torch.from_numpy(codes[start:start + PACK_ROWS])):
             return False
     return True
+
+
+class NibbleCodes:
+    """4-bit codes [out, in] held two to a byte, row by row: the embedding's copy of its codes when the packs'
+    layout is none this module reads (half the bytes of one code per byte)."""
+
+    def __init__(self, codes: np.ndarray):
+        self.packed = torch.from_numpy(codes[:, 0::2] | (codes[:, 1::2] << 4))
+
+    def codes(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.packed[ids]
+        return torch.stack([rows & 0x0F, rows >> 4], dim=-1).reshape(len(ids), -1)
 
 
 def code_planes(groups: AffineGroups) -> list[np.ndarray]:
@@ -163,23 +211,26 @@ class QuantLinear(nn.Module):
 
 
 class QuantEmbedding(nn.Module):
-    """Rows of an int4-packed embedding, dequantized on lookup (to float32, then the model's dtype)."""
+    """Rows of an int4-packed embedding, dequantized on lookup (to float32, then the model's dtype). The codes
+    are read from the packs in `layout`, or from `copies` (one per pack) when their layout is unknown."""
 
-    def __init__(self, packs: list[Int4Pack], dtype: torch.dtype, plain_codes: list[torch.Tensor] | None):
+    def __init__(self, packs: list[Int4Pack], dtype: torch.dtype, layout: PackLayout | None,
+                 copies: list[NibbleCodes] | None = None):
         super().__init__()
-        self.packs, self.dtype = packs, dtype
-        self.plain_codes = plain_codes  # a copy of the codes when the pack layout is not the one decoded
+        if (layout is None) == (copies is None):
+            raise ValueError("an embedding reads its codes from its packs (a layout) or from copies, not both")
+        self.packs, self.dtype, self.layout, self.copies = packs, dtype, layout, copies
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = None
         for i, pack in enumerate(self.packs):
-            codes = pack.codes(ids) if self.plain_codes is None else self.plain_codes[i][ids]
+            codes = pack.codes(ids, self.layout) if self.copies is None else self.copies[i].codes(ids)
             part = pack.dequantized_rows(codes, ids)
             rows = part if rows is None else rows + part
         return rows.to(self.dtype)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for pack in self.packs for t in pack.tensors()] + list(self.plain_codes or [])
+        return [t for pack in self.packs for t in pack.tensors()] + [c.packed for c in self.copies or []]
 
 
 class CastEmbedding(nn.Module):
@@ -270,8 +321,10 @@ class Installer:
 
     def _embedding(self, matrix: AffineGroups, packs: list[Int4Pack]) -> QuantEmbedding:
         codes = code_planes(matrix)
-        if all(check_layout(pack, c) for pack, c in zip(packs, codes)):
-            return QuantEmbedding(packs, self.dtype, None)
-        log.warning("this torch build packs int4 weights in a layout not read here: the embedding keeps a plain "
-                    "copy of its codes for lookups (%.1f MB more)", sum(c.nbytes for c in codes) / 1e6)
-        return QuantEmbedding(packs, self.dtype, [torch.from_numpy(np.ascontiguousarray(c)) for c in codes])
+        layout = pack_layout()
+        if layout is not None and all(check_layout(pack, c, layout) for pack, c in zip(packs, codes)):
+            return QuantEmbedding(packs, self.dtype, layout)
+        copies = [NibbleCodes(c) for c in codes]
+        log.warning("held beyond the weights: a copy of the embedding's codes for lookups, %.1f MB (this torch "
+                    "build packs int4 weights in a layout not read here)", sum(c.packed.nbytes for c in copies) / 1e6)
+        return QuantEmbedding(packs, self.dtype, None, copies)

@@ -2,7 +2,7 @@
 
 A GGUF model is one file (or a split set `name-00001-of-00003.gguf`, ...): a header of metadata (architecture,
 hyper-parameters, tokenizer, chat template) and tensor descriptions, then the tensors' bytes at offsets the
-header gives. The header is parsed with `gguf`'s reader; a node then maps and reads only its own layers'
+header gives. The header is parsed by gguf_header.py; a node then maps and reads only its own layers'
 tensors, by offset.
 
 Names and layouts are llama.cpp's: `blk.N.attn_q.weight` is `model.layers.N.self_attn.q_proj.weight`, and for
@@ -16,6 +16,7 @@ as codes, scales and biases (gguf/blocks.py) for the engines' quantized kernels.
 from __future__ import annotations
 
 import functools
+import math
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from exo_like.models.affine import AffineGroups
 from exo_like.models.checkpoint import local_tensor_name
 from exo_like.models.gguf.blocks import affine_groups, has_affine_form
 from exo_like.models.shard import Shard
+from exo_like.models.gguf.header import read_header
 
 GGUF_SUFFIX = ".gguf"
 # GGUF's `general.architecture` -> the model_type the engines implement (Mistral files say "llama").
@@ -137,21 +139,22 @@ class GGUFCheckpoint:
     maps the tensor's own bytes and lets them go, so a node's memory ends at the tensors it copied."""
 
     def __init__(self, path: Path):
-        from gguf import GGUFReader  # imported here: only nodes serving a GGUF model need it
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType  # only nodes serving a GGUF model need gguf
 
         self.path = path
         self.parts = split_parts(path)
-        # Every tensor, checked in `tensors`. Plain values: the reader's tensor objects hold on to its parse of
-        # the whole header (tens of MB for a large vocabulary).
-        self._stored: list[TensorEntry] = []
+        self._stored: list[TensorEntry] = []  # every tensor, checked in `tensors`
         try:
             for index, part in enumerate(self.parts):
-                reader = GGUFReader(part)
+                header = read_header(part)
                 if index == 0:
-                    self.metadata = _metadata(reader)
-                self._stored.extend(TensorEntry(str(t.name), t.tensor_type.name, tuple(reversed(t.shape.tolist())),
-                                                int(t.n_bytes), part, int(t.data_offset)) for t in reader.tensors)
-                del reader
+                    self.metadata = header.metadata
+                for info in header.tensors:
+                    kind = GGMLQuantizationType(info.type_id)
+                    block_size, type_size = GGML_QUANT_SIZES[kind]
+                    n_bytes = math.prod(info.dims) * type_size // block_size
+                    self._stored.append(TensorEntry(info.name, kind.name, tuple(reversed(info.dims)), n_bytes, part,
+                                                    header.data_start + info.offset))
         except (ValueError, OSError, IndexError, KeyError, TypeError) as exc:  # a truncated or foreign file
             raise UnsupportedModelError(f"{path.name} is not a readable GGUF file: {exc!r}") from None
         architecture = self.metadata.get("general.architecture")
@@ -307,13 +310,3 @@ def unpermute_rotary_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
     rows = weight.shape[0]
     half = rows // n_heads // 2
     return weight.reshape(n_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
-
-
-def _metadata(reader: Any) -> dict[str, Any]:
-    """Every metadata key with its value (strings decoded, arrays as lists)."""
-    values = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        values[key] = field.contents()
-    return values
