@@ -27,7 +27,7 @@ from exo_like.engines.layer_speed import LayerRunner
 from exo_like.engines.torch_layer import layer_runner
 from exo_like.engines.torch_model import (KVPool, ShardModel, StepIndex, bound_onednn_caches, fuse_checkpoint_weights,
                                           load_state)
-from exo_like.engines.torch_quant import Installer, Matrix, int4_kernel_available
+from exo_like.engines.torch_quant import Installer, Matrix, cpu_numerics, int4_kernel_available
 from exo_like.errors import InvalidRequestError
 from exo_like.gguf_file import FLOAT_TYPES, is_gguf, open_gguf
 from exo_like.model_config import DTYPES, ModelArgs
@@ -147,6 +147,9 @@ class TorchEngine(Engine):
         self.model: ShardModel | None = None
         self.pool: KVPool | None = None
         self._threads_placed = False
+        self._numerics = cpu_numerics() if self.device.type == "cpu" else {}
+        if self._numerics:  # these paths make results differ, slightly, between CPUs: say which ones run
+            log.info("cpu numerics: %s", ", ".join(f"{k} {v}" for k, v in self._numerics.items()))
 
     def load(self, model_dir: Path, args: ModelArgs, shard: Shard, cancel: threading.Event | None = None) -> None:
         if shard.n_layers != args.num_hidden_layers:
@@ -264,6 +267,9 @@ class TorchEngine(Engine):
     @property
     def dtype_name(self) -> str:
         return DTYPE_NAMES[self.dtype]
+
+    def numerics(self) -> dict[str, str]:
+        return dict(self._numerics)
 
     def _loaded_model(self) -> ShardModel:
         if self.model is None:

@@ -10,13 +10,22 @@ Shapes the kernel refuses (footprint.int4_refusal), other devices and types with
 Q2_K, Q3_K, Q6_K) are dequantized by the engine instead: on CPU to bfloat16 `Dense` pieces (half float32's bytes,
 and oneDNN's bfloat16 matmul is no slower there than float32's), elsewhere to the engine's dtype.
 
-The kernel keeps its packs in a private layout. An embedding needs rows of the matrix, not products: rows are
-decoded from the packs where the layout is the one checked at load (`Int4Pack.codes`, `check_layout`), else
-from a plain copy of the codes, which costs memory and is logged.
+The kernel keeps its packs in a private layout that depends on the CPU capability ATen dispatches to (64-row
+blocks on AVX-512, 32-row blocks on AVX2, pairs of rows without vector units): `pack_layout` finds which one this
+process packs in, once, by packing a probe matrix. An embedding needs rows of the matrix, not products: rows are
+decoded from the packs in that layout (`Int4Pack.codes`), or, if it is none of the known ones, from a plain copy
+of the codes, which costs memory and is logged.
+
+Numerics (the same on every CPU capability: the kernel's source has one algorithm per ISA, all alike): each
+output is a float32 sum, input by input in order, of bf16(x) * ((q - 8) * bf16(scale) + bf16(zero)), rounded
+once to bfloat16. So against float32 activations the path differs by the bfloat16 rounding of the activations,
+of each pack's outputs, and of the scales and zeros; tests/test_gguf.py compares it with a reference that rounds
+at the same points.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -33,11 +42,35 @@ log = logging.getLogger(__name__)
 
 KERNEL_DTYPE = torch.bfloat16  # the only activation dtype the CPU kernel runs fast (others take a slow path)
 PACK_ROWS = 4096  # rows packed per call, a multiple of the kernel's 64-row blocks: bounds the int32 copy it takes
-_LAYOUT_BLOCK = 64  # rows per block of the pack layout Int4Pack.rows decodes
 
 
 def int4_kernel_available(device: torch.device) -> bool:
     return device.type == "cpu" and hasattr(torch, "_weight_int4pack_mm_for_cpu")
+
+
+@dataclass(frozen=True)
+class PackLayout:
+    """Where torch's int4 CPU packing puts a matrix's codes: blocks of `block_rows` rows, one after another, each
+    stored input by input. In a full block, byte c of an input holds rows c (low nibble) and c + block_rows / 2
+    (high) when `halves`, else rows 2c and 2c + 1, as in a shorter last block."""
+
+    name: str  # the CPU capability that packs this way
+    block_rows: int
+    halves: bool
+
+
+# ATen's packing per capability (aten/src/ATen/native/cpu/int4mm_kernel.cpp, weight_to_int4pack_kernel).
+PACK_LAYOUTS = (PackLayout("AVX-512", 64, True), PackLayout("AVX2", 32, True), PackLayout("scalar", 32, False))
+
+
+@functools.cache
+def pack_layout() -> PackLayout | None:
+    """The layout this process's torch packs int4 weights in (None: none of the known ones), found by packing a
+    probe matrix of whole and partial blocks and reading its codes back."""
+    codes = np.random.default_rng(0).integers(0, 16, size=(2 * 64 + 16, 64), dtype=np.uint8)
+    zeros = np.zeros((codes.shape[0], 1), dtype=np.float32)
+    pack = Int4Pack.from_codes(codes, zeros + 1, zeros, codes.shape[1])
+    return next((layout for layout in PACK_LAYOUTS if check_layout(pack, codes, layout)), None)
 
 
 @dataclass
@@ -62,20 +95,21 @@ class Int4Pack:
         """x [rows, in] bfloat16 -> [rows, out] bfloat16."""
         return torch._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scale_zeros)
 
-    def codes(self, ids: torch.Tensor) -> torch.Tensor:
-        """The 4-bit codes of rows `ids` [n] -> uint8 [n, in], read from the pack (see check_layout)."""
+    def codes(self, ids: torch.Tensor, layout: PackLayout) -> torch.Tensor:
+        """The 4-bit codes of rows `ids` [n] -> uint8 [n, in], read from the pack packed in `layout`."""
         out, half = self.packed.shape
         inputs = 2 * half
         flat = self.packed.reshape(-1)
-        block, within = ids // _LAYOUT_BLOCK, ids % _LAYOUT_BLOCK
-        block_rows = torch.clamp(out - block * _LAYOUT_BLOCK, max=_LAYOUT_BLOCK)
-        full = block_rows == _LAYOUT_BLOCK
-        # A full block is [in, 32] bytes: byte d holds rows d (low nibble) and 32 + d (high nibble). A shorter
-        # last block of r rows is [in, r / 2] bytes: byte j holds rows 2j and 2j + 1.
-        column = torch.where(full, within % 32, within // 2)
-        high = torch.where(full, within // 32, within % 2)
+        size = layout.block_rows
+        block, within = ids // size, ids % size
+        block_rows = torch.clamp(out - block * size, max=size)
+        split = (block_rows == size) & layout.halves
+        # A block of r rows is [in, r / 2] bytes: split in halves, byte d holds rows d (low nibble) and r / 2 + d
+        # (high nibble); else byte j holds rows 2j and 2j + 1.
+        column = torch.where(split, within % (size // 2), within // 2)
+        high = torch.where(split, within // (size // 2), within % 2)
         stride = block_rows // 2
-        base = block * _LAYOUT_BLOCK * half + column
+        base = block * size * half + column
         index = base[:, None] + torch.arange(inputs)[None, :] * stride[:, None]
         return (flat[index] >> (4 * high)[:, None].to(torch.uint8)) & 0x0F
 
@@ -87,12 +121,12 @@ class Int4Pack:
         return (codes.float() - 8) * scale + zero
 
 
-def check_layout(pack: Int4Pack, codes: np.ndarray) -> bool:
-    """Whether Int4Pack.codes reads back exactly `codes` from this pack (the kernel's layout is private)."""
+def check_layout(pack: Int4Pack, codes: np.ndarray, layout: PackLayout) -> bool:
+    """Whether Int4Pack.codes reads back exactly `codes` from this pack in `layout`."""
     ids = torch.arange(codes.shape[0])
     for start in range(0, len(ids), PACK_ROWS):
         chunk = ids[start:start + PACK_ROWS]
-        if not torch.equal(pack.codes(chunk), torch.from_numpy(codes[start:start + PACK_ROWS])):
+        if not torch.equal(pack.codes(chunk, layout), torch.from_numpy(codes[start:start + PACK_ROWS])):
             return False
     return True
 
@@ -127,6 +161,24 @@ def _place_bias(high: np.ndarray, low: np.ndarray, bias: np.ndarray) -> tuple[np
     the high zero exactly, and small zeros keep the products' rounding small."""
     on_high = np.abs(high + bias) + np.abs(low) <= np.abs(high) + np.abs(low + bias)
     return np.where(on_high, high + bias, high), np.where(on_high, low, low + bias)
+
+
+def cpu_numerics() -> dict[str, str]:
+    """What the CPU changes in how this engine computes, for the log and GET /v1/cluster: the capability ATen's
+    kernels are built for (their vector width sets float32 reductions' order), the int4 pack layout, and whether
+    the CPU multiplies bfloat16 natively (oneDNN then runs bfloat16 products on it; without it they are
+    widened to float32)."""
+    layout = pack_layout() if hasattr(torch, "_convert_weight_to_int4pack_for_cpu") else None
+    return {"aten_capability": torch.backends.cpu.get_cpu_capability(),
+            "int4_pack_layout": "unknown (plain copy for lookups)" if layout is None else
+            f"{layout.name} ({layout.block_rows}-row blocks)",
+            "bfloat16": _bfloat16_support()}
+
+
+def _bfloat16_support() -> str:
+    capabilities = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+    native = [name for flag, name in (("amx_bf16", "AMX"), ("avx512_bf16", "AVX512-BF16")) if capabilities.get(flag)]
+    return f"native ({', '.join(native)})" if native else "widened to float32 (no AVX512-BF16 or AMX)"
 
 
 class QuantLinear(nn.Module):
@@ -165,15 +217,16 @@ class QuantLinear(nn.Module):
 class QuantEmbedding(nn.Module):
     """Rows of an int4-packed embedding, dequantized on lookup (to float32, then the model's dtype)."""
 
-    def __init__(self, packs: list[Int4Pack], dtype: torch.dtype, plain_codes: list[torch.Tensor] | None):
+    def __init__(self, packs: list[Int4Pack], dtype: torch.dtype, layout: PackLayout | None,
+                 plain_codes: list[torch.Tensor] | None):
         super().__init__()
-        self.packs, self.dtype = packs, dtype
-        self.plain_codes = plain_codes  # a copy of the codes when the pack layout is not the one decoded
+        self.packs, self.dtype, self.layout = packs, dtype, layout
+        self.plain_codes = plain_codes  # a copy of the codes when the packs' layout is not one decoded here
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = None
         for i, pack in enumerate(self.packs):
-            codes = pack.codes(ids) if self.plain_codes is None else self.plain_codes[i][ids]
+            codes = self.plain_codes[i][ids] if self.plain_codes is not None else pack.codes(ids, self.layout)
             part = pack.dequantized_rows(codes, ids)
             rows = part if rows is None else rows + part
         return rows.to(self.dtype)
@@ -270,8 +323,9 @@ class Installer:
 
     def _embedding(self, matrix: AffineGroups, packs: list[Int4Pack]) -> QuantEmbedding:
         codes = code_planes(matrix)
-        if all(check_layout(pack, c) for pack, c in zip(packs, codes)):
-            return QuantEmbedding(packs, self.dtype, None)
+        layout = pack_layout()
+        if layout is not None and all(check_layout(pack, c, layout) for pack, c in zip(packs, codes)):
+            return QuantEmbedding(packs, self.dtype, layout, None)
         log.warning("this torch build packs int4 weights in a layout not read here: the embedding keeps a plain "
                     "copy of its codes for lookups (%.1f MB more)", sum(c.nbytes for c in codes) / 1e6)
-        return QuantEmbedding(packs, self.dtype, [torch.from_numpy(np.ascontiguousarray(c)) for c in codes])
+        return QuantEmbedding(packs, self.dtype, None, [torch.from_numpy(np.ascontiguousarray(c)) for c in codes])
