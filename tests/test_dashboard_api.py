@@ -181,7 +181,8 @@ def generating(view: dict[str, Any], origin_id: str) -> bool:
     origin = nodes[origin_id]
     return (view["requests_in_flight"] == 1 and view["tokens_per_second"] > 0 and origin["in_flight"] == 1
             and origin["generated_per_second"] > 0
-            and all(n["busy"] and n["tokens_per_second"] > 0 and n["decode_step_ms"] > 0 for n in nodes.values()))
+            and all(n["busy"] and n["tokens_per_second"] > 0 and (n["decode_step_ms"] or 0) > 0  # None: no step yet
+                    for n in nodes.values()))
 
 
 def idle(view: dict[str, Any]) -> bool:

@@ -87,8 +87,9 @@ def test_each_engine_builds_and_times_a_layer_of_the_model_s_shape(engine_name: 
     assert ("4-bit groups of 32" in form) == shape.endswith("4bit")
     runner = engine.layer_runner(tmp_path, args)
     speed = time_layer(runner, 0.05, 0.02)
+    # Only that it ran: which is faster, a decode step or a prefill position, depends on the engine, the CPU and
+    # how busy it is (per position is test_time_layer_warms_up_then_reports_per_step_and_per_position's, exactly).
     assert speed.decode_ns > 0 and speed.prefill_ns > 0
-    assert speed.prefill_ns < speed.decode_ns  # a chunk's positions share each weight read
     assert engine.shard is None  # measuring loads nothing: the engine holds what it held
 
 
