@@ -24,7 +24,8 @@ import torch.nn.functional as F  # noqa: E402
 
 from exo_like.catalog import PACKAGED  # noqa: E402
 from exo_like.engines.base import create_engine  # noqa: E402
-from exo_like.engines.torch_quant import Int4Pack, code_planes, int4_packs, pack_layout  # noqa: E402
+from exo_like.engines.torch_quant import (PACK_LAYOUTS, Int4Pack, code_planes, cpu_numerics, int4_packs,  # noqa: E402
+                                          pack_layout)
 from exo_like.errors import ModelNotFoundError, UnsupportedModelError  # noqa: E402
 from exo_like.gguf_file import find_gguf, open_gguf, unpermute_rotary_rows  # noqa: E402
 from exo_like.gguf_tokenizer import gguf_tokenizer  # noqa: E402
@@ -276,6 +277,9 @@ def test_smollm2_is_served_by_its_catalog_name_and_answers(smollm2, tmp_path) ->
         assert set(weights["quantized"]) == {"Q4_1", "Q8_0"}, weights
         [member] = node.get_json("/v1/cluster")["nodes"]
         assert (member["quantized_weights"], member["dequantized_weights"]) == (weights["quantized"], {})
+        # Which CPU paths its numbers come from: the ones this test process's torch takes on this machine.
+        assert member["numerics"] == cpu_numerics(), member["numerics"]
+        assert member["numerics"]["int4_pack_layout"].split(" (")[0] in {layout.name for layout in PACK_LAYOUTS}
     finally:
         node.stop()
 
@@ -302,15 +306,40 @@ def pack_weight(pack: Int4Pack) -> torch.Tensor:
     return pack.dequantized_rows(pack.codes(ids, pack_layout()), ids)
 
 
-def same_precision_matmul(weights: dict[int, torch.Tensor]) -> Callable[[Int4Pack, torch.Tensor], torch.Tensor]:
-    """Int4Pack.matmul as a plain float32 product: the same bfloat16 activations times the same weights, the
-    result rounded once to bfloat16, as the kernel does; only the order of the float32 additions differs."""
-    def matmul(pack: Int4Pack, x: torch.Tensor) -> torch.Tensor:
-        if id(pack) not in weights:
-            weights[id(pack)] = pack_weight(pack)
-        return F.linear(x.float(), weights[id(pack)]).to(torch.bfloat16)
+class SamePrecisionReference:
+    """Every int4 product of a run, also computed as a plain float32 product of the same bfloat16 input and the
+    pack's own weights (pack_weight), rounded once to bfloat16 as the kernel rounds: the two then differ only in
+    the order of the float32 additions. Counts the outputs, those that differ, and the LM head's top-1 picks
+    (each step's last row) that differ."""
 
-    return matmul
+    def __init__(self, kernel: Callable[[Int4Pack, torch.Tensor], torch.Tensor], vocab_size: int):
+        self.kernel, self.vocab_size = kernel, vocab_size
+        self.weights: dict[int, torch.Tensor] = {}
+        self.outputs = self.differing = self.head_steps = self.head_picks_differing = 0
+        self._head: list[torch.Tensor] = []  # this step's head products so far: (kernel, reference) sums
+
+    def matmul(self, pack: Int4Pack, x: torch.Tensor) -> torch.Tensor:
+        out = self.kernel(pack, x)
+        if id(pack) not in self.weights:
+            self.weights[id(pack)] = pack_weight(pack)
+        reference = F.linear(x.float(), self.weights[id(pack)]).to(torch.bfloat16)
+        self.outputs += out.numel()
+        self.differing += int((out != reference).sum())
+        if out.shape[-1] == self.vocab_size:
+            self._add_head_product(out, reference)
+        return out
+
+    def _add_head_product(self, out: torch.Tensor, reference: torch.Tensor) -> None:
+        """The head's packs add up in float32, as QuantLinear adds them; a step's last pack ends its logits."""
+        products = torch.stack([out[-1].float(), reference[-1].float()])
+        self._head = [products] if not self._head or len(self._head) == self._head_packs else \
+            self._head + [products]
+        if len(self._head) == self._head_packs:
+            logits = sum(self._head)
+            self.head_steps += 1
+            self.head_picks_differing += int(logits[0].argmax() != logits[1].argmax())
+
+    _head_packs = 2  # SmolLM2's head is its Q8_0 embedding: two packs (high and low nibbles)
 
 
 # The SmolLM2 file's matrices on the int4 kernel: Q4_1 (one pack) and Q8_0 (two packs: high and low nibbles;
@@ -365,23 +394,33 @@ def test_smollm2_quantized_kernels_agree_with_the_dequantized_path(smollm2, monk
     """The quality bar, teacher-forced over 500 tokens of English.
 
     What users care about: the int4-kernel path (the default) has a perplexity within 1 % of the float32-
-    dequantized path's. Its top-1 picks are not compared with float32's: the kernel rounds activations, outputs,
-    scales and zeros to bfloat16, which moves near-tied picks (about 3 % of positions), and which ones move follows
-    float32 rounding that differs between CPUs. They are compared with a reference of the same precision: the same
-    weights times the same bfloat16 activations, rounded once to bfloat16 (same_precision_matmul). What is left is
-    the order of float32 additions: it changes a bfloat16 output by one unit in a few per 10,000 (see
-    test_smollm2_int4_kernel_rounds_each_exact_product_once_to_bfloat16), not at every rounding, so at most 1 % of
-    picks (5 of 500) may differ; a rounding step that differs from the kernel's moves as many as float32 does."""
+    dequantized path's.
+
+    Its top-1 picks are not compared with another path's run: the kernel rounds activations to bfloat16 before
+    every product, so any float32 difference upstream (another CPU's vector width or summation order: measured,
+    6e-5 in the logits between ISA settings here) now and then flips a rounding by 2**-8, and 30 layers spread
+    that: runs of the same precision that differ only in summation order pick different tokens at ~2.5 % of
+    positions here, as a float32 run does. So the kernel is compared with a reference of its own precision on the
+    same inputs, product by product (SamePrecisionReference): the two float32 sums, each within about sqrt(K) u
+    (u = 2**-24) of the exact one, round to different bfloat16 values only when they straddle a rounding boundary
+    2**-8 apart: a few per 10,000 outputs (2e-4 measured); at most 1 %, and at most 1 % of the head's picks, may
+    differ. A rounding step of the kernel that differs from the reference (weights, inputs or partial sums in
+    bfloat16) changes a third of the outputs (test_smollm2_int4_kernel_rounds_each_exact_product_once_to_bfloat16)."""
     text = (Path(__file__).parent / "data" / "english.txt").read_text()
     tokens = gguf_tokenizer(open_gguf(smollm2).metadata, smollm2.name).encode(text, add_special_tokens=False)[:501]
     assert len(tokens) == 501
+    reference = SamePrecisionReference(Int4Pack.matmul, ModelArgs.from_dict(open_gguf(smollm2).config()).vocab_size)
+    monkeypatch.setattr(Int4Pack, "matmul", lambda pack, x: reference.matmul(pack, x))
     kernel_top, kernel_ppl = teacher_forced(smollm2, None, tokens)
+    monkeypatch.undo()
     float_top, float_ppl = teacher_forced(smollm2, "float32", tokens)
-    monkeypatch.setattr(Int4Pack, "matmul", same_precision_matmul({}))
-    reference_top, reference_ppl = teacher_forced(smollm2, None, tokens)
-    agreement = float(np.mean(kernel_top == reference_top))
-    print(f"perplexity {kernel_ppl:.3f} (int4 kernel) vs {float_ppl:.3f} (float32 dequantized); top-1 agreement "
-          f"{agreement:.4f} with the same-precision reference (bfloat16 activations, float32 sums rounded to "
-          f"bfloat16; perplexity {reference_ppl:.3f}); {np.mean(kernel_top == float_top):.4f} with float32")
+    differing = reference.differing / reference.outputs
+    print(f"perplexity {kernel_ppl:.3f} (int4 kernel) vs {float_ppl:.3f} (float32 dequantized); against the "
+          f"same-precision reference on the same inputs (bfloat16 inputs, float32 sums rounded once to bfloat16): "
+          f"{differing:.2e} of {reference.outputs} outputs and {reference.head_picks_differing} of "
+          f"{reference.head_steps} top-1 picks differ; top-1 agreement with the float32 run (not asserted) "
+          f"{np.mean(kernel_top == float_top):.4f}")
     assert abs(kernel_ppl / float_ppl - 1) <= 0.01
-    assert agreement >= 0.99
+    assert reference.head_steps == len(tokens) - 1
+    assert differing <= 0.01
+    assert reference.head_picks_differing <= 0.01 * reference.head_steps
