@@ -342,7 +342,8 @@ class Node:
     def current_load(self) -> NodeLoad:
         """What this node is doing now (shared with peers in its announcements)."""
         forms = self.engine.weight_forms
-        weights = {"quantized_weights": forms.quantized, "dequantized_weights": forms.dequantized}
+        weights = {"quantized_weights": forms.quantized, "dequantized_weights": forms.dequantized,
+                   "numerics": self.engine.numerics()}
         if self.generator is None or self.stage is None:
             return NodeLoad(download=self.download_progress.status(), **weights)
         decode_step = self.stage.decode_step_seconds.median()

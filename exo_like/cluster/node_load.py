@@ -34,6 +34,8 @@ class NodeLoad:
     # kernel for, dequantized (by "type (reason)"): engines/base.WeightForms.
     quantized_weights: dict[str, int] = field(default_factory=dict)
     dequantized_weights: dict[str, int] = field(default_factory=dict)
+    # How its engine computes where the CPU decides (engines/base.Engine.numerics): why two nodes' results differ.
+    numerics: dict[str, str] = field(default_factory=dict)
     # Requests of this node's clients resumed on a re-formed ring since start, and those paused for it now (by the
     # name of the node whose loss broke their ring; "" when a re-plan did).
     replays: int = 0
@@ -47,7 +49,8 @@ class NodeLoad:
                 "kv_blocks": self.kv_blocks, "kv_used": self.kv_used, "running": self.running, "waiting": self.waiting,
                 "prefix_queries": self.prefix_queries, "prefix_hits": self.prefix_hits,
                 "preemptions": self.preemptions, "quantized_weights": dict(self.quantized_weights),
-                "dequantized_weights": dict(self.dequantized_weights), "replays": self.replays,
+                "dequantized_weights": dict(self.dequantized_weights), "numerics": dict(self.numerics),
+                "replays": self.replays,
                 "recovering": dict(self.recovering)}
         if self.download is not None:  # only nodes that fetched layers from the hub say anything about it
             load["download"] = self.download.to_json()
@@ -61,10 +64,12 @@ class NodeLoad:
         decode_step_ms = data.get("decode_step_ms")
         counts = {key: int(data.get(key, 0)) for key in _COUNTS}
         forms = {key: {str(k): int(v) for k, v in (data.get(key) or {}).items()} for key in _FORMS}
+        numerics = {str(k): str(v) for k, v in (data.get("numerics") or {}).items()}
         return cls(float(data.get("tokens_per_second", 0.0)), float(data.get("generated_per_second", 0.0)),
                    int(data.get("in_flight", 0)), bool(data.get("busy", False)),
                    DownloadStatus.from_json(data.get("download")), float(data.get("step_seconds", 0.0)),
-                   None if decode_step_ms is None else float(decode_step_ms), **counts, **forms)
+                   None if decode_step_ms is None else float(decode_step_ms), **counts, **forms,
+                   numerics=numerics)
 
 
 _FORMS = ("quantized_weights", "dequantized_weights", "recovering")

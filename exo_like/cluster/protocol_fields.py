@@ -100,6 +100,17 @@ def counts(data: dict[str, Any], key: str, nullable: bool = False) -> dict[str, 
     return {string({key: name}, key): check_int(n, key, 0, INT64 - 1) for name, n in value.items()}
 
 
+def texts(data: dict[str, Any], key: str, nullable: bool = False) -> dict[str, str] | None:
+    """A small map of names to short texts."""
+    value = data.get(key)
+    if value is None and nullable:
+        return None
+    value = mapping(value, key)
+    if len(value) > MAX_COUNTS:
+        raise ProtocolError(f"field {key!r} must hold at most {MAX_COUNTS} entries")
+    return {string({key: name}, key): string({key: text}, key) for name, text in value.items()}
+
+
 def integers(data: dict[str, Any], key: str, low: int = 0, high: int = INT64 - 1) -> tuple[int, ...]:
     return tuple(check_int(v, key, low, high) for v in array(data, key))
 
@@ -141,6 +152,7 @@ PLAIN: dict[Any, FieldReader] = {
     str: lambda data, key, nullable: string(data, key, MAX_TEXT, optional=nullable),
     DownloadStatus: lambda data, key, nullable: plain_map(data, key, DOWNLOAD_FIELDS, nullable),
     dict[str, int]: counts,
+    dict[str, str]: texts,
 }
 DOWNLOAD_FIELDS = plain_readers(DownloadStatus)
 LOAD_FIELDS = plain_readers(NodeLoad)

@@ -145,6 +145,11 @@ class Engine(ABC):
     def dtype_name(self) -> str:
         """The dtype weights and activations use: float32, bfloat16 or float16."""
 
+    def numerics(self) -> dict[str, str]:
+        """What the hardware changes in how this engine computes (kernel paths chosen by CPU feature), by name;
+        empty where nothing is chosen by it."""
+        return {}
+
 
 def return_freed_memory() -> None:
     """Hand the heap's free pages back to the system (glibc only; elsewhere nothing to do).

@@ -147,7 +147,8 @@ def test_every_message_round_trips(message: Message) -> None:
 
 def test_every_field_of_an_announced_load_crosses_the_wire() -> None:
     """Including fields added to NodeLoad later: the protocol checks the load against NodeLoad's own fields."""
-    plain = {float: 2.5, int: 3, bool: True, str: "s", DownloadStatus: DOWNLOAD, dict[str, int]: {"Q4_K": 7}}
+    plain = {float: 2.5, int: 3, bool: True, str: "s", DownloadStatus: DOWNLOAD, dict[str, int]: {"Q4_K": 7},
+             dict[str, str]: {"int4_pack_layout": "AVX2 (32-row blocks)"}}
     values = {}
     for name, hint in typing.get_type_hints(NodeLoad).items():
         args = typing.get_args(hint)

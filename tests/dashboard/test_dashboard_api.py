@@ -16,13 +16,17 @@ from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
 from safetensors import safe_open
 
+from dashboard.events import COALESCE_SECONDS, EVENT_INTERVAL, add_event_routes
 from tests.api_server import NodeProcess, start_node
 from tests.checkpoints import make_checkpoint
 from tests.cluster_harness import cluster_of, start_cluster, wait_until_ready
 
 GIB = 1 << 30
+HANG_SECONDS = 60.0  # only a guard against hanging: nothing asserted depends on how fast this machine is
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +36,10 @@ def seven_layers(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def two_nodes(seven_layers: Path, tmp_path_factory: pytest.TempPathFactory):
-    nodes = start_cluster(tmp_path_factory.mktemp("dashboard-api"), str(seven_layers), [2, 1])
+    # Placed by memory: the split is then fixed by the memories set here. The default, by measured speed, splits
+    # by how busy the machine was while each node timed itself.
+    nodes = start_cluster(tmp_path_factory.mktemp("dashboard-api"), str(seven_layers), [2, 1],
+                          extra=("--placement", "memory"))
     wait_until_ready(nodes, members=2)
     yield nodes
     for node in nodes:
@@ -106,6 +113,7 @@ def test_cluster_view_adds_bytes_per_node_memory_model_and_key_status(two_nodes:
     views = [cluster_of(node) for node in two_nodes]
     for view in views:
         stages = {s["node_id"]: (s["start_layer"], s["end_layer"]) for s in view["plan"]["stages"]}
+        assert view["placement"]["mode"] == "memory"
         assert sorted(stages.values()) == [(0, 5), (5, 7)]  # 7 layers over 2 and 1 GiB
         used = {n["id"]: n["used_bytes"] for n in view["nodes"]}
         assert used == {node_id: expected_used_bytes(sizes, *stages[node_id], 7) for node_id in stages}
@@ -118,20 +126,42 @@ def test_cluster_view_adds_bytes_per_node_memory_model_and_key_status(two_nodes:
     assert [v["nodes"] for v in views][0] == [v["nodes"] for v in views][1]  # the same numbers everywhere
 
 
-async def test_events_push_the_whole_picture_at_least_every_second(two_nodes: list[NodeProcess]) -> None:
+async def test_events_push_the_whole_picture_again_and_again(two_nodes: list[NodeProcess]) -> None:
+    """How often is the stream's own schedule (test_the_event_stream_waits_at_most_a_second_between_pictures):
+    timed here, it would time how busy the machine is."""
     fields = cluster_of(two_nodes[0]).keys()
-    connected = time.monotonic()
-    arrivals = []
-    async with contextlib.aclosing(events(two_nodes[0])) as stream:
-        async for arrived, picture in stream:
+    pictures = 0
+    async with asyncio.timeout(HANG_SECONDS), contextlib.aclosing(events(two_nodes[0])) as stream:
+        async for _, picture in stream:
             assert picture.keys() == fields
             assert len(picture["nodes"]) == 2 and picture["ready"]
-            arrivals.append(arrived)
-            if arrived - connected > 3.5:
+            pictures += 1
+            if pictures == 4:
                 break
-    assert arrivals[0] - connected < 1.0
-    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
-    assert len(arrivals) >= 4 and max(gaps) <= 1.2, gaps  # one per second, plus a scheduling slice
+
+
+async def test_the_event_stream_waits_at_most_a_second_between_pictures() -> None:
+    """Between two pictures the stream waits for a change for no longer than EVENT_INTERVAL, less the pause it
+    takes to coalesce changes: a picture at least every second however seldom the cluster changes. Checked on
+    what the stream asks to wait for, not on a clock a busy machine stretches."""
+    waits: list[float] = []
+
+    async def no_change(timeout: float) -> None:  # returns at once, as if the timeout had passed
+        waits.append(timeout)
+
+    app = web.Application()
+    add_event_routes(app, lambda: {"picture": len(waits)}, no_change)
+    async with TestClient(TestServer(app)) as client, asyncio.timeout(HANG_SECONDS):
+        response = await client.get("/v1/events")
+        seen = []
+        async for line in response.content:
+            if line.startswith(b"data: "):
+                seen.append(json.loads(line[len(b"data: "):]))
+                if len(seen) == 3:
+                    break
+        response.close()
+    assert [picture["picture"] for picture in seen] == [0, 1, 2]  # one picture per wait
+    assert waits and all(wait + COALESCE_SECONDS <= EVENT_INTERVAL for wait in waits), waits
 
 
 async def poll_cluster(node: NodeProcess, condition, timeout: float) -> dict[str, Any]:  # type: ignore[no-untyped-def]
@@ -151,7 +181,8 @@ def generating(view: dict[str, Any], origin_id: str) -> bool:
     origin = nodes[origin_id]
     return (view["requests_in_flight"] == 1 and view["tokens_per_second"] > 0 and origin["in_flight"] == 1
             and origin["generated_per_second"] > 0
-            and all(n["busy"] and n["tokens_per_second"] > 0 and n["decode_step_ms"] > 0 for n in nodes.values()))
+            and all(n["busy"] and n["tokens_per_second"] > 0 and (n["decode_step_ms"] or 0) > 0  # None: no step yet
+                    for n in nodes.values()))
 
 
 def idle(view: dict[str, Any]) -> bool:
@@ -189,21 +220,22 @@ def test_cluster_key_status_is_shown_never_the_key(seven_layers: Path, tmp_path:
         node.stop()
 
 
-async def test_a_killed_node_is_shown_unreachable_and_the_new_plan_within_a_second(seven_layers: Path,
-                                                                                 tmp_path: Path) -> None:
-    nodes = start_cluster(tmp_path, str(seven_layers), [2, 1])
+async def test_a_killed_node_is_shown_unreachable_and_the_new_plan_at_once(seven_layers: Path,
+                                                                         tmp_path: Path) -> None:
+    """At once: by its closed connection. Silence cannot count it lost while the test runs (an hour's
+    --peer-timeout), so a loss shown at all was seen from the connection, however busy the machine is."""
+    nodes = start_cluster(tmp_path, str(seven_layers), [2, 1], extra=("--peer-timeout", "3600"))
     try:
         wait_until_ready(nodes, members=2)
         lost_id = cluster_of(nodes[1])["node_id"]
-        killed_at = None
-        async with contextlib.aclosing(events(nodes[0])) as stream:
-            async for arrived, picture in stream:
-                if killed_at is None:  # connected: now kill
+        killed = False
+        async with asyncio.timeout(HANG_SECONDS), contextlib.aclosing(events(nodes[0])) as stream:
+            async for _, picture in stream:
+                if not killed:  # connected: now kill
                     nodes[1].process.send_signal(signal.SIGKILL)
-                    killed_at = time.monotonic()
+                    killed = True
                 elif picture["departed"]:
                     break
-        assert arrived - killed_at < 1.0, f"the loss took {arrived - killed_at:.2f}s to show"
         assert [(n["id"], n["status"], n["name"]) for n in picture["departed"]] == [(lost_id, "unreachable", "node1")]
         assert [n["id"] for n in picture["nodes"]] == [picture["node_id"]]
         assert [(s["start_layer"], s["end_layer"]) for s in picture["plan"]["stages"]] == [(0, 7)]

@@ -26,6 +26,9 @@ GIB = 1 << 30
 FOOTPRINT = ModelFootprint(layer_bytes=(10,) * 7, embed_bytes=100, head_bytes=50, tied=False, stored_dtype_bytes=4)
 
 
+HANG_SECONDS = 60.0  # only a guard against hanging: what is asserted does not depend on how fast this machine is
+
+
 class FakeClock:
     def __init__(self) -> None:
         self.now = 1000.0
@@ -127,7 +130,8 @@ async def test_picture_has_bytes_per_node_and_every_members_shared_load() -> Non
                                                  "decode_step_ms": None, "kv_blocks": 0, "kv_used": 0, "running": 0,
                                                  "waiting": 0, "prefix_queries": 0, "prefix_hits": 0,
                                                  "preemptions": 0, "quantized_weights": {},
-                                                 "dequantized_weights": {}, "replays": 0, "recovering": {}}
+                                                 "dequantized_weights": {}, "numerics": {}, "replays": 0,
+                                                 "recovering": {}}
 
 
 async def test_lost_member_is_listed_unreachable_for_a_while_then_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -160,15 +164,16 @@ async def test_wait_change_wakes_every_watcher_on_an_announcement() -> None:
     peers.links["b"] = FakeLink(info("b", GIB))
     cluster.links_changed()
     await asyncio.sleep(0)
-    watchers = [asyncio.ensure_future(cluster.wait_change(5.0)) for _ in range(3)]
+    # No timeout can end the wait while the test runs: ending at all means the announcement woke them.
+    watchers = [asyncio.ensure_future(cluster.wait_change(3600.0)) for _ in range(3)]
     await asyncio.sleep(0)
-    started = time.monotonic()
     cluster.receive("b", announcement_from(cluster, NodeLoad()))
-    await asyncio.gather(*watchers)
-    assert time.monotonic() - started < 1.0
+    await asyncio.wait_for(asyncio.gather(*watchers), HANG_SECONDS)
 
 
-async def test_a_node_announces_at_once_when_it_starts_or_stops_working() -> None:
+async def test_a_node_announces_at_once_when_it_starts_or_stops_working(monkeypatch: pytest.MonkeyPatch) -> None:
+    # No periodic announcement while the test runs: one that carries the change came from the activity poll.
+    monkeypatch.setattr(cluster_module, "ANNOUNCE_INTERVAL", 3600.0)
     load = NodeLoad()
     cluster, peers = make_cluster(lambda: load)
     link = peers.links["b"] = FakeLink(info("b", GIB))
@@ -180,7 +185,7 @@ async def test_a_node_announces_at_once_when_it_starts_or_stops_working() -> Non
             load = NodeLoad(in_flight=int(working), busy=working)
             changed = time.monotonic()
             while not link.sent or link.sent[-1].load["busy"] != working:
-                assert time.monotonic() - changed < 0.5, "not announced within the activity poll"
+                assert time.monotonic() - changed < HANG_SECONDS, "not announced by the activity poll"
                 await asyncio.sleep(0.01)
     finally:
         await cluster.stop()

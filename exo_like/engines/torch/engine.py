@@ -31,7 +31,7 @@ from exo_like.engines.torch.model import (
     load_state,
 )
 from exo_like.engines.torch.openmp import pin_openmp_team
-from exo_like.engines.torch.quant import Installer, Matrix, int4_kernel_available
+from exo_like.engines.torch.quant import Installer, Matrix, cpu_numerics, int4_kernel_available
 from exo_like.engines.work import WorkItem
 from exo_like.errors import InvalidRequestError
 from exo_like.models.affine import AffineGroups, from_mlx
@@ -153,6 +153,9 @@ class TorchEngine(Engine):
         self.model: ShardModel | None = None
         self.pool: KVPool | None = None
         self._threads_placed = False
+        self._numerics = cpu_numerics() if self.device.type == "cpu" else {}
+        if self._numerics:  # these paths make results differ, slightly, between CPUs: say which ones run
+            log.info("cpu numerics: %s", ", ".join(f"{k} {v}" for k, v in self._numerics.items()))
 
     def load(self, model_dir: Path, args: ModelArgs, shard: Shard, cancel: threading.Event | None = None) -> None:
         if shard.n_layers != args.num_hidden_layers:
@@ -270,6 +273,9 @@ class TorchEngine(Engine):
     @property
     def dtype_name(self) -> str:
         return DTYPE_NAMES[self.dtype]
+
+    def numerics(self) -> dict[str, str]:
+        return dict(self._numerics)
 
     def _loaded_model(self) -> ShardModel:
         if self.model is None:

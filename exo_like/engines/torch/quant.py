@@ -15,6 +15,12 @@ embedding needs rows of the matrix, not products: its rows are decoded from the 
 this build writes (found once by packing a probe, `pack_layout`, then checked on the embedding's own codes at
 load, `check_layout`). Only a build writing none of the known layouts makes the embedding keep a second copy of
 its codes, two to a byte (`NibbleCodes`), which costs memory and is logged.
+
+Numerics (the same on every CPU capability: the kernel's source has one algorithm per ISA, all alike): each
+output is a float32 sum, input by input in order, of bf16(x) * ((q - 8) * bf16(scale) + bf16(zero)), rounded
+once to bfloat16. So against float32 activations the path differs by the bfloat16 rounding of the activations,
+of each pack's outputs, and of the scales and zeros; tests/models/test_gguf.py compares it with a reference that rounds
+at the same points.
 """
 
 from __future__ import annotations
@@ -49,12 +55,13 @@ class PackLayout:
     byte j holds rows j (low nibble) and j + block / 2 (high nibble); in a shorter last block, and in every
     block of the scalar build, byte j holds rows 2j and 2j + 1."""
 
+    name: str  # the CPU capability that packs this way
     block: int
     halves: bool
 
 
-# The layouts of torch's AVX-512 (64 rows per block), AVX2 (32) and scalar (32) kernels, in that order.
-PACK_LAYOUTS = (PackLayout(64, True), PackLayout(32, True), PackLayout(32, False))
+# ATen's packing per capability (aten/src/ATen/native/cpu/int4mm_kernel.cpp, weight_to_int4pack_kernel).
+PACK_LAYOUTS = (PackLayout("AVX-512", 64, True), PackLayout("AVX2", 32, True), PackLayout("scalar", 32, False))
 # A probe's rows: full blocks of 64 then one of 16 (for 32-row blocks: full blocks then one of 16), and full
 # blocks of 64 then one of 48 (of 32: full blocks then 16), so every kind of block of each layout is read back.
 _PROBE_ROWS, _PROBE_INPUTS = (144, 112), 32
@@ -175,6 +182,24 @@ def _place_bias(high: np.ndarray, low: np.ndarray, bias: np.ndarray) -> tuple[np
     the high zero exactly, and small zeros keep the products' rounding small."""
     on_high = np.abs(high + bias) + np.abs(low) <= np.abs(high) + np.abs(low + bias)
     return np.where(on_high, high + bias, high), np.where(on_high, low, low + bias)
+
+
+def cpu_numerics() -> dict[str, str]:
+    """What the CPU changes in how this engine computes, for the log and GET /v1/cluster: the capability ATen's
+    kernels are built for (their vector width sets float32 reductions' order), the int4 pack layout, and whether
+    the CPU multiplies bfloat16 natively (oneDNN then runs bfloat16 products on it; without it they are
+    widened to float32)."""
+    layout = pack_layout() if hasattr(torch, "_convert_weight_to_int4pack_for_cpu") else None
+    return {"aten_capability": torch.backends.cpu.get_cpu_capability(),
+            "int4_pack_layout": "unknown (a copy of the codes for lookups)" if layout is None else
+            f"{layout.name} ({layout.block}-row blocks)",
+            "bfloat16": _bfloat16_support()}
+
+
+def _bfloat16_support() -> str:
+    capabilities = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+    native = [name for flag, name in (("amx_bf16", "AMX"), ("avx512_bf16", "AVX512-BF16")) if capabilities.get(flag)]
+    return f"native ({', '.join(native)})" if native else "widened to float32 (no AVX512-BF16 or AMX)"
 
 
 class QuantLinear(nn.Module):
