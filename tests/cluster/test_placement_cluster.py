@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from exo_like.engines.layer_speed import DECODE_WINDOW, DECODE_WINDOWS
+from partitioning import NodeSpeed, speeds_equal
 from tests.api_server import NodeProcess, start_node
 from tests.checkpoints import make_checkpoint
 from tests.cluster_harness import cluster_of, start_cluster, wait_until_ready
@@ -63,8 +64,12 @@ def test_a_node_slowed_to_a_quarter_core_gets_fewer_layers(twelve_layers: Path, 
             print("placement:", view["placement"])
             assert view["placement"]["mode"] == "compute"
             assert layers.get(SLOW, 0) < min(layers.get(n, 0) for n in NODE_IDS if n != SLOW), layers
-            assert all(speeds[SLOW]["decode_ms_per_layer"] > 2 * speeds[n]["decode_ms_per_layer"]
-                       for n in NODE_IDS if n != SLOW), speeds
+            # The quota shows through whatever else the machine runs (time waiting for CPUs other processes hold is
+            # left out of a measurement): the slow node is told apart by the rule placement itself uses, not by a
+            # fixed ratio that load on a shared machine moves (a quarter core measured 1.7x-4x here).
+            others = [n for n in NODE_IDS if n != SLOW]
+            assert all(speeds[SLOW]["decode_ms_per_layer"] > speeds[n]["decode_ms_per_layer"] for n in others), speeds
+            assert not speeds_equal([NodeSpeed(n, 0, round(speeds[n]["decode_ms_per_layer"] * 1e6)) for n in NODE_IDS])
             assert all(s["measure_seconds"] >= MEASURED_AT_LEAST_SECONDS and not s["cached"] for s in speeds.values())
             expected = Oracle(twelve_layers).expected(Oracle(twelve_layers).chat_ids(PROMPT), MAX_TOKENS)[0]
             for node in nodes:
