@@ -91,24 +91,22 @@ def mapping(data: Any, key: str) -> dict[str, Any]:
 
 def counts(data: dict[str, Any], key: str, nullable: bool = False) -> dict[str, int] | None:
     """A small map of names to counts."""
-    value = data.get(key)
-    if value is None and nullable:
-        return None
-    value = mapping(value, key)
-    if len(value) > MAX_COUNTS:
-        raise ProtocolError(f"field {key!r} must hold at most {MAX_COUNTS} entries")
-    return {string({key: name}, key): check_int(n, key, 0, INT64 - 1) for name, n in value.items()}
+    return _small_map(data, key, nullable, lambda n: check_int(n, key, 0, INT64 - 1))
 
 
 def texts(data: dict[str, Any], key: str, nullable: bool = False) -> dict[str, str] | None:
     """A small map of names to short texts."""
+    return _small_map(data, key, nullable, lambda text: string({key: text}, key))
+
+
+def _small_map(data: dict[str, Any], key: str, nullable: bool, read: Callable[[Any], Any]) -> dict[str, Any] | None:
     value = data.get(key)
     if value is None and nullable:
         return None
     value = mapping(value, key)
     if len(value) > MAX_COUNTS:
         raise ProtocolError(f"field {key!r} must hold at most {MAX_COUNTS} entries")
-    return {string({key: name}, key): string({key: text}, key) for name, text in value.items()}
+    return {string({key: name}, key): read(item) for name, item in value.items()}
 
 
 def integers(data: dict[str, Any], key: str, low: int = 0, high: int = INT64 - 1) -> tuple[int, ...]:

@@ -30,30 +30,8 @@ from exo_like.cluster.node_load import NodeLoad
 from partitioning.speed_figures import SpeedFigures
 from exo_like.cluster.peers import PeerLink, PeerNetwork
 from exo_like.cluster.protocol import (
-    _TYPES,
-    PROTOCOL,
-    Auth,
-    Error,
-    Forward,
-    Hello,
-    Info,
-    MemberAddress,
-    Message,
-    PeerAddresses,
-    Ping,
-    PlanState,
-    Pong,
-    ProtocolError,
-    Refused,
-    Release,
-    Retire,
-    Sampled,
-    SampledToken,
-    Submit,
-    Tokens,
-    Welcome,
-    decode,
-    encode,
+    _TYPES, PROTOCOL, Auth, Error, Forward, Hello, Info, MemberAddress, Message, PeerAddresses, Ping, PlanState,
+    Pong, ProtocolError, Refused, Release, Retire, Sampled, SampledToken, Submit, Tokens, Welcome, decode, encode,
 )
 from exo_like.engines.work import SampleSpec, WorkItem
 from tests.api_server import NodeProcess, checkpoint, start_node, wait_for  # noqa: F401  (checkpoint: a fixture)

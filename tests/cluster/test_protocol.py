@@ -22,31 +22,9 @@ from exo_like.cluster.node_info import NodeInfo
 from exo_like.cluster.node_load import NodeLoad
 from partitioning.speed_figures import SpeedFigures
 from exo_like.cluster.protocol import (
-    MAX_MEMBERS,
-    PROTOCOL,
-    Auth,
-    Error,
-    Forward,
-    Hello,
-    Info,
-    MemberAddress,
-    Message,
-    PeerAddresses,
-    Ping,
-    PlanState,
-    Pong,
-    ProtocolError,
-    Refused,
-    Release,
-    Retire,
-    Sampled,
-    SampledToken,
-    Submit,
-    Tokens,
-    Welcome,
-    decode,
-    encode,
-    handshake_protocol,
+    MAX_MEMBERS, PROTOCOL, Auth, Error, Forward, Hello, Info, MemberAddress, Message, PeerAddresses, Ping,
+    PlanState, Pong, ProtocolError, Refused, Release, Retire, Sampled, SampledToken, Submit, Tokens, Welcome,
+    decode, encode, handshake_protocol,
 )
 from exo_like.engines.work import SampleSpec, WorkItem
 
