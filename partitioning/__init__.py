@@ -1,4 +1,7 @@
-"""The ring: which node runs which contiguous layer range, split by memory (ring.py) or by speed (placement.py)."""
+"""The plan: which node runs which contiguous layer range, split by memory (ring.py) or by speed (placement.py);
+the plan a cluster agrees on (plan.py) and which split its members' figures call for (decision.py).
+
+May import: exo_like.models (footprints, shards) and nothing else of exo_like."""
 
 from partitioning.placement import LeftOut, NodeSpeed, Placement, place_by_speed, speeds_equal, stage_times
 from partitioning.ring import NodeCapacity, Stage, plan_ring, ring_order, split_layers

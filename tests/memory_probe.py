@@ -49,6 +49,11 @@ class Measurement:
     def resident_limit(self) -> float:
         return RESIDENT_RATIO * self.checkpoint.stored_bytes + RESIDENT_SLACK
 
+    def summary(self) -> str:
+        return (f"{self.checkpoint.name}: stored {self.checkpoint.stored_bytes / 1e6:.1f} MB, parameters "
+                f"{self.parameter_bytes / 1e6:.1f} MB ({self.parameter_ratio:.2f}x), resident growth after a request "
+                f"{self.resident_growth / 1e6:.1f} MB (limit {self.resident_limit / 1e6:.1f} MB)")
+
 
 def build_checkpoints(root: Path) -> list[Checkpoint]:
     """A GGUF Q4_K file (every matrix Q4_K, the embedding too) and, where mlx-lm is installed, the same model in

@@ -21,16 +21,15 @@ from typing import Awaitable, Callable
 from exo_like.cluster.node_info import NodeInfo
 from exo_like.cluster.node_load import NodeLoad
 from exo_like.cluster.peers import PeerNetwork
-from exo_like.cluster.placing import PlacementReport, Placer
-from exo_like.cluster.protocol import PlanState
+from exo_like.cluster.protocol import MAX_MEMBERS, PlanState
+from exo_like.cluster.settled import meshed, unsettled
 from exo_like.errors import ExoLikeError, ModelPendingError, ServiceUnavailableError
 from exo_like.models.footprint import ModelDescription
 from exo_like.models.hub.progress import DownloadStatus
 from exo_like.models.shard import Shard
+from partitioning.decision import PlacementReport, Placer
 from partitioning.plan import Plan
 from partitioning.speed_figures import SpeedFigures, SpeedSource
-from exo_like.cluster.settled import meshed, unsettled
-from exo_like.cluster.protocol import MAX_MEMBERS
 
 log = logging.getLogger(__name__)
 

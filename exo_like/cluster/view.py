@@ -10,8 +10,8 @@ from typing import Any
 from exo_like.cluster.membership import DEPARTED_SHOWN_SECONDS, Cluster
 from exo_like.cluster.node_info import NodeInfo
 from exo_like.cluster.node_load import NodeLoad
-from exo_like.cluster.placing import PlacementReport
 from exo_like.models.shard import Shard
+from partitioning.decision import PlacementReport
 from partitioning.plan import Holder, needed_bytes
 
 

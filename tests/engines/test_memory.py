@@ -32,17 +32,18 @@ def without_model(tmp_path_factory) -> int:
 
 @pytest.mark.parametrize("index", [0, 1], ids=["gguf-q4_k", "mlx-4bit"])
 def test_a_4_bit_model_on_a_torch_node_holds_about_its_stored_bytes(checkpoints, without_model, index: int,
-                                                                    tmp_path: Path) -> None:
+                                                                    tmp_path: Path, record_property) -> None:
     if index >= len(checkpoints):
         pytest.skip("mlx-lm is not installed (it writes the MLX-format checkpoint)")
     result = measure(tmp_path / "home", checkpoints[index], without_model)
+    record_property("report", result.summary())
     # The kernel takes every matrix but the embedding and head, whose 617 rows are not a multiple of 16.
     assert all("617 outputs" in why for why in result.weights["dequantized"]), result.weights
     assert result.parameter_ratio <= PARAMETER_RATIO, result
     assert result.resident_growth <= result.resident_limit, result
 
 
-def test_the_default_model_on_a_default_node_holds_about_its_file(tmp_path: Path) -> None:
+def test_the_default_model_on_a_default_node_holds_about_its_file(tmp_path: Path, record_property) -> None:
     # SmolLM2's embedding is Q8_0 (tied to the head), held as two int4 packs, whose rows the embedding reads from
     # the packs in whatever layout this machine's torch build writes them (AVX-512, AVX2, scalar), so the bounds
     # hold on every machine kind.
@@ -53,6 +54,7 @@ def test_the_default_model_on_a_default_node_holds_about_its_file(tmp_path: Path
     without_model = baseline(tmp_path / "empty", DEFAULT_NODE)
     result = measure(tmp_path / "home", Checkpoint("SmolLM2 Q4_1", path, path.stat().st_size), without_model,
                      options=DEFAULT_NODE, chat=True)
+    record_property("report", result.summary())
     assert result.weights["dequantized"] == {}, result.weights
     assert result.parameter_ratio <= PARAMETER_RATIO, result
     assert result.resident_growth <= result.resident_limit, result

@@ -545,7 +545,7 @@ def test_int4_packs_are_read_back_on_every_cpu_capability_this_machine_has() -> 
         assert done.stdout.split(" (")[0] == layout, (capability, done.stdout)
 
 
-def test_smollm2_quantized_kernels_agree_with_the_dequantized_path(smollm2, monkeypatch) -> None:
+def test_smollm2_quantized_kernels_agree_with_the_dequantized_path(smollm2, monkeypatch, record_property) -> None:
     """The quality bar, teacher-forced over 500 tokens of English.
 
     What users care about: the int4-kernel path (the default) has a perplexity within 1 % of the float32-
@@ -570,11 +570,11 @@ def test_smollm2_quantized_kernels_agree_with_the_dequantized_path(smollm2, monk
     monkeypatch.undo()
     float_top, float_ppl = teacher_forced(smollm2, "float32", tokens)
     differing = reference.differing / reference.outputs
-    print(f"perplexity {kernel_ppl:.3f} (int4 kernel) vs {float_ppl:.3f} (float32 dequantized); against the "
-          f"same-precision reference on the same inputs (bfloat16 inputs, float32 sums rounded once to bfloat16): "
-          f"{differing:.2e} of {reference.outputs} outputs and {reference.head_picks_differing} of "
-          f"{reference.head_steps} top-1 picks differ; top-1 agreement with the float32 run (not asserted) "
-          f"{np.mean(kernel_top == float_top):.4f}")
+    record_property("report", f"perplexity {kernel_ppl:.3f} (int4 kernel) vs {float_ppl:.3f} (float32 "
+                    f"dequantized); against the same-precision reference on the same inputs (bfloat16 inputs, "
+                    f"float32 sums rounded once to bfloat16): {differing:.2e} of {reference.outputs} outputs and "
+                    f"{reference.head_picks_differing} of {reference.head_steps} top-1 picks differ; top-1 "
+                    f"agreement with the float32 run (not asserted) {np.mean(kernel_top == float_top):.4f}")
     assert abs(kernel_ppl / float_ppl - 1) <= 0.01
     assert reference.head_steps == len(tokens) - 1
     assert differing <= 0.01

@@ -12,15 +12,31 @@ Each node decides from the announced figures alone (its own included, as announc
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
-from exo_like.cluster.node_info import NodeInfo
 from exo_like.models.footprint import ModelFootprint
 from partitioning import NodeCapacity, Placement, stage_times
 from partitioning.plan import Holder, Plan, fit_problems, make_plan, make_speed_plan, speed_nodes
 from partitioning.speed_figures import RTT_FLOOR_US, SpeedFigures
 
 PLAN_CACHE = 16  # speed plans kept by their inputs: re-plans with the same figures cost nothing
+
+
+class Member(Protocol):
+    """What placement reads of a cluster member (the cluster's NodeInfo carries these and more)."""
+
+    @property
+    def node_id(self) -> str: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def engine(self) -> str: ...
+    @property
+    def device(self) -> str: ...
+    @property
+    def dtype(self) -> str | None: ...
+    @property
+    def memory_bytes(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -81,7 +97,7 @@ class Placer:
         self.me = me
         self._plans: dict[tuple, tuple[Plan, Placement] | None] = {}
 
-    def decide(self, model: str, n_layers: int, footprint: ModelFootprint, members: list[NodeInfo],
+    def decide(self, model: str, n_layers: int, footprint: ModelFootprint, members: list[Member],
                figures: dict[str, SpeedFigures | None], current: Plan | None) -> Decision:
         names = {m.node_id: m.name for m in members}
         holders = {m.node_id: Holder(m.engine, m.dtype, m.device) for m in members}
@@ -133,7 +149,7 @@ class Placer:
             return f"{failed[0][0]} {failed[0][1]}"
         return None
 
-    def _memory(self, model: str, n_layers: int, footprint: ModelFootprint, members: list[NodeInfo],
+    def _memory(self, model: str, n_layers: int, footprint: ModelFootprint, members: list[Member],
                 figures: dict[str, SpeedFigures | None], holders: dict[str, Holder], why: str) -> Decision:
         """Today's memory split, with its stages' times per token where every stage has figures."""
         capacities = [NodeCapacity(m.node_id, m.memory_bytes) for m in members]
@@ -154,7 +170,7 @@ class Placer:
         return Decision(plan, ("the model does not fit: " + "; ".join(problems)) if problems else None, None, report)
 
     def _keeps_serving(self, current: Plan | None, model: str, measuring: tuple[str, ...],
-                       members: list[NodeInfo]) -> bool:
+                       members: list[Member]) -> bool:
         """Whether the ring already serving this model goes on while the members in `measuring` measure: it does
         when this node has its figures and every stage of that ring is a member with figures."""
         live = {m.node_id for m in members}
