@@ -1,4 +1,6 @@
-"""Finding peers: mDNS on the local network, plus static host:port peers where multicast cannot reach."""
+"""Finding peers: mDNS on the local network, plus static host:port peers where multicast cannot reach.
+
+May import: nothing of exo_like (the node hands it what it announces and takes back the peers found)."""
 
 from discovery.finder import PeerFinder
 from discovery.mdns import SERVICE_TYPE, MdnsDiscovery

@@ -1,4 +1,7 @@
-"""Inference engines: one small interface (base.Engine), one implementation per framework."""
+"""Inference engines: one small interface (base.Engine), one implementation per framework (torch/, mlx/), the
+work items a step runs, activations and one-layer timing.
+
+May import: models, errors."""
 
 from exo_like.engines.base import Engine, EngineUnavailableError, available_engines, create_engine
 
