@@ -154,8 +154,7 @@ class TorchEngine(Engine):
         self.pool: KVPool | None = None
         self._threads_placed = False
         self._numerics = cpu_numerics() if self.device.type == "cpu" else {}
-        if self._numerics:  # these paths make results differ, slightly, between CPUs: say which ones run
-            log.info("cpu numerics: %s", ", ".join(f"{k} {v}" for k, v in self._numerics.items()))
+        self._numerics_logged = False
 
     def load(self, model_dir: Path, args: ModelArgs, shard: Shard, cancel: threading.Event | None = None) -> None:
         if shard.n_layers != args.num_hidden_layers:
@@ -183,6 +182,10 @@ class TorchEngine(Engine):
                         installer.forms.describe_dequantized(), DTYPE_NAMES[installer.dense_dtype])
         return_freed_memory()
         log.info("loaded %s: %.1f MB in %.2fs", shard, self.parameter_bytes() / 1e6, time.perf_counter() - started)
+        if self._numerics and not self._numerics_logged:
+            # These paths make results differ, slightly, between CPUs: say which ones run, once, as they first do.
+            self._numerics_logged = True
+            log.info("cpu numerics: %s", ", ".join(f"{k} {v}" for k, v in self._numerics.items()))
 
     def _keeps_quantized(self, model_dir: Path, args: ModelArgs) -> bool:
         """A quantized checkpoint runs on quantized kernels unless a float --dtype asks for the dequantized
