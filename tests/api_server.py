@@ -79,6 +79,40 @@ def start_node(home: Path, model: str | None, *extra: str, timeout: float = 180,
 
     `env` adds to (or, with None values, removes from) the environment the node inherits; `preexec` runs in the
     new process before exo-like does (e.g. joining a cgroup with a CPU quota, tests/cpu_quota.py)."""
+    return launch_node(home, model, *extra, port=port, threads=threads, env=env, preexec=preexec).serving(timeout)
+
+
+@dataclass
+class Launched:
+    """An `exo-like` process started, not yet known to serve."""
+
+    process: subprocess.Popen
+    log_path: Path
+
+    def serving(self, timeout: float = 180) -> NodeProcess:
+        """Wait until the process reports its port and answers /health (killed if it does not in time)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            match = _LISTENING.search(self.log_path.read_text(errors="replace"))
+            if match:
+                node = NodeProcess(self.process, int(match.group(1)), self.log_path)
+                assert node.get_json("/health")["status"] == "ok"
+                return node
+            if self.process.poll() is not None:
+                raise RuntimeError(f"exo-like exited with {self.process.returncode}:\n{self.log_path.read_text()}")
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"exo-like did not start within {timeout}s:\n{self.log_path.read_text()}")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+def launch_node(home: Path, model: str | None, *extra: str, port: int = 0, threads: int = 1,
+                env: dict[str, str | None] | None = None, preexec: Callable[[], None] | None = None) -> Launched:
+    """Start `exo-like` in `home` (see start_node) without waiting for it."""
     home.mkdir(parents=True, exist_ok=True)
     fd, name = tempfile.mkstemp(prefix="node-", suffix=".log", dir=home)  # nodes may share a home
     os.close(fd)
@@ -88,21 +122,11 @@ def start_node(home: Path, model: str | None, *extra: str, timeout: float = 180,
     # One torch thread: the test models are tiny, and on a small shared machine two threads that wait for each
     # other at every barrier stall for whole scheduler slices whenever another process holds a core.
     changes = {"OMP_NUM_THREADS": str(threads), **(env or {})}
-    env = {name: value for name, value in {**os.environ, **changes}.items() if value is not None}
+    environment = {name: value for name, value in {**os.environ, **changes}.items() if value is not None}
     with open(log_path, "wb") as log_file:
-        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env, preexec_fn=preexec)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        match = _LISTENING.search(log_path.read_text(errors="replace"))
-        if match:
-            node = NodeProcess(process, int(match.group(1)), log_path)
-            assert node.get_json("/health")["status"] == "ok"
-            return node
-        if process.poll() is not None:
-            raise RuntimeError(f"exo-like exited with {process.returncode}:\n{log_path.read_text()}")
-        time.sleep(0.1)
-    process.kill()
-    raise RuntimeError(f"exo-like did not start within {timeout}s:\n{log_path.read_text()}")
+        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=environment,
+                                   preexec_fn=preexec)
+    return Launched(process, log_path)
 
 
 def wait_for(predicate, timeout: float = 15, interval: float = 0.05):  # type: ignore[no-untyped-def]

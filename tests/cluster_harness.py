@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from tests.api_server import NodeProcess, start_node
+from tests.api_server import Launched, NodeProcess, launch_node
 
 
 def free_ports(count: int) -> list[int]:
@@ -33,20 +33,21 @@ def start_cluster(root: Path, model: str | None, memories_gb: list[float], engin
     ports = free_ports(len(memories_gb))
     peers = ",".join(f"127.0.0.1:{p}" for p in ports)
     engines = engines or ["torch"] * len(memories_gb)
-    nodes = []
+    # All launched before any is waited for: they start side by side, as a cluster's machines do.
+    launched: list[Launched] = []
     try:
         for i, (memory, engine, port) in enumerate(zip(memories_gb, engines, ports)):
             if node_ids is not None:
                 seed_identity(root / f"home{i}", node_ids[i])
-            nodes.append(start_node(root / f"home{i}", model, "--no-mdns", "--peers", peers, "--memory-gb",
-                                    str(memory), "--node-name", f"node{i}", "--engine", engine,
-                                    "--dtype", "float32", *extra, port=port, threads=threads,
-                                    env=envs[i] if envs else None, preexec=preexecs[i] if preexecs else None))
+            launched.append(launch_node(root / f"home{i}", model, "--no-mdns", "--peers", peers, "--memory-gb",
+                                        str(memory), "--node-name", f"node{i}", "--engine", engine,
+                                        "--dtype", "float32", *extra, port=port, threads=threads,
+                                        env=envs[i] if envs else None, preexec=preexecs[i] if preexecs else None))
+        return [node.serving() for node in launched]
     except BaseException:
-        for node in nodes:
+        for node in launched:
             node.stop()
         raise
-    return nodes
 
 
 def seed_identity(home: Path, node_id: str) -> None:
