@@ -17,7 +17,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import pytest
 
@@ -62,14 +62,29 @@ class NodeProcess:
         return json.loads(body)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 20) -> int:
+        self.signal(sig)
+        return self.wait(timeout)
+
+    def signal(self, sig: int) -> None:
         if self.process.poll() is None:
             self.process.send_signal(sig)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+
+    def wait(self, timeout: float = 20) -> int:
+        """The exit code, once the process ends (killed if it has not within `timeout` seconds)."""
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
         return self.process.returncode
+
+
+def stop_nodes(nodes: Sequence[NodeProcess], timeout: float = 20) -> list[int]:
+    """Stop a test's nodes side by side (SIGTERM to all, then wait for each): stopped one by one, each later node
+    would first re-plan and reload around the ones gone. Their exit codes, in order."""
+    for node in nodes:
+        node.signal(signal.SIGTERM)
+    return [node.wait(timeout) for node in nodes]
 
 
 def start_node(home: Path, model: str | None, *extra: str, timeout: float = 180, port: int = 0,

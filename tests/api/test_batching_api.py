@@ -13,7 +13,7 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.api_server import NodeProcess, start_node, wait_for
+from tests.api_server import NodeProcess, start_node, stop_nodes, wait_for
 from tests.checkpoints import ARCHITECTURES, built_once, make_checkpoint
 from tests.cluster_harness import start_cluster, wait_until_ready
 from tests.oracle import Oracle
@@ -97,8 +97,7 @@ def test_a_ring_mixing_mlx_and_torch_batches_exactly(models, oracles, tmp_path: 
         results = asyncio.run(all_at_once(nodes[1], models(arch).name, temperature=0))
         assert results == expected(oracles(arch))
     finally:
-        for node in nodes:
-            node.stop()
+        stop_nodes(nodes)
 
 
 def test_seeded_sampling_gives_the_same_text_alone_and_in_a_batch(models, tmp_path: Path) -> None:

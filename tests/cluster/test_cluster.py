@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.api_server import NodeProcess
+from tests.api_server import NodeProcess, stop_nodes
 from tests.checkpoints import make_checkpoint
 from tests.cluster_harness import cluster_of, start_cluster, wait_until_ready
 from tests.oracle import Oracle
@@ -53,8 +53,7 @@ def expected_text(oracle: Oracle, content: str = PROMPT, max_tokens: int = MAX_T
 
 
 def stop_all(nodes: list[NodeProcess]) -> None:
-    for node in nodes:
-        node.stop()
+    stop_nodes(nodes)
 
 
 HANG_SECONDS = 60.0  # only a guard against hanging: nothing asserted depends on how fast this machine is

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import pytest
 
-from tests.api_server import NodeProcess, start_node
+from tests.api_server import NodeProcess, start_node, stop_nodes
 from tests.checkpoints import make_checkpoint
 from tests.cluster_harness import LateRelay, cluster_of, start_cluster, wait_until_ready
 
@@ -46,9 +46,8 @@ def three_nodes(seven_layers: Path, tmp_path: Path):
         yield nodes
     finally:
         for node in nodes:
-            if node.process.poll() is None:
-                node.process.send_signal(signal.SIGCONT)  # a test that failed while a node was stopped
-                node.stop()
+            node.signal(signal.SIGCONT)  # a test that failed while a node was stopped
+        stop_nodes(nodes)
 
 
 def stream(node: NodeProcess, model: str, at: int = BREAK_AT, action: Callable[[], Any] | None = None,
@@ -183,8 +182,7 @@ def test_a_node_joining_through_one_member_and_members_leaving_cost_the_stream_n
         wait_until_ready([first], members=1)
     finally:
         relay.close()
-        for node in nodes:
-            node.stop()
+        stop_nodes(nodes)
 
 
 def test_a_frozen_stage_is_dropped_and_rejoins_once_it_wakes(three_nodes, seven_layers: Path) -> None:
@@ -226,5 +224,4 @@ def test_when_the_rest_cannot_hold_the_model_the_request_ends_saying_why(seven_l
         assert "node node1 (" in message and "left the cluster during the request" in message
         assert "could not be resumed on the remaining nodes: the model does not fit" in message
     finally:
-        for node in nodes:
-            node.stop()
+        stop_nodes(nodes)

@@ -16,7 +16,7 @@ import pytest
 
 from exo_like.engines.layer_speed import DECODE_WINDOW, DECODE_WINDOWS
 from partitioning import NodeSpeed, speeds_equal
-from tests.api_server import NodeProcess, start_node
+from tests.api_server import NodeProcess, start_node, stop_nodes
 from tests.checkpoints import make_checkpoint
 from tests.cluster_harness import cluster_of, start_cluster, wait_until_ready
 from tests.cpu_quota import CpuQuota
@@ -75,8 +75,7 @@ def test_a_node_slowed_to_a_quarter_core_gets_fewer_layers(twelve_layers: Path, 
             for node in nodes:
                 assert greedy_text(node, twelve_layers.name) == expected
         finally:
-            for node in nodes:
-                node.stop()
+            stop_nodes(nodes)
 
 
 def test_the_measurement_is_cached_in_home_and_remeasured_on_request(twelve_layers: Path, tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests.api_server import NodeProcess, start_node, wait_for
+from tests.api_server import NodeProcess, start_node, stop_nodes, wait_for
 from tests.checkpoints import make_checkpoint
 from tests.cluster_harness import cluster_of, free_ports, start_cluster, wait_until_ready
 
@@ -65,8 +65,7 @@ def three_nodes(seven_layers: Path, tmp_path_factory: pytest.TempPathFactory) ->
     nodes = start_cluster(tmp_path_factory.mktemp("dashboard"), str(seven_layers), [6, 3, 1])
     wait_until_ready(nodes, members=3)
     yield nodes
-    for node in nodes:
-        node.stop()
+    stop_nodes(nodes)
 
 
 @pytest.fixture(scope="module")
@@ -346,8 +345,7 @@ def fresh_three_nodes(seven_layers: Path, tmp_path: Path) -> Iterator[list[NodeP
                           extra=("--placement", "memory", "--peer-timeout", "3600"))
     wait_until_ready(nodes, members=3)
     yield nodes
-    for node in nodes:
-        node.stop()
+    stop_nodes(nodes)
 
 
 def test_a_killed_node_shows_unreachable_and_the_new_layer_ranges_at_once(fresh_three_nodes: list[NodeProcess],
@@ -378,8 +376,7 @@ def tiny_pair_without_model(tmp_path: Path) -> Iterator[list[NodeProcess]]:
     """Two nodes with no model and 100 KiB each: any real model is too big for them."""
     nodes = start_cluster(tmp_path, None, [0.0001, 0.0001])
     yield nodes
-    for node in nodes:
-        node.stop()
+    stop_nodes(nodes)
 
 
 def test_no_model_and_a_model_that_does_not_fit_are_explained(tiny_pair_without_model: list[NodeProcess],

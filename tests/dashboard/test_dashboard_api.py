@@ -21,7 +21,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from safetensors import safe_open
 
 from dashboard.events import COALESCE_SECONDS, EVENT_INTERVAL, add_event_routes
-from tests.api_server import NodeProcess, start_node
+from tests.api_server import NodeProcess, start_node, stop_nodes
 from tests.checkpoints import make_checkpoint
 from tests.cluster_harness import cluster_of, start_cluster, wait_until_ready
 
@@ -42,8 +42,7 @@ def two_nodes(seven_layers: Path, tmp_path_factory: pytest.TempPathFactory):
                           extra=("--placement", "memory"))
     wait_until_ready(nodes, members=2)
     yield nodes
-    for node in nodes:
-        node.stop()
+    stop_nodes(nodes)
 
 
 async def events(node: NodeProcess) -> AsyncIterator[tuple[float, dict[str, Any]]]:
@@ -240,5 +239,4 @@ async def test_a_killed_node_is_shown_unreachable_and_the_new_plan_at_once(seven
         assert [n["id"] for n in picture["nodes"]] == [picture["node_id"]]
         assert [(s["start_layer"], s["end_layer"]) for s in picture["plan"]["stages"]] == [(0, 7)]
     finally:
-        for node in nodes:
-            node.stop()
+        stop_nodes(nodes)

@@ -179,6 +179,7 @@ def test_a_torch_node_and_an_mlx_node_serve_one_quantized_folder_as_mlx_lm_does(
     """The issue's ring, as processes: a torch node (dequantizing) and an MLX node (quantized) on one folder."""
     from tokenizers import Tokenizer
 
+    from tests.api_server import stop_nodes
     from tests.cluster_harness import cluster_of, start_cluster, wait_until_ready
 
     path = quantized_dir("llama")
@@ -194,8 +195,7 @@ def test_a_torch_node_and_an_mlx_node_serve_one_quantized_folder_as_mlx_lm_does(
         text = json.loads(raw)["choices"][0]["text"]
         assert text == Tokenizer.from_file(str(path / "tokenizer.json")).decode(expected)
     finally:
-        for node in nodes:
-            node.stop()
+        stop_nodes(nodes)
 
 
 def test_the_fit_check_counts_what_each_engine_holds(quantized_dir):

@@ -19,7 +19,7 @@ import pytest
 from exo_like.models.checkpoint import files_for_shard, weight_map
 from exo_like.models.hub.download import WRITE_CHUNK
 from exo_like.models.shard import Shard
-from tests.api_server import NodeProcess, exo_like_command, start_node, wait_for
+from tests.api_server import NodeProcess, exo_like_command, start_node, stop_nodes, wait_for
 from tests.checkpoints import make_checkpoint
 from tests.cluster_harness import cluster_of, free_ports, start_cluster, wait_until_ready
 from tests.hub_server import HubServer
@@ -93,9 +93,10 @@ def snapshot(home: Path, hub: HubServer) -> Path:
     return home / "hub" / "models--test-org--llama7" / "snapshots" / hub.repos[REPO].commit
 
 
-def stop_cleanly(node: NodeProcess) -> None:
-    assert node.stop() == 0, node.log()
-    assert "Traceback" not in node.log(), node.log()
+def stop_cleanly(nodes: list[NodeProcess]) -> None:
+    for node, code in zip(nodes, stop_nodes(nodes)):
+        assert code == 0, node.log()
+        assert "Traceback" not in node.log(), node.log()
 
 
 def test_three_nodes_each_fetch_only_their_layers_files_and_match_transformers(hub: HubServer, llama7: Path,
@@ -129,8 +130,7 @@ def test_three_nodes_each_fetch_only_their_layers_files_and_match_transformers(h
         assert (models[0]["id"], models[0]["state"], models[0]["source"]) == (REPO, "serving", "hub")
         assert {m["id"]: m["state"] for m in models}["qwen2.5-0.5b"] == "not_downloaded"
     finally:
-        for node in nodes:
-            stop_cleanly(node)
+        stop_cleanly(nodes)
 
 
 def test_cut_download_resumes_on_restart_and_the_warm_cache_serves_offline(hub: HubServer, big: Path,
@@ -149,7 +149,7 @@ def test_cut_download_resumes_on_restart_and_the_warm_cache_serves_offline(hub: 
         node = start_node(tmp_path, BIG, *args, env=env)
         problem = wait_for(lambda: cluster_of(node)["problem"], timeout=60)
         assert problem and name in problem and "503" in problem, problem
-        stop_cleanly(node)
+        stop_cleanly([node])
     finally:
         hub.uncut()
     first = [r for r in hub.weight_downloads("resume") if r.file == name]
@@ -168,7 +168,7 @@ def test_cut_download_resumes_on_restart_and_the_warm_cache_serves_offline(hub: 
         assert not part.exists() and (snapshot / name).read_bytes() == (big / name).read_bytes()
         assert answer(node, BIG) == expected
     finally:
-        stop_cleanly(node)
+        stop_cleanly([node])
 
     seen = len(hub.requests())
     node = start_node(tmp_path, BIG, *args, env={**env, "HF_HUB_OFFLINE": "1"})
@@ -177,7 +177,7 @@ def test_cut_download_resumes_on_restart_and_the_warm_cache_serves_offline(hub: 
         assert answer(node, BIG) == expected
         assert hub.requests(since=seen) == []  # offline means offline
     finally:
-        stop_cleanly(node)
+        stop_cleanly([node])
 
 
 def test_a_node_that_joins_after_a_new_commit_fetches_the_commit_the_cluster_serves(
@@ -220,8 +220,7 @@ def test_a_node_that_joins_after_a_new_commit_fetches_the_commit_the_cluster_ser
             message = body["error"]["message"]
             assert status == 404 and f"{EVOLVING}@{commit}" in message and pinned in message, message
     finally:
-        for node in nodes:
-            stop_cleanly(node)
+        stop_cleanly(nodes)
 
 
 def test_offline_with_a_cold_cache_fails_clearly(hub: HubServer, tmp_path: Path) -> None:
@@ -241,7 +240,7 @@ def test_offline_with_a_cold_cache_fails_clearly(hub: HubServer, tmp_path: Path)
         assert "HF_HUB_OFFLINE is set" in body["error"]["message"] and REPO in body["error"]["message"]
         assert node.get_json("/health")["status"] == "ok"
     finally:
-        stop_cleanly(node)
+        stop_cleanly([node])
 
 
 def test_hub_errors_are_clear_and_the_node_keeps_serving(hub: HubServer, tmp_path: Path) -> None:
@@ -267,7 +266,7 @@ def test_hub_errors_are_clear_and_the_node_keeps_serving(hub: HubServer, tmp_pat
         assert node.get_json("/health")["status"] == "ok"
     finally:
         hub.throttle = None
-        stop_cleanly(node)
+        stop_cleanly([node])
 
 
 def test_no_network_is_a_clear_503(tmp_path: Path) -> None:
@@ -280,4 +279,4 @@ def test_no_network_is_a_clear_503(tmp_path: Path) -> None:
         assert f"cannot reach the hub at {closed}" in message and "does not hold" in message, message
         assert node.get_json("/health")["status"] == "ok"
     finally:
-        stop_cleanly(node)
+        stop_cleanly([node])

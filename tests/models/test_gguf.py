@@ -335,7 +335,7 @@ def completion(node, model: str, prompt: str, max_tokens: int = N_TOKENS) -> dic
 def test_llama3_ggufs_are_served_through_the_api_as_transformers_answers(llama3, tmp_path) -> None:
     """Real nodes (a node serves one model): the float file on each engine alone and on a torch + MLX ring gives
     transformers' answer on the Hugging Face checkpoint; the Q8_0 file runs on the quantized kernels."""
-    from tests.api_server import start_node
+    from tests.api_server import start_node, stop_nodes
     from tests.cluster_harness import cluster_of, start_cluster, wait_until_ready
 
     oracle = Oracle(llama3.hf)
@@ -367,8 +367,8 @@ def test_llama3_ggufs_are_served_through_the_api_as_transformers_answers(llama3,
         for node in nodes:
             assert answer_of(completion(node, str(llama3.f32), PROMPT)) == expected
     finally:
-        for node in nodes:
-            assert node.stop() == 0, node.log()
+        for node, code in zip(nodes, stop_nodes(nodes)):
+            assert code == 0, node.log()
 
 
 def answer_of(completion_body: dict) -> tuple[str, str, int]:

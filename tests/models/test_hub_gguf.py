@@ -33,7 +33,7 @@ from exo_like.models.hub.sparse_file import SparseFile, coalesce, subtract  # no
 from exo_like.models.name import parse_model_name  # noqa: E402
 from exo_like.models.resolver import fetch_hub_model  # noqa: E402
 from exo_like.models.shard import Shard  # noqa: E402
-from tests.api_server import NodeProcess, start_node, wait_for  # noqa: E402
+from tests.api_server import NodeProcess, start_node, stop_nodes, wait_for  # noqa: E402
 from tests.checkpoints import make_checkpoint  # noqa: E402
 from tests.cluster_harness import cluster_of, start_cluster, wait_until_ready  # noqa: E402
 from tests.gguf_checkpoints import write_gguf  # noqa: E402
@@ -324,8 +324,8 @@ def test_three_nodes_fetch_only_their_own_ranges_and_match_transformers(hub: Hub
         models = nodes[2].get_json("/v1/models")["data"]
         assert (models[0]["id"], models[0]["source"]) == (f"{REPO}:Q8_0", "hub")
     finally:
-        for node in nodes:
-            assert node.stop() == 0, node.log()
+        for node, code in zip(nodes, stop_nodes(nodes)):
+            assert code == 0, node.log()
             assert "Traceback" not in node.log(), node.log()
 
 
@@ -344,8 +344,8 @@ def test_a_split_gguf_in_a_subfolder_is_fetched_part_by_part(hub: HubServer, ggu
         for i, node in enumerate(nodes):
             assert_fetched_only_its_own(hub, f"split{i}", first, plan[cluster_of(node)["node_id"]])
     finally:
-        for node in nodes:
-            assert node.stop() == 0, node.log()
+        for node, code in zip(nodes, stop_nodes(nodes)):
+            assert code == 0, node.log()
 
 
 def test_a_tag_the_repo_lacks_fails_with_the_tags_it_has(hub: HubServer, tmp_path: Path) -> None:
