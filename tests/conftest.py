@@ -1,9 +1,34 @@
-"""Suite-wide hooks: figures a test measures (as `record_property("report", line)`) are printed at the end of the
-run, passed or failed, so `make test` shows them without -s (the int4 quality test's perplexities, for one)."""
+"""Suite-wide hooks.
+
+- Workers: `make test` runs the suite in TEST_WORKERS pytest-xdist processes (a file each at a time). Each
+  worker's own torch gets its share of the machine's cores (one each on 2 cores): two OpenMP teams wider than
+  their share would stall at every barrier while the other worker holds a core, as nodes' teams do
+  (tests/api_server.py starts nodes with one thread for the same reason).
+- Order: files holding a test marked `slow` (over ~12 s alone) run first. Workers take a file at a time, so the
+  long files then start early and the run ends on short ones, not on one worker finishing a long file alone.
+  (`-m "not slow"` runs the rest, for a quick look.)
+- Figures a test measures (as `record_property("report", line)`) are printed at the end of the run, passed or
+  failed, so `make test` shows them without -s (the int4 quality test's perplexities, for one).
+"""
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        # Before torch is imported (no plugin imports it), so its OpenMP team starts at this size.
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        os.environ["OMP_NUM_THREADS"] = str(max(1, cores // workers))
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    with_slow_tests = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in with_slow_tests)  # stable: a file's tests stay together, in order
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

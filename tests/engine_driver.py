@@ -1,16 +1,21 @@
 """Drive engines the way the ring does, for engine-level tests: requests keep KV blocks from a private pool, and
 each call is one engine step (of one request, or of several at once) through every shard of a chain, with hidden
-states crossing each boundary as wire-encoded Activations."""
+states crossing each boundary as wire-encoded Activations. `engine_greedy`: a GGUF file's greedy tokens over a
+chain of engines."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Union
 
 import numpy as np
 
 from exo_like.engines.activations import Activations
-from exo_like.engines.base import Engine
+from exo_like.engines.base import Engine, create_engine
+from exo_like.models.config import ModelArgs
+from exo_like.models.gguf.file import open_gguf
+from exo_like.models.shard import Shard
 from exo_like.engines.work import BLOCK_SIZE, SampleSpec, WorkItem, blocks_for
 from exo_like.serving.kv_blocks import BlockPool
 
@@ -21,6 +26,27 @@ Inputs = Union[np.ndarray, Activations]
 # that is not the prompt's last); or (WorkItem, rows): an item sent to the engines exactly as given and not
 # tracked (e.g. an invalid one).
 Entry = Union[tuple[str, Inputs], tuple[str, Inputs, bool], tuple[WorkItem, Inputs]]
+
+
+
+def engine_greedy(path: Path, engines: list[str], prompt: list[int], n_tokens: int = 16,
+                  args: ModelArgs | None = None, dtype: str | None = "float32") -> list[int]:
+    """Greedy tokens of the GGUF file at `path`, its layers split evenly over a chain of the named engines."""
+    args = args or ModelArgs.from_dict(open_gguf(path).config())
+    n = args.num_hidden_layers
+    bounds = [round(i * n / len(engines)) for i in range(len(engines) + 1)]
+    chain = []
+    for name, start, end in zip(engines, bounds, bounds[1:]):
+        engine = create_engine(name, device="cpu", dtype=dtype)
+        engine.load(path, args, Shard(path.name, start, end, n))
+        chain.append(engine)
+    driver = Driver(chain)
+    tokens, inputs = [], np.array(prompt, dtype=np.int64)
+    for _ in range(n_tokens):
+        token = int(np.argmax(driver.forward("r", inputs)))
+        tokens.append(token)
+        inputs = np.array([token], dtype=np.int64)
+    return tokens
 
 
 class Driver:

@@ -359,7 +359,9 @@ class PeerNetwork:
             link.min_rtt = link.rtt if link.min_rtt is None else min(link.min_rtt, link.rtt)
             link.rtt_samples += 1
         elif not link.retired:
-            self._spawn(link.send(Pong(message.sent)))
+            # Quietly: the link may be retired or closed while the Pong waits for its turn (the new link's pings
+            # measure it afresh), and nothing awaits this task to hear of it.
+            self._spawn(self._send_quietly(link, Pong(message.sent)))
 
     def lowest_round_trips(self, samples: int = 1) -> dict[str, float | None]:
         """Each open link's lowest round trip so far (None before `samples` of them), by peer node id."""

@@ -120,6 +120,7 @@ def test_seeded_sampling_gives_the_same_text_alone_and_in_a_batch(models, tmp_pa
         node.stop()
 
 
+@pytest.mark.slow
 def test_64_requests_against_a_small_kv_budget_all_complete(models, oracles, tmp_path: Path) -> None:
     """128 KV blocks of 16 positions: fewer than the requests need at once, so they queue (and the newest are
     preempted and recomputed) instead of failing."""

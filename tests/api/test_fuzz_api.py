@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
+import pytest
 from aiohttp import web
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -316,6 +317,7 @@ def test_every_route_is_fuzzed_and_has_the_generation_endpoints() -> None:
     assert {CHAT, COMPLETIONS, "/health", "/v1/models"} <= templates, templates
 
 
+@pytest.mark.slow
 def test_generated_requests_get_no_5xx_and_openai_errors(node: NodeProcess, model_id: str) -> None:  # noqa: F811
     @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,

@@ -117,6 +117,7 @@ def test_idle_node_killed_the_rest_replan_at_once_and_serve(three_nodes, seven_l
         assert greedy_chat(node, seven_layers.name)["choices"][0]["message"]["content"] == expected_text(oracle)
 
 
+@pytest.mark.slow
 def test_a_node_shutting_down_keeps_its_ring_going_through_the_grace_period(seven_layers: Path,
                                                                             tmp_path: Path) -> None:
     """SIGTERM gives running requests a grace period. node0 started first, so its link with node1 is one node1
@@ -142,6 +143,7 @@ def test_a_node_shutting_down_keeps_its_ring_going_through_the_grace_period(seve
         stop_all(nodes)
 
 
+@pytest.mark.slow
 def test_16k_token_prompt_is_prefilled_in_chunks_across_the_ring(seven_layers: Path, oracle: Oracle,
                                                                   tmp_path: Path) -> None:
     nodes = start_cluster(tmp_path, str(seven_layers), [2, 1])

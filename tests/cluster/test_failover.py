@@ -145,6 +145,7 @@ def test_a_node_joining_mid_stream_reforms_the_ring_under_the_request(three_node
             node.stop()
 
 
+@pytest.mark.slow
 def test_a_node_joining_through_one_member_and_members_leaving_cost_the_stream_nothing(seven_layers: Path,
                                                                                       tmp_path: Path) -> None:
     """Two nodes with each other in --peers; a third given only the first's address (a bootstrap address, as users
@@ -185,6 +186,7 @@ def test_a_node_joining_through_one_member_and_members_leaving_cost_the_stream_n
         stop_nodes(nodes)
 
 
+@pytest.mark.slow
 def test_a_frozen_stage_is_dropped_and_rejoins_once_it_wakes(three_nodes, seven_layers: Path) -> None:
     """SIGSTOP for 30 s: the request finishes on the other two nodes well within that; after SIGCONT the node links
     again, the ring re-forms with it, and the next request runs through its layers."""

@@ -24,8 +24,8 @@ from exo_like.cluster.node_info import NodeInfo
 from exo_like.cluster.node_load import NodeLoad
 from exo_like.cluster.peers import CONNECT_TIMEOUT, PEER_PATH, PeerLink, PeerNetwork
 from exo_like.cluster.protocol import (
-    DEFAULT_MAX_FRAME_BYTES, PROTOCOL, Error, Hello, MemberAddress, Message, PeerAddresses, PlanState, ProtocolError,
-    Refused, Release, Retire, decode, encode,
+    DEFAULT_MAX_FRAME_BYTES, PROTOCOL, Error, Hello, MemberAddress, Message, PeerAddresses, Ping, PlanState,
+    ProtocolError, Refused, Release, Retire, decode, encode,
 )
 from tests.api_server import NodeProcess, checkpoint, start_node  # noqa: F401  (checkpoint: a fixture)
 from tests.api_server import wait_for as node_wait_for
@@ -180,6 +180,24 @@ async def test_a_duplicate_link_replaces_the_first_without_losing_a_frame(peers)
     assert numbers_from(b, "aaa") == sent_by_a and numbers_from(a, "bbb") == sent_by_b
     assert len(sent_by_a) > 100 and len(sent_by_b) > 100
     assert not [m for _, m in a.received + b.received if isinstance(m, Retire)]  # link control, not a message
+
+
+async def test_a_ping_answered_while_its_link_is_replaced_leaves_no_failed_task(peers, monkeypatch) -> None:
+    """The Pong to a Ping waits for the link's turn to send; when a duplicate link replaces this one meanwhile, the
+    Pong is dropped. It used to raise LinkRetired in a task nobody awaited ("Task exception was never retrieved"
+    and a traceback in the node's log; seen on a loaded machine as three nodes linked)."""
+    a, b = await peers("aaa"), await peers("bbb")
+    link = await a.net.dial("127.0.0.1", b.port)
+    assert link is not None
+    spawned: list[asyncio.Task] = []  # the tasks the network starts, kept to ask how they ended
+    monkeypatch.setattr(a.net, "_spawn", lambda coro: spawned.append(asyncio.ensure_future(coro)))
+    async with link._send_lock:  # a frame being sent: the Pong waits for its turn
+        a.net._answer_ping(link, Ping(time.monotonic()))
+        pong = spawned[-1]
+        await asyncio.sleep(0.05)
+        link.retired = True  # replaced by a duplicate meanwhile (as PeerNetwork._retire marks it)
+    await asyncio.wait([pong], timeout=5)
+    assert pong.done() and pong.exception() is None
 
 
 async def test_a_peer_that_does_not_retire_the_duplicate_is_cut_off_and_seen_lost(peers, monkeypatch) -> None:

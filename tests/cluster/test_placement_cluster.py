@@ -44,6 +44,7 @@ def greedy_text(node: NodeProcess, model: str) -> str:
     return json.loads(raw)["choices"][0]["message"]["content"]
 
 
+@pytest.mark.slow
 def test_a_node_slowed_to_a_quarter_core_gets_fewer_layers(twelve_layers: Path, tmp_path: Path) -> None:
     reason = CpuQuota.unavailable()
     if reason:
@@ -78,6 +79,7 @@ def test_a_node_slowed_to_a_quarter_core_gets_fewer_layers(twelve_layers: Path, 
             stop_nodes(nodes)
 
 
+@pytest.mark.slow
 def test_the_measurement_is_cached_in_home_and_remeasured_on_request(twelve_layers: Path, tmp_path: Path) -> None:
     def speed_after_start(*extra: str) -> tuple[dict, str]:
         node = start_node(tmp_path, str(twelve_layers), "--no-mdns", "--dtype", "float32", *extra)

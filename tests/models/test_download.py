@@ -133,6 +133,7 @@ def test_three_nodes_each_fetch_only_their_layers_files_and_match_transformers(h
         stop_cleanly(nodes)
 
 
+@pytest.mark.slow
 def test_cut_download_resumes_on_restart_and_the_warm_cache_serves_offline(hub: HubServer, big: Path,
                                                                            tmp_path: Path) -> None:
     name = max(hub.repos[BIG].files.values(), key=lambda f: f.size).path.name

