@@ -22,7 +22,7 @@ import re
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -140,9 +140,15 @@ class HubServer:
         with self._lock:
             self._cuts.clear()
 
-    def record(self, served: Served) -> None:
+    def record(self, served: Served) -> int:
+        """Log a request; returns its entry's index (for amend)."""
         with self._lock:
             self.log.append(served)
+            return len(self.log) - 1
+
+    def amend(self, entry: int, served: Served) -> None:
+        with self._lock:
+            self.log[entry] = served
 
     def requests(self, origin: str | None = None, since: int = 0) -> list[Served]:
         """The log from entry `since` on (len(requests()) before an action: what the action caused)."""
@@ -276,29 +282,34 @@ class _Handler(BaseHTTPRequestHandler):
         self._respond(status, headers)
         header = self.headers.get("Range")
         bounded = bool(header) and not header.endswith("-")
-        sent = 0
+        stop = end if cut_after is None else max(start, min(end, cut_after))
+        served = Served(self.command, self.path, status, self._origin(), name, start if header else None, bounded,
+                        stop - start if self.command == "GET" else 0)
+        # Logged before the body goes out: a client that has every byte may look at the log at once (the last
+        # chunk's throttle pause, or a busy machine, would otherwise let the entry land after it looked).
+        entry = self.hub.record(served)
         if self.command == "GET":
-            stop = end if cut_after is None else max(start, min(end, cut_after))
-            try:
-                sent = self._write_body(file.path, start, stop, throttled=not bounded)
-            except (BrokenPipeError, ConnectionResetError):
-                self.close_connection = True  # the client went away (a stopped node)
-            else:
-                if stop < end:  # the cut: drop the connection in the middle of the body
-                    self.close_connection = True
-                    self.connection.shutdown(socket.SHUT_RDWR)
-        self.hub.record(Served(self.command, self.path, status, self._origin(), name,
-                               start if header else None, bounded, sent))
+            sent = self._write_body(file.path, start, stop, throttled=not bounded)
+            if sent < stop - start:
+                self.close_connection = True  # the client went away (a stopped node): log what it was sent
+                self.hub.amend(entry, replace(served, bytes_sent=sent))
+            elif stop < end:  # the cut: drop the connection in the middle of the body
+                self.close_connection = True
+                self.connection.shutdown(socket.SHUT_RDWR)
 
     def _write_body(self, path: Path, start: int, stop: int, throttled: bool) -> int:
-        """The bytes [start, stop); file downloads (not header peeks) at `hub.throttle` bytes per second."""
+        """Send the bytes [start, stop); file downloads (not header peeks) at `hub.throttle` bytes per second.
+        Returns how many were sent (fewer if the client went away)."""
         sent = 0
         with open(path, "rb") as f:
             f.seek(start)
             while sent < stop - start:
                 chunk = f.read(min(CHUNK, stop - start - sent))
-                self.wfile.write(chunk)
-                self.wfile.flush()
+                try:
+                    self.wfile.write(chunk)
+                    self.wfile.flush()
+                except (BrokenPipeError, ConnectionResetError):
+                    return sent  # the client went away
                 sent += len(chunk)
                 if throttled and self.hub.throttle:
                     time.sleep(len(chunk) / self.hub.throttle)
