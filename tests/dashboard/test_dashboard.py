@@ -190,16 +190,23 @@ def test_page_lists_the_nodes_their_memory_and_layers_as_v1_cluster_does(three_n
 
 
 def test_every_node_serves_the_same_view(three_nodes: list[NodeProcess], open_page) -> None:
-    seen = []
-    for node in three_nodes:
-        dashboard = open_page(node)
+    dashboards = [open_page(node) for node in three_nodes]
+    for node, dashboard in zip(three_nodes, dashboards):
         wait_for_ready_cards(dashboard, 3)
-        cards = dashboard.cards()
-        me = cluster_of(node)["node_id"]
-        assert [c["id"] for c in cards if c["you"]] == [me]
-        seen.append(([(c["id"], c["name"], c["status"], c["start"], c["end"]) for c in cards],
-                     dashboard.tile("agreement"), dashboard.tile("memory")))
-    assert seen[0] == seen[1] == seen[2]
+        assert [c["id"] for c in dashboard.cards() if c["you"]] == [cluster_of(node)["node_id"]]
+
+    def views() -> list[tuple]:
+        return [([(c["id"], c["name"], c["status"], c["start"], c["end"]) for c in dashboard.cards()],
+                 dashboard.tile("agreement"), dashboard.tile("memory")) for dashboard in dashboards]
+
+    # Compared side by side until they settle: the ring tile's predicted time per token follows the links'
+    # lowest round trips, which fall as samples come in (on a busy machine the first ones are slow), and each
+    # node shows the change once the announcement reaches it.
+    def alike() -> bool:
+        seen = views()
+        return all(view == seen[0] for view in seen)
+
+    assert wait_for(alike, timeout=20), views()
 
 
 def test_chat_streams_the_same_greedy_answer_as_the_api(three_nodes: list[NodeProcess], open_page,
