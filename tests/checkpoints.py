@@ -1,8 +1,9 @@
 """Small random Hugging Face checkpoints for the tests, built with `transformers` itself (the oracle).
 
 Each architecture gets the features its real checkpoints have: Llama 3.1 rope scaling, Qwen2 q/k/v bias and tied
-embeddings, Qwen3 q/k norms with head_dim != hidden / heads, Mistral GQA. Weights are scaled so logits are
-peaky and greedy decoding is exact across correct implementations.
+embeddings, Qwen3 q/k norms with head_dim != hidden / heads, Mistral GQA; the mixtures of experts several experts,
+top-k > 1, a dense layer among sparse ones (Qwen3-MoE), a gated shared expert (Qwen2-MoE). Weights are scaled so
+logits are peaky and routers' choices clear-cut, so greedy decoding is exact across correct implementations.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from exo_like.models.demo import BOS, EOS, EOT, build_tokenizer, write_tokenizer_files
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral")
 
 _COMMON = dict(
     hidden_size=64,
@@ -38,13 +40,22 @@ _SPECIFIC = {
     "mistral": dict(rope_theta=1000000.0, sliding_window=None, tie_word_embeddings=False),
     "qwen2": dict(rope_theta=1000000.0, tie_word_embeddings=True),
     "qwen3": dict(rope_theta=1000000.0, head_dim=24, tie_word_embeddings=True),
+    "qwen3_moe": dict(rope_theta=1000000.0, head_dim=24, tie_word_embeddings=False, num_experts=8,
+                      num_experts_per_tok=3, moe_intermediate_size=48, norm_topk_prob=True, mlp_only_layers=[1]),
+    "qwen2_moe": dict(rope_theta=1000000.0, tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=48, shared_expert_intermediate_size=96, norm_topk_prob=False),
+    "mixtral": dict(rope_theta=1000000.0, intermediate_size=96, num_local_experts=6, num_experts_per_tok=2,
+                    tie_word_embeddings=False),
 }
+ROUTER_SCALE = 6.0  # router logits' spread: top-k choices far from ties, so summation order never flips one
 
 
 def hf_config(arch: str, n_layers: int, vocab_size: int, token_ids: dict[str, int], **overrides):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    import transformers
 
-    config_class = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch]
+    config_class = getattr(transformers, {
+        "llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
+        "qwen3_moe": "Qwen3MoeConfig", "qwen2_moe": "Qwen2MoeConfig", "mixtral": "MixtralConfig"}[arch])
     settings = {**_COMMON, **_SPECIFIC[arch], **overrides}
     return config_class(
         num_hidden_layers=n_layers,
@@ -57,7 +68,8 @@ def hf_config(arch: str, n_layers: int, vocab_size: int, token_ids: dict[str, in
 
 @torch.no_grad()
 def make_peaky(model: torch.nn.Module, seed: int) -> None:
-    """Re-initialise: linear std 1.5/sqrt(fan_in), norms 1 +- 0.1, biases small, embeddings unit normal."""
+    """Re-initialise: linear std 1.5/sqrt(fan_in) (routers ROUTER_SCALE/sqrt(fan_in)), norms 1 +- 0.1, biases small,
+    embeddings unit normal."""
     generator = torch.Generator().manual_seed(seed)
     for name, param in sorted(model.named_parameters()):
         if "norm" in name:
@@ -68,7 +80,8 @@ def make_peaky(model: torch.nn.Module, seed: int) -> None:
             param.copy_(torch.randn(param.shape, generator=generator))
         else:
             fan_in = param.shape[-1]
-            param.copy_(torch.randn(param.shape, generator=generator) * 1.5 / math.sqrt(fan_in))
+            scale = ROUTER_SCALE if name.endswith(".gate.weight") else 1.5
+            param.copy_(torch.randn(param.shape, generator=generator) * scale / math.sqrt(fan_in))
 
 
 def make_checkpoint(

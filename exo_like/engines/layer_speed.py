@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from exo_like.engines.cpu_wait import ContentionClock
 from exo_like.engines.work import WorkItem, blocks_for
+from exo_like.models.config import ModelArgs
 
 PREFILL_CHUNK = 64  # positions of the timed prefill chunk
 LAYER_CONTEXT = 64  # positions cached before the timed decode step
@@ -29,12 +30,26 @@ DECODE_WINDOW = 0.15  # seconds of decode steps per window (longer than one sche
 DECODE_WINDOWS = 4
 PREFILL_WINDOW = 0.3  # seconds of prefill chunks timed (at least one chunk whatever it takes)
 MIN_STEPS = 3
+# A timed mixture-of-experts layer holds this many experts per expert a token runs through: a step's time follows
+# the experts its rows run (top k of them per row), not how many exist, and all of a large model's experts would
+# take gigabytes for one probe.
+MEASURED_EXPERTS_PER_CHOICE = 4
 
 
 @dataclass(frozen=True)
 class LayerSpeed:
     decode_ns: int  # one layer, one decode step of one sequence
     prefill_ns: int  # one layer, per position of a prefill chunk
+
+
+def measured_layer(args: ModelArgs) -> tuple[ModelArgs, int]:
+    """The (shape, absolute index) of the layer a probe times: a mixture-of-experts layer when the model has any
+    (they are most of such a model's layers and its cost), with at most MEASURED_EXPERTS_PER_CHOICE x top-k
+    experts; otherwise layer 0."""
+    if args.moe is None or not args.moe.sparse_layers:
+        return args, 0
+    experts = min(args.moe.n_experts, MEASURED_EXPERTS_PER_CHOICE * args.moe.top_k)
+    return replace(args, moe=replace(args.moe, n_experts=experts)), args.moe.sparse_layers[0]
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,13 +30,16 @@ class ShardLoadPlan:
         return sum(len(names) for names in self.files.values())
 
 
-def local_tensor_name(name: str, shard: Shard, tied_embeddings: bool) -> str | None:
-    """Map a checkpoint tensor name to the shard's own name (layers renumbered from 0), or None if unneeded."""
+def local_tensor_name(name: str, shard: Shard, tied_embeddings: bool,
+                      rename: Callable[[str], str] | None = None) -> str | None:
+    """Map a checkpoint tensor name to the shard's own name (layers renumbered from 0), or None if unneeded.
+    rename: the family's renaming of a layer tensor (the part after `model.layers.N.`) to the shared names."""
     match = _LAYER_NAME.match(name)
     if match:
         layer = int(match.group(1))
         if shard.start_layer <= layer < shard.end_layer:
-            return f"model.layers.{layer - shard.start_layer}.{match.group(2)}"
+            rest = rename(match.group(2)) if rename is not None else match.group(2)
+            return f"model.layers.{layer - shard.start_layer}.{rest}"
         return None
     if name.startswith("model.embed_tokens."):
         # A tied last stage uses the embedding matrix as its LM head.
@@ -70,10 +74,11 @@ def files_for_shard(weights: dict[str, str], shard: Shard, tied_embeddings: bool
     return {file for name, file in weights.items() if local_tensor_name(name, shard, tied_embeddings)}
 
 
-def plan_shard_load(model_dir: Path, shard: Shard, tied_embeddings: bool) -> ShardLoadPlan:
+def plan_shard_load(model_dir: Path, shard: Shard, tied_embeddings: bool,
+                    rename: Callable[[str], str] | None = None) -> ShardLoadPlan:
     plan = ShardLoadPlan()
     for name, file in sorted(weight_map(model_dir).items()):
-        local = local_tensor_name(name, shard, tied_embeddings)
+        local = local_tensor_name(name, shard, tied_embeddings, rename)
         if local is not None:
             plan.files.setdefault(model_dir / file, []).append((name, local))
     return plan

@@ -1,6 +1,7 @@
 """ModelArgs: the one parsed view of a Hugging Face `config.json` that both engines build their model from.
 
-Covers the Llama family as it appears on the Hub: Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5 and Qwen3. Reads rope
+The fields every family shares are read here; each family (models/families/) adds its own (attention biases,
+query/key norms, a mixture of experts) and refuses what it does not know. Reads rope
 settings from both conventions: the Hub's `rope_theta` + `rope_scaling`, and transformers >= 5's
 `rope_parameters` (which carries `rope_theta` inside it). A GGUF file's config (gguf_file.py) may add
 `rope_freq_factors`: llama.cpp's per-dimension divisors of the rotary frequencies (its `rope_freqs` tensor, how
@@ -17,9 +18,9 @@ from typing import Any
 import numpy as np
 
 from exo_like.errors import UnsupportedModelError
+from exo_like.models.families import Family, MoeArgs, family_for
 from exo_like.models.quantization import QuantSpec, quant_spec
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -39,17 +40,26 @@ class ModelArgs:
     rope_scaling: dict[str, Any] | None
     max_position_embeddings: int
     tie_word_embeddings: bool
-    qkv_bias: bool
-    o_bias: bool
-    mlp_bias: bool
-    qk_norm: bool
     torch_dtype: str
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     quantization: dict[str, Any] | None = field(default=None)
     sliding_window: int | None = None
     # llama.cpp's `rope_freqs`: each rotary frequency is divided by its factor (head_dim // 2 of them).
     rope_freq_factors: tuple[float, ...] | None = None
+    moe: MoeArgs | None = None  # the mixture of experts of a MoE family (which layers, how many experts)
+
+    @property
+    def family(self) -> Family:
+        return family_for(self.model_type)
+
+    def is_sparse_layer(self, layer: int) -> bool:
+        """Whether absolute layer `layer` has a mixture of experts for its MLP."""
+        return self.moe is not None and self.moe.is_sparse(layer)
 
     @property
     def context_length(self) -> int:
@@ -62,19 +72,11 @@ class ModelArgs:
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> "ModelArgs":
         model_type = config.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            arch = (config.get("architectures") or [model_type])[0]
-            raise UnsupportedModelError(
-                f"unsupported architecture {arch!r} (model_type {model_type!r}); "
-                f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}",
-                code="unsupported_architecture",
-            )
+        family = family_for(model_type, (config.get("architectures") or [None])[0])
         hidden = int(config["hidden_size"])
         heads = int(config["num_attention_heads"])
         head_dim = int(config.get("head_dim") or hidden // heads)
         rope_theta, rope_scaling = _rope_settings(config)
-        is_qwen2 = model_type == "qwen2"
-        attention_bias = bool(config.get("attention_bias", False))
         return cls(
             model_type=model_type,
             hidden_size=hidden,
@@ -89,17 +91,13 @@ class ModelArgs:
             rope_scaling=rope_scaling,
             max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            # Qwen2 always has q/k/v bias and no o bias; Llama/Qwen3 use `attention_bias` for all four.
-            qkv_bias=True if is_qwen2 else attention_bias,
-            o_bias=False if is_qwen2 else attention_bias,
-            mlp_bias=bool(config.get("mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
             torch_dtype=str(config.get("torch_dtype") or config.get("dtype") or "float32"),
             eos_token_ids=_as_id_tuple(config.get("eos_token_id")),
             bos_token_id=config.get("bos_token_id"),
             quantization=_quantization(config),
             sliding_window=_sliding_window(config),
             rope_freq_factors=_rope_freq_factors(config.get("rope_freq_factors"), head_dim),
+            **family.parse(model_type, config),
         )
 
     @property

@@ -23,7 +23,9 @@ from exo_like.engines.base import Engine, EngineUnavailableError, WeightForms, c
 from exo_like.engines.batch import layout as batch_layout
 from exo_like.engines.layer_speed import LayerRunner
 from exo_like.engines.mlx.layer import layer_runner
-from exo_like.engines.mlx.model import LayerPool, ShardModel, StepIndex
+from exo_like.engines.mlx.attention import LayerPool, StepIndex
+from exo_like.engines.mlx.mlp import stack_experts
+from exo_like.engines.mlx.model import ShardModel
 from exo_like.engines.work import BLOCK_SIZE, WorkItem
 from exo_like.errors import InvalidRequestError, UnsupportedModelError
 from exo_like.models.affine import AffineGroups, pack_words
@@ -63,13 +65,15 @@ def describe_device(device: mx.Device) -> str:
         return "mlx gpu"
 
 
-def read_shard_tensors(model_dir: Path, shard: Shard, tied_embeddings: bool, quantized: bool,
+def read_shard_tensors(model_dir: Path, args: ModelArgs, shard: Shard, quantized: bool,
                        forms: WeightForms) -> tuple[dict[str, mx.array], dict[str, dict[str, int]]]:
     """The shard's tensors under their shard-local names, from a GGUF file or a Hugging Face folder, and the
     {group_size, bits} of each GGUF matrix kept quantized (`quantized`: in MLX's packed form), by module path.
     `forms` counts the GGUF matrices kept quantized and those dequantized for want of a kernel."""
+    tied_embeddings = args.tie_word_embeddings
     if not is_gguf(model_dir):
-        return read_plan_tensors(plan_shard_load(model_dir, shard, tied_embeddings), tied_embeddings), {}
+        plan = plan_shard_load(model_dir, shard, tied_embeddings, args.family.rename)
+        return stack_experts(read_plan_tensors(plan, tied_embeddings)), {}
     weights, specs = {}, {}
     for local, value, type_name in open_gguf(model_dir).read_shard(shard, tied_embeddings, quantized):
         if isinstance(value, AffineGroups) and value.bits in MLX_BITS:
@@ -155,8 +159,7 @@ class MLXEngine(Engine):
             # A float --dtype asks for a GGUF file's dequantized (reference) path; an MLX-format checkpoint
             # stays quantized (its reference, mlx-lm, runs it so).
             forms = WeightForms()
-            weights, specs = read_shard_tensors(Path(model_dir), shard, args.tie_word_embeddings,
-                                                self.requested_dtype is None, forms)
+            weights, specs = read_shard_tensors(Path(model_dir), args, shard, self.requested_dtype is None, forms)
             quantize_like_checkpoint(model, args, weights, specs)
             if args.quant is not None:
                 forms.quantized[f"mlx {args.quant.bits}-bit"] = sum(n.endswith(".scales") for n in weights)

@@ -9,16 +9,18 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from exo_like.engines.batch import layout as batch_layout
-from exo_like.engines.layer_speed import LayerRunner, measure_items
-from exo_like.engines.mlx.model import LayerPool, StepIndex, TransformerBlock
+from exo_like.engines.layer_speed import LayerRunner, measure_items, measured_layer
+from exo_like.engines.mlx.attention import LayerPool, StepIndex
+from exo_like.engines.mlx.model import TransformerBlock
 from exo_like.engines.work import WorkItem
 from exo_like.models.config import ModelArgs
 from exo_like.models.quantization import QuantSpec
 
 
 def layer_runner(args: ModelArgs, device: mx.Device, dtype: mx.Dtype, quant: QuantSpec | None) -> LayerRunner:
+    args, layer_index = measured_layer(args)
     with mx.stream(device):
-        layer = TransformerBlock(args)  # MLX initialises its layers with random weights
+        layer = TransformerBlock(args, layer_index)  # MLX initialises its layers with random weights
         if quant is not None:
             nn.quantize(layer, quant.group_size, quant.bits)
         layer.set_dtype(dtype)  # floating parameters only: packed codes stay as they are

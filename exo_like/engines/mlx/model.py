@@ -12,116 +12,20 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from exo_like.engines.batch import BatchLayout, ItemLayout
-from exo_like.engines.work import BLOCK_SIZE
-from exo_like.models.config import ModelArgs, rope_inv_freq
+from exo_like.engines.mlx.attention import Attention, LayerPool, StepIndex
+from exo_like.engines.mlx.mlp import MLP, SparseMoe
+from exo_like.models.config import ModelArgs
 from exo_like.models.shard import Shard
 
 
-class LayerPool:
-    """One layer's keys and values for every request on this stage: [kv_heads, slots, head_dim] each, slots =
-    blocks * BLOCK_SIZE (see engines/batch.py for which slot holds what)."""
-
-    def __init__(self, args: ModelArgs, n_blocks: int, dtype: mx.Dtype):
-        shape = (args.num_key_value_heads, n_blocks * BLOCK_SIZE, args.head_dim)
-        self.keys = mx.zeros(shape, dtype)
-        self.values = mx.zeros(shape, dtype)
-
-    def write(self, slots: mx.array, keys: mx.array, values: mx.array) -> None:
-        """Store rows' keys and values [kv_heads, R, head_dim] at their slots."""
-        self.keys[:, slots] = keys
-        self.values[:, slots] = values
-
-    def read(self, item: ItemLayout, slots: mx.array | None) -> tuple[mx.array, mx.array]:
-        """An item's keys and values for positions [0, end): a slice when its slots are consecutive."""
-        if slots is None:
-            return self.keys[:, item.base:item.base + item.end], self.values[:, item.base:item.base + item.end]
-        return mx.take(self.keys, slots, axis=1), mx.take(self.values, slots, axis=1)
-
-    @property
-    def state(self) -> list[mx.array]:
-        """The arrays to evaluate after a step, so the next step does not drag this step's graph along."""
-        return [self.keys, self.values]
-
-
-class StepIndex:
-    """A BatchLayout as MLX arrays, built once per step and shared by every layer."""
-
-    def __init__(self, layout: BatchLayout):
-        self.layout = layout
-        self.positions = mx.array(layout.positions.astype(np.int32))
-        self.write_slots = mx.array(layout.write_slots.astype(np.int32))
-        self.gathers = [None if item.base is not None else mx.array(item.slots.astype(np.int32))
-                        for item in layout.items]
-
-
-class Attention(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.n_heads = args.num_attention_heads
-        self.n_kv_heads = args.num_key_value_heads
-        self.head_dim = args.head_dim
-        self.scale = args.head_dim**-0.5
-        hidden, q_dim, kv_dim = args.hidden_size, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(hidden, q_dim, bias=args.qkv_bias)
-        self.k_proj = nn.Linear(hidden, kv_dim, bias=args.qkv_bias)
-        self.v_proj = nn.Linear(hidden, kv_dim, bias=args.qkv_bias)
-        self.o_proj = nn.Linear(q_dim, hidden, bias=args.o_bias)
-        if args.qk_norm:
-            # Qwen3 normalises each head's query and key before rope.
-            self.q_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
-            self.k_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
-        # mx.fast.rope takes periods (1 / inverse frequency). Using the shared float64-derived table for every
-        # rope type keeps MLX and torch shards rotating by identical angles.
-        self._rope_freqs = mx.array(1.0 / rope_inv_freq(args))
-
-    def __call__(self, x: mx.array, pool: LayerPool, index: StepIndex) -> mx.array:
-        """x: the batch's rows [R, H]."""
-        rows = x.shape[0]
-        queries = self.q_proj(x).reshape(rows, self.n_heads, self.head_dim)
-        keys = self.k_proj(x).reshape(rows, self.n_kv_heads, self.head_dim)
-        values = self.v_proj(x).reshape(rows, self.n_kv_heads, self.head_dim)
-        if "q_norm" in self:
-            queries, keys = self.q_norm(queries), self.k_norm(keys)
-        queries, keys = self._rope(queries, index.positions), self._rope(keys, index.positions)
-        pool.write(index.write_slots, keys.transpose(1, 0, 2), values.transpose(1, 0, 2))
-        outs = []
-        for item, slots in zip(index.layout.items, index.gathers):
-            item_keys, item_values = pool.read(item, slots)
-            q = queries[item.row_start:item.row_end].transpose(1, 0, 2)[None]
-            # sdpa's "causal" mask is aligned lower-right (last query sees last key): exactly the causal mask
-            # for new positions after cached ones. GQA: sdpa broadcasts the kv heads itself.
-            mask = "causal" if item.count > 1 else None
-            out = mx.fast.scaled_dot_product_attention(q, item_keys[None], item_values[None], scale=self.scale,
-                                                       mask=mask)
-            outs.append(out[0].transpose(1, 0, 2).reshape(item.count, -1))
-        out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
-        return self.o_proj(out)
-
-    def _rope(self, x: mx.array, positions: mx.array) -> mx.array:
-        """Rotate each row [R, heads, D] by its own position (each row its own batch entry of mx.fast.rope)."""
-        rotated = mx.fast.rope(x[:, :, None, :], self.head_dim, traditional=False, base=None, scale=1.0,
-                               offset=positions, freqs=self._rope_freqs)
-        return rotated[:, :, 0, :]
-
-
-class MLP(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        hidden, inner = args.hidden_size, args.intermediate_size
-        self.gate_proj = nn.Linear(hidden, inner, bias=args.mlp_bias)
-        self.up_proj = nn.Linear(hidden, inner, bias=args.mlp_bias)
-        self.down_proj = nn.Linear(inner, hidden, bias=args.mlp_bias)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs):
+    """Decoder layer `layer` (its absolute index: which layers hold a mixture of experts depends on it)."""
+
+    def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
         self.self_attn = Attention(args)
-        self.mlp = MLP(args)
+        self.mlp = SparseMoe(args.hidden_size, args.moe) if args.is_sparse_layer(layer) else \
+            MLP(args.hidden_size, args.intermediate_size, args.mlp_bias)
         # nn.RMSNorm is a thin wrapper over mx.fast.rms_norm.
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
@@ -139,7 +43,7 @@ class ShardBody(nn.Module):
         # A tied last stage needs the embedding matrix as its LM head even when it is not the first stage.
         if shard.is_first or (shard.is_last and args.tie_word_embeddings):
             self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [TransformerBlock(args) for _ in range(shard.layer_count)]
+        self.layers = [TransformerBlock(args, shard.start_layer + i) for i in range(shard.layer_count)]
         if shard.is_last:
             self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 

@@ -1,7 +1,7 @@
 """The PyTorch engine: one shard of a Llama-family model on CUDA, MPS or CPU, with a pool of KV blocks.
 
 Calls are serialised by the node (see engines/base.py). A bfloat16 CPU decode step briefly switches PyTorch's
-process-wide oneDNN flag off (torch_model.native_matvec); that, too, relies on torch not being used by
+process-wide oneDNN flag off (linear.native_matvec); that, too, relies on torch not being used by
 another thread of this process at the same moment.
 """
 
@@ -22,14 +22,9 @@ from exo_like.engines.base import Engine, WeightForms, check_cancel, return_free
 from exo_like.engines.batch import layout as batch_layout
 from exo_like.engines.layer_speed import LayerRunner
 from exo_like.engines.torch.layer import layer_runner
-from exo_like.engines.torch.model import (
-    KVPool,
-    ShardModel,
-    StepIndex,
-    bound_onednn_caches,
-    fuse_checkpoint_weights,
-    load_state,
-)
+from exo_like.engines.torch.attention import KVPool, StepIndex
+from exo_like.engines.torch.linear import bound_onednn_caches
+from exo_like.engines.torch.model import ShardModel, fuse_checkpoint_weights, load_state
 from exo_like.engines.torch.openmp import pin_openmp_team
 from exo_like.engines.torch.quant import Installer, Matrix, cpu_numerics, int4_kernel_available
 from exo_like.engines.work import WorkItem
@@ -166,7 +161,7 @@ class TorchEngine(Engine):
         self.dtype = pick_dtype(self.requested_dtype, args.torch_dtype, self.device, keep_quantized)
         log.info("loading %s from %s on %s as %s", shard, Path(model_dir).name, self.device, DTYPE_NAMES[self.dtype])
         with torch.device("meta"):  # no memory, no random init: every parameter is replaced by a loaded tensor
-            model = ShardModel(args, shard.layer_count, shard.is_first, shard.is_last)
+            model = ShardModel(args, shard.start_layer, shard.layer_count, shard.is_first, shard.is_last)
         installer = Installer(self.dtype, self.device, int4_kernel_available(self.device))
         weights = self._read_weights(Path(model_dir), args, shard, keep_quantized, installer, cancel)
         state = fuse_checkpoint_weights(weights, args, shard.is_first, shard.is_last)
@@ -222,7 +217,7 @@ class TorchEngine(Engine):
                 else:
                     weights[local] = torch.from_numpy(value).to(device=self.device, dtype=self.dtype)
             return weights
-        plan = plan_shard_load(model_dir, shard, args.tie_word_embeddings)
+        plan = plan_shard_load(model_dir, shard, args.tie_word_embeddings, args.family.rename)
         skip = checkpoint_skips(plan, args.tie_word_embeddings)
         return read_planned_tensors(plan, skip, self.device, self.dtype, args.quant, cancel, keep)
 

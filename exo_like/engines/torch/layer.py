@@ -10,8 +10,9 @@ import numpy as np
 import torch
 
 from exo_like.engines.batch import layout as batch_layout
-from exo_like.engines.layer_speed import LayerRunner, measure_items
-from exo_like.engines.torch.model import ShardModel, StepIndex, fuse_checkpoint_weights, load_state
+from exo_like.engines.layer_speed import LayerRunner, measure_items, measured_layer
+from exo_like.engines.torch.attention import StepIndex
+from exo_like.engines.torch.model import ShardModel, fuse_checkpoint_weights, load_state
 from exo_like.engines.torch.quant import Installer, Matrix, int4_kernel_available
 from exo_like.engines.work import WorkItem
 from exo_like.models.affine import AffineGroups
@@ -22,24 +23,38 @@ TILE = 1 << 16  # random values drawn per tensor; a large matrix repeats them (t
 WEIGHT_SCALE = 0.02  # keeps activations in range through the timed steps
 
 
-def layer_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
-    """Checkpoint names (as a shard of one layer names them) and shapes of one decoder layer's tensors."""
+def mlp_shapes(prefix: str, hidden: int, inner: int) -> dict[str, tuple[int, ...]]:
+    return {f"{prefix}.gate_proj.weight": (inner, hidden), f"{prefix}.up_proj.weight": (inner, hidden),
+            f"{prefix}.down_proj.weight": (hidden, inner)}
+
+
+def layer_shapes(args: ModelArgs, layer: int = 0) -> dict[str, tuple[int, ...]]:
+    """Checkpoint names (as a shard of one layer names them) and shapes of decoder layer `layer`'s tensors."""
     hidden, heads, kv, dim = args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim
     inner = args.intermediate_size
     prefix = "model.layers.0."
     shapes: dict[str, tuple[int, ...]] = {
         "self_attn.q_proj.weight": (heads * dim, hidden), "self_attn.k_proj.weight": (kv * dim, hidden),
         "self_attn.v_proj.weight": (kv * dim, hidden), "self_attn.o_proj.weight": (hidden, heads * dim),
-        "mlp.gate_proj.weight": (inner, hidden), "mlp.up_proj.weight": (inner, hidden),
-        "mlp.down_proj.weight": (hidden, inner),
         "input_layernorm.weight": (hidden,), "post_attention_layernorm.weight": (hidden,),
     }
+    moe = args.moe if args.is_sparse_layer(layer) else None
+    if moe is None:
+        shapes.update(mlp_shapes("mlp", hidden, inner))
+    else:
+        shapes["mlp.gate.weight"] = (moe.n_experts, hidden)
+        for expert in range(moe.n_experts):
+            shapes.update(mlp_shapes(f"mlp.experts.{expert}", hidden, moe.expert_size))
+        if moe.shared_expert_size:
+            shapes.update(mlp_shapes("mlp.shared_expert", hidden, moe.shared_expert_size))
+        if moe.shared_expert_gated:
+            shapes["mlp.shared_expert_gate.weight"] = (1, hidden)
     if args.qkv_bias:
         shapes.update({"self_attn.q_proj.bias": (heads * dim,), "self_attn.k_proj.bias": (kv * dim,),
                        "self_attn.v_proj.bias": (kv * dim,)})
     if args.o_bias:
         shapes["self_attn.o_proj.bias"] = (hidden,)
-    if args.mlp_bias:
+    if args.mlp_bias and moe is None:
         shapes.update({"mlp.gate_proj.bias": (inner,), "mlp.up_proj.bias": (inner,),
                        "mlp.down_proj.bias": (hidden,)})
     if args.qk_norm:
@@ -66,16 +81,18 @@ def random_groups(shape: tuple[int, ...], quant: QuantSpec, rng: np.random.Gener
 def layer_runner(args: ModelArgs, device: torch.device, dtype: torch.dtype, quant: QuantSpec | None) -> LayerRunner:
     """The layer and its two timed steps. quant: hold the matrices quantized so (None: in `dtype`)."""
     generator, rng = torch.Generator().manual_seed(0), np.random.default_rng(0)
+    args, layer = measured_layer(args)
     weights: dict[str, Matrix] = {}
-    for name, shape in layer_shapes(args).items():
+    for name, shape in layer_shapes(args, layer).items():
         if name.endswith("norm.weight"):
             weights[name] = torch.ones(shape, dtype=dtype, device=device)
-        elif quant is not None and len(shape) == 2 and shape[1] % quant.group_size == 0:
+        elif quant is not None and len(shape) == 2 and shape[1] % quant.group_size == 0 and \
+                not name.endswith(".gate.weight"):  # a router stays float, as converters leave it
             weights[name] = random_groups(shape, quant, rng)
         else:
             weights[name] = random_tensor(shape, generator).to(device=device, dtype=dtype)
     with torch.device("meta"):
-        model = ShardModel(args, 1, False, False)
+        model = ShardModel(args, layer, 1, False, False)
     installer = Installer(dtype, device, int4_kernel_available(device))
     state = fuse_checkpoint_weights(weights, args, False, False)
     installer.install(model, state)

@@ -1,0 +1,137 @@
+"""The feed-forward blocks on MLX: the SwiGLU MLP, and the mixture of experts.
+
+Experts are stacked per projection ([experts, out, in], the layout of mlx-lm and of MLX-format checkpoints, under
+`mlp.switch_mlp.*`); each row's chosen experts run through `mx.gather_mm` (`mx.gather_qmm` when quantized), which
+reads only the chosen experts' matrices. For many rows, the (row, choice) pairs are sorted by expert first so each
+expert's matrix is read once for all its rows. Numerics follow transformers' routing: float32 softmax over the
+router's logits, top k, optional renormalisation, weights in the activations' dtype."""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from exo_like.models.families import MoeArgs
+
+SORT_FROM_PAIRS = 64  # (row, choice) pairs from which sorting them by expert pays (mlx-lm's threshold too)
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inner: int, bias: bool = False):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inner, bias=bias)
+        self.up_proj = nn.Linear(hidden, inner, bias=bias)
+        self.down_proj = nn.Linear(inner, hidden, bias=bias)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class ExpertLinear(nn.Module):
+    """One projection of every expert, weight [experts, out, in]; each input row runs through the experts named
+    by its indices."""
+
+    def __init__(self, inputs: int, outputs: int, n_experts: int):
+        super().__init__()
+        bound = math.sqrt(1 / inputs)
+        self.weight = mx.random.uniform(-bound, bound, (n_experts, outputs, inputs))
+
+    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool) -> mx.array:
+        return mx.gather_mm(x, self["weight"].swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
+
+    def to_quantized(self, group_size: int | None = None, bits: int | None = None, mode: str = "affine",
+                     **_: object) -> "QuantizedExpertLinear":
+        return QuantizedExpertLinear(self["weight"], group_size or 64, bits or 4, mode)
+
+
+class QuantizedExpertLinear(nn.Module):
+    def __init__(self, weight: mx.array, group_size: int, bits: int, mode: str):
+        super().__init__()
+        self.group_size, self.bits, self.mode = group_size, bits, mode
+        packed = mx.quantize(weight, group_size, bits, mode=mode)
+        self.weight, self.scales = packed[0], packed[1]
+        if len(packed) > 2:  # affine mode has biases; the float-scale modes (mxfp4) do not
+            self.biases = packed[2]
+        self.freeze()
+
+    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool) -> mx.array:
+        return mx.gather_qmm(x, self["weight"], self["scales"], self.get("biases"), rhs_indices=indices,
+                             transpose=True, group_size=self.group_size, bits=self.bits, mode=self.mode,
+                             sorted_indices=sorted_indices)
+
+
+class Experts(nn.Module):
+    """The routed experts' SwiGLU: x [R, H] and each row's k experts [R, k] -> [R, k, H]."""
+
+    def __init__(self, hidden: int, inner: int, n_experts: int):
+        super().__init__()
+        self.gate_proj = ExpertLinear(hidden, inner, n_experts)
+        self.up_proj = ExpertLinear(hidden, inner, n_experts)
+        self.down_proj = ExpertLinear(inner, hidden, n_experts)
+
+    def __call__(self, x: mx.array, chosen: mx.array) -> mx.array:
+        rows, k = chosen.shape
+        if chosen.size < SORT_FROM_PAIRS:
+            # Each row a batch of one [1, H] against its k experts' matrices: [R, k, 1, H] out.
+            h, indices, order = x[:, None, None, :], chosen, None
+        else:
+            flat = chosen.reshape(-1)
+            order = mx.argsort(flat)
+            h, indices = x[order // k][:, None, :], flat[order]
+        sort = order is not None
+        h = nn.silu(self.gate_proj(h, indices, sort)) * self.up_proj(h, indices, sort)
+        h = self.down_proj(h, indices, sort)
+        if order is not None:
+            h = h[mx.argsort(order)]  # back to (row, choice) order
+        return h.reshape(rows, k, -1)
+
+
+class SparseMoe(nn.Module):
+    """Router, routed experts (stacked) and, if the family has one, a shared expert, over rows [R, H]."""
+
+    def __init__(self, hidden: int, moe: MoeArgs):
+        super().__init__()
+        self.top_k, self.renormalize = moe.top_k, moe.renormalize
+        self.gate = nn.Linear(hidden, moe.n_experts, bias=False)
+        self.switch_mlp = Experts(hidden, moe.expert_size, moe.n_experts)
+        if moe.shared_expert_size:
+            self.shared_expert = MLP(hidden, moe.shared_expert_size)
+        if moe.shared_expert_gated:
+            self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        probs = mx.softmax(self.gate(x).astype(mx.float32), axis=-1, precise=True)
+        chosen = mx.argpartition(-probs, kth=self.top_k - 1, axis=-1)[:, :self.top_k]
+        weights = mx.take_along_axis(probs, chosen, axis=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(axis=-1, keepdims=True)
+        out = (self.switch_mlp(x, chosen) * weights.astype(x.dtype)[..., None]).sum(axis=-2)
+        if "shared_expert" in self:
+            shared = self.shared_expert(x)
+            if "shared_expert_gate" in self:
+                shared = mx.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
+        return out
+
+
+def stack_experts(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Hugging Face names each expert's matrices (`mlp.experts.E.gate_proj.weight`); the engine holds them stacked
+    by projection (`mlp.switch_mlp.gate_proj.weight`, [experts, out, in]). MLX-format checkpoints are stacked
+    already and pass through."""
+    stacked: dict[str, dict[int, mx.array]] = {}
+    out: dict[str, mx.array] = {}
+    for name, array in weights.items():
+        module, dot, rest = name.partition(".experts.")
+        expert, _, tail = rest.partition(".")
+        if dot and expert.isdigit() and tail.split(".")[0] in EXPERT_PROJECTIONS:
+            stacked.setdefault(f"{module}.switch_mlp.{tail}", {})[int(expert)] = array
+        else:
+            out[name] = array
+    for name, by_expert in stacked.items():
+        if sorted(by_expert) != list(range(len(by_expert))):
+            raise ValueError(f"{name}: the checkpoint lacks some experts ({len(by_expert)} found)")
+        out[name] = mx.stack([by_expert[e] for e in range(len(by_expert))])
+    return out

@@ -1,0 +1,79 @@
+"""The feed-forward blocks: the SwiGLU MLP, and the mixture of experts that runs each token through the few experts
+its router picks.
+
+The mixture follows transformers' eager Qwen3-MoE / Mixtral experts operation by operation (float32 softmax, top
+k, optional renormalisation, hit experts in ascending order, each over the rows routed to it, weighted and
+accumulated with index_add_), so float32 results match it exactly. Each expert is an MLP of its own: quantized
+experts become int4 packs one by one (quant.Installer) and every product runs on the kernel Linear picks. Nothing
+is computed for experts no row picked."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from exo_like.engines.torch.linear import Linear
+from exo_like.models.families import MoeArgs
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inner: int, bias: bool = False):
+        super().__init__()
+        self.hidden = inner
+        # One fused projection: gate rows, then up rows.
+        self.gate_up_proj = Linear(hidden, 2 * inner, bias=bias)
+        self.down_proj = Linear(inner, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj.forward(x)
+        return self.down_proj.forward(F.silu(gate_up[:, : self.hidden]) * gate_up[:, self.hidden :])
+
+
+class SparseMoe(nn.Module):
+    """Routed experts (and a shared expert, if the family has one) over the batch's rows [R, H]."""
+
+    def __init__(self, hidden: int, moe: MoeArgs):
+        super().__init__()
+        self.top_k, self.renormalize = moe.top_k, moe.renormalize
+        self.gate = Linear(hidden, moe.n_experts, bias=False)  # the router
+        self.experts = nn.ModuleList(MLP(hidden, moe.expert_size) for _ in range(moe.n_experts))
+        self.shared_expert = MLP(hidden, moe.shared_expert_size) if moe.shared_expert_size else None
+        self.shared_expert_gate = Linear(hidden, 1, bias=False) if moe.shared_expert_gated else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, chosen = self.route(x)
+        out = self.run_experts(x, weights, chosen)
+        if self.shared_expert is not None:
+            shared = self.shared_expert.forward(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate.forward(x)) * shared
+            out = out + shared
+        return out
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's top-k experts [R, k] and their weights [R, k] (in x's dtype)."""
+        probs = torch.softmax(self.gate.forward(x), dim=-1, dtype=torch.float32)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights /= weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), chosen
+
+    def run_experts(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """Sum over each row's chosen experts of weight x expert(row), expert by expert in ascending order."""
+        out = torch.zeros_like(x)
+        flat = chosen.reshape(-1)  # entry row * k + j: the j-th choice of row `row`
+        # A stable sort groups the (row, choice) entries by expert, rows ascending within each expert.
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        flat_weights = weights.reshape(-1, 1)
+        start = 0
+        for expert, count in enumerate(counts):
+            if not count:
+                continue
+            entries = order[start:start + count]
+            start += count
+            rows = entries // self.top_k
+            expert_out = self.experts[expert].forward(x.index_select(0, rows)) * flat_weights[entries]
+            out.index_add_(0, rows, expert_out)
+        return out

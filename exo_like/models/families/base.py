@@ -1,0 +1,59 @@
+"""What a family declares: its model types, the config fields it adds to the common ones, its tensor renames."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class MoeArgs:
+    """A mixture-of-experts MLP: `top_k` of `n_experts` experts (SwiGLU, `expert_size` wide) per token, chosen by a
+    softmax router; optionally one always-on shared expert, scaled by a sigmoid gate (Qwen2-MoE)."""
+
+    n_experts: int
+    top_k: int
+    expert_size: int
+    renormalize: bool  # divide the top-k probabilities by their sum (Qwen's norm_topk_prob; always for Mixtral)
+    sparse_layers: tuple[int, ...]  # the absolute layers whose MLP is the mixture (others are dense)
+    shared_expert_size: int = 0
+    shared_expert_gated: bool = False
+
+    def is_sparse(self, layer: int) -> bool:
+        return layer in self.sparse_layers
+
+    def active_fraction(self) -> float:
+        """The share of the routed experts' weights one token runs through."""
+        return self.top_k / self.n_experts
+
+
+ConfigParser = Callable[[str, dict[str, Any]], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Family:
+    """name: the family as the README lists it; summary: what differs from Llama, in one line.
+    parse(model_type, config) returns the ModelArgs fields the family sets beyond the common ones.
+    renames: (pattern, replacement) pairs applied to a layer tensor's name after `model.layers.N.` so that every
+    family's checkpoint reaches the engines under the shared names."""
+
+    name: str
+    model_types: tuple[str, ...]
+    summary: str
+    parse: ConfigParser
+    renames: tuple[tuple[str, str], ...] = ()
+
+    def rename(self, layer_tensor: str) -> str:
+        for pattern, replacement in self.renames:
+            layer_tensor = re.sub(pattern, replacement, layer_tensor)
+        return layer_tensor
+
+
+def sparse_layers(config: dict[str, Any], n_experts: int) -> tuple[int, ...]:
+    """Qwen-MoE's rule: a layer is a mixture unless listed in `mlp_only_layers`, every `decoder_sparse_step`-th."""
+    n_layers = int(config["num_hidden_layers"])
+    step = int(config.get("decoder_sparse_step") or 1)
+    dense = set(config.get("mlp_only_layers") or ())
+    return tuple(i for i in range(n_layers) if n_experts > 0 and i not in dense and (i + 1) % step == 0)
