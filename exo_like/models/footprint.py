@@ -72,7 +72,8 @@ class Matrix:
         """The torch engine's fused projection this matrix joins (per layer), if any."""
         parts = self.name.split(".")
         if len(parts) > 3 and parts[-1] == "weight" and parts[-2] in _FUSED:
-            return ".".join(parts[:3] + [_FUSED[parts[-2]]])
+            # Per module: an attention, an MLP, each expert of a mixture, a shared expert.
+            return ".".join(parts[:-2] + [_FUSED[parts[-2]]])
         return None
 
 
