@@ -41,9 +41,9 @@ _SPECIFIC = {
     "qwen2": dict(rope_theta=1000000.0, tie_word_embeddings=True),
     "qwen3": dict(rope_theta=1000000.0, head_dim=24, tie_word_embeddings=True),
     "qwen3_moe": dict(rope_theta=1000000.0, head_dim=24, tie_word_embeddings=False, num_experts=8,
-                      num_experts_per_tok=3, moe_intermediate_size=48, norm_topk_prob=True, mlp_only_layers=[1]),
+                      num_experts_per_tok=3, moe_intermediate_size=64, norm_topk_prob=True, mlp_only_layers=[1]),
     "qwen2_moe": dict(rope_theta=1000000.0, tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2,
-                      moe_intermediate_size=48, shared_expert_intermediate_size=96, norm_topk_prob=False),
+                      moe_intermediate_size=64, shared_expert_intermediate_size=96, norm_topk_prob=False),
     "mixtral": dict(rope_theta=1000000.0, intermediate_size=96, num_local_experts=6, num_experts_per_tok=2,
                     tie_word_embeddings=False),
 }

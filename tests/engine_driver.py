@@ -244,3 +244,30 @@ def _rows_for(item: WorkItem, like: Inputs) -> Inputs:
         width = like.shape[1]
         return Activations(like.dtype, (item.count, width), like.data[:len(like.data) // like.shape[0]] * item.count)
     return np.full(item.count, 7, dtype=np.int64)
+
+
+SEGMENTS = 4  # teacher-forced passages run side by side, a row each per step: decode reads every weight once a
+# step whatever its rows, so four rows cost about what one does (and batched decode is how a node serves)
+
+
+def teacher_forced(path: Path, dtype: str | None, tokens: list[int], engine_name: str = "torch"
+                   ) -> tuple[np.ndarray, float]:
+    """Each position's top-1 prediction and the perplexity of `tokens` through one engine, a token per step: the
+    text cut into SEGMENTS passages, each its own request (its own context), decoded as one batch. `path`: a
+    GGUF file."""
+    args = ModelArgs.from_dict(open_gguf(path).config())
+    engine = create_engine(engine_name, device="cpu", dtype=dtype)
+    engine.load(path, args, Shard(path.name, 0, args.num_hidden_layers, args.num_hidden_layers))
+    driver = Driver([engine], n_blocks=64)
+    predicted = len(tokens) - 1
+    assert predicted % SEGMENTS == 0, "every passage as long as the others: one batch of SEGMENTS rows a step"
+    passages = [tokens[i * predicted // SEGMENTS:(i + 1) * predicted // SEGMENTS + 1] for i in range(SEGMENTS)]
+    top, nll = np.zeros((SEGMENTS, predicted // SEGMENTS), np.int64), np.zeros((SEGMENTS, predicted // SEGMENTS))
+    for position in range(predicted // SEGMENTS):
+        logits = np.asarray(driver.step([(f"text{i}", np.array([passage[position]], dtype=np.int64))
+                                         for i, passage in enumerate(passages)]), np.float64)
+        shifted = logits - logits.max(axis=1, keepdims=True)
+        targets = [passage[position + 1] for passage in passages]
+        top[:, position] = np.argmax(logits, axis=1)
+        nll[:, position] = np.log(np.exp(shifted).sum(axis=1)) - shifted[np.arange(SEGMENTS), targets]
+    return top.reshape(-1), float(np.exp(nll.mean()))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +30,23 @@ _LAYER_PARTS = {
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
 }
+
+
+_LAYER_PARTS.update({
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+})
+# HF model_type -> llama.cpp's architecture (Mixtral is `llama` with experts).
+GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+                      "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "mixtral": "llama"}
+_MIXTRAL_NAMES = {"block_sparse_moe.gate.": "mlp.gate.", ".w1.": ".gate_proj.", ".w2.": ".down_proj.",
+                  ".w3.": ".up_proj.", "block_sparse_moe.experts.": "mlp.experts."}
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)_proj\.weight$")
 
 
 def gguf_name(hf_name: str) -> str:
@@ -85,7 +103,7 @@ def write_gguf(hf_dir: Path, out: Path, matrix_type: str = "F32", embedding_type
     import gguf
 
     config = json.loads((hf_dir / "config.json").read_text())
-    arch = config["model_type"]
+    arch = GGUF_ARCHITECTURES[config["model_type"]]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     writer = gguf.GGUFWriter(str(out), arch, split_max_tensors=split_max_tensors)
     writer.add_block_count(config["num_hidden_layers"])
@@ -98,6 +116,17 @@ def write_gguf(hf_dir: Path, out: Path, matrix_type: str = "F32", embedding_type
     rope = config.get("rope_parameters") or {}
     writer.add_rope_freq_base(float(config.get("rope_theta") or rope.get("rope_theta") or 10000.0))
     writer.add_vocab_size(config["vocab_size"])
+    if "head_dim" in config and config["head_dim"]:
+        writer.add_key_length(config["head_dim"])
+        writer.add_value_length(config["head_dim"])
+    n_experts = config.get("num_experts") or config.get("num_local_experts")
+    if n_experts:  # as the converter writes a mixture's settings
+        writer.add_expert_count(n_experts)
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        if config.get("moe_intermediate_size"):
+            writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        if config.get("shared_expert_intermediate_size"):
+            writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
     _add_tokenizer(writer, hf_dir, config)
     rope_factors = llama3_rope_factors(config)
     if rope_factors is not None:  # as the converter does: its extra tensors come before the checkpoint's
@@ -105,11 +134,17 @@ def write_gguf(hf_dir: Path, out: Path, matrix_type: str = "F32", embedding_type
     tensors = load_file(str(hf_dir / "model.safetensors"))
     if config.get("tie_word_embeddings"):
         tensors.pop("lm_head.weight", None)
+    if config["model_type"] == "mixtral":
+        tensors = {_mixtral_name(name): tensor for name, tensor in tensors.items()}
+    for name, values in stack_experts(tensors).items():  # the converter's stacks: [experts, out, in]
+        _add_tensor(writer, name, values, matrix_type)
     for name, tensor in sorted(tensors.items()):
         values = tensor.astype(np.float32)
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             values = permute_rotary_rows(values, heads if "q_proj" in name else kv_heads)
-        kind = "F32" if values.ndim == 1 else (embedding_type or matrix_type) if "embed" in name else matrix_type
+        # As llama-quantize does, routers (`ffn_gate_inp`) stay float.
+        kind = "F32" if values.ndim == 1 or name.endswith("mlp.gate.weight") else \
+            (embedding_type or matrix_type) if "embed" in name else matrix_type
         _add_tensor(writer, gguf_name(name), values, kind)
     first = writer.format_shard_names(out)[0]
     writer.write_header_to_file()
@@ -117,6 +152,23 @@ def write_gguf(hf_dir: Path, out: Path, matrix_type: str = "F32", embedding_type
     writer.write_tensors_to_file()
     writer.close()
     return first
+
+
+def _mixtral_name(name: str) -> str:
+    for old, new in _MIXTRAL_NAMES.items():
+        name = name.replace(old, new)
+    return name
+
+
+def stack_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Pop every expert's matrices from `tensors`; return them stacked per layer and projection under their GGUF
+    names (`blk.N.ffn_gate_exps.weight`, [experts, out, in]), as llama.cpp's converter writes them."""
+    found: dict[tuple[int, str], dict[int, np.ndarray]] = {}
+    for name in [n for n in tensors if _EXPERT.match(n)]:
+        layer, expert, projection = _EXPERT.match(name).groups()
+        found.setdefault((int(layer), projection), {})[int(expert)] = tensors.pop(name).astype(np.float32)
+    return {f"blk.{layer}.ffn_{projection}_exps.weight": np.stack([by[e] for e in sorted(by)])
+            for (layer, projection), by in sorted(found.items())}
 
 
 def _add_tensor(writer, name: str, values: np.ndarray, kind: str) -> None:  # noqa: ANN001
@@ -128,7 +180,8 @@ def _add_tensor(writer, name: str, values: np.ndarray, kind: str) -> None:  # no
         writer.add_tensor(name, values.astype(np.float16))
     elif kind in K_QUANTIZERS:  # types gguf cannot quantize: blocks from the simple quantizers below
         qtype = gguf.GGMLQuantizationType[kind]
-        writer.add_tensor(name, K_QUANTIZERS[kind](values), raw_dtype=qtype)
+        rows = K_QUANTIZERS[kind](values.reshape(-1, values.shape[-1]))
+        writer.add_tensor(name, rows.reshape(*values.shape[:-1], -1), raw_dtype=qtype)
     else:
         qtype = gguf.GGMLQuantizationType[kind]
         writer.add_tensor(name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
@@ -235,3 +288,46 @@ def _add_tokenizer(writer, hf_dir: Path, config: dict) -> None:  # noqa: ANN001
     writer.add_eos_token_id(ids[tokenizer_config["eos_token"]])
     writer.add_add_bos_token(True)
     writer.add_chat_template(tokenizer_config["chat_template"])
+
+
+def hf_tensors_from_gguf(path: Path, config_dir: Path) -> dict[str, "torch.Tensor"]:  # noqa: F821
+    """The inverse of write_gguf, through gguf's own reader and dequantizer: each tensor under the name the
+    checkpoint in `config_dir` gives it, float32."""
+    import gguf
+    import torch
+
+    config = json.loads((config_dir / "config.json").read_text())
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    to_hf = {v: k for k, v in _LAYER_PARTS.items()}
+    globals_to_hf = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                     "output.weight": "lm_head.weight"}
+    tensors: dict[str, np.ndarray] = {}
+    for tensor in gguf.GGUFReader(str(path)).tensors:
+        shape = tuple(int(d) for d in reversed(tensor.shape))
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32).reshape(shape)
+        if tensor.name in globals_to_hf:
+            tensors[globals_to_hf[tensor.name]] = values
+            continue
+        _, layer, part = tensor.name.split(".", 2)
+        stacked = re.fullmatch(r"ffn_(gate|up|down)_exps\.weight", part)
+        if stacked:
+            for expert, matrix in enumerate(values):
+                tensors[f"model.layers.{layer}.mlp.experts.{expert}.{stacked.group(1)}_proj.weight"] = matrix
+            continue
+        name = f"model.layers.{layer}.{to_hf[part]}"
+        if GGUF_ARCHITECTURES[config["model_type"]] == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            n = heads if "q_proj" in name else kv_heads
+            half = values.shape[0] // n // 2
+            values = values.reshape(n, half, 2, -1).swapaxes(1, 2).reshape(values.shape)
+        tensors[name] = values
+    if config["model_type"] == "mixtral":
+        inverse = {v: k for k, v in _MIXTRAL_NAMES.items()}
+        renamed = {}
+        for name, values in tensors.items():
+            for new, old in sorted(inverse.items(), key=lambda kv: -len(kv[0])):
+                name = name.replace(new, old)
+            renamed[name] = values
+        tensors = renamed
+    if config.get("tie_word_embeddings"):
+        tensors.pop("lm_head.weight", None)
+    return {name: torch.from_numpy(np.ascontiguousarray(values)) for name, values in tensors.items()}

@@ -67,3 +67,28 @@ def gguf_greedy(path: Path, prompt: list[int], n_tokens: int = 16, stop_at_eos: 
         out = model.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=n_tokens,
                              do_sample=False, min_new_tokens=0 if stop_at_eos else n_tokens, pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+def gguf_dequantized_greedy(path: Path, config_dir: Path, prompt: list[int], n_tokens: int) -> list[int]:
+    """transformers' greedy tokens from the values a GGUF file holds, for architectures its GGUF loader cannot read
+    (Mixtral's experts in a `llama` file; Qwen2-MoE's shared-expert gate as llama.cpp's converter writes it): every
+    tensor read and dequantized with gguf's own reader, put back under its Hugging Face name (experts unstacked,
+    llama's rotary rows un-permuted, the inverse of tests/gguf_checkpoints.py, which mirrors llama.cpp's converter)
+    and run with the checkpoint's config."""
+    import tempfile
+
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from tests.gguf_checkpoints import hf_tensors_from_gguf
+
+    with tempfile.TemporaryDirectory() as folder:
+        for name in ("config.json", "generation_config.json"):
+            (Path(folder) / name).write_bytes((config_dir / name).read_bytes())
+        save_file(hf_tensors_from_gguf(path, config_dir), str(Path(folder) / "model.safetensors"))
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    inputs = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=n_tokens,
+                             min_new_tokens=n_tokens, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()

@@ -19,14 +19,12 @@ pytest.importorskip("gguf", reason="gguf is not installed")
 
 import torch.nn.functional as F  # noqa: E402
 
-from exo_like.engines.base import create_engine  # noqa: E402
 from exo_like.engines.torch.quant import (PACK_LAYOUTS, Int4Pack, code_planes, cpu_numerics, int4_packs,  # noqa: E402
                                           pack_layout)
 from exo_like.models.config import ModelArgs  # noqa: E402
 from exo_like.models.gguf.file import open_gguf  # noqa: E402
 from exo_like.models.gguf.tokenizer import gguf_tokenizer  # noqa: E402
-from exo_like.models.shard import Shard  # noqa: E402
-from tests.engine_driver import Driver, engine_greedy  # noqa: E402
+from tests.engine_driver import engine_greedy, teacher_forced  # noqa: E402
 from tests.oracle import gguf_greedy as transformers_greedy  # noqa: E402
 
 
@@ -78,31 +76,6 @@ def test_smollm2_is_served_by_its_catalog_name_and_answers(smollm2, tmp_path) ->
         assert member["numerics"]["int4_pack_layout"].split(" (")[0] in {layout.name for layout in PACK_LAYOUTS}
     finally:
         node.stop()
-
-
-SEGMENTS = 4  # teacher-forced passages run side by side, a row each per step: decode reads every weight once a
-# step whatever its rows, so four rows cost about what one does (and batched decode is how a node serves)
-
-
-def teacher_forced(path: Path, dtype: str | None, tokens: list[int]) -> tuple[np.ndarray, float]:
-    """Each position's top-1 prediction and the perplexity of `tokens` through one engine, a token per step: the
-    text cut into SEGMENTS passages, each its own request (its own context), decoded as one batch."""
-    args = ModelArgs.from_dict(open_gguf(path).config())
-    engine = create_engine("torch", device="cpu", dtype=dtype)
-    engine.load(path, args, Shard(path.name, 0, args.num_hidden_layers, args.num_hidden_layers))
-    driver = Driver([engine], n_blocks=64)
-    predicted = len(tokens) - 1
-    assert predicted % SEGMENTS == 0, "every passage as long as the others: one batch of SEGMENTS rows a step"
-    passages = [tokens[i * predicted // SEGMENTS:(i + 1) * predicted // SEGMENTS + 1] for i in range(SEGMENTS)]
-    top, nll = np.zeros((SEGMENTS, predicted // SEGMENTS), np.int64), np.zeros((SEGMENTS, predicted // SEGMENTS))
-    for position in range(predicted // SEGMENTS):
-        logits = np.asarray(driver.step([(f"text{i}", np.array([passage[position]], dtype=np.int64))
-                                         for i, passage in enumerate(passages)]), np.float64)
-        shifted = logits - logits.max(axis=1, keepdims=True)
-        targets = [passage[position + 1] for passage in passages]
-        top[:, position] = np.argmax(logits, axis=1)
-        nll[:, position] = np.log(np.exp(shifted).sum(axis=1)) - shifted[np.arange(SEGMENTS), targets]
-    return top.reshape(-1), float(np.exp(nll.mean()))
 
 
 def pack_weight(pack: Int4Pack) -> torch.Tensor:

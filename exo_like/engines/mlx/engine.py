@@ -24,7 +24,7 @@ from exo_like.engines.batch import layout as batch_layout
 from exo_like.engines.layer_speed import LayerRunner
 from exo_like.engines.mlx.layer import layer_runner
 from exo_like.engines.mlx.attention import LayerPool, StepIndex
-from exo_like.engines.mlx.mlp import stack_experts
+from exo_like.engines.mlx.mlp import stack_experts, stacked_name
 from exo_like.engines.mlx.model import ShardModel
 from exo_like.engines.work import BLOCK_SIZE, WorkItem
 from exo_like.errors import InvalidRequestError, UnsupportedModelError
@@ -89,7 +89,9 @@ def read_shard_tensors(model_dir: Path, args: ModelArgs, shard: Shard, quantized
         elif quantized and type_name not in FLOAT_TYPES:
             forms.add_dequantized(f"{type_name} (no affine form)")
         weights[local] = mx.array(value)
-    return weights, specs
+    # Experts of one projection share the stack's type (one GGUF tensor), so their specs are the stack's.
+    specs = {(stacked_name(path) or (path,))[0]: spec for path, spec in specs.items()}
+    return stack_experts(weights), specs
 
 
 def read_plan_tensors(plan: ShardLoadPlan, tied_embeddings: bool) -> dict[str, mx.array]:

@@ -124,14 +124,23 @@ def stack_experts(weights: dict[str, mx.array]) -> dict[str, mx.array]:
     stacked: dict[str, dict[int, mx.array]] = {}
     out: dict[str, mx.array] = {}
     for name, array in weights.items():
-        module, dot, rest = name.partition(".experts.")
-        expert, _, tail = rest.partition(".")
-        if dot and expert.isdigit() and tail.split(".")[0] in EXPERT_PROJECTIONS:
-            stacked.setdefault(f"{module}.switch_mlp.{tail}", {})[int(expert)] = array
-        else:
+        place = stacked_name(name)
+        if place is None:
             out[name] = array
+        else:
+            stacked.setdefault(place[0], {})[place[1]] = array
     for name, by_expert in stacked.items():
         if sorted(by_expert) != list(range(len(by_expert))):
             raise ValueError(f"{name}: the checkpoint lacks some experts ({len(by_expert)} found)")
         out[name] = mx.stack([by_expert[e] for e in range(len(by_expert))])
     return out
+
+
+def stacked_name(name: str) -> tuple[str, int] | None:
+    """(the stack's name, the expert's index) of one expert's tensor or module path (`...mlp.experts.E.up_proj`
+    -> `...mlp.switch_mlp.up_proj`), else None."""
+    module, dot, rest = name.partition(".experts.")
+    expert, _, tail = rest.partition(".")
+    if dot and expert.isdigit() and tail.split(".")[0] in EXPERT_PROJECTIONS:
+        return f"{module}.switch_mlp.{tail}", int(expert)
+    return None

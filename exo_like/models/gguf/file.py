@@ -5,7 +5,9 @@ hyper-parameters, tokenizer, chat template) and tensor descriptions, then the te
 header gives. The header is parsed by gguf_header.py; a node then maps and reads only its own layers'
 tensors, by offset.
 
-Names and layouts are llama.cpp's: `blk.N.attn_q.weight` is `model.layers.N.self_attn.q_proj.weight`, and for
+Names and layouts are llama.cpp's: `blk.N.attn_q.weight` is `model.layers.N.self_attn.q_proj.weight`; a mixture's
+experts are stacked per projection (`blk.N.ffn_gate_exps.weight`, [experts, out, in]) and are listed here as one
+tensor per expert (`model.layers.N.mlp.experts.E.gate_proj.weight`, its own contiguous bytes of the stack); and for
 the `llama` architecture llama.cpp's converter reorders the rows of the query and key projections (its rotary
 embedding pairs neighbouring dimensions, Hugging Face's pairs the two halves of a head); they are put back here,
 so a tensor read from a GGUF is the tensor the Hugging Face checkpoint holds, and the engines need no GGUF
@@ -34,8 +36,13 @@ from exo_like.models.shard import Shard
 from exo_like.models.gguf.header import read_header
 
 GGUF_SUFFIX = ".gguf"
-# GGUF's `general.architecture` -> the model_type the engines implement (Mistral files say "llama").
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+# GGUF's `general.architecture` -> the model_type the engines implement (Mistral files say "llama"; Mixtral's
+# say "llama" too, with experts).
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2_moe",
+                 "qwen3moe": "qwen3_moe"}
+# Whether llama.cpp renormalises the top-k router weights, per architecture, when the file does not say
+# (`expert_weights_norm`): its qwen3moe graph always does, its qwen2moe graph never, Mixtral always.
+_RENORMALIZED = {"qwen2moe": False, "qwen3moe": True, "llama": True}
 # Tensor types read (and dequantized) here: what F32/F16/BF16 conversions and Q8_0, Q4_0, Q4_1, Q4_K_M, Q5_K_M,
 # Q6_K and the like files contain.
 TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
@@ -59,6 +66,19 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+}
+# Stacked experts: GGUF tensor -> the projections it holds, in row order (llama.cpp's converter may fuse gate and
+# up: `--fuse-gate-up-exps`).
+_EXPERT_STACKS = {
+    "ffn_gate_exps.weight": ("gate_proj",),
+    "ffn_up_exps.weight": ("up_proj",),
+    "ffn_down_exps.weight": ("down_proj",),
+    "ffn_gate_up_exps.weight": ("gate_proj", "up_proj"),
 }
 # Per-dimension rotary frequency factors: part of the model's config (read while planning, see _rope_scaling),
 # not of any shard's weights. Kept under its GGUF name.
@@ -169,16 +189,23 @@ class GGUFCheckpoint:
         """Hugging Face name -> entry, for every tensor the model uses (unknown extras are an error)."""
         entries = {}
         for entry in self._stored:
+            if expert_stack(entry.gguf_name) is not None:
+                self._check_type(entry)
+                entries.update(expert_entries(entry))
+                continue
             name = hf_tensor_name(entry.gguf_name)
             if name is None:
                 raise UnsupportedModelError(f"{self.path.name}: tensor {entry.gguf_name!r} is not part of a "
                                             f"{self.architecture} model this project runs")
-            if entry.type_name not in TENSOR_TYPES:
-                raise UnsupportedModelError(
-                    f"{self.path.name}: tensor {entry.gguf_name} has type {entry.type_name}, which is not "
-                    f"supported; supported: {', '.join(TENSOR_TYPES)}", code="unsupported_quantization")
+            self._check_type(entry)
             entries[name] = entry
         return entries
+
+    def _check_type(self, entry: TensorEntry) -> None:
+        if entry.type_name not in TENSOR_TYPES:
+            raise UnsupportedModelError(
+                f"{self.path.name}: tensor {entry.gguf_name} has type {entry.type_name}, which is not "
+                f"supported; supported: {', '.join(TENSOR_TYPES)}", code="unsupported_quantization")
 
     def _key(self, name: str, default: Any = None) -> Any:
         return self.metadata.get(f"{self.architecture}.{name}", default)
@@ -190,13 +217,13 @@ class GGUFCheckpoint:
         tokens = self.metadata.get("tokenizer.ggml.tokens")
         embedding = self.tensors["model.embed_tokens.weight"]
         config: dict[str, Any] = {
-            "model_type": ARCHITECTURES[self.architecture],
+            "model_type": self.model_type,
             "hidden_size": hidden,
             "num_hidden_layers": int(self._key("block_count")),
             "num_attention_heads": heads,
             "num_key_value_heads": int(self._key("attention.head_count_kv", heads)),
             "head_dim": int(self._key("attention.key_length", hidden // heads)),
-            "intermediate_size": int(self._key("feed_forward_length")),
+            "intermediate_size": int(self._key("feed_forward_length") or self._key("expert_feed_forward_length")),
             "vocab_size": int(self._key("vocab_size", len(tokens) if tokens else embedding.shape[0])),
             "rms_norm_eps": float(self._key("attention.layer_norm_rms_epsilon", 1e-6)),
             "rope_theta": float(self._key("rope.freq_base", 10000.0)),
@@ -208,7 +235,35 @@ class GGUFCheckpoint:
             "eos_token_id": self._stop_ids(),
         }
         config.update(self._rope_scaling())
+        config.update(self._experts())
         return config
+
+    @cached_property
+    def model_type(self) -> str:
+        if self.architecture == "llama" and int(self._key("expert_count", 0)):
+            return "mixtral"
+        return ARCHITECTURES[self.architecture]
+
+    def _experts(self) -> dict[str, Any]:
+        """A mixture's settings in the config's terms; layers without a router are dense (`mlp_only_layers`)."""
+        n_experts = int(self._key("expert_count", 0))
+        if not n_experts:
+            return {}
+        n_layers = int(self._key("block_count"))
+        settings: dict[str, Any] = {
+            "num_experts": n_experts,
+            "num_local_experts": n_experts,
+            "num_experts_per_tok": int(self._key("expert_used_count")),
+            "norm_topk_prob": bool(self._key("expert_weights_norm", _RENORMALIZED[self.architecture])),
+            "mlp_only_layers": [i for i in range(n_layers) if f"model.layers.{i}.mlp.gate.weight" not in self.tensors],
+        }
+        expert_size = self._key("expert_feed_forward_length")
+        if expert_size is not None:
+            settings["moe_intermediate_size"] = int(expert_size)
+        shared_size = self._key("expert_shared_feed_forward_length")
+        if shared_size is not None:
+            settings["shared_expert_intermediate_size"] = int(shared_size)
+        return settings
 
     def _rope_scaling(self) -> dict[str, Any]:
         """The metadata's rope scaling, and the per-dimension frequency factors of a `rope_freqs` tensor.
@@ -287,6 +342,33 @@ class GGUFCheckpoint:
             local = local_tensor_name(name, shard, tied)
             if local is not None:
                 yield local, self.read(name, quantized), entry.type_name
+
+
+def expert_stack(gguf_name: str) -> tuple[int, tuple[str, ...]] | None:
+    """(layer, projections) of a stacked-experts tensor's name, else None."""
+    match = _LAYER_TENSOR.match(gguf_name)
+    if match is None or match.group(2) not in _EXPERT_STACKS:
+        return None
+    return int(match.group(1)), _EXPERT_STACKS[match.group(2)]
+
+
+def expert_entries(entry: TensorEntry) -> dict[str, TensorEntry]:
+    """One entry per expert and projection of a stack [experts, out, in]: each is `out` rows (of the stack's
+    fused projections, an equal share of them) of contiguous bytes, so it reads as any matrix does."""
+    layer, projections = expert_stack(entry.gguf_name)
+    if len(entry.shape) != 3:
+        raise UnsupportedModelError(f"{entry.gguf_name}: experts must be stacked as [experts, out, in], got "
+                                    f"shape {list(entry.shape)}")
+    n_experts, rows, inputs = entry.shape
+    rows_each = rows // len(projections)
+    row_bytes = entry.n_bytes // (n_experts * rows)
+    entries = {}
+    for expert in range(n_experts):
+        for i, projection in enumerate(projections):
+            offset = entry.offset + (expert * rows + i * rows_each) * row_bytes
+            entries[f"model.layers.{layer}.mlp.experts.{expert}.{projection}.weight"] = TensorEntry(
+                entry.gguf_name, entry.type_name, (rows_each, inputs), rows_each * row_bytes, entry.part, offset)
+    return entries
 
 
 def _map_rows(values: np.ndarray | AffineGroups, reorder: Callable[[np.ndarray], np.ndarray]

@@ -1,0 +1,109 @@
+"""Mixture-of-experts GGUF files (Qwen3-MoE, Qwen2-MoE, Mixtral) as llama.cpp's converter lays them out: experts
+stacked per projection, Mixtral as a `llama` file with experts. Float files against transformers on the Hugging Face
+checkpoint; quantized ones, dequantized (--dtype float32), against transformers on the values the file holds."""
+
+from __future__ import annotations
+
+import importlib.util
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("gguf")
+
+from exo_like.models.config import ModelArgs  # noqa: E402
+from exo_like.models.gguf.file import open_gguf  # noqa: E402
+from tests.checkpoints import MOE_ARCHITECTURES, make_checkpoint  # noqa: E402
+from tests.engine_driver import engine_greedy  # noqa: E402
+from tests.gguf_checkpoints import write_gguf  # noqa: E402
+from tests.oracle import Oracle, gguf_dequantized_greedy  # noqa: E402
+
+HAS_MLX = importlib.util.find_spec("mlx") is not None
+CHAINS = {"torch": ["torch"], "mlx": ["mlx"], "torch+mlx+torch": ["torch", "mlx", "torch"]}
+N_TOKENS = 48
+PROMPT = [5 + (i * 37) % 600 for i in range(40)]
+# llama.cpp has no dense layers among a Qwen3-MoE's sparse ones (its converter cannot map them): none here.
+GGUF_OVERRIDES = {"qwen3_moe": {"mlp_only_layers": []}, "qwen2_moe": {}, "mixtral": {}}
+# K-quants take rows of 256: every matrix's input that long.
+K_OVERRIDES = {
+    "qwen3_moe": {"hidden_size": 256, "head_dim": 64, "intermediate_size": 256, "moe_intermediate_size": 256},
+    "qwen2_moe": {"hidden_size": 256, "intermediate_size": 256, "moe_intermediate_size": 256,
+                  "shared_expert_intermediate_size": 256},
+    "mixtral": {"hidden_size": 256, "intermediate_size": 256},
+}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe-gguf")
+
+    @cache
+    def folder(arch: str, k_sizes: bool) -> Path:
+        overrides = {**GGUF_OVERRIDES[arch], **(K_OVERRIDES[arch] if k_sizes else {})}
+        return make_checkpoint(root / f"{arch}-{k_sizes}", arch, n_layers=4, seed=5, **overrides)
+
+    @cache
+    def gguf(arch: str, kind: str) -> Path:
+        hf = folder(arch, kind.endswith("_K"))
+        return write_gguf(hf, root / f"{arch}-{kind}.gguf", kind)
+
+    return folder, gguf
+
+
+@cache
+def transformers_tokens(folder: Path) -> list[int]:
+    return Oracle(folder).generate(tuple(PROMPT), N_TOKENS)
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHITECTURES)
+def test_the_config_comes_from_the_file_as_the_checkpoint_has_it(folders, arch) -> None:
+    folder, gguf = folders
+    from_file, from_folder = ModelArgs.from_dict(open_gguf(gguf(arch, "F32")).config()), ModelArgs.from_dir(
+        folder(arch, False))
+    assert from_file.model_type == from_folder.model_type == arch
+    assert from_file.moe == from_folder.moe
+
+
+@pytest.mark.parametrize("chain", [c for c in CHAINS if HAS_MLX or "mlx" not in c])
+@pytest.mark.parametrize("arch", MOE_ARCHITECTURES)
+def test_a_float_file_gives_transformers_tokens_on_the_checkpoint(folders, arch, chain) -> None:
+    folder, gguf = folders
+    expected = transformers_tokens(folder(arch, False))
+    assert engine_greedy(gguf(arch, "F32"), CHAINS[chain], PROMPT, N_TOKENS) == expected
+    assert len(set(expected)) > 10
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_K"])
+@pytest.mark.parametrize("arch", MOE_ARCHITECTURES)
+def test_a_quantized_file_dequantized_gives_transformers_tokens_on_its_values(folders, arch, kind) -> None:
+    """--dtype float32 on a quantized file: each expert dequantized from its own bytes of the stack."""
+    folder, gguf = folders
+    path = gguf(arch, kind)
+    expected = gguf_dequantized_greedy(path, folder(arch, kind.endswith("_K")), PROMPT, N_TOKENS)
+    engines = ["torch", "mlx"] if HAS_MLX else ["torch"]
+    assert engine_greedy(path, engines, PROMPT, N_TOKENS, dtype="float32") == expected
+    assert len(set(expected)) > 10
+
+
+@pytest.mark.parametrize("engine_name", ["torch", "mlx"] if HAS_MLX else ["torch"])
+def test_quantized_experts_run_on_the_quantized_kernels(folders, engine_name) -> None:
+    """A Q4_K Qwen2-MoE file loaded as is: every expert (and the shared expert) stays 4-bit. Torch holds each
+    expert's gate and up as one matrix; MLX each projection's experts as one stack. Only the routers (8 and 1
+    outputs) and the shared gate, below the int4 kernel's 16-output tiles, are dequantized on torch."""
+    from exo_like.engines.base import create_engine
+    from exo_like.models.shard import Shard
+
+    _, gguf = folders
+    path = gguf("qwen2_moe", "Q4_K")
+    args = ModelArgs.from_dict(open_gguf(path).config())
+    engine = create_engine(engine_name, device="cpu")
+    engine.load(path, args, Shard(path.name, 1, 3, 4))
+    experts, layers = args.moe.n_experts, 2
+    if engine_name == "torch":
+        # per layer: qkv, o, each expert's gate_up and down, the shared expert's gate_up and down
+        assert engine.weight_forms.quantized == {"Q4_K": layers * (2 + 2 * experts + 2)}
+        assert engine.weight_forms.dequantized == {"Q4_K (1 outputs (not a multiple of 16))": layers}
+    else:
+        assert engine.weight_forms.quantized == {"Q4_K": layers * (4 + 3 * experts + 3 + 1)}
+        assert engine.weight_forms.dequantized == {}
