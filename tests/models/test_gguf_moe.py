@@ -88,9 +88,10 @@ def test_a_quantized_file_dequantized_gives_transformers_tokens_on_its_values(fo
 
 @pytest.mark.parametrize("engine_name", ["torch", "mlx"] if HAS_MLX else ["torch"])
 def test_quantized_experts_run_on_the_quantized_kernels(folders, engine_name) -> None:
-    """A Q4_K Qwen2-MoE file loaded as is: every expert (and the shared expert) stays 4-bit. Torch holds each
-    expert's gate and up as one matrix; MLX each projection's experts as one stack. Only the routers (8 and 1
-    outputs) and the shared gate, below the int4 kernel's 16-output tiles, are dequantized on torch."""
+    """A Q4_K Qwen2-MoE file loaded as is: every expert (and the shared expert) stays 4-bit; routers are float in
+    the file, as llama-quantize leaves them. Torch holds each expert's gate and up as one matrix; MLX each
+    projection's experts as one stack. Only the shared expert's gate (one output, below the int4 kernel's
+    16-output tiles) is dequantized on torch."""
     from exo_like.engines.base import create_engine
     from exo_like.models.shard import Shard
 
