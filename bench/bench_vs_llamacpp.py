@@ -5,7 +5,9 @@ Files (built once and cached under $EXO_LIKE_BENCH_CACHE, default ~/.cache/exo-l
   - smollm2-f32, smollm2-bf16: the same file with every tensor dequantized and stored as F32 / BF16 (norms stay
     F32, as llama.cpp's converter keeps them), metadata and tokenizer copied unchanged: the same weights;
   - qwen-f32, qwen-bf16, qwen-q4_1, qwen-q4_k_m: a random Qwen2.5-0.5B-shaped checkpoint (bench_torch_vs_hf.py)
-    converted by llama.cpp's own converter, then quantized by llama-quantize from the F32 file.
+    converted by llama.cpp's own converter, then quantized by llama-quantize from the F32 file;
+  - qwen3moe-q4_k_m, qwen3moe-q8_0 (and qwen3moe-f32): a random Qwen3-MoE-shaped checkpoint of ~1 B parameters,
+    ~0.2 B active (QWEN3_MOE_1B: 12 layers, 8 of 64 experts per token), made the same way.
 llama.cpp is built by ../shared/tools/llamacpp.sh (`llamacpp.sh build` prints its bin folder once built).
 
 For each file, with the same thread count on both sides:
@@ -23,7 +25,8 @@ median over repeats is reported, with ratio = exo-like / llama.cpp. llama.cpp's 
 attention is on `auto` (its defaults); exo-like's KV cache has the engine's dtype.
 
 Usage: python bench/bench_vs_llamacpp.py [--threads 2] [--prompts 64,512] [--gen 64] [--depth 0] [--repeats 3]
-           [--files smollm2-q4_1,smollm2-f32,smollm2-bf16,qwen-f32,qwen-bf16,qwen-q4_1,qwen-q4_k_m|PATH.gguf,...]
+           [--files smollm2-q4_1,smollm2-f32,smollm2-bf16,qwen-f32,qwen-bf16,qwen-q4_1,qwen-q4_k_m,
+                    qwen3moe-q4_k_m,qwen3moe-q8_0|PATH.gguf,...]
            [--extra-dtypes float32]
 """
 
@@ -56,7 +59,7 @@ limit_worker_spin()  # as the CLI does, before torch is imported
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from bench_torch_vs_hf import QWEN25_05B, build_checkpoint  # noqa: E402
+from bench_torch_vs_hf import QWEN25_05B, build_checkpoint, peaky_state  # noqa: E402
 
 from exo_like.engines.torch.engine import TorchEngine  # noqa: E402
 from exo_like.engines.work import (  # noqa: E402
@@ -75,7 +78,16 @@ CACHE = Path(os.environ.get("EXO_LIKE_BENCH_CACHE", Path.home() / ".cache" / "ex
 RECIPE = "1"  # bump when a recipe below changes, so cached files are rebuilt
 SMOLLM2_FILES = {"smollm2-q4_1": None, "smollm2-f32": "F32", "smollm2-bf16": "BF16"}
 QWEN_FILES = {"qwen-f32": "f32", "qwen-bf16": "bf16", "qwen-q4_1": "Q4_1", "qwen-q4_k_m": "Q4_K_M"}
-DEFAULT_FILES = ",".join([*SMOLLM2_FILES, *QWEN_FILES])
+# A Qwen3-MoE-shaped model of ~1 B parameters, ~0.2 B of them active per token (8 of 64 experts).
+QWEN3_MOE_1B = {
+    "hidden_size": 1024, "num_hidden_layers": 12, "num_attention_heads": 16, "num_key_value_heads": 4,
+    "head_dim": 64, "intermediate_size": 3072, "moe_intermediate_size": 384, "num_experts": 64,
+    "num_experts_per_tok": 8, "norm_topk_prob": True, "vocab_size": 32000, "max_position_embeddings": 32768,
+    "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "bos_token_id": None,
+    "eos_token_id": None,
+}
+MOE_FILES = {"qwen3moe-f32": "f32", "qwen3moe-q8_0": "Q8_0", "qwen3moe-q4_k_m": "Q4_K_M"}
+DEFAULT_FILES = ",".join([*SMOLLM2_FILES, *QWEN_FILES, "qwen3moe-q4_k_m", "qwen3moe-q8_0"])
 
 
 # -- llama.cpp ----------------------------------------------------------------------------------------------------
@@ -173,42 +185,58 @@ def smollm2_file(name: str) -> Path:
     return cached(name, [file_digest(source), kind], lambda out: write_float_copy(source, out, kind))
 
 
-class QwenFiles:
-    """The Qwen2.5-0.5B-shaped checkpoint's GGUF files; its HF folder is only built when a file is missing."""
+class ConvertedFiles:
+    """A random checkpoint's GGUF files, converted by llama.cpp's converter and quantized by llama-quantize from the
+    F32 file; the Hugging Face folder is only built when a file is missing."""
 
-    def __init__(self, work: Path):
-        self.work = work
-        self.key = [json.dumps(QWEN25_05B, sort_keys=True), "seed 0", llamacpp("build").strip()]
+    def __init__(self, work: Path, prefix: str, kinds: dict[str, str], build: Callable[[Path], Path], shape: dict):
+        self.work, self.prefix, self.kinds, self.build = work, prefix, kinds, build
+        self.key = [json.dumps(shape, sort_keys=True), "seed 0", llamacpp("build").strip()]
         self._hf_dir: Path | None = None
 
     def hf_dir(self) -> Path:
         if self._hf_dir is None:
-            path = build_checkpoint(self.work / "qwen2.5-0.5b-shape")
+            path = self.build(self.work / f"{self.prefix}-shape")
             # The converter needs a tokenizer; ours is padded to the checkpoint's vocabulary with unused tokens.
             write_tokenizer_files(path, build_tokenizer())
             self._hf_dir = path
         return self._hf_dir
 
     def file(self, name: str) -> Path:
-        kind = QWEN_FILES[name]
+        kind = self.kinds[name]
         if kind in ("f32", "bf16"):
             # llama-bench never tokenizes; the converter only needs a pre-tokenizer name llama.cpp knows.
             env = {"LLAMACPP_PRE": os.environ.get("LLAMACPP_PRE", "smollm")}
             return cached(name, [*self.key, kind],
                           lambda out: llamacpp("convert", str(self.hf_dir()), str(out), kind, env=env))
-        source = self.file("qwen-f32")
+        source = self.file(f"{self.prefix}-f32")
         return cached(name, [*self.key, kind], lambda out: llamacpp("quantize", str(source), str(out), kind))
+
+
+def build_moe_checkpoint(path: Path) -> Path:
+    """A random Qwen3-MoE with QWEN3_MOE_1B's shapes, peaky as bench_torch_vs_hf's dense one, saved under the Hub's
+    per-expert names (what llama.cpp's converter reads)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    with torch.device("meta"):
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**QWEN3_MOE_1B))
+    model.load_state_dict(peaky_state(model), strict=False, assign=True)
+    model.save_pretrained(path)
+    return path
 
 
 def bench_files(names: list[str], work: Path) -> Iterator[tuple[str, Path]]:
     """(name, path) of each file asked for, built (or found in the cache) as it comes."""
-    qwen = None
+    qwen = moe = None
     for name in names:
         if name in SMOLLM2_FILES:
             yield name, smollm2_file(name)
         elif name in QWEN_FILES:
-            qwen = qwen or QwenFiles(work)
+            qwen = qwen or ConvertedFiles(work, "qwen", QWEN_FILES, build_checkpoint, QWEN25_05B)
             yield name, qwen.file(name)
+        elif name in MOE_FILES:
+            moe = moe or ConvertedFiles(work, "qwen3moe", MOE_FILES, build_moe_checkpoint, QWEN3_MOE_1B)
+            yield name, moe.file(name)
         elif name.endswith(".gguf") and Path(name).is_file():
             yield Path(name).stem, Path(name)
         else:

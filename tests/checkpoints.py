@@ -128,6 +128,8 @@ def to_hub_style_config(config_path: Path) -> None:
     rope_type = rope.get("rope_type", "default")
     config["rope_scaling"] = None if rope_type == "default" else rope
     config["torch_dtype"] = config.pop("dtype", "float32")
+    if config["model_type"] in ("qwen2_moe", "qwen3_moe") and "num_local_experts" in config:
+        config["num_experts"] = config.pop("num_local_experts")  # the Hub's name; transformers 5 renames it
     config_path.write_text(json.dumps(config, indent=2))
 
 

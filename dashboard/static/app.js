@@ -4,7 +4,7 @@
 
 import { Chat } from "./chat.js";
 import { ago, leftOutText, recoveryText, renderLayerBar, renderNodeCards, renderRing } from "./topology.js";
-import { assignColours, formatBytes, formatRate, h, plural, replace, s } from "./util.js";
+import { assignColours, formatBytes, formatCount, formatRate, h, plural, replace, s } from "./util.js";
 
 const STALE_AFTER_MS = 4000; // the server sends at least one picture per second
 const HISTORY = 60; // throughput samples (one per second) in the sparkline
@@ -139,7 +139,8 @@ function renderSummary(picture) {
   const plan = picture.plan;
   replace($("summary"),
     tile("Model", picture.model_name || "none yet",
-      plan ? `${plural(plan.n_layers, "layer")} · ${formatBytes(picture.model_bytes)}` : "no model chosen", "model"),
+      plan ? [modelKind(picture), `${plural(plan.n_layers, "layer")} · ${formatBytes(picture.model_bytes)}`]
+        : "no model chosen", "model"),
     tile("Memory", formatBytes(picture.total_memory_bytes),
       `layers take ${formatBytes(usedBytes)} · ${plural(picture.nodes.length, "node")}`, "memory"),
     tile("Ring", ringState(picture), [plan ? `digest ${plan.digest}` : "no plan yet",
@@ -150,6 +151,16 @@ function renderSummary(picture) {
     tile("Cluster key", picture.cluster_key === "set" ? "private" : "default",
       picture.cluster_key === "set" ? "only nodes with the key can join" : "any node on the network can join",
       "key"));
+}
+
+// The architecture and its parameters: a mixture of experts runs only some of them per token.
+function modelKind(picture) {
+  const params = picture.parameters;
+  if (!picture.architecture || !params) return null;
+  const active = params.active < params.total ? ` · ${formatCount(params.active)} active` : "";
+  return h("div", { class: "tile-architecture", title: "the model's architecture, its parameters and, for a mixture "
+    + "of experts, those one token runs through" },
+    `${picture.architecture} · ${formatCount(params.total)} parameters${active}`);
 }
 
 // How the layers are split (by measured speed or by memory, and why), and a token's time around the ring.

@@ -60,6 +60,14 @@ export function formatLayers(start, end) {
   return end - start === 1 ? `${start}` : `${start}–${end - 1}`;
 }
 
+// A parameter count as people write it: 135M, 1.0B, 30.5B.
+export function formatCount(count) {
+  if (count >= 1e9) return `${(count / 1e9).toFixed(1)}B`;
+  if (count >= 1e6) return `${Math.round(count / 1e6)}M`;
+  if (count >= 1e3) return `${Math.round(count / 1e3)}K`;
+  return `${count}`;
+}
+
 export function plural(count, word) {
   return `${count} ${word}${count === 1 ? "" : "s"}`;
 }

@@ -37,6 +37,7 @@ def cluster_picture(cluster: Cluster, now: float | None = None) -> dict[str, Any
         "problem": cluster.problem,
         "waiting_for": None if cluster.ready else cluster.why_not_ready(),
         "model_bytes": _model_bytes(cluster),
+        **_model_kind(cluster),
         "total_memory_bytes": sum(m.memory_bytes for m in members),
         # Each token counted once, by the node that streams it to its client.
         "tokens_per_second": round(sum(n["generated_per_second"] for n in nodes), 2),
@@ -69,6 +70,14 @@ def _model_bytes(cluster: Cluster) -> int | None:
     if description is None:
         return None
     return description.footprint.shard_bytes(Shard("whole", 0, description.n_layers, description.n_layers))
+
+
+def _model_kind(cluster: Cluster) -> dict[str, Any]:
+    """The model's architecture and parameters (total, and active per token), once it is described."""
+    description = cluster.description()
+    if description is None:
+        return {"architecture": None, "parameters": None}
+    return {"architecture": description.architecture, "parameters": description.parameters}
 
 
 def info_json(m: NodeInfo) -> dict[str, Any]:

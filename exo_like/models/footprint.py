@@ -182,10 +182,12 @@ class ModelFootprint:
 
 @dataclass(frozen=True)
 class ModelDescription:
-    """What planning needs about a model: its layer count and bytes."""
+    """What planning needs about a model: its layer count and bytes; and what the cluster view shows of it."""
 
     n_layers: int
     footprint: ModelFootprint
+    architecture: str | None = None  # the config's model_type
+    parameters: dict[str, int] | None = None  # {"total", "active"}: see parameters.py
 
 
 def model_footprint(model_dir: Path, n_layers: int, tied: bool, quant: QuantSpec | None = None) -> ModelFootprint:
@@ -207,12 +209,24 @@ def safetensors_matrices(tensors: Iterable[tuple[str, str, int, tuple[int, ...]]
             continue
         prefix = name.removesuffix(".weight")
         if quant is not None and dtype == "U32" and f"{prefix}.scales" in listed:
+            spec = quant.for_module(prefix)
             extra = sum(listed[f"{prefix}{s}"][1] for s in QUANTIZED_SUFFIXES if f"{prefix}{s}" in listed)
-            logical = (shape[0], shape[1] * 32 // quant.bits)
-            matrices.append(Matrix(name, logical, size + extra, 0, quant.bits, quant.group_size, True, True))
+            logical = (*shape[:-1], shape[-1] * 32 // spec.bits)
+            matrices += _per_expert(Matrix(name, logical, size + extra, 0, spec.bits, spec.group_size, True, True))
         else:
-            matrices.append(Matrix(name, shape, size, FLOAT_BYTES.get(dtype, 2)))
+            matrices += _per_expert(Matrix(name, shape, size, FLOAT_BYTES.get(dtype, 2)))
     return matrices
+
+
+def _per_expert(m: Matrix) -> list[Matrix]:
+    """An MLX-format mixture's experts are stacked ([experts, out, in] under `switch_mlp`); the engines that hold
+    them one by one (torch) size each on its own, under the per-expert names the fusions follow."""
+    if len(m.shape) != 3 or ".switch_mlp." not in m.name:
+        return [m]
+    module, _, projection = m.name.removesuffix(".weight").rpartition(".switch_mlp.")
+    experts = m.shape[0]
+    return [replace(m, name=f"{module}.experts.{e}.{projection}.weight", shape=m.shape[1:],
+                    stored_bytes=m.stored_bytes // experts) for e in range(experts)]
 
 
 def gguf_matrices(entries: Iterable[tuple[str, str, int, tuple[int, ...]]]) -> list[Matrix]:

@@ -2,9 +2,10 @@
 
 Such a checkpoint stores each quantized matrix as three tensors: `X.weight` (uint32, `bits`-bit integers packed
 least-significant bits first), `X.scales` and `X.biases` (one per `group_size` consecutive inputs), with
-w = scales * q + biases per group (`mx.dequantize`, mode "affine"). Only the uniform form is supported: one
-{group_size, bits} for the whole model. Per-layer settings (mixed-precision conversions) and other quantization
-schemes (GPTQ, AWQ, bitsandbytes, MLX's fp4/fp8 modes) are rejected with a clear error.
+w = scales * q + biases per group (`mx.dequantize`, mode "affine"). One {group_size, bits} holds for the model, and
+mlx-lm's mixed-precision conversions name the modules that differ (`"model.layers.0.mlp.gate": {group_size: 64,
+bits: 8}`: a mixture's routers kept at 8 bits). Other quantization schemes (GPTQ, AWQ, bitsandbytes, MLX's fp4/fp8
+modes) are rejected with a clear error.
 """
 
 from __future__ import annotations
@@ -25,9 +26,18 @@ QUANTIZED_SUFFIXES = (".scales", ".biases")
 class QuantSpec:
     group_size: int
     bits: int
+    # (checkpoint module path, group_size, bits) of the modules quantized otherwise than the model
+    overrides: tuple[tuple[str, int, int], ...] = ()
 
     def to_json(self) -> dict[str, int]:
         return {"group_size": self.group_size, "bits": self.bits}
+
+    def for_module(self, path: str) -> "QuantSpec":
+        """The spec of the module at checkpoint path `path` (e.g. `model.layers.3.mlp.gate`)."""
+        for module, group_size, bits in self.overrides:
+            if module == path:
+                return QuantSpec(group_size, bits)
+        return QuantSpec(self.group_size, self.bits)
 
 
 def quant_spec(quantization: dict[str, Any] | None) -> QuantSpec | None:
@@ -39,20 +49,29 @@ def quant_spec(quantization: dict[str, Any] | None) -> QuantSpec | None:
     if "quant_method" in quantization:
         raise _unsupported(f"{quantization['quant_method']!r} quantization is not supported; only MLX affine "
                            f"checkpoints (mlx-community, config `quantization: {{group_size, bits}}`) are")
-    extra = set(quantization) - _UNIFORM_KEYS
-    if extra:
-        # mlx-lm writes per-layer overrides as extra keys named after module paths.
-        raise _unsupported(f"per-layer quantization settings are not supported (found entries for "
-                           f"{', '.join(sorted(extra)[:3])}{', ...' if len(extra) > 3 else ''}); only a uniform "
-                           f"{{group_size, bits}} checkpoint is")
-    mode = quantization.get("mode", "affine")
+    group_size, bits = _checked(quantization, "quantization")
+    overrides = []
+    for key in sorted(set(quantization) - _UNIFORM_KEYS):
+        value = quantization[key]
+        # mlx-lm writes per-module settings under the module's path; `false` marks one left in float, which its
+        # missing `.scales` says as well.
+        if value is False:
+            continue
+        if not isinstance(value, dict) or "." not in key:
+            raise _unsupported(f"unknown quantization setting {key!r}: {value!r}")
+        overrides.append((key, *_checked(value, key)))
+    return QuantSpec(group_size, bits, tuple(overrides))
+
+
+def _checked(settings: dict[str, Any], where: str) -> tuple[int, int]:
+    mode = settings.get("mode", "affine")
     if mode != "affine":
-        raise _unsupported(f"MLX quantization mode {mode!r} is not supported; only 'affine' is")
-    group_size, bits = quantization.get("group_size"), quantization.get("bits")
+        raise _unsupported(f"MLX quantization mode {mode!r} ({where}) is not supported; only 'affine' is")
+    group_size, bits = settings.get("group_size"), settings.get("bits")
     if group_size not in GROUP_SIZES or bits not in BITS:
-        raise _unsupported(f"quantization group_size={group_size!r}, bits={bits!r} is not supported; group_size "
-                           f"must be one of {GROUP_SIZES} and bits one of {BITS}")
-    return QuantSpec(int(group_size), int(bits))
+        raise _unsupported(f"quantization group_size={group_size!r}, bits={bits!r} ({where}) is not supported; "
+                           f"group_size must be one of {GROUP_SIZES} and bits one of {BITS}")
+    return int(group_size), int(bits)
 
 
 def _unsupported(message: str) -> UnsupportedModelError:

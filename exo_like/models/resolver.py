@@ -34,6 +34,8 @@ from exo_like.models.hub.repo import (
     repo_manifest,
 )
 from exo_like.models.name import ModelName, pinned_key
+from exo_like.models.parameters import count_parameters
+from exo_like.models.shard import Shard
 from exo_like.models.tokenizer import ModelTokenizer
 
 log = logging.getLogger(__name__)
@@ -63,14 +65,18 @@ class LoadedModel:
     @property
     def description(self) -> ModelDescription:
         """What planning needs."""
-        return ModelDescription(self.args.num_hidden_layers, self.footprint)
+        return ModelDescription(self.args.num_hidden_layers, self.footprint, self.args.model_type,
+                                count_parameters(self.args).to_json())
 
     def answers_to(self, name: str) -> bool:
         return name == self.model_id or name in self.aliases
 
     def to_json(self) -> dict[str, object]:
         return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "exo-like",
-                "context_length": self.args.context_length}
+                "context_length": self.args.context_length, "architecture": self.args.model_type,
+                "parameters": count_parameters(self.args).to_json(),
+                "bytes": self.footprint.shard_bytes(Shard("whole", 0, self.args.num_hidden_layers,
+                                                          self.args.num_hidden_layers))}
 
     def listing(self) -> dict[str, object]:
         """Its entry in GET /v1/models."""

@@ -38,6 +38,8 @@ GROUP_SIZE, Q_BITS = 64, 4
 CASES = {
     "llama": ("llama", {"intermediate_size": 192}),
     "qwen2": ("qwen2", {}),
+    # mlx-lm stacks the experts (`switch_mlp`) and keeps the routers at 8 bits (per-module settings in the config)
+    "qwen3_moe": ("qwen3_moe", {}),
 }
 CHAINS = {"mlx-torch-mlx": ("mlx", "torch", "mlx"), "torch-mlx-torch": ("torch", "mlx", "torch")}
 
@@ -113,6 +115,22 @@ def test_mixed_chain_on_one_quantized_folder_matches_mlx_lm(quantized_dir, refer
     assert chain_greedy(chain, prompt_ids(path)) == reference_tokens(name)
 
 
+def test_an_mlx_format_mixture_is_held_as_its_footprint_says(quantized_dir):
+    """Stacked experts and 8-bit routers: each engine holds, per shard, the bytes the footprint (planning) counts;
+    torch splits the stacks into one matrix per expert, its int4 packs with the routers dequantized (8 outputs)."""
+    path = quantized_dir("qwen3_moe")
+    args = ModelArgs.from_dir(path)
+    assert args.quant.for_module("model.layers.0.mlp.gate") == QuantSpec(64, 8)
+    footprint = model_footprint(path, N_LAYERS, args.tie_word_embeddings, args.quant)
+    for engine_name, dtype in (("torch", None), ("torch", "float32"), ("mlx", None)):
+        for start, end in UNEVEN_SHARDS:
+            engine = create_engine(engine_name, device="cpu", dtype=dtype)
+            engine.load(path, args, Shard(path.name, start, end, N_LAYERS))
+            held = footprint.held_by(engine_name, dtype).shard_bytes(Shard(path.name, start, end, N_LAYERS))
+            assert held == engine.parameter_bytes(), (engine_name, dtype, start, end)
+    assert engine.weight_forms.quantized.get("mlx 8-bit", 0) == sum(args.is_sparse_layer(i) for i in range(start, end))
+
+
 def test_torch_shard_holds_the_dequantized_matrices(quantized_dir):
     path = quantized_dir("qwen2")
     engine = load("torch", path, 0, N_LAYERS)
@@ -141,7 +159,8 @@ def test_dequantize_is_mx_dequantize_bit_for_bit(bits, group_size):
 
 
 @pytest.mark.parametrize("entry, hint", [
-    ({"group_size": 64, "bits": 4, "model.layers.0.mlp.down_proj": {"group_size": 64, "bits": 8}}, "per-layer"),
+    ({"group_size": 64, "bits": 4, "model.layers.0.mlp.down_proj": {"group_size": 64, "bits": 7}}, "bits=7"),
+    ({"group_size": 64, "bits": 4, "lora": True}, "unknown quantization setting"),
     ({"quant_method": "gptq", "bits": 4}, "gptq"),
     ({"group_size": 32, "bits": 4, "mode": "mxfp4"}, "mxfp4"),
     ({"group_size": 64, "bits": 7}, "bits=7"),
@@ -157,12 +176,16 @@ def test_uniform_entry_is_accepted():
     assert quant_spec(None) is None
 
 
-def test_a_per_layer_checkpoint_fails_when_its_config_is_read(quantized_dir, tmp_path):
+def test_per_module_settings_of_a_mixed_precision_conversion_are_read(quantized_dir, tmp_path):
+    """mlx-lm names the modules it quantized otherwise (a mixture's routers at 8 bits); `false` marks one left
+    float."""
     config = json.loads((quantized_dir("llama") / "config.json").read_text())
-    config["quantization"]["model.layers.0.mlp.down_proj"] = {"group_size": 64, "bits": 8}
+    config["quantization"]["model.layers.0.mlp.down_proj"] = {"group_size": 32, "bits": 8}
+    config["quantization"]["model.layers.1.mlp.down_proj"] = False
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UnsupportedModelError, match="per-layer"):
-        ModelArgs.from_dir(tmp_path)
+    quant = ModelArgs.from_dir(tmp_path).quant
+    assert quant.for_module("model.layers.0.mlp.down_proj") == QuantSpec(32, 8)
+    assert quant.for_module("model.layers.2.mlp.down_proj") == QuantSpec(64, 4)
     assert ModelArgs.from_dir(quantized_dir("llama")).quant == QuantSpec(64, 4)
 
 

@@ -124,9 +124,23 @@ def quantize_like_checkpoint(model: ShardModel, args: ModelArgs, weights: dict[s
     each have their own {group_size, bits} (`specs`)."""
     spec = args.quant
     if spec is not None:
-        nn.quantize(model, spec.group_size, spec.bits, class_predicate=lambda path, _: f"{path}.scales" in weights)
+        def settings(path: str, _: nn.Module) -> dict[str, int] | bool:
+            if f"{path}.scales" not in weights:
+                return False
+            chosen = spec.for_module(checkpoint_path(path, model.shard))  # mixed precision: by the stored name
+            return {"group_size": chosen.group_size, "bits": chosen.bits}
+
+        nn.quantize(model, class_predicate=settings)
     elif specs:
         nn.quantize(model, class_predicate=lambda path, _: specs.get(path, False))
+
+
+def checkpoint_path(local: str, shard: Shard) -> str:
+    """A module's path as the checkpoint names it: the shard numbers its layers from 0."""
+    parts = local.split(".")
+    if parts[:2] == ["model", "layers"] and len(parts) > 2:
+        parts[2] = str(int(parts[2]) + shard.start_layer)
+    return ".".join(parts)
 
 
 def _cast(array: mx.array, dtype: mx.Dtype) -> mx.array:
@@ -164,7 +178,9 @@ class MLXEngine(Engine):
             weights, specs = read_shard_tensors(Path(model_dir), args, shard, self.requested_dtype is None, forms)
             quantize_like_checkpoint(model, args, weights, specs)
             if args.quant is not None:
-                forms.quantized[f"mlx {args.quant.bits}-bit"] = sum(n.endswith(".scales") for n in weights)
+                for name in (n for n in weights if n.endswith(".scales")):
+                    bits = args.quant.for_module(checkpoint_path(name.removesuffix(".scales"), shard)).bits
+                    forms.add_quantized(f"mlx {bits}-bit")
             dtype = MX_DTYPES[dtype_name]
             model.load_weights([(name, _cast(w, dtype)) for name, w in weights.items()], strict=True)
             # Read everything now, so the first request does not pay for loading and the files can be closed;

@@ -83,6 +83,7 @@ def read_planned_tensors(
     A quantized checkpoint's matrices come as AffineGroups with `keep_quantized`, else dequantized here, one at
     a time, so only the packed shard plus one float matrix is ever held beyond the result."""
     weights: dict[str, torch.Tensor] = {}
+    stored_as: dict[str, str] = {}  # local name -> checkpoint name (per-module quantization is by the latter)
     for path, names in plan.files.items():
         wanted = [(name, local) for name, local in names if name not in skip]
         if not wanted:
@@ -95,18 +96,39 @@ def read_planned_tensors(
                 tensor = f.get_tensor(name)
                 # Packed tensors keep their stored form (a copy still) until all parts of a matrix are read.
                 weights[local] = tensor.clone() if quant else tensor.to(device=device, dtype=dtype, copy=True)
+                stored_as[local] = name
     if quant is None:
-        return weights
+        return unstack_experts(weights)
     held: dict[str, torch.Tensor | AffineGroups] = {}
     for name in [n for n in weights if n.endswith(".scales")]:
         prefix = name.removesuffix(".scales")
+        spec = quant.for_module(stored_as[name].removesuffix(".scales"))
         packed, scales, biases = (weights.pop(f"{prefix}.{kind}") for kind in ("weight", "scales", "biases"))
-        groups = from_mlx(packed.view(torch.int32).numpy().view(np.uint32), scales.float().numpy(),
-                          biases.float().numpy(), quant.bits, quant.group_size)
-        held[f"{prefix}.weight"] = groups if keep_quantized else \
-            torch.from_numpy(groups.dequantize()).to(device=device, dtype=dtype)
+        stacked = packed.dim() == 3  # an MLX-format mixture's experts, [experts, out, in]: one matrix each
+        for index in range(packed.shape[0]) if stacked else (None,):
+            part = (lambda t: t[index]) if stacked else (lambda t: t)  # noqa: E731
+            groups = from_mlx(part(packed).view(torch.int32).numpy().view(np.uint32), part(scales).float().numpy(),
+                              part(biases).float().numpy(), spec.bits, spec.group_size)
+            held[f"{prefix}.weight" if index is None else expert_name(prefix, index)] = groups if keep_quantized \
+                else torch.from_numpy(groups.dequantize()).to(device=device, dtype=dtype)
     held.update((name, tensor.to(device=device, dtype=dtype)) for name, tensor in weights.items())
-    return held
+    return unstack_experts(held)
+
+
+def expert_name(stack: str, expert: int) -> str:
+    """`...mlp.switch_mlp.up_proj` (MLX-format experts, stacked) -> `...mlp.experts.{expert}.up_proj.weight`."""
+    module, _, projection = stack.rpartition(".switch_mlp.")
+    return f"{module}.experts.{expert}.{projection}.weight"
+
+
+def unstack_experts(weights: dict[str, Matrix]) -> dict[str, Matrix]:
+    """A float MLX-format mixture's stacked experts ([experts, out, in] under `switch_mlp`) as one matrix each, the
+    names the torch engine's experts take."""
+    for name in [n for n in weights if ".switch_mlp." in n and n.endswith(".weight")]:
+        stack = weights.pop(name)
+        for index in range(stack.shape[0]):
+            weights[expert_name(name.removesuffix(".weight"), index)] = stack[index].clone()
+    return weights
 
 
 def checkpoint_skips(plan: ShardLoadPlan, tied_embeddings: bool) -> set[str]:
