@@ -14,7 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.api_server import NodeProcess, start_node, stop_nodes, wait_for
-from tests.checkpoints import ARCHITECTURES, built_once, make_checkpoint
+from tests.checkpoints import ARCHITECTURES, MOE_ARCHITECTURES, built_once, make_checkpoint
 from tests.cluster_harness import start_cluster, wait_until_ready
 from tests.oracle import Oracle
 
@@ -96,6 +96,46 @@ def test_a_ring_mixing_mlx_and_torch_batches_exactly(models, oracles, tmp_path: 
         wait_until_ready(nodes, members=3)
         results = asyncio.run(all_at_once(nodes[1], models(arch).name, temperature=0))
         assert results == expected(oracles(arch))
+    finally:
+        stop_nodes(nodes)
+
+
+@pytest.mark.parametrize("arch", [a for a in MOE_ARCHITECTURES if a != "qwen3_moe"])
+def test_eight_concurrent_requests_of_a_mixture_each_equal_the_oracle(models, oracles, tmp_path: Path,
+                                                                      arch: str) -> None:
+    node = start_node(tmp_path, str(models(arch)), "--no-mdns", "--engine", "torch", "--dtype", "float32")
+    try:
+        results = asyncio.run(all_at_once(node, models(arch).name, temperature=0))
+        assert results == expected(oracles(arch))
+        assert batched_steps(node) > 1
+    finally:
+        assert node.stop() == 0, node.log()
+
+
+def test_a_mixed_ring_serves_a_mixture_of_experts_and_says_what_it_is(models, oracles, tmp_path: Path) -> None:
+    """Qwen3-MoE (a dense layer among sparse ones) over torch, MLX and torch nodes: eight concurrent requests each
+    equal transformers; /v1/models and /v1/cluster give the architecture, its total and active parameters (as
+    transformers counts them) and each node's bytes."""
+    pytest.importorskip("mlx.core", reason="mlx is not installed")
+    from transformers import AutoModelForCausalLM
+
+    model = models("qwen3_moe")
+    nodes = start_cluster(tmp_path, str(model), [6, 3, 2], engines=["torch", "mlx", "torch"])
+    try:
+        wait_until_ready(nodes, members=3)
+        results = asyncio.run(all_at_once(nodes[1], model.name, temperature=0))
+        assert results == expected(oracles("qwen3_moe"))
+        hf = AutoModelForCausalLM.from_pretrained(model)
+        total = sum(p.numel() for p in hf.parameters())
+        expert = sum(p[0].numel() for p in hf.model.layers[0].mlp.experts.parameters())  # one expert's matrices
+        sparse = sum(1 for layer in hf.model.layers if hasattr(layer.mlp, "experts"))
+        active = total - sparse * (8 - 3) * expert  # 3 of 8 experts per token
+        view = json.loads(nodes[0].request("GET", "/v1/cluster")[2])
+        assert view["architecture"] == "qwen3_moe" and view["parameters"] == {"total": total, "active": active}
+        assert all(node["used_bytes"] > 0 for node in view["nodes"])
+        assert sum(node["used_bytes"] for node in view["nodes"]) == view["model_bytes"]
+        listed = json.loads(nodes[2].request("GET", "/v1/models")[2])["data"][0]
+        assert (listed["architecture"], listed["parameters"]) == ("qwen3_moe", {"total": total, "active": active})
     finally:
         stop_nodes(nodes)
 
