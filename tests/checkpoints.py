@@ -19,6 +19,7 @@ from exo_like.models.demo import BOS, EOS, EOT, build_tokenizer, write_tokenizer
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral")
+FUSED_ARCHITECTURES = ("phi3",)  # q/k/v and gate/up stored fused
 
 _COMMON = dict(
     hidden_size=64,
@@ -46,6 +47,7 @@ _SPECIFIC = {
                       moe_intermediate_size=64, shared_expert_intermediate_size=96, norm_topk_prob=False),
     "mixtral": dict(rope_theta=1000000.0, intermediate_size=96, num_local_experts=6, num_experts_per_tok=2,
                     tie_word_embeddings=False),
+    "phi3": dict(rope_theta=10000.0, tie_word_embeddings=False, sliding_window=None, pad_token_id=0),
 }
 ROUTER_SCALE = 6.0  # router logits' spread: top-k choices far from ties, so summation order never flips one
 
@@ -55,7 +57,8 @@ def hf_config(arch: str, n_layers: int, vocab_size: int, token_ids: dict[str, in
 
     config_class = getattr(transformers, {
         "llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
-        "qwen3_moe": "Qwen3MoeConfig", "qwen2_moe": "Qwen2MoeConfig", "mixtral": "MixtralConfig"}[arch])
+        "qwen3_moe": "Qwen3MoeConfig", "qwen2_moe": "Qwen2MoeConfig", "mixtral": "MixtralConfig",
+        "phi3": "Phi3Config"}[arch])
     settings = {**_COMMON, **_SPECIFIC[arch], **overrides}
     return config_class(
         num_hidden_layers=n_layers,

@@ -27,9 +27,10 @@ def free_ports(count: int) -> list[int]:
 def start_cluster(root: Path, model: str | None, memories_gb: list[float], engines: list[str] | None = None,
                   extra: tuple[str, ...] = (), threads: int = 1, envs: list[dict[str, str | None]] | None = None,
                   preexecs: list[Callable[[], None] | None] | None = None,
-                  node_ids: list[str] | None = None) -> list[NodeProcess]:
+                  node_ids: list[str] | None = None, dtype: str | None = "float32") -> list[NodeProcess]:
     """Nodes node0, node1, ... in homes <root>/home0, ... (node_ids: the ids they take, e.g. to fix the ring's
-    order among nodes of equal memory; preexecs: what each process runs before exo-like, see start_node)."""
+    order among nodes of equal memory; preexecs: what each process runs before exo-like, see start_node; dtype:
+    their --dtype, None for each engine's default)."""
     ports = free_ports(len(memories_gb))
     peers = ",".join(f"127.0.0.1:{p}" for p in ports)
     engines = engines or ["torch"] * len(memories_gb)
@@ -41,7 +42,7 @@ def start_cluster(root: Path, model: str | None, memories_gb: list[float], engin
                 seed_identity(root / f"home{i}", node_ids[i])
             launched.append(launch_node(root / f"home{i}", model, "--no-mdns", "--peers", peers, "--memory-gb",
                                         str(memory), "--node-name", f"node{i}", "--engine", engine,
-                                        "--dtype", "float32", *extra, port=port, threads=threads,
+                                        *(("--dtype", dtype) if dtype else ()), *extra, port=port, threads=threads,
                                         env=envs[i] if envs else None, preexec=preexecs[i] if preexecs else None))
         return [node.serving() for node in launched]
     except BaseException:

@@ -75,6 +75,23 @@ def build_checkpoints(root: Path) -> list[Checkpoint]:
     return made
 
 
+# A Qwen3-MoE of ~200M parameters, ~110 MB as Q4_K: 16 experts of 512 per layer, 4 per token. Split over two nodes,
+# each holds ~55 MB of layers: a node that held its experts dequantized (3.6x) would break the resident bound.
+MOE_SHAPE = {"n_layers": 8, "hidden_size": 1024, "head_dim": 64, "num_attention_heads": 16, "num_key_value_heads": 4,
+             "intermediate_size": 1024, "moe_intermediate_size": 512, "num_experts": 16, "num_experts_per_tok": 4,
+             "mlp_only_layers": [], "seed": 1}
+
+
+def build_moe_checkpoint(root: Path) -> Checkpoint:
+    float_dir = root / "moe-float"
+    if not (float_dir / "config.json").exists():
+        make_checkpoint(float_dir, "qwen3_moe", **MOE_SHAPE)
+    gguf = root / "moe-q4_k.gguf"
+    if not gguf.exists():
+        write_gguf(float_dir, gguf, "Q4_K", "Q4_K")
+    return Checkpoint("Qwen3-MoE GGUF Q4_K", gguf, gguf.stat().st_size)
+
+
 def resident_bytes(node: NodeProcess) -> int:
     return psutil.Process(node.process.pid).memory_info().rss
 

@@ -16,8 +16,11 @@ if not sys.platform.startswith("linux"):
     pytest.skip("reads resident memory as Linux reports it", allow_module_level=True)
 
 from exo_like.models.catalog import PACKAGED  # noqa: E402
-from tests.memory_probe import (DEFAULT_NODE, PARAMETER_RATIO, Checkpoint, baseline, build_checkpoints,  # noqa: E402
-                                measure)
+from tests.api_server import stop_nodes  # noqa: E402
+from tests.cluster_harness import cluster_of, start_cluster, wait_until_ready  # noqa: E402
+from tests.memory_probe import (DEFAULT_NODE, PARAMETER_RATIO, RESIDENT_RATIO, RESIDENT_SLACK, Checkpoint,  # noqa: E402
+                                baseline, build_checkpoints, build_moe_checkpoint, measure, one_request,
+                                resident_bytes)
 
 
 @pytest.fixture(scope="module")
@@ -58,3 +61,29 @@ def test_the_default_model_on_a_default_node_holds_about_its_file(tmp_path: Path
     assert result.weights["dequantized"] == {}, result.weights
     assert result.parameter_ratio <= PARAMETER_RATIO, result
     assert result.resident_growth <= result.resident_limit, result
+
+
+@pytest.mark.slow
+def test_each_node_of_a_mixture_ring_holds_about_its_layers_bytes(tmp_path: Path, without_model: int,
+                                                                    record_property) -> None:
+    """A Q4_K Qwen3-MoE over two torch nodes (the default, quantized path): each node's resident memory after a
+    request, over a node without a model, stays within 1.2x the bytes of its own layers + 100 MB; its experts
+    stay 4-bit, each its own int4 pack."""
+    checkpoint = build_moe_checkpoint(tmp_path / "checkpoint")
+    nodes = start_cluster(tmp_path, str(checkpoint.path), [4, 4], engines=["torch", "torch"], threads=2, dtype=None)
+    try:
+        wait_until_ready(nodes, 2, timeout=300)
+        status, raw = one_request(nodes[0], str(checkpoint.path), chat=False)
+        assert status == 200, raw
+        used = {node["name"]: node["used_bytes"] for node in cluster_of(nodes[0])["nodes"]}
+        reports = []
+        for i, node in enumerate(nodes):
+            growth, layers = resident_bytes(node) - without_model, used[f"node{i}"]
+            weights = node.get_json("/health")["weights"]
+            reports.append(f"node{i}: layers {layers / 1e6:.1f} MB, resident growth {growth / 1e6:.1f} MB")
+            assert layers > 45e6  # large enough that holding the experts dequantized would break the bound
+            assert growth <= RESIDENT_RATIO * layers + RESIDENT_SLACK, reports
+            assert all("outputs" in why for why in weights["dequantized"]), weights  # only the small routers
+        record_property("report", "; ".join(reports))
+    finally:
+        stop_nodes(nodes)

@@ -25,7 +25,7 @@ from exo_like.engines.layer_speed import LayerRunner
 from exo_like.engines.mlx.layer import layer_runner
 from exo_like.engines.mlx.attention import LayerPool, StepIndex
 from exo_like.engines.mlx.mlp import stack_experts, stacked_name
-from exo_like.engines.mlx.model import ShardModel
+from exo_like.engines.mlx.model import ShardModel, split_fused_projections
 from exo_like.engines.work import BLOCK_SIZE, WorkItem
 from exo_like.errors import InvalidRequestError, UnsupportedModelError
 from exo_like.models.affine import AffineGroups, pack_words
@@ -73,7 +73,7 @@ def read_shard_tensors(model_dir: Path, args: ModelArgs, shard: Shard, quantized
     tied_embeddings = args.tie_word_embeddings
     if not is_gguf(model_dir):
         plan = plan_shard_load(model_dir, shard, tied_embeddings, args.family.rename)
-        return stack_experts(read_plan_tensors(plan, tied_embeddings)), {}
+        return split_fused_projections(stack_experts(read_plan_tensors(plan, tied_embeddings)), args), {}
     weights, specs = {}, {}
     for local, value, type_name in open_gguf(model_dir).read_shard(shard, tied_embeddings, quantized):
         if isinstance(value, AffineGroups) and value.bits in MLX_BITS:

@@ -74,3 +74,24 @@ class ShardModel(nn.Module):
 
     def make_pools(self, n_blocks: int, dtype: mx.Dtype) -> list[LayerPool]:
         return [LayerPool(self.args, n_blocks, dtype) for _ in self.model.layers]
+
+
+def split_fused_projections(weights: dict[str, mx.array], args: ModelArgs) -> dict[str, mx.array]:
+    """Checkpoints that store q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj` (Phi-3), split into the
+    separate projections this model holds: rows are q, k, v (gate, up), for weights, biases and a quantized
+    matrix's scales and biases alike."""
+    q, kv = args.num_attention_heads * args.head_dim, args.num_key_value_heads * args.head_dim
+    out: dict[str, mx.array] = {}
+    for name, array in weights.items():
+        module, dot, kind = name.rpartition(".")
+        parent, _, projection = module.rpartition(".")
+        if projection == "qkv_proj":
+            parts = {"q_proj": array[:q], "k_proj": array[q:q + kv], "v_proj": array[q + kv:]}
+        elif projection == "gate_up_proj":
+            half = array.shape[0] // 2
+            parts = {"gate_proj": array[:half], "up_proj": array[half:]}
+        else:
+            out[name] = array
+            continue
+        out.update((f"{parent}.{part}{dot}{kind}", rows) for part, rows in parts.items())
+    return out

@@ -1,6 +1,6 @@
-"""The mixture-of-experts families (Qwen3-MoE, Qwen2-MoE, Mixtral) on both engines against transformers, from random
-checkpoints with their real structure (tests/checkpoints.py): several experts, top-k > 1, a dense layer among sparse
-ones, a gated shared expert."""
+"""The families beyond Llama/Qwen on both engines against transformers, from random checkpoints with their real
+structure (tests/checkpoints.py): the mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral: several experts, top-k > 1,
+a dense layer among sparse ones, a gated shared expert) and Phi-3 (projections stored fused)."""
 
 from __future__ import annotations
 
@@ -14,19 +14,20 @@ import torch
 from exo_like.engines.base import Engine, create_engine
 from exo_like.models.config import ModelArgs
 from exo_like.models.shard import Shard
-from tests.checkpoints import MOE_ARCHITECTURES, make_checkpoint
+from tests.checkpoints import FUSED_ARCHITECTURES, MOE_ARCHITECTURES, make_checkpoint
 from tests.engine_driver import Driver, generate_together
 
 N_LAYERS = 4
+ARCHITECTURES = (*MOE_ARCHITECTURES, *FUSED_ARCHITECTURES)
 N_TOKENS = 48
 CHAINS = {"torch": ("torch",), "mlx": ("mlx",), "torch+mlx+torch": ("torch", "mlx", "torch"),
           "mlx+torch+mlx": ("mlx", "torch", "mlx")}
 
 
 @pytest.fixture(scope="module")
-def moe_dirs(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("moe")
-    return {arch: make_checkpoint(root / arch, arch, n_layers=N_LAYERS, seed=3) for arch in MOE_ARCHITECTURES}
+def family_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("families")
+    return {arch: make_checkpoint(root / arch, arch, n_layers=N_LAYERS, seed=3) for arch in ARCHITECTURES}
 
 
 @pytest.fixture(scope="module")
@@ -67,22 +68,22 @@ def greedy(driver: Driver, prompt: np.ndarray, n: int, rid: str = "r") -> list[i
 
 
 @pytest.mark.parametrize("chain", CHAINS)
-@pytest.mark.parametrize("arch", MOE_ARCHITECTURES)
-def test_greedy_tokens_equal_transformers(moe_dirs, prompts, arch, chain):
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_greedy_tokens_equal_transformers(family_dirs, prompts, arch, chain):
     """48 greedy tokens after a 40-token prompt, on one engine and split over three (layer 1 of Qwen3-MoE, dense,
     sits on the middle stage), equal transformers' float32 tokens."""
-    path = moe_dirs[arch]
+    path = family_dirs[arch]
     expected = transformers_greedy(path, tuple(prompts["a"].tolist()), N_TOKENS)
     assert greedy(Driver(load_chain(path, CHAINS[chain])), prompts["a"], N_TOKENS) == expected
     assert len(set(expected)) > 10  # a varied continuation, not a loop on one token
 
 
 @pytest.mark.parametrize("chain", ["torch", "mlx"])
-def test_eight_requests_in_one_batch_equal_each_alone(moe_dirs, prompts, chain):
+def test_eight_requests_in_one_batch_equal_each_alone(family_dirs, prompts, chain):
     """Eight requests joining one after another, every active one in each step (prompt chunks of 7 beside decode
     tokens): each request's tokens are its own, as alone. Rows of different requests pick different experts in
     one step, so every expert's rows are gathered from across the batch."""
-    engines = load_chain(moe_dirs["qwen3_moe"], CHAINS[chain])
+    engines = load_chain(family_dirs["qwen3_moe"], CHAINS[chain])
     n = 10
     together = generate_together(Driver(engines), prompts, n, chunk=7, joins={rid: i for i, rid in enumerate(prompts)})
     assert together.widest == 8 and together.mixed_steps >= 5
@@ -91,22 +92,22 @@ def test_eight_requests_in_one_batch_equal_each_alone(moe_dirs, prompts, chain):
         assert together.tokens[rid] == greedy(driver, prompt, n, rid), rid
 
 
-def test_sparse_and_dense_layers_follow_the_config(moe_dirs):
+def test_sparse_and_dense_layers_follow_the_config(family_dirs):
     """Qwen3-MoE's `mlp_only_layers` makes layer 1 dense; every other layer is a mixture."""
-    args = ModelArgs.from_dir(moe_dirs["qwen3_moe"])
+    args = ModelArgs.from_dir(family_dirs["qwen3_moe"])
     assert [args.is_sparse_layer(i) for i in range(N_LAYERS)] == [True, False, True, True]
     assert (args.moe.n_experts, args.moe.top_k, args.moe.renormalize) == (8, 3, True)
-    engine = load_chain(moe_dirs["qwen3_moe"], ("torch",))[0]
+    engine = load_chain(family_dirs["qwen3_moe"], ("torch",))[0]
     kinds = [type(layer.mlp).__name__ for layer in engine.model.layers]
     assert kinds == ["SparseMoe", "MLP", "SparseMoe", "SparseMoe"]
 
 
-def test_mixtral_experts_are_read_under_the_shared_names(moe_dirs):
+def test_mixtral_experts_are_read_under_the_shared_names(family_dirs):
     """Mixtral's `block_sparse_moe.experts.E.w1/w2/w3` load as the experts' gate, down and up projections: the
     torch engine holds each expert's gate rows then up rows in one matrix."""
     from safetensors import safe_open
 
-    path = moe_dirs["mixtral"]
+    path = family_dirs["mixtral"]
     engine = load_chain(path, ("torch",))[0]
     with safe_open(str(path / "model.safetensors"), "pt") as f:
         w1, w3 = (f.get_tensor(f"model.layers.2.block_sparse_moe.experts.4.{w}.weight") for w in ("w1", "w3"))
@@ -114,3 +115,19 @@ def test_mixtral_experts_are_read_under_the_shared_names(moe_dirs):
     expert = engine.model.layers[2].mlp.experts[4]
     torch.testing.assert_close(expert.gate_up_proj.dense_weight(), torch.cat([w1, w3]), rtol=0, atol=0)
     torch.testing.assert_close(expert.down_proj.dense_weight(), w2, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("change, named", [
+    ({"model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"]}, "Gemma3ForCausalLM"),
+    ({"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+                       "original_max_position_embeddings": 4096}}, "longrope"),
+    ({"partial_rotary_factor": 0.75}, "partial rotary"),
+])
+def test_what_is_not_supported_is_refused_naming_it(family_dirs, change, named):
+    import json
+
+    from exo_like.errors import UnsupportedModelError
+
+    config = {**json.loads((family_dirs["phi3"] / "config.json").read_text()), **change}
+    with pytest.raises(UnsupportedModelError, match=named):
+        ModelArgs.from_dict(config)

@@ -1,0 +1,30 @@
+"""Phi-3 and Phi-4 (`phi3`): Llama's block with its projections stored fused, `self_attn.qkv_proj` (query, key and
+value rows) and `mlp.gate_up_proj` (gate rows, then up rows), as the torch engine holds them anyway; the MLX engine
+splits them on load. No biases, no query/key norms.
+
+LongRoPE (the 128k-context models' `rope_scaling` of type `longrope`) and partial rotary embeddings (Phi-4-mini)
+are refused for now by the shared rope settings (models/config.py), naming them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from exo_like.errors import UnsupportedModelError
+from exo_like.models.families.base import Family
+
+
+def parse(model_type: str, config: dict[str, Any]) -> dict[str, Any]:
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    partial = float(config.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0)
+    if partial != 1.0:
+        raise UnsupportedModelError(f"partial rotary embeddings (partial_rotary_factor {partial}) are not supported",
+                                    code="unsupported_rope_scaling")
+    return {"qkv_bias": False, "o_bias": False, "qk_norm": False, "mlp_bias": False}
+
+
+PHI3 = Family(
+    name="Phi-3, Phi-4",
+    model_types=("phi3",),
+    summary="Llama's block with q/k/v and gate/up stored fused (qkv_proj, gate_up_proj)",
+    parse=parse,
+)
