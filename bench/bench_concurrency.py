@@ -6,6 +6,7 @@ aggregate output tokens/s and the p50/p99 time to first token and inter-token la
       threads) on a GGUF conversion of the same checkpoint: its `tg` (one stream's decode) and `pp8` (a batch of
       8 tokens in one forward, the cost of one batched decode step of 8 sequences);
   (b) the Qwen2.5-0.5B shape on one node and on a three-node ring on this host;
+  (c) a Qwen3-MoE shape (~1 B parameters, 8 of 64 experts a token) on one node: the 8-stream / 1-stream ratio;
 then the ratios the serving targets are stated in, and two scheduling checks on the SmolLM2 shape:
   - interleaving: while 4 streams decode, a request with a 4,000-token prompt arrives; the 4 streams' p99
     inter-token latency during that prefill against their median;
@@ -16,7 +17,7 @@ The random weights are scaled to give peaky logits, and every token id that does
 one text chunk per token, so the client sees every token's arrival time.
 
 Usage: python bench/bench_concurrency.py [--dtypes float32,bfloat16] [--streams 1,2,4,8,16] [--new-tokens 64]
-           [--threads 2] [--sections smollm,qwen,interleave,prefix] [--no-llamacpp]
+           [--threads 2] [--sections smollm,qwen,moe,interleave,prefix] [--no-llamacpp]
 """
 
 from __future__ import annotations
@@ -52,6 +53,14 @@ SMOLLM2_135M = {
     "head_dim": 64, "intermediate_size": 1536, "vocab_size": 49152, "max_position_embeddings": 8192,
     "rope_theta": 100000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
 }
+# bench_vs_llamacpp.py's Qwen3-MoE shape (~1 B parameters, 8 of 64 experts per token, ~0.2 B active), its embedding
+# tied to the head so that only whole-text tokens can win (see build_checkpoint).
+QWEN3_MOE_1B = {
+    "hidden_size": 1024, "num_hidden_layers": 12, "num_attention_heads": 16, "num_key_value_heads": 4,
+    "head_dim": 64, "intermediate_size": 3072, "moe_intermediate_size": 384, "num_experts": 64,
+    "num_experts_per_tok": 8, "norm_topk_prob": True, "vocab_size": 32000, "max_position_embeddings": 32768,
+    "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+}
 TOPICS = ["the rings of Saturn", "bread baking", "the history of Rome", "tide pools", "jazz harmony", "glaciers",
           "chess openings", "volcanoes", "honey bees", "the printing press", "coral reefs", "sailing knots",
           "the moon landing", "desert plants", "violins", "city trams"]
@@ -63,10 +72,12 @@ TOPICS = ["the rings of Saturn", "bread baking", "the history of Rome", "tide po
 def build_checkpoint(path: Path, config: dict, arch: str) -> Path:
     """A random checkpoint of the given shape with the demo tokenizer; only ids that decode to whole text can win
     a greedy pick (the others' embedding rows, which are also the tied LM head, are zero)."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig,
+                              Qwen3MoeForCausalLM)
 
     config_class, model_class = {"llama": (LlamaConfig, LlamaForCausalLM),
-                                 "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[arch]
+                                 "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+                                 "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM)}[arch]
     tokenizer = build_tokenizer()
     with torch.device("meta"):
         model = model_class(config_class(**config))
@@ -248,6 +259,16 @@ def qwen_section(root: Path, args: argparse.Namespace) -> None:
                   f"{three[8].tokens_per_second / single[8].tokens_per_second:.2f} (target >= 0.85)", flush=True)
 
 
+def moe_section(root: Path, args: argparse.Namespace) -> None:
+    model_dir = build_checkpoint(root / "qwen3-moe-1b-shape", QWEN3_MOE_1B, "qwen3_moe")
+    for dtype in args.dtypes:
+        print(f"\n(c) Qwen3-MoE shape (1 B total, 0.2 B active), {dtype}, one node, {args.threads} threads", flush=True)
+        levels = sweep_one_node("exo-like", root / f"moe-{dtype}", model_dir, dtype, args)
+        if 1 in levels and 8 in levels:
+            print(f"  ratio: 8 streams / one stream aggregate = "
+                  f"{levels[8].tokens_per_second / levels[1].tokens_per_second:.2f}", flush=True)
+
+
 async def interleave(url: str, model: str, new_tokens: int) -> tuple[list[float], list[float], float]:
     """Gaps of 4 decoding streams before and while a 4,000-token prompt is prefilled."""
     import aiohttp
@@ -324,13 +345,13 @@ def main() -> None:
     parser.add_argument("--streams", default="1,2,4,8,16")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--sections", default="smollm,qwen,interleave,prefix")
+    parser.add_argument("--sections", default="smollm,qwen,moe,interleave,prefix")
     parser.add_argument("--no-llamacpp", action="store_true")
     args = parser.parse_args()
     args.dtypes = args.dtypes.split(",")
     args.streams = [int(n) for n in args.streams.split(",")]
-    sections = {"smollm": smollm_section, "qwen": qwen_section, "interleave": interleave_section,
-                "prefix": prefix_section}
+    sections = {"smollm": smollm_section, "qwen": qwen_section, "moe": moe_section,
+                "interleave": interleave_section, "prefix": prefix_section}
     print(f"exo-like serving bench: {args.threads} threads per process, {args.new_tokens} new tokens per stream, "
           f"{os.cpu_count()} cpus", flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-concurrency-") as tmp:

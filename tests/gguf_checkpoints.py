@@ -43,7 +43,9 @@ _LAYER_PARTS.update({
 })
 # HF model_type -> llama.cpp's architecture (Mixtral is `llama` with experts).
 GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-                      "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "mixtral": "llama"}
+                      "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "mixtral": "llama", "phi3": "phi3"}
+# Phi-3's fused projections keep their names' roles: q/k/v as `attn_qkv`, gate/up as `ffn_up` (llama.cpp's phi3).
+_PHI3_PARTS = {"self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight"}
 _MIXTRAL_NAMES = {"block_sparse_moe.gate.": "mlp.gate.", ".w1.": ".gate_proj.", ".w2.": ".down_proj.",
                   ".w3.": ".up_proj.", "block_sparse_moe.experts.": "mlp.experts."}
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)_proj\.weight$")
@@ -52,7 +54,7 @@ _EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)_proj\.w
 def gguf_name(hf_name: str) -> str:
     if hf_name.startswith("model.layers."):
         _, _, layer, rest = hf_name.split(".", 3)
-        return f"blk.{layer}.{_LAYER_PARTS[rest]}"
+        return f"blk.{layer}.{_PHI3_PARTS.get(rest) or _LAYER_PARTS[rest]}"
     return {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
             "lm_head.weight": "output.weight"}[hf_name]
 
@@ -119,6 +121,9 @@ def write_gguf(hf_dir: Path, out: Path, matrix_type: str = "F32", embedding_type
     if "head_dim" in config and config["head_dim"]:
         writer.add_key_length(config["head_dim"])
         writer.add_value_length(config["head_dim"])
+    if arch == "phi3":  # as llama.cpp's converter writes a Phi-3 (0: no sliding window, its mark of Phi-4)
+        writer.add_rope_dimension_count(config["hidden_size"] // heads)
+        writer.add_sliding_window(config.get("sliding_window") or 0)
     n_experts = config.get("num_experts") or config.get("num_local_experts")
     if n_experts:  # as the converter writes a mixture's settings
         writer.add_expert_count(n_experts)
@@ -299,6 +304,8 @@ def hf_tensors_from_gguf(path: Path, config_dir: Path) -> dict[str, "torch.Tenso
     config = json.loads((config_dir / "config.json").read_text())
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     to_hf = {v: k for k, v in _LAYER_PARTS.items()}
+    if config["model_type"] == "phi3":
+        to_hf.update({v: k for k, v in _PHI3_PARTS.items()})
     globals_to_hf = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                      "output.weight": "lm_head.weight"}
     tensors: dict[str, np.ndarray] = {}

@@ -139,6 +139,10 @@ def _rope_settings(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None
     params = config.get("rope_parameters") or {}
     scaling = dict(config.get("rope_scaling") or params or {})
     theta = float(config.get("rope_theta") or params.get("rope_theta") or scaling.get("rope_theta") or 10000.0)
+    partial = float(config.get("partial_rotary_factor") or scaling.pop("partial_rotary_factor", None) or 1.0)
+    if partial != 1.0:
+        raise UnsupportedModelError(f"partial rotary embeddings (partial_rotary_factor {partial}) are not supported",
+                                    code="unsupported_rope_scaling")
     rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
     scaling.pop("type", None)
     scaling.pop("rope_theta", None)

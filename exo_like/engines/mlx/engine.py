@@ -25,7 +25,7 @@ from exo_like.engines.layer_speed import LayerRunner
 from exo_like.engines.mlx.layer import layer_runner
 from exo_like.engines.mlx.attention import LayerPool, StepIndex
 from exo_like.engines.mlx.mlp import stack_experts, stacked_name
-from exo_like.engines.mlx.model import ShardModel, split_fused_projections
+from exo_like.engines.mlx.model import ShardModel, split_fused_projections, split_module_paths
 from exo_like.engines.work import BLOCK_SIZE, WorkItem
 from exo_like.errors import InvalidRequestError, UnsupportedModelError
 from exo_like.models.affine import AffineGroups, pack_words
@@ -91,7 +91,9 @@ def read_shard_tensors(model_dir: Path, args: ModelArgs, shard: Shard, quantized
         weights[local] = mx.array(value)
     # Experts of one projection share the stack's type (one GGUF tensor), so their specs are the stack's.
     specs = {(stacked_name(path) or (path,))[0]: spec for path, spec in specs.items()}
-    return stack_experts(weights), specs
+    # A fused matrix (Phi-3's qkv_proj, gate_up_proj) splits into projections of its own type.
+    specs = {split: spec for path, spec in specs.items() for split in split_module_paths(path)}
+    return split_fused_projections(stack_experts(weights), args), specs
 
 
 def read_plan_tensors(plan: ShardLoadPlan, tied_embeddings: bool) -> dict[str, mx.array]:

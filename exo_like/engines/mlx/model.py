@@ -76,6 +76,15 @@ class ShardModel(nn.Module):
         return [LayerPool(self.args, n_blocks, dtype) for _ in self.model.layers]
 
 
+FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def split_module_paths(path: str) -> tuple[str, ...]:
+    """The module paths a fused projection's path becomes (itself if it is not fused)."""
+    parent, _, projection = path.rpartition(".")
+    return tuple(f"{parent}.{part}" for part in FUSED_PARTS[projection]) if projection in FUSED_PARTS else (path,)
+
+
 def split_fused_projections(weights: dict[str, mx.array], args: ModelArgs) -> dict[str, mx.array]:
     """Checkpoints that store q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj` (Phi-3), split into the
     separate projections this model holds: rows are q, k, v (gate, up), for weights, biases and a quantized

@@ -3,22 +3,16 @@ value rows) and `mlp.gate_up_proj` (gate rows, then up rows), as the torch engin
 splits them on load. No biases, no query/key norms.
 
 LongRoPE (the 128k-context models' `rope_scaling` of type `longrope`) and partial rotary embeddings (Phi-4-mini)
-are refused for now by the shared rope settings (models/config.py), naming them."""
+are refused for now by the shared config reader (models/config.py), naming them."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from exo_like.errors import UnsupportedModelError
 from exo_like.models.families.base import Family
 
 
 def parse(model_type: str, config: dict[str, Any]) -> dict[str, Any]:
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    partial = float(config.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0)
-    if partial != 1.0:
-        raise UnsupportedModelError(f"partial rotary embeddings (partial_rotary_factor {partial}) are not supported",
-                                    code="unsupported_rope_scaling")
     return {"qkv_bias": False, "o_bias": False, "qk_norm": False, "mlp_bias": False}
 
 

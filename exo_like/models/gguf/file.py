@@ -39,7 +39,7 @@ GGUF_SUFFIX = ".gguf"
 # GGUF's `general.architecture` -> the model_type the engines implement (Mistral files say "llama"; Mixtral's
 # say "llama" too, with experts).
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2_moe",
-                 "qwen3moe": "qwen3_moe"}
+                 "qwen3moe": "qwen3_moe", "phi3": "phi3"}
 # Whether llama.cpp renormalises the top-k router weights, per architecture, when the file does not say
 # (`expert_weights_norm`): its qwen3moe graph always does, its qwen2moe graph never, Mixtral always.
 _RENORMALIZED = {"qwen2moe": False, "qwen3moe": True, "llama": True}
@@ -72,6 +72,10 @@ _LAYER_NAMES = {
     "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
     "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
 }
+# Where an architecture names a layer's tensors otherwise: Phi-3 keeps q/k/v and gate/up fused, as its checkpoints do.
+_ARCH_LAYER_NAMES = {
+    "phi3": {"attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"},
+}
 # Stacked experts: GGUF tensor -> the projections it holds, in row order (llama.cpp's converter may fuse gate and
 # up: `--fuse-gate-up-exps`).
 _EXPERT_STACKS = {
@@ -83,8 +87,10 @@ _EXPERT_STACKS = {
 # Per-dimension rotary frequency factors: part of the model's config (read while planning, see _rope_scaling),
 # not of any shard's weights. Kept under its GGUF name.
 ROPE_FREQS = "rope_freqs.weight"
+# Phi-3's LongRoPE factors (its 128k-context models), also the model's config.
+ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 # Tensors a node reads while planning, from the header's tensor table (gguf_hub.py fetches them with the header).
-CONFIG_TENSORS = (ROPE_FREQS,)
+CONFIG_TENSORS = (ROPE_FREQS, *ROPE_FACTORS)
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -193,7 +199,7 @@ class GGUFCheckpoint:
                 self._check_type(entry)
                 entries.update(expert_entries(entry))
                 continue
-            name = hf_tensor_name(entry.gguf_name)
+            name = hf_tensor_name(entry.gguf_name, self.architecture)
             if name is None:
                 raise UnsupportedModelError(f"{self.path.name}: tensor {entry.gguf_name!r} is not part of a "
                                             f"{self.architecture} model this project runs")
@@ -236,6 +242,12 @@ class GGUFCheckpoint:
         }
         config.update(self._rope_scaling())
         config.update(self._experts())
+        window = int(self._key("attention.sliding_window", 0) or 0)
+        if window:  # 0: none (how llama.cpp's converter marks Phi-4 among phi3 files)
+            config["sliding_window"] = window
+        rope_dims = self._key("rope.dimension_count")
+        if rope_dims is not None and int(rope_dims) != config["head_dim"]:
+            config["partial_rotary_factor"] = int(rope_dims) / config["head_dim"]
         return config
 
     @cached_property
@@ -274,6 +286,9 @@ class GGUFCheckpoint:
         settings: dict[str, Any] = {}
         if ROPE_FREQS in self.tensors:
             settings["rope_freq_factors"] = self.read(ROPE_FREQS).reshape(-1).tolist()
+        if any(name in self.tensors for name in ROPE_FACTORS):
+            # Refused by the config's reader, naming it (models/config.py).
+            return {**settings, "rope_scaling": {"rope_type": "longrope"}}
         kind = self._key("rope.scaling.type", "none")
         if kind in ("none", None):
             return settings
@@ -376,13 +391,13 @@ def _map_rows(values: np.ndarray | AffineGroups, reorder: Callable[[np.ndarray],
     return values.map_rows(reorder) if isinstance(values, AffineGroups) else reorder(values)
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
+def hf_tensor_name(gguf_name: str, architecture: str = "llama") -> str | None:
     match = _LAYER_TENSOR.match(gguf_name)
     if match:
-        part = _LAYER_NAMES.get(match.group(2))
+        part = _ARCH_LAYER_NAMES.get(architecture, {}).get(match.group(2)) or _LAYER_NAMES.get(match.group(2))
         return None if part is None else f"model.layers.{match.group(1)}.{part}"
-    if gguf_name == ROPE_FREQS:
-        return ROPE_FREQS
+    if gguf_name in CONFIG_TENSORS:
+        return gguf_name
     return _GLOBAL_NAMES.get(gguf_name)
 
 

@@ -1,6 +1,8 @@
-"""Mixture-of-experts GGUF files (Qwen3-MoE, Qwen2-MoE, Mixtral) as llama.cpp's converter lays them out: experts
-stacked per projection, Mixtral as a `llama` file with experts. Float files against transformers on the Hugging Face
-checkpoint; quantized ones, dequantized (--dtype float32), against transformers on the values the file holds."""
+"""GGUF files of the families beyond Llama/Qwen as llama.cpp's converter lays them out: the mixtures of experts
+(Qwen3-MoE, Qwen2-MoE, Mixtral: experts stacked per projection, Mixtral as a `llama` file with experts) and Phi-3
+(q/k/v as `attn_qkv`, gate/up as `ffn_up`, its sliding window in the metadata). Float files against transformers
+on the Hugging Face checkpoint; quantized ones, dequantized (--dtype float32), against transformers on the values
+the file holds."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ pytest.importorskip("gguf")
 
 from exo_like.models.config import ModelArgs  # noqa: E402
 from exo_like.models.gguf.file import open_gguf  # noqa: E402
-from tests.checkpoints import MOE_ARCHITECTURES, make_checkpoint  # noqa: E402
+from tests.checkpoints import FUSED_ARCHITECTURES, MOE_ARCHITECTURES, make_checkpoint  # noqa: E402
 from tests.engine_driver import engine_greedy  # noqa: E402
 from tests.gguf_checkpoints import write_gguf  # noqa: E402
 from tests.oracle import Oracle, gguf_dequantized_greedy  # noqa: E402
@@ -24,13 +26,15 @@ CHAINS = {"torch": ["torch"], "mlx": ["mlx"], "torch+mlx+torch": ["torch", "mlx"
 N_TOKENS = 48
 PROMPT = [5 + (i * 37) % 600 for i in range(40)]
 # llama.cpp has no dense layers among a Qwen3-MoE's sparse ones (its converter cannot map them): none here.
-GGUF_OVERRIDES = {"qwen3_moe": {"mlp_only_layers": []}, "qwen2_moe": {}, "mixtral": {}}
+GGUF_OVERRIDES = {"qwen3_moe": {"mlp_only_layers": []}, "qwen2_moe": {}, "mixtral": {}, "phi3": {}}
+ARCHITECTURES = (*MOE_ARCHITECTURES, *FUSED_ARCHITECTURES)
 # K-quants take rows of 256: every matrix's input that long.
 K_OVERRIDES = {
     "qwen3_moe": {"hidden_size": 256, "head_dim": 64, "intermediate_size": 256, "moe_intermediate_size": 256},
     "qwen2_moe": {"hidden_size": 256, "intermediate_size": 256, "moe_intermediate_size": 256,
                   "shared_expert_intermediate_size": 256},
     "mixtral": {"hidden_size": 256, "intermediate_size": 256},
+    "phi3": {"hidden_size": 256, "intermediate_size": 256},
 }
 
 
@@ -56,17 +60,18 @@ def transformers_tokens(folder: Path) -> list[int]:
     return Oracle(folder).generate(tuple(PROMPT), N_TOKENS)
 
 
-@pytest.mark.parametrize("arch", MOE_ARCHITECTURES)
+@pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_the_config_comes_from_the_file_as_the_checkpoint_has_it(folders, arch) -> None:
     folder, gguf = folders
     from_file, from_folder = ModelArgs.from_dict(open_gguf(gguf(arch, "F32")).config()), ModelArgs.from_dir(
         folder(arch, False))
     assert from_file.model_type == from_folder.model_type == arch
     assert from_file.moe == from_folder.moe
+    assert from_file.context_length == min(from_folder.context_length, from_file.max_position_embeddings)
 
 
 @pytest.mark.parametrize("chain", [c for c in CHAINS if HAS_MLX or "mlx" not in c])
-@pytest.mark.parametrize("arch", MOE_ARCHITECTURES)
+@pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_a_float_file_gives_transformers_tokens_on_the_checkpoint(folders, arch, chain) -> None:
     folder, gguf = folders
     expected = transformers_tokens(folder(arch, False))
@@ -75,7 +80,7 @@ def test_a_float_file_gives_transformers_tokens_on_the_checkpoint(folders, arch,
 
 
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_K"])
-@pytest.mark.parametrize("arch", MOE_ARCHITECTURES)
+@pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_a_quantized_file_dequantized_gives_transformers_tokens_on_its_values(folders, arch, kind) -> None:
     """--dtype float32 on a quantized file: each expert dequantized from its own bytes of the stack."""
     folder, gguf = folders
