@@ -24,6 +24,11 @@ SHAPES = {
     "qwen2": {**CONFIG, "model_type": "qwen2"},  # q/k/v biases
     "qwen3": {**CONFIG, "model_type": "qwen3", "head_dim": 48},  # q/k norms, head_dim != hidden / heads
     "llama-4bit": {**CONFIG, "quantization": {"group_size": 32, "bits": 4}},  # an MLX-format quantized model
+    # a mixture: 64 experts, 8 a token (the probe holds 4 x 8 of them), a shared gated expert
+    "qwen2_moe": {**CONFIG, "model_type": "qwen2_moe", "num_experts": 64, "num_experts_per_tok": 8,
+                  "moe_intermediate_size": 64, "shared_expert_intermediate_size": 128},
+    "qwen3_moe-4bit": {**CONFIG, "model_type": "qwen3_moe", "num_experts": 16, "num_experts_per_tok": 4,
+                       "moe_intermediate_size": 64, "quantization": {"group_size": 32, "bits": 4}},
 }
 
 
