@@ -59,12 +59,7 @@ def build_checkpoints(root: Path) -> list[Checkpoint]:
     """A GGUF Q4_K file (every matrix Q4_K, the embedding too) and, where mlx-lm is installed, the same model in
     MLX's 4-bit format."""
     float_dir = root / "float"
-    if not (float_dir / "config.json").exists():
-        make_checkpoint(float_dir, "llama", **SHAPE)
-    gguf = root / "q4_k.gguf"
-    if not gguf.exists():
-        write_gguf(float_dir, gguf, "Q4_K", "Q4_K")
-    made = [Checkpoint("GGUF Q4_K", gguf, gguf.stat().st_size)]
+    made = [q4_k_checkpoint("GGUF Q4_K", float_dir, root / "q4_k.gguf", "llama", SHAPE)]
     if importlib.util.find_spec("mlx_lm") is not None:
         mlx_dir = root / "mlx-4bit"
         if not mlx_dir.exists():
@@ -83,13 +78,16 @@ MOE_SHAPE = {"n_layers": 8, "hidden_size": 1024, "head_dim": 64, "num_attention_
 
 
 def build_moe_checkpoint(root: Path) -> Checkpoint:
-    float_dir = root / "moe-float"
+    return q4_k_checkpoint("Qwen3-MoE GGUF Q4_K", root / "moe-float", root / "moe-q4_k.gguf", "qwen3_moe", MOE_SHAPE)
+
+
+def q4_k_checkpoint(name: str, float_dir: Path, gguf: Path, arch: str, shape: dict) -> Checkpoint:
+    """A random checkpoint of `shape` as a GGUF file with every matrix Q4_K (each built once)."""
     if not (float_dir / "config.json").exists():
-        make_checkpoint(float_dir, "qwen3_moe", **MOE_SHAPE)
-    gguf = root / "moe-q4_k.gguf"
+        make_checkpoint(float_dir, arch, **shape)
     if not gguf.exists():
         write_gguf(float_dir, gguf, "Q4_K", "Q4_K")
-    return Checkpoint("Qwen3-MoE GGUF Q4_K", gguf, gguf.stat().st_size)
+    return Checkpoint(name, gguf, gguf.stat().st_size)
 
 
 def resident_bytes(node: NodeProcess) -> int:
