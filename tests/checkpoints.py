@@ -20,6 +20,7 @@ from exo_like.models.demo import BOS, EOS, EOT, build_tokenizer, write_tokenizer
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral")
 FUSED_ARCHITECTURES = ("phi3",)  # q/k/v and gate/up stored fused
+GEMMA_ARCHITECTURES = ("gemma2", "gemma3_text")  # sliding windows (8) shorter than the test prompts
 
 _COMMON = dict(
     hidden_size=64,
@@ -48,7 +49,12 @@ _SPECIFIC = {
     "mixtral": dict(rope_theta=1000000.0, intermediate_size=96, num_local_experts=6, num_experts_per_tok=2,
                     tie_word_embeddings=False),
     "phi3": dict(rope_theta=10000.0, tie_word_embeddings=False, sliding_window=None, pad_token_id=0),
+    # head_dim 16, queries scaled by 24 ** -0.5; Gemma 2 soft-caps scores (50) and logits (30) by default
+    "gemma2": dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=8, pad_token_id=0),
+    "gemma3_text": dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=8, pad_token_id=0,
+                        rope_scaling={"rope_type": "linear", "factor": 4.0}, sliding_window_pattern=3),
 }
+POST_NORM_OFFSET = 2.0
 ROUTER_SCALE = 6.0  # router logits' spread: top-k choices far from ties, so summation order never flips one
 
 
@@ -58,7 +64,7 @@ def hf_config(arch: str, n_layers: int, vocab_size: int, token_ids: dict[str, in
     config_class = getattr(transformers, {
         "llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
         "qwen3_moe": "Qwen3MoeConfig", "qwen2_moe": "Qwen2MoeConfig", "mixtral": "MixtralConfig",
-        "phi3": "Phi3Config"}[arch])
+        "phi3": "Phi3Config", "gemma2": "Gemma2Config", "gemma3_text": "Gemma3TextConfig"}[arch])
     settings = {**_COMMON, **_SPECIFIC[arch], **overrides}
     return config_class(
         num_hidden_layers=n_layers,
@@ -71,16 +77,23 @@ def hf_config(arch: str, n_layers: int, vocab_size: int, token_ids: dict[str, in
 
 @torch.no_grad()
 def make_peaky(model: torch.nn.Module, seed: int) -> None:
-    """Re-initialise: linear std 1.5/sqrt(fan_in) (routers ROUTER_SCALE/sqrt(fan_in)), norms 1 +- 0.1, biases small,
-    embeddings unit normal."""
+    """Re-initialise: linear std 1.5/sqrt(fan_in) (routers ROUTER_SCALE/sqrt(fan_in)), norms 1 +- 0.1 (Gemma's
+    offsets 0 +- 0.1), biases small, embeddings unit normal."""
     generator = torch.Generator().manual_seed(seed)
+    # Gemma's norms scale by (1 + w): their weights are offsets, about 0; its embeddings are scaled up by
+    # sqrt(hidden) on the way in, so they are drawn that much smaller (unit rows after scaling, as for the others).
+    gemma = getattr(model.config, "model_type", "").startswith("gemma")
+    norm_centre, embed_std = (0.0, model.config.hidden_size**-0.5) if gemma else (1.0, 1.0)
     for name, param in sorted(model.named_parameters()):
         if "norm" in name:
-            param.copy_(1.0 + (torch.rand(param.shape, generator=generator) - 0.5) * 0.2)
+            # Gemma's layers add their outputs normalised ("post" norms): scaled up, as trained ones are, they
+            # outweigh the embedding in the residual stream.
+            centre = POST_NORM_OFFSET if gemma and ".post_" in name else norm_centre
+            param.copy_(centre + (torch.rand(param.shape, generator=generator) - 0.5) * 0.2)
         elif name.endswith("bias"):
             param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
         elif "embed_tokens" in name:
-            param.copy_(torch.randn(param.shape, generator=generator))
+            param.copy_(torch.randn(param.shape, generator=generator) * embed_std)
         else:
             fan_in = param.shape[-1]
             scale = ROUTER_SCALE if name.endswith(".gate.weight") else 1.5

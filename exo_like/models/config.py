@@ -20,8 +20,8 @@ import numpy as np
 from exo_like.errors import UnsupportedModelError
 from exo_like.models.families import Family, MoeArgs, family_for
 from exo_like.models.quantization import QuantSpec, quant_spec
+from exo_like.models.rope import rope_settings
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -52,6 +52,17 @@ class ModelArgs:
     # llama.cpp's `rope_freqs`: each rotary frequency is divided by its factor (head_dim // 2 of them).
     rope_freq_factors: tuple[float, ...] | None = None
     moe: MoeArgs | None = None  # the mixture of experts of a MoE family (which layers, how many experts)
+    # Gemma's differences from Llama, each a plain setting the engines' shared blocks take:
+    hidden_act: str = "silu"  # the MLP's gate activation: silu, or gelu_tanh
+    norm_offset: bool = False  # RMSNorm scales by (1 + w), all in float32 (Gemma)
+    sandwich_norms: bool = False  # norms after attention and around the MLP too (four per layer)
+    embed_scale: bool = False  # embeddings times sqrt(hidden_size)
+    attn_scale: float | None = None  # instead of head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
+    attn_softcap: float | None = None  # attention scores -> tanh(s / cap) * cap (Gemma 2)
+    final_softcap: float | None = None  # the same for the logits
+    # Per absolute layer, its attention window (None: full attention). Set, it replaces `sliding_window`'s cap.
+    layer_windows: tuple[int | None, ...] | None = None
+    local_rope_theta: float | None = None  # the rope base of windowed layers, unscaled (Gemma 3's local layers)
 
     @property
     def family(self) -> Family:
@@ -65,9 +76,13 @@ class ModelArgs:
     def context_length(self) -> int:
         """Positions a request may use. Within a sliding window, full attention is exactly sliding-window
         attention, so capping the context at the window keeps every result exact instead of silently wrong."""
-        if self.sliding_window:
+        if self.sliding_window and self.layer_windows is None:
             return min(self.max_position_embeddings, self.sliding_window)
         return self.max_position_embeddings
+
+    def window(self, layer: int) -> int | None:
+        """The attention window of absolute layer `layer` (None: it attends to every earlier position)."""
+        return None if self.layer_windows is None else self.layer_windows[layer]
 
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> "ModelArgs":
@@ -76,8 +91,8 @@ class ModelArgs:
         hidden = int(config["hidden_size"])
         heads = int(config["num_attention_heads"])
         head_dim = int(config.get("head_dim") or hidden // heads)
-        rope_theta, rope_scaling = _rope_settings(config)
-        return cls(
+        rope_theta, rope_scaling = rope_settings(config)
+        fields: dict[str, Any] = dict(
             model_type=model_type,
             hidden_size=hidden,
             num_hidden_layers=int(config["num_hidden_layers"]),
@@ -97,8 +112,9 @@ class ModelArgs:
             quantization=_quantization(config),
             sliding_window=_sliding_window(config),
             rope_freq_factors=_rope_freq_factors(config.get("rope_freq_factors"), head_dim),
-            **family.parse(model_type, config),
         )
+        fields.update(family.parse(model_type, config))  # a family may also set common fields its own way
+        return cls(**fields)
 
     @property
     def quant(self) -> QuantSpec | None:
@@ -132,28 +148,6 @@ def _as_id_tuple(value: Any) -> tuple[int, ...]:
     if isinstance(value, int):
         return (value,)
     return tuple(int(v) for v in value)
-
-
-def _rope_settings(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """Return (rope_theta, scaling-or-None) from either config convention, validated."""
-    params = config.get("rope_parameters") or {}
-    scaling = dict(config.get("rope_scaling") or params or {})
-    theta = float(config.get("rope_theta") or params.get("rope_theta") or scaling.get("rope_theta") or 10000.0)
-    partial = float(config.get("partial_rotary_factor") or scaling.pop("partial_rotary_factor", None) or 1.0)
-    if partial != 1.0:
-        raise UnsupportedModelError(f"partial rotary embeddings (partial_rotary_factor {partial}) are not supported",
-                                    code="unsupported_rope_scaling")
-    rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
-    scaling.pop("type", None)
-    scaling.pop("rope_theta", None)
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise UnsupportedModelError(
-            f"unsupported rope scaling {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}",
-            code="unsupported_rope_scaling",
-        )
-    if rope_type == "default":
-        return theta, None
-    return theta, {"rope_type": rope_type, **scaling}
 
 
 def _rope_freq_factors(value: Any, head_dim: int) -> tuple[float, ...] | None:

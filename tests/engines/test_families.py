@@ -1,6 +1,7 @@
 """The families beyond Llama/Qwen on both engines against transformers, from random checkpoints with their real
 structure (tests/checkpoints.py): the mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral: several experts, top-k > 1,
-a dense layer among sparse ones, a gated shared expert) and Phi-3 (projections stored fused)."""
+a dense layer among sparse ones, a gated shared expert), Phi-3 (projections stored fused) and Gemma 2/3 (sliding
+windows of 8 positions, shorter than the prompts; soft-capping; local and global rope bases)."""
 
 from __future__ import annotations
 
@@ -14,11 +15,11 @@ import torch
 from exo_like.engines.base import Engine, create_engine
 from exo_like.models.config import ModelArgs
 from exo_like.models.shard import Shard
-from tests.checkpoints import FUSED_ARCHITECTURES, MOE_ARCHITECTURES, make_checkpoint
+from tests.checkpoints import FUSED_ARCHITECTURES, GEMMA_ARCHITECTURES, MOE_ARCHITECTURES, make_checkpoint
 from tests.engine_driver import Driver, generate_together
 
 N_LAYERS = 4
-ARCHITECTURES = (*MOE_ARCHITECTURES, *FUSED_ARCHITECTURES)
+ARCHITECTURES = (*MOE_ARCHITECTURES, *FUSED_ARCHITECTURES, *GEMMA_ARCHITECTURES)
 N_TOKENS = 48
 CHAINS = {"torch": ("torch",), "mlx": ("mlx",), "torch+mlx+torch": ("torch", "mlx", "torch"),
           "mlx+torch+mlx": ("mlx", "torch", "mlx")}
@@ -27,7 +28,9 @@ CHAINS = {"torch": ("torch",), "mlx": ("mlx",), "torch+mlx+torch": ("torch", "ml
 @pytest.fixture(scope="module")
 def family_dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("families")
-    return {arch: make_checkpoint(root / arch, arch, n_layers=N_LAYERS, seed=3) for arch in ARCHITECTURES}
+    # seeds giving each a varied greedy continuation of prompt "a"
+    return {arch: make_checkpoint(root / arch, arch, n_layers=N_LAYERS, seed=2 if arch == "gemma3_text" else 3)
+            for arch in ARCHITECTURES}
 
 
 @pytest.fixture(scope="module")
@@ -60,11 +63,24 @@ def load_chain(path: Path, engines: tuple[str, ...]) -> list[Engine]:
 
 
 def greedy(driver: Driver, prompt: np.ndarray, n: int, rid: str = "r") -> list[int]:
-    tokens, inputs = [], prompt
+    return greedy_logits(driver, prompt, n, rid)[0]
+
+
+def greedy_logits(driver: Driver, prompt: np.ndarray, n: int, rid: str = "r") -> tuple[list[int], np.ndarray]:
+    tokens, inputs, logits = [], prompt, []
     for _ in range(n):
-        tokens.append(int(np.argmax(driver.forward(rid, inputs))))
+        logits.append(driver.forward(rid, inputs))
+        tokens.append(int(np.argmax(logits[-1])))
         inputs = np.array([tokens[-1]])
-    return tokens
+    return tokens, np.stack(logits)
+
+
+def transformers_logits(path: Path, tokens: list[int]) -> np.ndarray:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0].numpy()
 
 
 @pytest.mark.parametrize("chain", CHAINS)
@@ -90,6 +106,42 @@ def test_eight_requests_in_one_batch_equal_each_alone(family_dirs, prompts, chai
     driver = Driver(engines)
     for rid, prompt in prompts.items():
         assert together.tokens[rid] == greedy(driver, prompt, n, rid), rid
+
+
+@pytest.mark.parametrize("chain", CHAINS)
+@pytest.mark.parametrize("arch", GEMMA_ARCHITECTURES)
+def test_sliding_window_layers_give_transformers_logits(family_dirs, prompts, arch, chain):
+    """A 40-token prompt in chunks of 7 (chunks starting past the window of 8), then 12 decode steps: every
+    sampled row's logits equal transformers' forward over the whole sequence. (Greedy tokens alone would not
+    show a missing window: this checkpoint's soft-capped logits keep the same top token either way.)"""
+    path = family_dirs[arch]
+    driver = Driver(load_chain(path, CHAINS[chain]))
+    prompt = prompts["a"]
+    ours, positions = [], []
+    for start in range(0, len(prompt), 7):
+        chunk = prompt[start:start + 7]
+        ours.append(driver.forward("r", chunk))
+        positions.append(start + len(chunk) - 1)
+    tokens, decoded = greedy_logits(driver, np.array([int(np.argmax(ours[-1]))]), 12)
+    sequence = [*prompt.tolist(), int(np.argmax(ours[-1])), *tokens[:-1]]
+    expected = transformers_logits(path, sequence)
+    positions += list(range(len(prompt), len(prompt) + 12))
+    np.testing.assert_allclose(np.concatenate([np.stack(ours), decoded]), expected[positions], rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("chain", ["torch", "mlx"])
+def test_sliding_window_requests_batched_equal_each_alone(family_dirs, prompts, chain):
+    """Gemma 3's windows in batched steps: prompt chunks and decode rows of eight requests (several decode rows
+    attended together) give each request the logits it gets alone."""
+    engines = load_chain(family_dirs["gemma3_text"], CHAINS[chain])
+    n = 10
+    together = generate_together(Driver(engines), prompts, n, chunk=7, joins={rid: i for i, rid in enumerate(prompts)})
+    assert together.widest == 8 and together.mixed_steps >= 5
+    driver = Driver(engines)
+    for rid, prompt in prompts.items():
+        tokens, logits = greedy_logits(driver, prompt, n, rid)
+        assert together.tokens[rid] == tokens, rid
+        np.testing.assert_allclose(together.stacked(rid), logits, rtol=1e-5, atol=1e-4, err_msg=rid)
 
 
 def test_sparse_and_dense_layers_follow_the_config(family_dirs):
@@ -118,7 +170,7 @@ def test_mixtral_experts_are_read_under_the_shared_names(family_dirs):
 
 
 @pytest.mark.parametrize("change, named", [
-    ({"model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"]}, "Gemma3ForCausalLM"),
+    ({"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"]}, "DeepseekV3ForCausalLM"),
     ({"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
                        "original_max_position_embeddings": 4096}}, "longrope"),
     ({"partial_rotary_factor": 0.75}, "partial rotary"),

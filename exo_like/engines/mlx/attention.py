@@ -3,6 +3,8 @@ attention layer (GQA, one sdpa call per request, each row rotated at its own pos
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -26,10 +28,13 @@ class LayerPool:
         self.keys[:, slots] = keys
         self.values[:, slots] = values
 
-    def read(self, item: ItemLayout, slots: mx.array | None) -> tuple[mx.array, mx.array]:
-        """An item's keys and values for positions [0, end): a slice when its slots are consecutive."""
+    def read(self, item: ItemLayout, slots: mx.array | None, first: int = 0) -> tuple[mx.array, mx.array]:
+        """An item's keys and values for positions [first, end): a slice when its slots are consecutive."""
         if slots is None:
-            return self.keys[:, item.base:item.base + item.end], self.values[:, item.base:item.base + item.end]
+            start, end = item.base + first, item.base + item.end
+            return self.keys[:, start:end], self.values[:, start:end]
+        if first:
+            slots = slots[first:]
         return mx.take(self.keys, slots, axis=1), mx.take(self.values, slots, axis=1)
 
     @property
@@ -49,24 +54,45 @@ class StepIndex:
                         for item in layout.items]
 
 
+class RMSNorm(nn.Module):
+    """RMSNorm; with `offset` Gemma's: scaled by (1 + w), all in float32, rounded once."""
+
+    def __init__(self, dims: int, eps: float, offset: bool = False):
+        super().__init__()
+        self.weight = mx.ones((dims,))
+        self.eps, self.offset = eps, offset
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if not self.offset:
+            return mx.fast.rms_norm(x, self.weight, self.eps)
+        scale = 1.0 + self.weight.astype(mx.float32)
+        return mx.fast.rms_norm(x.astype(mx.float32), scale, self.eps).astype(x.dtype)
+
+
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs):
+    """Attention of absolute layer `layer`: its window (sliding-window layers), rope base, and the model's scale
+    and soft-capping come from the config."""
+
+    def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
         self.n_heads = args.num_attention_heads
         self.n_kv_heads = args.num_key_value_heads
         self.head_dim = args.head_dim
-        self.scale = args.head_dim**-0.5
+        self.scale = args.attn_scale or args.head_dim**-0.5
+        self.window, self.softcap = args.window(layer), args.attn_softcap
         hidden, q_dim, kv_dim = args.hidden_size, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         self.q_proj = nn.Linear(hidden, q_dim, bias=args.qkv_bias)
         self.k_proj = nn.Linear(hidden, kv_dim, bias=args.qkv_bias)
         self.v_proj = nn.Linear(hidden, kv_dim, bias=args.qkv_bias)
         self.o_proj = nn.Linear(q_dim, hidden, bias=args.o_bias)
         if args.qk_norm:
-            # Qwen3 normalises each head's query and key before rope.
-            self.q_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
-            self.k_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
+            # Qwen3 and Gemma 3 normalise each head's query and key before rope.
+            self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps, args.norm_offset)
+            self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps, args.norm_offset)
         # mx.fast.rope takes periods (1 / inverse frequency). Using the shared float64-derived table for every
         # rope type keeps MLX and torch shards rotating by identical angles.
+        if args.local_rope_theta is not None and self.window is not None:  # Gemma 3's local layers
+            args = replace(args, rope_theta=args.local_rope_theta, rope_scaling=None, rope_freq_factors=None)
         self._rope_freqs = mx.array(1.0 / rope_inv_freq(args))
 
     def __call__(self, x: mx.array, pool: LayerPool, index: StepIndex) -> mx.array:
@@ -81,16 +107,40 @@ class Attention(nn.Module):
         pool.write(index.write_slots, keys.transpose(1, 0, 2), values.transpose(1, 0, 2))
         outs = []
         for item, slots in zip(index.layout.items, index.gathers):
-            item_keys, item_values = pool.read(item, slots)
+            first = 0 if self.window is None else max(0, item.start - self.window + 1)
+            item_keys, item_values = pool.read(item, slots, first)
             q = queries[item.row_start:item.row_end].transpose(1, 0, 2)[None]
-            # sdpa's "causal" mask is aligned lower-right (last query sees last key): exactly the causal mask
-            # for new positions after cached ones. GQA: sdpa broadcasts the kv heads itself.
-            mask = "causal" if item.count > 1 else None
-            out = mx.fast.scaled_dot_product_attention(q, item_keys[None], item_values[None], scale=self.scale,
-                                                       mask=mask)
+            out = self._attend(q, item_keys[None], item_values[None], self._mask(item, first))
             outs.append(out[0].transpose(1, 0, 2).reshape(item.count, -1))
         out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
         return self.o_proj(out)
+
+    def _mask(self, item: ItemLayout, first: int) -> mx.array | str | None:
+        """Which of positions [first, end) each of the item's rows sees. sdpa's "causal" mask is aligned
+        lower-right (last query sees last key): exactly the causal mask for new positions after cached ones."""
+        if self.window is None:
+            return "causal" if item.count > 1 else None
+        queries = np.arange(item.start, item.end)[:, None]
+        keys = np.arange(first, item.end)[None, :]
+        visible = (keys <= queries) & (keys > queries - self.window)
+        return None if visible.all() else mx.array(visible)
+
+    def _attend(self, q: mx.array, k: mx.array, v: mx.array, mask: mx.array | str | None) -> mx.array:
+        """q [1, heads, T, D] against k, v [1, kv_heads, L, D]. GQA: sdpa broadcasts the kv heads itself."""
+        if self.softcap is None:
+            return mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        # Soft-capped scores (Gemma 2), which sdpa cannot do: transformers' eager attention.
+        group = self.n_heads // self.n_kv_heads
+        k, v = mx.repeat(k, group, axis=1), mx.repeat(v, group, axis=1)
+        scores = (q @ k.swapaxes(-1, -2)) * self.scale
+        scores = mx.tanh(scores / self.softcap) * self.softcap
+        if isinstance(mask, str):
+            rows, keys = q.shape[2], k.shape[2]
+            mask = mx.array(np.tril(np.ones((rows, keys), dtype=bool), keys - rows))
+        if mask is not None:
+            scores = mx.where(mask, scores, -mx.inf)
+        weights = mx.softmax(scores.astype(mx.float32), axis=-1, precise=True).astype(q.dtype)
+        return weights @ v
 
     def _rope(self, x: mx.array, positions: mx.array) -> mx.array:
         """Rotate each row [R, heads, D] by its own position (each row its own batch entry of mx.fast.rope)."""

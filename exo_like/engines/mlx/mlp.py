@@ -19,15 +19,21 @@ SORT_FROM_PAIRS = 64  # (row, choice) pairs from which sorting them by expert pa
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
+ACTIVATIONS = {"silu": nn.silu, "gelu_tanh": nn.gelu_approx}  # gelu_approx: GELU's tanh approximation
+
+
 class MLP(nn.Module):
-    def __init__(self, hidden: int, inner: int, bias: bool = False):
+    """down(act(gate(x)) * up(x)): SwiGLU (act silu), or Gemma's GELU-tanh gate."""
+
+    def __init__(self, hidden: int, inner: int, bias: bool = False, activation: str = "silu"):
         super().__init__()
         self.gate_proj = nn.Linear(hidden, inner, bias=bias)
         self.up_proj = nn.Linear(hidden, inner, bias=bias)
         self.down_proj = nn.Linear(inner, hidden, bias=bias)
+        self.activation = ACTIVATIONS[activation]
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.activation(self.gate_proj(x)) * self.up_proj(x))
 
 
 class ExpertLinear(nn.Module):

@@ -12,27 +12,36 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from exo_like.engines.mlx.attention import Attention, LayerPool, StepIndex
+from exo_like.engines.mlx.attention import Attention, LayerPool, RMSNorm, StepIndex
 from exo_like.engines.mlx.mlp import MLP, SparseMoe
 from exo_like.models.config import ModelArgs
 from exo_like.models.shard import Shard
 
 
 class TransformerBlock(nn.Module):
-    """Decoder layer `layer` (its absolute index: which layers hold a mixture of experts depends on it)."""
+    """Decoder layer `layer` (its absolute index: which layers hold a mixture of experts or a sliding window
+    depends on it). With sandwich norms (Gemma), the attention's and the MLP's outputs are normalised too, and
+    `post_attention_layernorm` is the attention's output norm rather than the MLP's input norm."""
 
     def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
-        self.self_attn = Attention(args)
+        self.self_attn = Attention(args, layer)
         self.mlp = SparseMoe(args.hidden_size, args.moe) if args.is_sparse_layer(layer) else \
-            MLP(args.hidden_size, args.intermediate_size, args.mlp_bias)
-        # nn.RMSNorm is a thin wrapper over mx.fast.rms_norm.
-        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+            MLP(args.hidden_size, args.intermediate_size, args.mlp_bias, args.hidden_act)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.norm_offset)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.norm_offset)
+        self.sandwich = args.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.norm_offset)
+            self.post_feedforward_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.norm_offset)
 
     def __call__(self, x: mx.array, pool: LayerPool, index: StepIndex) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), pool, index)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        attended = self.self_attn(self.input_layernorm(x), pool, index)
+        if not self.sandwich:
+            h = x + attended
+            return h + self.mlp(self.post_attention_layernorm(h))
+        h = x + self.post_attention_layernorm(attended)
+        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
 
 class ShardBody(nn.Module):
@@ -45,7 +54,7 @@ class ShardBody(nn.Module):
             self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = [TransformerBlock(args, shard.start_layer + i) for i in range(shard.layer_count)]
         if shard.is_last:
-            self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+            self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.norm_offset)
 
 
 class ShardModel(nn.Module):
@@ -63,14 +72,17 @@ class ShardModel(nn.Module):
         """One step over a batch. inputs: token ids [R] on the first shard, else hidden states [R, H]. Returns
         hidden states [R, H], or on the last shard the logits [S, vocab] of the batch's sampled rows."""
         h = self.model.embed_tokens(inputs) if self.shard.is_first else inputs
+        if self.shard.is_first and self.args.embed_scale:  # Gemma: by sqrt(hidden), in h's dtype
+            h = h * mx.array(self.args.hidden_size**0.5, dtype=h.dtype)
         for layer, pool in zip(self.model.layers, pools):
             h = layer(h, pool, index)
         if not self.shard.is_last:
             return h
         h = self.model.norm(h[mx.array(index.layout.sample_rows.astype(np.int32))])
-        if self.args.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(h)
-        return self.lm_head(h)
+        logits = self.model.embed_tokens.as_linear(h) if self.args.tie_word_embeddings else self.lm_head(h)
+        if self.args.final_softcap is not None:  # Gemma 2
+            logits = mx.tanh(logits / self.args.final_softcap) * self.args.final_softcap
+        return logits
 
     def make_pools(self, n_blocks: int, dtype: mx.Dtype) -> list[LayerPool]:
         return [LayerPool(self.args, n_blocks, dtype) for _ in self.model.layers]

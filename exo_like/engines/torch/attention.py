@@ -4,7 +4,7 @@ attention layer (fused q/k/v projection, GQA, one sdpa call per request or one f
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -88,6 +88,12 @@ class DecodeGroup:
     first_row: int | None  # when those rows are [first_row, first_row + B), as the scheduler puts decode first
     slots: torch.Tensor  # [B * longest] pool slots to gather (padding repeats a slot of the same request)
     mask: torch.Tensor  # [B, 1, 1, longest] True where a position is the request's own
+    ends: torch.Tensor  # [B, 1, 1, 1] each request's length (its new position + 1)
+
+    def within(self, window: int) -> "DecodeGroup":
+        """The same group attending only to each request's last `window` positions."""
+        positions = torch.arange(self.mask.shape[-1], device=self.mask.device)
+        return replace(self, mask=self.mask & (positions >= self.ends - window))
 
     @classmethod
     def build(cls, items: list[ItemLayout], device: torch.device) -> "DecodeGroup":
@@ -100,8 +106,9 @@ class DecodeGroup:
             mask[i, ..., :item.end] = True
         rows = np.array([item.row_start for item in items], dtype=np.int64)
         first = int(rows[0]) if np.array_equal(rows, np.arange(rows[0], rows[0] + len(rows))) else None
+        ends = np.array([item.end for item in items], dtype=np.int64).reshape(-1, 1, 1, 1)
         return cls(torch.from_numpy(rows).to(device), first, torch.from_numpy(slots.reshape(-1)).to(device),
-                   torch.from_numpy(mask).to(device))
+                   torch.from_numpy(mask).to(device), torch.from_numpy(ends).to(device))
 
 
 # Above this many positions a request attends to its own slots (a view of the pool when they are consecutive)
@@ -110,24 +117,49 @@ class DecodeGroup:
 DECODE_GROUP_MAX_POSITIONS = 512
 
 
+# One request's attention in a step: (item, first key position, slots to gather or None, mask or None).
+Single = tuple[ItemLayout, int, "torch.Tensor | None", "torch.Tensor | None"]
+
+
 @dataclass(frozen=True)
 class StepIndex:
     """A BatchLayout as tensors on the engine's device, built once per step and shared by every layer."""
 
     layout: BatchLayout
     write_slots: torch.Tensor
-    singles: tuple[tuple[ItemLayout, torch.Tensor | None, torch.Tensor | None], ...]  # (item, gather, causal mask)
+    singles: tuple[Single, ...]
     decode: DecodeGroup | None  # the single-position items attended to together, if several
+    device: torch.device
+    _windowed: dict[int, "StepIndex"] = field(default_factory=dict, compare=False)
 
     @classmethod
     def build(cls, layout: BatchLayout, device: torch.device) -> "StepIndex":
         decoding = [item for item in layout.items if item.count == 1 and item.end <= DECODE_GROUP_MAX_POSITIONS]
         group = DecodeGroup.build(decoding, device) if len(decoding) > 1 else None
         grouped = {id(item) for item in decoding} if group is not None else set()
-        singles = tuple((item, None if item.base is not None else torch.from_numpy(item.slots).to(device),
+        singles = tuple((item, 0, None if item.base is not None else torch.from_numpy(item.slots).to(device),
                          causal_mask(item.start, item.count, device) if item.start else None)
                         for item in layout.items if id(item) not in grouped)
-        return cls(layout, torch.from_numpy(layout.write_slots).to(device), singles, group)
+        return cls(layout, torch.from_numpy(layout.write_slots).to(device), singles, group, device)
+
+    def within(self, window: int) -> "StepIndex":
+        """The index of a sliding-window layer: each position attends to itself and the `window` - 1 before it.
+        A request's keys start at its first query's window (a narrower view or gather), masked per row. Built
+        once per step and window size."""
+        if window not in self._windowed:
+            singles = tuple(self._windowed_single(item, gather, window) for item, _, gather, _ in self.singles)
+            decode = self.decode.within(window) if self.decode is not None else None
+            self._windowed[window] = replace(self, singles=singles, decode=decode, _windowed={})
+        return self._windowed[window]
+
+    def _windowed_single(self, item: ItemLayout, gather: torch.Tensor | None, window: int) -> Single:
+        first = max(0, item.start - window + 1)
+        queries = torch.arange(item.start, item.end, device=self.device)[:, None]
+        keys = torch.arange(first, item.end, device=self.device)[None, :]
+        mask = (keys <= queries) & (keys > queries - window)
+        if bool(mask.all()):  # one row, seeing its whole window
+            mask = None
+        return item, first, None if gather is None else gather[first:], mask
 
 
 def causal_mask(offset: int, length: int, device: torch.device) -> torch.Tensor | None:
@@ -142,15 +174,21 @@ def causal_mask(offset: int, length: int, device: torch.device) -> torch.Tensor 
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs):
+    """Attention of absolute layer `layer`: its window (sliding-window layers) and the model's scale and
+    soft-capping come from the config."""
+
+    def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.num_attention_heads, args.num_key_value_heads, args.head_dim
         qkv_out = (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
         # One fused projection: rows are q, then k, then v (concatenated at load).
         self.qkv_proj = Linear(args.hidden_size, qkv_out, bias=args.qkv_bias)
         self.o_proj = Linear(self.n_heads * self.head_dim, args.hidden_size, bias=args.o_bias)
-        self.qk_norm = QKNorm(self.head_dim, self.n_heads, args.rms_norm_eps) if args.qk_norm else None
-        self.scale = self.head_dim**-0.5
+        self.qk_norm = QKNorm(self.head_dim, self.n_heads, args.rms_norm_eps, args.norm_offset) \
+            if args.qk_norm else None
+        self.scale = args.attn_scale or self.head_dim**-0.5
+        self.window = args.window(layer)
+        self.softcap = args.attn_softcap
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor,
                 values: torch.Tensor, index: StepIndex) -> torch.Tensor:
@@ -165,26 +203,30 @@ class Attention(nn.Module):
         keys.index_copy_(1, index.write_slots, qk[:, self.n_heads :].transpose(0, 1))
         values.index_copy_(1, index.write_slots, qkv[:, self.n_heads + self.n_kv_heads :].transpose(0, 1))
         queries = qk[:, : self.n_heads]  # [R, heads, D]
+        if self.window is not None:
+            index = index.within(self.window)
         if index.decode is None and len(index.singles) == 1:  # one request: no assembling
             out = self._attend_one(queries, keys, values, *index.singles[0])
         else:
             out = queries.new_empty(queries.shape)
-            for item, gather, mask in index.singles:
+            for item, first, gather, mask in index.singles:
                 out[item.row_start : item.row_end] = self._attend_one(
-                    queries[item.row_start : item.row_end], keys, values, item, gather, mask)
+                    queries[item.row_start : item.row_end], keys, values, item, first, gather, mask)
             if index.decode is not None:
                 self._attend_decode(queries, keys, values, index.decode, out)
         return self.o_proj.forward(out.reshape(rows, -1))
 
-    def _attend_one(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, item: ItemLayout,
+    def _attend_one(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, item: ItemLayout, first: int,
                     gather: torch.Tensor | None, mask: torch.Tensor | None) -> torch.Tensor:
-        """One request's rows q [T, heads, D] against its positions [0, end) -> [T, heads, D]."""
+        """One request's rows q [T, heads, D] against its positions [first, end) -> [T, heads, D]."""
         if gather is None:  # the item's positions are consecutive slots: attend to a view of the pool
-            k = keys[:, item.base : item.base + item.end]
-            v = values[:, item.base : item.base + item.end]
+            k = keys[:, item.base + first : item.base + item.end]
+            v = values[:, item.base + first : item.base + item.end]
         else:
             k, v = keys.index_select(1, gather), values.index_select(1, gather)
-        return self._attend(q.transpose(0, 1), k, v, mask, item.start).transpose(0, 1)
+        if self.softcap is not None:
+            return self._attend_capped(q.transpose(0, 1), k, v, mask, item.start - first).transpose(0, 1)
+        return self._attend(q.transpose(0, 1), k, v, mask, item.start - first).transpose(0, 1)
 
     def _attend_decode(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, group: DecodeGroup,
                        out: torch.Tensor) -> None:
@@ -195,7 +237,10 @@ class Attention(nn.Module):
         q = q.reshape(count, self.n_kv_heads, self.n_heads // self.n_kv_heads, self.head_dim)
         k = keys.index_select(1, group.slots).view(self.n_kv_heads, count, -1, self.head_dim).transpose(0, 1)
         v = values.index_select(1, group.slots).view(self.n_kv_heads, count, -1, self.head_dim).transpose(0, 1)
-        attended = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=self.scale)
+        if self.softcap is not None:
+            attended = self._softmax_attention(q, k, v, group.mask)
+        else:
+            attended = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=self.scale)
         attended = attended.reshape(count, self.n_heads, self.head_dim)
         if group.first_row is not None:
             out[group.first_row : group.first_row + count] = attended
@@ -226,3 +271,25 @@ class Attention(nn.Module):
             enable_gqa=self.n_heads != self.n_kv_heads,
         )
         return out[0]
+
+    def _attend_capped(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                       offset: int) -> torch.Tensor:
+        """As _attend, with scores soft-capped (Gemma 2), which sdpa cannot do: transformers' eager attention."""
+        group = self.n_heads // self.n_kv_heads
+        q = q.reshape(self.n_kv_heads, group * q.shape[1], -1)  # each kv head's query heads, rows one after another
+        if mask is None and q.shape[1] > group:  # several rows from position 0: causal
+            mask = causal_mask(offset, q.shape[1] // group, q.device)
+        if mask is not None:
+            mask = mask.repeat(group, 1)  # the same rows' mask for each query head of the group
+        return self._softmax_attention(q, k, v, mask).reshape(self.n_heads, -1, self.head_dim)
+
+    def _softmax_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           mask: torch.Tensor | None) -> torch.Tensor:
+        """softmax(cap(q k^T * scale) + mask) v with scores capped as tanh(s / cap) * cap, the softmax in
+        float32 (transformers' eager order). q [..., Q, D], k and v [..., L, D] with matching leading dims."""
+        scores = torch.matmul(q, k.transpose(-1, -2)) * self.scale
+        scores = torch.tanh(scores / self.softcap) * self.softcap
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(weights, v)

@@ -38,6 +38,8 @@ def layer_shapes(args: ModelArgs, layer: int = 0) -> dict[str, tuple[int, ...]]:
         "self_attn.v_proj.weight": (kv * dim, hidden), "self_attn.o_proj.weight": (hidden, heads * dim),
         "input_layernorm.weight": (hidden,), "post_attention_layernorm.weight": (hidden,),
     }
+    if args.sandwich_norms:
+        shapes.update({"pre_feedforward_layernorm.weight": (hidden,), "post_feedforward_layernorm.weight": (hidden,)})
     moe = args.moe if args.is_sparse_layer(layer) else None
     if moe is None:
         shapes.update(mlp_shapes("mlp", hidden, inner))

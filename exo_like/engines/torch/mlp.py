@@ -17,17 +17,23 @@ from exo_like.engines.torch.linear import Linear
 from exo_like.models.families import MoeArgs
 
 
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
 class MLP(nn.Module):
-    def __init__(self, hidden: int, inner: int, bias: bool = False):
+    """down(act(gate(x)) * up(x)): SwiGLU (act silu), or Gemma's GELU-tanh gate."""
+
+    def __init__(self, hidden: int, inner: int, bias: bool = False, activation: str = "silu"):
         super().__init__()
         self.hidden = inner
         # One fused projection: gate rows, then up rows.
         self.gate_up_proj = Linear(hidden, 2 * inner, bias=bias)
         self.down_proj = Linear(inner, hidden, bias=bias)
+        self.activation = ACTIVATIONS[activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj.forward(x)
-        return self.down_proj.forward(F.silu(gate_up[:, : self.hidden]) * gate_up[:, self.hidden :])
+        return self.down_proj.forward(self.activation(gate_up[:, : self.hidden]) * gate_up[:, self.hidden :])
 
 
 class SparseMoe(nn.Module):

@@ -12,6 +12,8 @@ for it (see Linear, PACK_BATCH, native_matvec). None of this changes float32 res
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
@@ -24,20 +26,40 @@ from exo_like.models.config import ModelArgs
 
 
 class TransformerBlock(nn.Module):
-    """Decoder layer `layer` (its absolute index: which layers hold a mixture of experts depends on it)."""
+    """Decoder layer `layer` (its absolute index: which layers hold a mixture of experts or a sliding window
+    depends on it). With sandwich norms (Gemma), the attention's and the MLP's outputs are normalised too, and
+    `post_attention_layernorm` is the attention's output norm rather than the MLP's input norm."""
 
     def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
-        self.self_attn = Attention(args)
+        self.self_attn = Attention(args, layer)
         self.mlp = SparseMoe(args.hidden_size, args.moe) if args.is_sparse_layer(layer) else \
-            MLP(args.hidden_size, args.intermediate_size, args.mlp_bias)
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+            MLP(args.hidden_size, args.intermediate_size, args.mlp_bias, args.hidden_act)
+        norm = lambda: RMSNorm(args.hidden_size, args.rms_norm_eps, args.norm_offset)  # noqa: E731
+        self.input_layernorm, self.post_attention_layernorm = norm(), norm()
+        self.sandwich = args.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
+        self.rope_key = rope_key(args, layer)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor,
                 values: torch.Tensor, index: StepIndex) -> torch.Tensor:
-        h = x + self.self_attn.forward(self.input_layernorm.forward(x), rope, keys, values, index)
-        return h + self.mlp.forward(self.post_attention_layernorm.forward(h))
+        attended = self.self_attn.forward(self.input_layernorm.forward(x), rope, keys, values, index)
+        if not self.sandwich:
+            h = x + attended
+            return h + self.mlp.forward(self.post_attention_layernorm.forward(h))
+        h = x + self.post_attention_layernorm.forward(attended)
+        return h + self.post_feedforward_layernorm.forward(self.mlp.forward(self.pre_feedforward_layernorm.forward(h)))
+
+
+def rope_key(args: ModelArgs, layer: int) -> str:
+    """Which rotary table a layer uses: Gemma 3's sliding-window layers have their own base, unscaled."""
+    return "local" if args.local_rope_theta is not None and args.window(layer) is not None else "global"
+
+
+def rope_tables(args: ModelArgs, keys: set[str], device: torch.device, dtype: torch.dtype) -> dict[str, RotaryTable]:
+    local = replace(args, rope_theta=args.local_rope_theta, rope_scaling=None, rope_freq_factors=None)
+    return {key: RotaryTable(local if key == "local" else args, device, dtype) for key in keys}
 
 
 class ShardModel(nn.Module):
@@ -52,9 +74,9 @@ class ShardModel(nn.Module):
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size,
                                          _weight=torch.empty(args.vocab_size, args.hidden_size)) if is_first else None
         self.layers = nn.ModuleList(TransformerBlock(args, first_layer + i) for i in range(n_layers))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps) if is_last else None
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.norm_offset) if is_last else None
         self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False) if is_last else None
-        self.rope: RotaryTable | None = None
+        self.ropes: dict[str, RotaryTable] = {}
         self.native_matvec = False
 
     def prepare(self) -> None:
@@ -77,7 +99,7 @@ class ShardModel(nn.Module):
                 packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.data, pack_batch)
                 module.weight, module.packed = nn.Parameter(packed, requires_grad=False), True
         self.native_matvec = weight.device.type == "cpu" and weight.dtype == torch.bfloat16
-        self.rope = RotaryTable(self.args, weight.device, weight.dtype)
+        self.ropes = rope_tables(self.args, {layer.rope_key for layer in self.layers}, weight.device, weight.dtype)
 
     @property
     def norm_weight(self) -> torch.Tensor:
@@ -100,19 +122,24 @@ class ShardModel(nn.Module):
         """One step over a batch. inputs: token ids [R] (first shard) or hidden states [R, H]. Returns hidden
         states [R, H], or on the last shard the logits [S, vocab] of the batch's sampled rows."""
         h = self.embed_tokens(inputs) if self.embed_tokens is not None else inputs
-        rope = self.rope.get(index.layout.positions)
+        if self.embed_tokens is not None and self.args.embed_scale:  # Gemma: by sqrt(hidden), in h's dtype
+            h = h * torch.tensor(self.args.hidden_size**0.5, dtype=h.dtype)
+        ropes = {key: table.get(index.layout.positions) for key, table in self.ropes.items()}
         with native_matvec(self.native_matvec and h.shape[0] == 1):
             # Layers call their parts through .forward, not nn.Module's call machinery: that machinery (hook
             # checks, for hooks this model never has) runs ~9 times per layer, a noticeable share of a small
             # model's decode step (see bench/bench_vs_llamacpp.py).
             for i, layer in enumerate(self.layers):
-                h = layer.forward(h, rope, pool.keys[i], pool.values[i], index)
+                h = layer.forward(h, ropes[layer.rope_key], pool.keys[i], pool.values[i], index)
         if self.lm_head is None:
             return h
         sampled = torch.from_numpy(index.layout.sample_rows).to(h.device)
         # Only the sampled rows' logits are needed: with one request, a matrix-vector product.
         with native_matvec(self.native_matvec and sampled.shape[0] == 1):
-            return self.lm_head(self.norm(h.index_select(0, sampled)))
+            logits = self.lm_head(self.norm(h.index_select(0, sampled)))
+        if self.args.final_softcap is not None:  # Gemma 2
+            logits = torch.tanh(logits / self.args.final_softcap) * self.args.final_softcap
+        return logits
 
 
 # Projections the engine runs as one product: (fused name, the checkpoint's parts in row order).
