@@ -87,8 +87,9 @@ def make_peaky(model: torch.nn.Module, seed: int) -> None:
     for name, param in sorted(model.named_parameters()):
         if "norm" in name:
             # Gemma's layers add their outputs normalised ("post" norms): scaled up, as trained ones are, they
-            # outweigh the embedding in the residual stream.
-            centre = POST_NORM_OFFSET if gemma and ".post_" in name else norm_centre
+            # outweigh the embedding in the residual stream; its final norm scaled up makes the (tied, small)
+            # head's logits peaky.
+            centre = POST_NORM_OFFSET if gemma and (".post_" in name or name == "model.norm.weight") else norm_centre
             param.copy_(centre + (torch.rand(param.shape, generator=generator) - 0.5) * 0.2)
         elif name.endswith("bias"):
             param.copy_(torch.randn(param.shape, generator=generator) * 0.5)

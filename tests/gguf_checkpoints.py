@@ -43,7 +43,12 @@ _LAYER_PARTS.update({
 })
 # HF model_type -> llama.cpp's architecture (Mixtral is `llama` with experts).
 GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-                      "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "mixtral": "llama", "phi3": "phi3"}
+                      "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "mixtral": "llama", "phi3": "phi3",
+                      "gemma2": "gemma2", "gemma3_text": "gemma3"}
+# Gemma's norm names (its `ffn_norm` is the norm before the MLP); its norms are stored with the 1 of (1 + w) added.
+_GEMMA_PARTS = {"post_attention_layernorm.weight": "post_attention_norm.weight",
+                "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+                "post_feedforward_layernorm.weight": "post_ffw_norm.weight"}
 # Phi-3's fused projections keep their names' roles: q/k/v as `attn_qkv`, gate/up as `ffn_up` (llama.cpp's phi3).
 _PHI3_PARTS = {"self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight"}
 _MIXTRAL_NAMES = {"block_sparse_moe.gate.": "mlp.gate.", ".w1.": ".gate_proj.", ".w2.": ".down_proj.",
@@ -51,10 +56,10 @@ _MIXTRAL_NAMES = {"block_sparse_moe.gate.": "mlp.gate.", ".w1.": ".gate_proj.", 
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)_proj\.weight$")
 
 
-def gguf_name(hf_name: str) -> str:
+def gguf_name(hf_name: str, gemma: bool = False) -> str:
     if hf_name.startswith("model.layers."):
         _, _, layer, rest = hf_name.split(".", 3)
-        return f"blk.{layer}.{_PHI3_PARTS.get(rest) or _LAYER_PARTS[rest]}"
+        return f"blk.{layer}.{(_GEMMA_PARTS if gemma else {}).get(rest) or _PHI3_PARTS.get(rest) or _LAYER_PARTS[rest]}"
     return {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
             "lm_head.weight": "output.weight"}[hf_name]
 
@@ -116,11 +121,22 @@ def write_gguf(hf_dir: Path, out: Path, matrix_type: str = "F32", embedding_type
     writer.add_head_count_kv(kv_heads)
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     rope = config.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope)  # Gemma 3's global layers' (the file's base; the local one is implied)
     writer.add_rope_freq_base(float(config.get("rope_theta") or rope.get("rope_theta") or 10000.0))
     writer.add_vocab_size(config["vocab_size"])
     if "head_dim" in config and config["head_dim"]:
         writer.add_key_length(config["head_dim"])
         writer.add_value_length(config["head_dim"])
+    gemma = arch.startswith("gemma")
+    if gemma:  # as llama.cpp's converter writes them (the layers' pattern and the local rope base are implied)
+        if config.get("attn_logit_softcapping"):
+            writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
+        if config.get("final_logit_softcapping"):
+            writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+        writer.add_sliding_window(config["sliding_window"])
+        if rope.get("rope_type") == "linear":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(rope["factor"])
     if arch == "phi3":  # as llama.cpp's converter writes a Phi-3 (0: no sliding window, its mark of Phi-4)
         writer.add_rope_dimension_count(config["hidden_size"] // heads)
         writer.add_sliding_window(config.get("sliding_window") or 0)
@@ -150,7 +166,9 @@ def write_gguf(hf_dir: Path, out: Path, matrix_type: str = "F32", embedding_type
         # As llama-quantize does, routers (`ffn_gate_inp`) stay float.
         kind = "F32" if values.ndim == 1 or name.endswith("mlp.gate.weight") else \
             (embedding_type or matrix_type) if "embed" in name else matrix_type
-        _add_tensor(writer, gguf_name(name), values, kind)
+        if gemma and name.endswith("norm.weight"):
+            values = values + np.float32(1)
+        _add_tensor(writer, gguf_name(name, gemma), values, kind)
     first = writer.format_shard_names(out)[0]
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -306,6 +324,9 @@ def hf_tensors_from_gguf(path: Path, config_dir: Path) -> dict[str, "torch.Tenso
     to_hf = {v: k for k, v in _LAYER_PARTS.items()}
     if config["model_type"] == "phi3":
         to_hf.update({v: k for k, v in _PHI3_PARTS.items()})
+    gemma = config["model_type"].startswith("gemma")
+    if gemma:
+        to_hf.update({v: k for k, v in _GEMMA_PARTS.items()})
     globals_to_hf = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                      "output.weight": "lm_head.weight"}
     tensors: dict[str, np.ndarray] = {}
@@ -313,6 +334,8 @@ def hf_tensors_from_gguf(path: Path, config_dir: Path) -> dict[str, "torch.Tenso
         shape = tuple(int(d) for d in reversed(tensor.shape))
         values = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32).reshape(shape)
         if tensor.name in globals_to_hf:
+            if config["model_type"].startswith("gemma") and tensor.name == "output_norm.weight":
+                values = values - np.float32(1)
             tensors[globals_to_hf[tensor.name]] = values
             continue
         _, layer, part = tensor.name.split(".", 2)
@@ -322,6 +345,8 @@ def hf_tensors_from_gguf(path: Path, config_dir: Path) -> dict[str, "torch.Tenso
                 tensors[f"model.layers.{layer}.mlp.experts.{expert}.{stacked.group(1)}_proj.weight"] = matrix
             continue
         name = f"model.layers.{layer}.{to_hf[part]}"
+        if gemma and name.endswith("norm.weight"):
+            values = values - np.float32(1)
         if GGUF_ARCHITECTURES[config["model_type"]] == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             n = heads if "q_proj" in name else kv_heads
             half = values.shape[0] // n // 2

@@ -89,6 +89,7 @@ def gguf_dequantized_greedy(path: Path, config_dir: Path, prompt: list[int], n_t
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     inputs = torch.tensor([prompt])
     with torch.no_grad():
+        # No end-of-sequence token: all n tokens, none suppressed (the engines' greedy tokens are compared as is).
         out = model.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=n_tokens,
-                             min_new_tokens=n_tokens, do_sample=False, pad_token_id=0)
+                             min_new_tokens=n_tokens, do_sample=False, pad_token_id=0, eos_token_id=None)
     return out[0, len(prompt):].tolist()

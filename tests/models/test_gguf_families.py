@@ -16,7 +16,7 @@ pytest.importorskip("gguf")
 
 from exo_like.models.config import ModelArgs  # noqa: E402
 from exo_like.models.gguf.file import open_gguf  # noqa: E402
-from tests.checkpoints import FUSED_ARCHITECTURES, MOE_ARCHITECTURES, make_checkpoint  # noqa: E402
+from tests.checkpoints import FUSED_ARCHITECTURES, GEMMA_ARCHITECTURES, MOE_ARCHITECTURES, make_checkpoint  # noqa: E402
 from tests.engine_driver import engine_greedy  # noqa: E402
 from tests.gguf_checkpoints import write_gguf  # noqa: E402
 from tests.oracle import Oracle, gguf_dequantized_greedy  # noqa: E402
@@ -26,8 +26,12 @@ CHAINS = {"torch": ["torch"], "mlx": ["mlx"], "torch+mlx+torch": ["torch", "mlx"
 N_TOKENS = 48
 PROMPT = [5 + (i * 37) % 600 for i in range(40)]
 # llama.cpp has no dense layers among a Qwen3-MoE's sparse ones (its converter cannot map them): none here.
-GGUF_OVERRIDES = {"qwen3_moe": {"mlp_only_layers": []}, "qwen2_moe": {}, "mixtral": {}, "phi3": {}}
-ARCHITECTURES = (*MOE_ARCHITECTURES, *FUSED_ARCHITECTURES)
+# llama.cpp's Gemma graphs imply the layers' pattern (Gemma 3: five sliding layers to one full: six layers here)
+# and scale queries by 1/sqrt(head_dim): the checkpoints follow.
+GGUF_OVERRIDES = {"qwen3_moe": {"mlp_only_layers": []}, "qwen2_moe": {}, "mixtral": {}, "phi3": {},
+                  "gemma2": {"query_pre_attn_scalar": 16},
+                  "gemma3_text": {"query_pre_attn_scalar": 16, "sliding_window_pattern": 6, "n_layers": 6}}
+ARCHITECTURES = (*MOE_ARCHITECTURES, *FUSED_ARCHITECTURES, *GEMMA_ARCHITECTURES)
 # K-quants take rows of 256: every matrix's input that long.
 K_OVERRIDES = {
     "qwen3_moe": {"hidden_size": 256, "head_dim": 64, "intermediate_size": 256, "moe_intermediate_size": 256},
@@ -35,6 +39,8 @@ K_OVERRIDES = {
                   "shared_expert_intermediate_size": 256},
     "mixtral": {"hidden_size": 256, "intermediate_size": 256},
     "phi3": {"hidden_size": 256, "intermediate_size": 256},
+    "gemma2": {"hidden_size": 256, "intermediate_size": 256, "head_dim": 64, "query_pre_attn_scalar": 64},
+    "gemma3_text": {"hidden_size": 256, "intermediate_size": 256, "head_dim": 64, "query_pre_attn_scalar": 64},
 }
 
 
@@ -44,8 +50,8 @@ def folders(tmp_path_factory):
 
     @cache
     def folder(arch: str, k_sizes: bool) -> Path:
-        overrides = {**GGUF_OVERRIDES[arch], **(K_OVERRIDES[arch] if k_sizes else {})}
-        return make_checkpoint(root / f"{arch}-{k_sizes}", arch, n_layers=4, seed=5, **overrides)
+        overrides = {"n_layers": 4, **GGUF_OVERRIDES[arch], **(K_OVERRIDES[arch] if k_sizes else {})}
+        return make_checkpoint(root / f"{arch}-{k_sizes}", arch, seed=5, **overrides)
 
     @cache
     def gguf(arch: str, kind: str) -> Path:

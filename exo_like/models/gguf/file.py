@@ -39,7 +39,14 @@ GGUF_SUFFIX = ".gguf"
 # GGUF's `general.architecture` -> the model_type the engines implement (Mistral files say "llama"; Mixtral's
 # say "llama" too, with experts).
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2_moe",
-                 "qwen3moe": "qwen3_moe", "phi3": "phi3"}
+                 "qwen3moe": "qwen3_moe", "phi3": "phi3", "gemma2": "gemma2", "gemma3": "gemma3_text"}
+# Gemma's norms scale by (1 + w); llama.cpp's converter stores them with the 1 added.
+_NORMS_PLUS_ONE = ("gemma2", "gemma3")
+# What llama.cpp's Gemma graphs take as given rather than from the metadata: the layers' pattern (Gemma 2 alternates
+# sliding and full attention, Gemma 3 has five sliding layers to one full), and the queries' scale: 1/sqrt(head_dim),
+# but 1/sqrt(hidden / heads) for the 27B models (46 layers for Gemma 2, 62 for Gemma 3).
+_GEMMA_PATTERN = {"gemma2": 2, "gemma3": 6}
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 # Whether llama.cpp renormalises the top-k router weights, per architecture, when the file does not say
 # (`expert_weights_norm`): its qwen3moe graph always does, its qwen2moe graph never, Mixtral always.
 _RENORMALIZED = {"qwen2moe": False, "qwen3moe": True, "llama": True}
@@ -73,8 +80,15 @@ _LAYER_NAMES = {
     "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
 }
 # Where an architecture names a layer's tensors otherwise: Phi-3 keeps q/k/v and gate/up fused, as its checkpoints do.
+_GEMMA_NORMS = {
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",  # Gemma's norm before the MLP
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
 _ARCH_LAYER_NAMES = {
     "phi3": {"attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"},
+    "gemma2": _GEMMA_NORMS,
+    "gemma3": _GEMMA_NORMS,
 }
 # Stacked experts: GGUF tensor -> the projections it holds, in row order (llama.cpp's converter may fuse gate and
 # up: `--fuse-gate-up-exps`).
@@ -245,6 +259,8 @@ class GGUFCheckpoint:
         window = int(self._key("attention.sliding_window", 0) or 0)
         if window:  # 0: none (how llama.cpp's converter marks Phi-4 among phi3 files)
             config["sliding_window"] = window
+        if self.architecture in _GEMMA_PATTERN:
+            config.update(self._gemma())
         rope_dims = self._key("rope.dimension_count")
         if rope_dims is not None and int(rope_dims) != config["head_dim"]:
             config["partial_rotary_factor"] = int(rope_dims) / config["head_dim"]
@@ -298,6 +314,18 @@ class GGUFCheckpoint:
         raise UnsupportedModelError(f"{self.path.name}: rope scaling {kind!r} is not supported; supported: linear",
                                     code="unsupported_rope_scaling")
 
+    def _gemma(self) -> dict[str, Any]:
+        layers, hidden, heads = int(self._key("block_count")), int(self._key("embedding_length")), self.config_heads
+        big = layers == _GEMMA_27B_LAYERS[self.architecture]
+        settings = {"sliding_window_pattern": _GEMMA_PATTERN[self.architecture],
+                    "query_pre_attn_scalar": hidden // heads if big else int(self._key("attention.key_length")),
+                    "attn_logit_softcapping": self._key("attn_logit_softcapping"),
+                    "final_logit_softcapping": self._key("final_logit_softcapping"),
+                    "tie_word_embeddings": "lm_head.weight" not in self.tensors}
+        if self.architecture == "gemma3":
+            settings["rope_local_base_freq"] = 10000.0  # llama.cpp's, for the sliding layers
+        return settings
+
     def _stop_ids(self) -> list[int]:
         """llama.cpp stops at any end-of-generation token: end of sequence, end of turn, end of message."""
         keys = ("eos_token_id", "eot_token_id", "eom_token_id")
@@ -331,6 +359,9 @@ class GGUFCheckpoint:
             values = dequantize(stored, GGMLQuantizationType[entry.type_name])
             # A copy: a float tensor comes back as a view of the memory map, which must not outlive the load.
             values = np.array(values, dtype=np.float32).reshape(entry.shape)
+        if self.architecture in _NORMS_PLUS_ONE and name.endswith("norm.weight"):
+            # (w + 1) - 1 is exact in float32 (Sterbenz), so the engines' 1 + w gives back the stored value.
+            return values - np.float32(1)
         heads = {"q_proj": self.config_heads, "k_proj": self.config_kv_heads}.get(name.split(".")[-2])
         if self.architecture == "llama" and heads is not None:
             return _map_rows(values, lambda rows: unpermute_rotary_rows(rows, heads))
