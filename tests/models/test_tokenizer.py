@@ -228,3 +228,23 @@ def test_byte_fallback_group_that_turns_invalid_is_not_emitted_early() -> None:
 @example([3, 1, 131])  # <0x00> <s> <0x80>: the skipped special token does not end the byte run
 def test_sentencepiece_style_deltas_concatenate_to_the_full_decode(ids: list[int]) -> None:
     assert_deltas_are_the_full_decode(_sentencepiece_style_tokenizer(), ids)
+
+
+@pytest.mark.parametrize("prefix", [True, False])
+def test_a_gguf_sentencepiece_vocabulary_puts_a_space_before_the_text_only_if_it_says_so(prefix: bool) -> None:
+    """Llama 2's files put one (the default); Gemma's say `add_space_prefix: false`."""
+    from exo_like.models.gguf.tokenizer import gguf_tokenizer
+
+    tokens = ["<unk>", "<s>", "</s>", *[f"<0x{b:02X}>" for b in range(256)],
+              "\u2581", "h", "e", "l", "o", "w", "r", "d", "he", "ll", "hell", "hello", "\u2581w", "\u2581wo",
+              "\u2581wor", "\u2581worl", "\u2581world", "\u2581h", "\u2581he", "\u2581hell", "\u2581hello"]
+    metadata = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens,
+                "tokenizer.ggml.scores": [0.0] * 259 + [-float(len(t)) for t in tokens[259:]],
+                "tokenizer.ggml.token_type": [2, 3, 3] + [6] * 256 + [1] * (len(tokens) - 259),
+                "tokenizer.ggml.unknown_token_id": 0, "tokenizer.ggml.bos_token_id": 1,
+                "tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.add_bos_token": False,
+                "tokenizer.ggml.add_space_prefix": prefix}
+    tokenizer = gguf_tokenizer(metadata, "test.gguf")
+    ids = tokenizer.encode("hello world", add_special_tokens=False)
+    assert [tokens[i] for i in ids] == (["\u2581hello", "\u2581world"] if prefix else ["hello", "\u2581world"])
+    assert tokenizer.decode(ids) == "hello world"

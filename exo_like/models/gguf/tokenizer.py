@@ -6,8 +6,9 @@ rebuilt, as llama.cpp runs them:
 - `gpt2`: byte-level BPE (Llama 3, Qwen2, SmolLM, ...). How text is split before merging is named by
   `tokenizer.ggml.pre`; the splits of the common families are here, and an unknown name falls back to GPT-2's
   (with a warning: digits or spaces may then tokenize differently from the original model).
-- `llama`: SentencePiece BPE with byte fallback (Llama 2, Mistral); merges are derived from the token scores
-  when the file has none.
+- `llama`: SentencePiece BPE with byte fallback (Llama 2, Mistral, Phi-3, Gemma); merges are derived from the
+  token scores when the file has none. A space is put before the text unless `tokenizer.ggml.add_space_prefix`
+  says not (Gemma's files).
 """
 
 from __future__ import annotations
@@ -89,9 +90,12 @@ def _sentencepiece(tokens: list[str], metadata: dict[str, Any]) -> Tokenizer:
     model = models.BPE(vocab=vocab, merges=merges, unk_token=tokens[unk] if unk is not None else None,
                        byte_fallback=True, fuse_unk=True)
     tokenizer = Tokenizer(model)
-    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
-    tokenizer.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
-                                           decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first" if prefix else
+                                                       "never", split=False)
+    # The space put before the text is taken off again when decoding; none was put, none is taken.
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    tokenizer.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if prefix else []))
     return tokenizer
 
 
