@@ -48,7 +48,6 @@ class ModelArgs:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     quantization: dict[str, Any] | None = field(default=None)
-    sliding_window: int | None = None
     # llama.cpp's `rope_freqs`: each rotary frequency is divided by its factor (head_dim // 2 of them).
     rope_freq_factors: tuple[float, ...] | None = None
     moe: MoeArgs | None = None  # the mixture of experts of a MoE family (which layers, how many experts)
@@ -60,7 +59,7 @@ class ModelArgs:
     attn_scale: float | None = None  # instead of head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
     attn_softcap: float | None = None  # attention scores -> tanh(s / cap) * cap (Gemma 2)
     final_softcap: float | None = None  # the same for the logits
-    # Per absolute layer, its attention window (None: full attention). Set, it replaces `sliding_window`'s cap.
+    # Per absolute layer, its attention window (None: full attention); None for a model without windows.
     layer_windows: tuple[int | None, ...] | None = None
     local_rope_theta: float | None = None  # the rope base of windowed layers, unscaled (Gemma 3's local layers)
 
@@ -74,10 +73,7 @@ class ModelArgs:
 
     @property
     def context_length(self) -> int:
-        """Positions a request may use. Within a sliding window, full attention is exactly sliding-window
-        attention, so capping the context at the window keeps every result exact instead of silently wrong."""
-        if self.sliding_window and self.layer_windows is None:
-            return min(self.max_position_embeddings, self.sliding_window)
+        """Positions a request may use."""
         return self.max_position_embeddings
 
     def window(self, layer: int) -> int | None:
@@ -110,7 +106,6 @@ class ModelArgs:
             eos_token_ids=_as_id_tuple(config.get("eos_token_id")),
             bos_token_id=config.get("bos_token_id"),
             quantization=_quantization(config),
-            sliding_window=_sliding_window(config),
             rope_freq_factors=_rope_freq_factors(config.get("rope_freq_factors"), head_dim),
         )
         fields.update(family.parse(model_type, config))  # a family may also set common fields its own way
@@ -132,14 +127,6 @@ class ModelArgs:
             merged = tuple(dict.fromkeys(args.eos_token_ids + gen_eos))
             args = replace(args, eos_token_ids=merged)
         return args
-
-
-def _sliding_window(config: dict[str, Any]) -> int | None:
-    """Mistral sets `sliding_window` when it uses one; Qwen2/3 carry a size but use it only if `use_sliding_window`."""
-    window = config.get("sliding_window")
-    if not window or config.get("use_sliding_window") is False:
-        return None
-    return int(window)
 
 
 def _as_id_tuple(value: Any) -> tuple[int, ...]:

@@ -20,6 +20,9 @@ from tests.engine_driver import Driver, generate_together
 
 N_LAYERS = 4
 ARCHITECTURES = (*MOE_ARCHITECTURES, *FUSED_ARCHITECTURES, *GEMMA_ARCHITECTURES)
+# Llama-family checkpoints with windows of 8: every layer (Mistral 7B v0.1's kind), layers 2 and 3 (Qwen2's rule)
+WINDOWED = {"mistral_window": ("mistral", {"sliding_window": 8}),
+            "qwen2_window": ("qwen2", {"sliding_window": 8, "use_sliding_window": True, "max_window_layers": 2})}
 N_TOKENS = 48
 CHAINS = {"torch": ("torch",), "mlx": ("mlx",), "torch+mlx+torch": ("torch", "mlx", "torch"),
           "mlx+torch+mlx": ("mlx", "torch", "mlx")}
@@ -29,8 +32,11 @@ CHAINS = {"torch": ("torch",), "mlx": ("mlx",), "torch+mlx+torch": ("torch", "ml
 def family_dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("families")
     # seeds giving each a varied greedy continuation of prompt "a"
-    return {arch: make_checkpoint(root / arch, arch, n_layers=N_LAYERS, seed=2 if arch == "gemma3_text" else 3)
+    made = {arch: make_checkpoint(root / arch, arch, n_layers=N_LAYERS, seed=2 if arch == "gemma3_text" else 3)
             for arch in ARCHITECTURES}
+    made.update({name: make_checkpoint(root / name, arch, n_layers=N_LAYERS, seed=3, **overrides)
+                 for name, (arch, overrides) in WINDOWED.items()})
+    return made
 
 
 @pytest.fixture(scope="module")
@@ -95,21 +101,25 @@ def test_greedy_tokens_equal_transformers(family_dirs, prompts, arch, chain):
 
 
 @pytest.mark.parametrize("chain", ["torch", "mlx"])
-def test_eight_requests_in_one_batch_equal_each_alone(family_dirs, prompts, chain):
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gemma3_text"])
+def test_eight_requests_in_one_batch_equal_each_alone(family_dirs, prompts, arch, chain):
     """Eight requests joining one after another, every active one in each step (prompt chunks of 7 beside decode
-    tokens): each request's tokens are its own, as alone. Rows of different requests pick different experts in
-    one step, so every expert's rows are gathered from across the batch."""
-    engines = load_chain(family_dirs["qwen3_moe"], CHAINS[chain])
+    tokens, several decode rows attended together): each request's tokens and logits are its own, as alone.
+    Qwen3-MoE: rows of different requests pick different experts in one step, so every expert's rows are gathered
+    from across the batch. Gemma 3: each row attends through its own window (8) of its own request."""
+    engines = load_chain(family_dirs[arch], CHAINS[chain])
     n = 10
     together = generate_together(Driver(engines), prompts, n, chunk=7, joins={rid: i for i, rid in enumerate(prompts)})
     assert together.widest == 8 and together.mixed_steps >= 5
     driver = Driver(engines)
     for rid, prompt in prompts.items():
-        assert together.tokens[rid] == greedy(driver, prompt, n, rid), rid
+        tokens, logits = greedy_logits(driver, prompt, n, rid)
+        assert together.tokens[rid] == tokens, rid
+        np.testing.assert_allclose(together.stacked(rid), logits, rtol=1e-5, atol=1e-4, err_msg=rid)
 
 
 @pytest.mark.parametrize("chain", CHAINS)
-@pytest.mark.parametrize("arch", GEMMA_ARCHITECTURES)
+@pytest.mark.parametrize("arch", [*GEMMA_ARCHITECTURES, *WINDOWED])
 def test_sliding_window_layers_give_transformers_logits(family_dirs, prompts, arch, chain):
     """A 40-token prompt in chunks of 7 (chunks starting past the window of 8), then 12 decode steps: every
     sampled row's logits equal transformers' forward over the whole sequence. (Greedy tokens alone would not
@@ -127,21 +137,6 @@ def test_sliding_window_layers_give_transformers_logits(family_dirs, prompts, ar
     expected = transformers_logits(path, sequence)
     positions += list(range(len(prompt), len(prompt) + 12))
     np.testing.assert_allclose(np.concatenate([np.stack(ours), decoded]), expected[positions], rtol=1e-5, atol=1e-4)
-
-
-@pytest.mark.parametrize("chain", ["torch", "mlx"])
-def test_sliding_window_requests_batched_equal_each_alone(family_dirs, prompts, chain):
-    """Gemma 3's windows in batched steps: prompt chunks and decode rows of eight requests (several decode rows
-    attended together) give each request the logits it gets alone."""
-    engines = load_chain(family_dirs["gemma3_text"], CHAINS[chain])
-    n = 10
-    together = generate_together(Driver(engines), prompts, n, chunk=7, joins={rid: i for i, rid in enumerate(prompts)})
-    assert together.widest == 8 and together.mixed_steps >= 5
-    driver = Driver(engines)
-    for rid, prompt in prompts.items():
-        tokens, logits = greedy_logits(driver, prompt, n, rid)
-        assert together.tokens[rid] == tokens, rid
-        np.testing.assert_allclose(together.stacked(rid), logits, rtol=1e-5, atol=1e-4, err_msg=rid)
 
 
 def test_sparse_and_dense_layers_follow_the_config(family_dirs):

@@ -86,10 +86,15 @@ def test_eos_ids_merge_config_and_generation_config(tmp_path: Path) -> None:
     assert ModelArgs.from_dir(tmp_path).eos_token_ids == (2, 7)
 
 
-def test_sliding_window_caps_the_context() -> None:
+def test_sliding_windows_are_per_layer_as_transformers_runs_them() -> None:
+    """Windows are real (the context is not capped at them): every layer of Mistral 7B v0.1; Qwen2's from
+    max_window_layers on, only with use_sliding_window."""
     mistral = ModelArgs.from_dict(config_dict("mistral", sliding_window=4096, max_position_embeddings=32768))
-    assert mistral.context_length == 4096
+    assert mistral.layer_windows == (4096, 4096) and mistral.context_length == 32768
     no_window = ModelArgs.from_dict(config_dict("mistral", sliding_window=None, max_position_embeddings=32768))
-    assert no_window.sliding_window is None and no_window.context_length == 32768
+    assert no_window.layer_windows is None and no_window.context_length == 32768
     qwen2 = ModelArgs.from_dict(config_dict("qwen2", sliding_window=1024, use_sliding_window=False))
-    assert qwen2.sliding_window is None and qwen2.context_length == 4096
+    assert qwen2.layer_windows is None and qwen2.context_length == 4096
+    config = {**config_dict("qwen2", sliding_window=1024, use_sliding_window=True, max_window_layers=1)}
+    config.pop("layer_types", None)  # a Hub config, before transformers 5 wrote the layers' types
+    assert ModelArgs.from_dict(config).layer_windows == (None, 1024)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from exo_like.models.families.base import Family, MoeArgs
+from exo_like.models.families.llama import sliding_windows
 
 
 def parse(model_type: str, config: dict[str, Any]) -> dict[str, Any]:
@@ -17,7 +18,8 @@ def parse(model_type: str, config: dict[str, Any]) -> dict[str, Any]:
         renormalize=True,
         sparse_layers=tuple(range(int(config["num_hidden_layers"]))),
     )
-    return {"qkv_bias": False, "o_bias": False, "qk_norm": False, "mlp_bias": False, "moe": moe}
+    return {"qkv_bias": False, "o_bias": False, "qk_norm": False, "mlp_bias": False, "moe": moe,
+            **sliding_windows(config)}
 
 
 MIXTRAL = Family(

@@ -10,10 +10,12 @@ from __future__ import annotations
 from typing import Any
 
 from exo_like.models.families.base import Family
+from exo_like.models.families.llama import sliding_windows
 
 
 def parse(model_type: str, config: dict[str, Any]) -> dict[str, Any]:
-    return {"qkv_bias": False, "o_bias": False, "qk_norm": False, "mlp_bias": False}
+    # Phi-3-mini-4k attends through a window of 2047 in every layer; Phi-4 has none.
+    return {"qkv_bias": False, "o_bias": False, "qk_norm": False, "mlp_bias": False, **sliding_windows(config)}
 
 
 PHI3 = Family(

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from exo_like.models.families.base import Family, MoeArgs, sparse_layers
-from exo_like.models.families.llama import attention_fields
+from exo_like.models.families.llama import attention_fields, sliding_windows
 
 
 def parse(model_type: str, config: dict[str, Any]) -> dict[str, Any]:
@@ -23,7 +23,7 @@ def parse(model_type: str, config: dict[str, Any]) -> dict[str, Any]:
         shared_expert_size=shared,
         shared_expert_gated=shared > 0,
     )
-    return {**attention_fields(model_type, config), "mlp_bias": False, "moe": moe}
+    return {**attention_fields(model_type, config), "mlp_bias": False, "moe": moe, **sliding_windows(config)}
 
 
 QWEN_MOE = Family(
