@@ -123,7 +123,8 @@ class Placer:
                                                lambda a, b: hop_ns(hop, a, b))
         result = self._plans[key]
         if result is None:  # no split fits: the memory split's problems say what is missing where
-            plan = make_plan(model, n_layers, [NodeCapacity(m.node_id, m.memory_bytes) for m in members])
+            plan = make_plan(model, n_layers, [NodeCapacity(m.node_id, m.memory_bytes) for m in members],
+                             footprint.layer_bytes)
             problems = fit_problems(plan, footprint, holders)
             return Decision(plan, "the model does not fit: " + "; ".join(problems),
                             None, PlacementReport("compute", "no split by speed fits every node's memory"))
@@ -153,7 +154,7 @@ class Placer:
                 figures: dict[str, SpeedFigures | None], holders: dict[str, Holder], why: str) -> Decision:
         """Today's memory split, with its stages' times per token where every stage has figures."""
         capacities = [NodeCapacity(m.node_id, m.memory_bytes) for m in members]
-        plan = make_plan(model, n_layers, capacities)
+        plan = make_plan(model, n_layers, capacities, footprint.layer_bytes)
         problems = fit_problems(plan, footprint, holders)
         stage_ns: dict[str, int] = {}
         used = [c for c in capacities if c.node_id in plan.node_ids]

@@ -106,13 +106,15 @@ def stage_times(n_layers: int, stages: Sequence[Stage], nodes: Sequence[NodeSpee
     return tuple(times)
 
 
-def place_by_speed(n_layers: int, nodes: Sequence[NodeSpeed], fits: Fits, hop: Hop) -> Placement | None:
-    """The placement described above; None when no split fits every node's memory."""
+def place_by_speed(n_layers: int, nodes: Sequence[NodeSpeed], fits: Fits, hop: Hop,
+                   layer_bytes: Sequence[int] | None = None) -> Placement | None:
+    """The placement described above; None when no split fits every node's memory. layer_bytes: for the memory
+    split, when the layers' bytes differ."""
     if n_layers < 1 or not nodes:
         raise ValueError("need at least one layer and one node")
     order = _in_ring_order(nodes)
     if speeds_equal(order):
-        memory = _memory_split(n_layers, order, fits, hop)
+        memory = _memory_split(n_layers, order, fits, hop, layer_bytes)
         if memory is not None:
             return memory
     return _Search(n_layers, order, fits, hop).run()
@@ -123,8 +125,9 @@ def _in_ring_order(nodes: Sequence[NodeSpeed]) -> list[NodeSpeed]:
     return [by_id[c.node_id] for c in ring_order([n.capacity() for n in nodes])]
 
 
-def _memory_split(n_layers: int, order: list[NodeSpeed], fits: Fits, hop: Hop) -> Placement | None:
-    stages = tuple(plan_ring(n_layers, [n.capacity() for n in order]))
+def _memory_split(n_layers: int, order: list[NodeSpeed], fits: Fits, hop: Hop,
+                  layer_bytes: Sequence[int] | None) -> Placement | None:
+    stages = tuple(plan_ring(n_layers, [n.capacity() for n in order], layer_bytes))
     if not all(fits(s.node_id, s.start_layer, s.end_layer) for s in stages):
         return None
     used = {s.node_id for s in stages}

@@ -13,7 +13,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from exo_like.models.footprint import ModelFootprint
 from exo_like.models.shard import Shard
@@ -60,8 +60,10 @@ class Plan:
         }
 
 
-def make_plan(model_id: str, n_layers: int, members: list[NodeCapacity]) -> Plan:
-    stages = plan_ring(n_layers, members)
+def make_plan(model_id: str, n_layers: int, members: list[NodeCapacity], layer_bytes: Sequence[int] | None = None
+              ) -> Plan:
+    """The memory split (partitioning/ring.py); by bytes where the layers' bytes differ."""
+    stages = plan_ring(n_layers, members, layer_bytes)
     memories = tuple(sorted((m.node_id, m.memory_bytes) for m in members))
     return Plan(model_id, n_layers, tuple(stages), memories)
 
@@ -105,7 +107,8 @@ def make_speed_plan(model_id: str, n_layers: int, members: list[NodeCapacity], l
         shard = Shard(model_id, start, end, n_layers)
         return needed_bytes(footprint, holders.get(node_id, Holder()), shard) <= memory[node_id]
 
-    placement = place_by_speed(n_layers, speed_nodes(members, layer_ns, footprint, holders), fits, hop_ns)
+    placement = place_by_speed(n_layers, speed_nodes(members, layer_ns, footprint, holders), fits, hop_ns,
+                               footprint.layer_bytes)
     if placement is None:
         return None
     memories = tuple(sorted((m.node_id, m.memory_bytes) for m in members))

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from partitioning import NodeCapacity, plan_ring, split_layers
+from partitioning.ring import split_layer_bytes
 
 GIB = 1 << 30
 
@@ -74,3 +75,33 @@ def test_deterministic_under_node_reordering(n_layers: int, memory_list: list[in
 def test_more_memory_never_means_fewer_layers(n_layers: int, memory_list: list[int]) -> None:
     counts = split_layers(n_layers, sorted(memory_list, reverse=True))
     assert all(a >= b for a, b in zip(counts, counts[1:]))
+
+
+def test_layers_of_unequal_bytes_are_split_by_bytes() -> None:
+    """DeepSeek's shape: three dense layers of 1 unit, then mixture layers of 10 (153 units). Two equal nodes split
+    the bytes, not the layers: the first takes 3 + 7 layers, 73 units against 80, the boundary nearest half (counts
+    alone would give 9 + 9 layers: 63 units against 90)."""
+    layer_bytes = [1, 1, 1] + [10] * 15
+    stages = plan_ring(18, [NodeCapacity("a", GIB), NodeCapacity("b", GIB)], layer_bytes)
+    assert [(s.start_layer, s.end_layer) for s in stages] == [(0, 10), (10, 18)]
+    assert plan_ring(18, [NodeCapacity("a", GIB), NodeCapacity("b", GIB)], [10] * 18) == \
+        plan_ring(18, [NodeCapacity("a", GIB), NodeCapacity("b", GIB)])  # equal bytes: the count split
+
+
+@settings(max_examples=300, deadline=None)
+@given(layer_bytes=st.lists(st.integers(1, 1000), min_size=1, max_size=60), memory_list=memories)
+def test_a_byte_split_is_contiguous_and_each_boundary_nearest_its_share(layer_bytes: list[int],
+                                                                        memory_list: list[int]) -> None:
+    counts = split_layer_bytes(layer_bytes, memory_list)
+    assert sum(counts) == len(layer_bytes) and len(counts) == len(memory_list)
+    if len(layer_bytes) >= len(memory_list):
+        assert all(c >= 1 for c in counts)
+    # Each boundary is the nearest one to its share among those leaving every node a layer.
+    cumulative = [sum(layer_bytes[:i]) for i in range(len(layer_bytes) + 1)]
+    ends = [sum(counts[:j + 1]) for j in range(len(counts))]
+    keep = 1 if len(layer_bytes) >= len(memory_list) else 0
+    for j, end in enumerate(ends[:-1]):
+        target = Fraction(cumulative[-1] * sum(memory_list[:j + 1]), sum(memory_list))
+        low = (ends[j - 1] if j else 0) + keep
+        high = len(layer_bytes) - keep * (len(memory_list) - j - 1)
+        assert all(abs(cumulative[end] - target) <= abs(cumulative[i] - target) for i in range(low, high + 1))
