@@ -52,6 +52,18 @@ class StepIndex:
         self.write_slots = mx.array(layout.write_slots.astype(np.int32))
         self.gathers = [None if item.base is not None else mx.array(item.slots.astype(np.int32))
                         for item in layout.items]
+        self._windows: dict[tuple[int, int], mx.array | None] = {}
+
+    def window_mask(self, index: int, window: int) -> mx.array | None:
+        """Which of positions [first, end) item `index`'s rows see through a window (first: its first row's
+        window start); None when each sees them all. Made once per step, item and window size."""
+        if (index, window) not in self._windows:
+            item = self.layout.items[index]
+            queries = np.arange(item.start, item.end)[:, None]
+            keys = np.arange(max(0, item.start - window + 1), item.end)[None, :]
+            visible = (keys <= queries) & (keys > queries - window)
+            self._windows[index, window] = None if visible.all() else mx.array(visible)
+        return self._windows[index, window]
 
 
 class RMSNorm(nn.Module):
@@ -106,24 +118,19 @@ class Attention(nn.Module):
         queries, keys = self._rope(queries, index.positions), self._rope(keys, index.positions)
         pool.write(index.write_slots, keys.transpose(1, 0, 2), values.transpose(1, 0, 2))
         outs = []
-        for item, slots in zip(index.layout.items, index.gathers):
-            first = 0 if self.window is None else max(0, item.start - self.window + 1)
-            item_keys, item_values = pool.read(item, slots, first)
+        for i, (item, slots) in enumerate(zip(index.layout.items, index.gathers)):
             q = queries[item.row_start:item.row_end].transpose(1, 0, 2)[None]
-            out = self._attend(q, item_keys[None], item_values[None], self._mask(item, first))
+            if self.window is None:
+                # sdpa's "causal" mask is aligned lower-right (last query sees last key): exactly the causal mask
+                # for new positions after cached ones.
+                first, mask = 0, "causal" if item.count > 1 else None
+            else:
+                first, mask = max(0, item.start - self.window + 1), index.window_mask(i, self.window)
+            item_keys, item_values = pool.read(item, slots, first)
+            out = self._attend(q, item_keys[None], item_values[None], mask)
             outs.append(out[0].transpose(1, 0, 2).reshape(item.count, -1))
         out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
         return self.o_proj(out)
-
-    def _mask(self, item: ItemLayout, first: int) -> mx.array | str | None:
-        """Which of positions [first, end) each of the item's rows sees. sdpa's "causal" mask is aligned
-        lower-right (last query sees last key): exactly the causal mask for new positions after cached ones."""
-        if self.window is None:
-            return "causal" if item.count > 1 else None
-        queries = np.arange(item.start, item.end)[:, None]
-        keys = np.arange(first, item.end)[None, :]
-        visible = (keys <= queries) & (keys > queries - self.window)
-        return None if visible.all() else mx.array(visible)
 
     def _attend(self, q: mx.array, k: mx.array, v: mx.array, mask: mx.array | str | None) -> mx.array:
         """q [1, heads, T, D] against k, v [1, kv_heads, L, D]. GQA: sdpa broadcasts the kv heads itself."""

@@ -91,6 +91,8 @@ class ShardModel(nn.Module):
         # bfloat16 plain weights (the LM head) go faster through F.linear: natively for one row, see native_matvec.
         onednn = weight.dtype == torch.float32 and onednn_usable(weight, None)
         for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.prepare()
             if not isinstance(module, Linear):
                 continue
             module.onednn = onednn

@@ -26,10 +26,16 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dims), requires_grad=False)
         self.eps, self.offset = eps, offset
+        self.scale: torch.Tensor | None = None  # Gemma's 1 + w in float32, made once the weight is loaded
+
+    def prepare(self) -> None:
+        """After loading: Gemma's scale, so a step does not add 1 to every norm's weight again."""
+        if self.offset:
+            self.scale = 1.0 + self.weight.float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.offset:
-            scale = 1.0 + self.weight.float()
+            scale = self.scale if self.scale is not None else 1.0 + self.weight.float()
             if x.dtype == torch.float32:
                 return F.rms_norm(x, scale.shape, scale, self.eps)
             return (rms_normalize32(x, self.eps) * scale).to(x.dtype)
@@ -49,8 +55,10 @@ class QKNorm(nn.Module):
     def forward(self, qk: torch.Tensor) -> torch.Tensor:
         if self.offset:  # Gemma: scaled in float32, rounded once
             out = rms_normalize32(qk, self.q_norm.eps)
-            out[:, : self.n_heads] *= 1.0 + self.q_norm.weight.float()
-            out[:, self.n_heads :] *= 1.0 + self.k_norm.weight.float()
+            out[:, : self.n_heads] *= self.q_norm.scale if self.q_norm.scale is not None else \
+                1.0 + self.q_norm.weight.float()
+            out[:, self.n_heads :] *= self.k_norm.scale if self.k_norm.scale is not None else \
+                1.0 + self.k_norm.weight.float()
             return out.to(qk.dtype)
         out = rms_normalize(qk, self.q_norm.eps)  # a fresh tensor, so scaling it in place is safe
         out[:, : self.n_heads] *= self.q_norm.weight
