@@ -21,6 +21,7 @@ ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral")
 FUSED_ARCHITECTURES = ("phi3",)  # q/k/v and gate/up stored fused
 GEMMA_ARCHITECTURES = ("gemma2", "gemma3_text")  # sliding windows (8) shorter than the test prompts
+SINK_ARCHITECTURES = ("gpt_oss",)  # attention sinks, windows of 8, YaRN, biased experts stacked [E, in, out]
 
 _COMMON = dict(
     hidden_size=64,
@@ -53,6 +54,9 @@ _SPECIFIC = {
     "gemma2": dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=8, pad_token_id=0),
     "gemma3_text": dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=8, pad_token_id=0,
                         rope_scaling={"rope_type": "linear", "factor": 4.0}, sliding_window_pattern=3),
+    # gpt-oss's own rope (YaRN, factor 32 over 4096) and alternating windowed/full layers, at a small size
+    "gpt_oss": dict(head_dim=16, intermediate_size=48, num_local_experts=6, num_experts_per_tok=2, sliding_window=8,
+                    max_position_embeddings=131072, pad_token_id=0),
 }
 POST_NORM_OFFSET = 2.0
 ROUTER_SCALE = 6.0  # router logits' spread: top-k choices far from ties, so summation order never flips one
@@ -64,7 +68,8 @@ def hf_config(arch: str, n_layers: int, vocab_size: int, token_ids: dict[str, in
     config_class = getattr(transformers, {
         "llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
         "qwen3_moe": "Qwen3MoeConfig", "qwen2_moe": "Qwen2MoeConfig", "mixtral": "MixtralConfig",
-        "phi3": "Phi3Config", "gemma2": "Gemma2Config", "gemma3_text": "Gemma3TextConfig"}[arch])
+        "phi3": "Phi3Config", "gemma2": "Gemma2Config", "gemma3_text": "Gemma3TextConfig",
+        "gpt_oss": "GptOssConfig"}[arch])
     settings = {**_COMMON, **_SPECIFIC[arch], **overrides}
     return config_class(
         num_hidden_layers=n_layers,
@@ -95,9 +100,12 @@ def make_peaky(model: torch.nn.Module, seed: int) -> None:
             param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
         elif "embed_tokens" in name:
             param.copy_(torch.randn(param.shape, generator=generator) * embed_std)
+        elif name.endswith(".sinks"):  # gpt-oss: a sink logit comparable with the scores, so it takes a share
+            param.copy_(torch.randn(param.shape, generator=generator) * 2.0)
         else:
-            fan_in = param.shape[-1]
-            scale = ROUTER_SCALE if name.endswith(".gate.weight") else 1.5
+            # gpt-oss stacks its experts [experts, in, out]; every other matrix is [out, in]
+            fan_in = param.shape[-2] if param.dim() == 3 else param.shape[-1]
+            scale = ROUTER_SCALE if name.endswith((".gate.weight", ".router.weight")) else 1.5
             param.copy_(torch.randn(param.shape, generator=generator) * scale / math.sqrt(fan_in))
 
 

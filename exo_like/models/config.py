@@ -20,7 +20,7 @@ import numpy as np
 from exo_like.errors import UnsupportedModelError
 from exo_like.models.families import Family, MoeArgs, family_for
 from exo_like.models.quantization import QuantSpec, quant_spec
-from exo_like.models.rope import rope_settings
+from exo_like.models.rope import attention_factor, rope_settings, scaled_inv_freq
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -62,6 +62,7 @@ class ModelArgs:
     # Per absolute layer, its attention window (None: full attention); None for a model without windows.
     layer_windows: tuple[int | None, ...] | None = None
     local_rope_theta: float | None = None  # the rope base of windowed layers, unscaled (Gemma 3's local layers)
+    attn_sinks: bool = False  # a learned logit per head that joins every softmax and takes its share (gpt-oss)
 
     @property
     def family(self) -> Family:
@@ -150,40 +151,21 @@ def _rope_freq_factors(value: Any, head_dim: int) -> tuple[float, ...] | None:
     return factors
 
 
+def rope_attention_factor(args: ModelArgs) -> float:
+    """The factor both engines multiply cos and sin by (YaRN's; 1.0 otherwise)."""
+    return attention_factor(args.rope_scaling)
+
+
 def rope_inv_freq(args: ModelArgs) -> np.ndarray:
-    """Inverse rotary frequencies (float32, head_dim // 2), with linear or llama3 scaling applied, then divided
+    """Inverse rotary frequencies (float32, head_dim // 2), with the config's scaling applied, then divided
     by a GGUF file's per-dimension factors as llama.cpp does (`theta / freq_factor`).
 
     Computed in float64 and rounded once, so both engines start from identical values.
     """
-    inv_freq = _scaled_inv_freq(args)
+    inv_freq = scaled_inv_freq(args.rope_theta, args.head_dim, args.rope_scaling)
     if args.rope_freq_factors is not None:
         inv_freq = inv_freq / np.asarray(args.rope_freq_factors, dtype=np.float64)
     return inv_freq.astype(np.float32)
-
-
-def _scaled_inv_freq(args: ModelArgs) -> np.ndarray:
-    """Inverse rotary frequencies in float64 after the config's rope scaling."""
-    dim = args.head_dim
-    inv_freq = 1.0 / (args.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
-    scaling = args.rope_scaling
-    if scaling is None:
-        return inv_freq
-    factor = float(scaling["factor"])
-    if scaling["rope_type"] == "linear":
-        return inv_freq / factor
-    # llama3: keep high frequencies, divide low ones by `factor`, interpolate smoothly in between.
-    low_freq_factor = float(scaling.get("low_freq_factor", 1.0))
-    high_freq_factor = float(scaling.get("high_freq_factor", 4.0))
-    old_context = float(scaling.get("original_max_position_embeddings", 8192))
-    low_freq_wavelen = old_context / low_freq_factor
-    high_freq_wavelen = old_context / high_freq_factor
-    wavelen = 2 * np.pi / inv_freq
-    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-    return np.where(is_medium, smoothed, scaled)
 
 
 def _quantization(config: dict[str, Any]) -> dict[str, Any] | None:

@@ -23,15 +23,16 @@ def count_parameters(args: ModelArgs) -> ParameterCount:
     outer = args.vocab_size * hidden * (1 if args.tie_word_embeddings else 2) + hidden
     total = active = outer
     for layer in range(args.num_hidden_layers):
-        shared, routed, routed_active = _attention(args) + 2 * hidden, 0, 0
+        norms = (4 if args.sandwich_norms else 2) * hidden  # Gemma: after attention and around the MLP too
+        shared, routed, routed_active = _attention(args) + norms, 0, 0
         moe = args.moe if args.is_sparse_layer(layer) else None
         if moe is None:
             shared += _mlp(hidden, args.intermediate_size, args.mlp_bias)
         else:
-            shared += moe.n_experts * hidden  # the router
+            shared += moe.n_experts * (hidden + moe.router_bias)  # the router
             if moe.shared_expert_size:
                 shared += _mlp(hidden, moe.shared_expert_size, False) + (hidden if moe.shared_expert_gated else 0)
-            expert = _mlp(hidden, moe.expert_size, False)
+            expert = _mlp(hidden, moe.expert_size, moe.expert_bias)
             routed, routed_active = moe.n_experts * expert, moe.top_k * expert
         total += shared + routed
         active += shared + routed_active
@@ -43,7 +44,8 @@ def _attention(args: ModelArgs) -> int:
     kv = args.num_key_value_heads * args.head_dim
     weights = args.hidden_size * (q + 2 * kv) + q * args.hidden_size
     biases = (q + 2 * kv if args.qkv_bias else 0) + (args.hidden_size if args.o_bias else 0)
-    return weights + biases + (2 * args.head_dim if args.qk_norm else 0)
+    sinks = args.num_attention_heads if args.attn_sinks else 0
+    return weights + biases + sinks + (2 * args.head_dim if args.qk_norm else 0)
 
 
 def _mlp(hidden: int, inner: int, bias: bool) -> int:

@@ -1,7 +1,8 @@
 """The families beyond Llama/Qwen on both engines against transformers, from random checkpoints with their real
 structure (tests/checkpoints.py): the mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral: several experts, top-k > 1,
-a dense layer among sparse ones, a gated shared expert), Phi-3 (projections stored fused) and Gemma 2/3 (sliding
-windows of 8 positions, shorter than the prompts; soft-capping; local and global rope bases)."""
+a dense layer among sparse ones, a gated shared expert), Phi-3 (projections stored fused), Gemma 2/3 (sliding
+windows of 8 positions, shorter than the prompts; soft-capping; local and global rope bases) and gpt-oss (sinks,
+windows of 8, YaRN, a biased router and clamped biased experts stored stacked)."""
 
 from __future__ import annotations
 
@@ -15,11 +16,12 @@ import torch
 from exo_like.engines.base import Engine, create_engine
 from exo_like.models.config import ModelArgs
 from exo_like.models.shard import Shard
-from tests.checkpoints import FUSED_ARCHITECTURES, GEMMA_ARCHITECTURES, MOE_ARCHITECTURES, make_checkpoint
+from tests.checkpoints import (FUSED_ARCHITECTURES, GEMMA_ARCHITECTURES, MOE_ARCHITECTURES, SINK_ARCHITECTURES,
+                               make_checkpoint)
 from tests.engine_driver import Driver, generate_together
 
 N_LAYERS = 4
-ARCHITECTURES = (*MOE_ARCHITECTURES, *FUSED_ARCHITECTURES, *GEMMA_ARCHITECTURES)
+ARCHITECTURES = (*MOE_ARCHITECTURES, *FUSED_ARCHITECTURES, *GEMMA_ARCHITECTURES, *SINK_ARCHITECTURES)
 # Llama-family checkpoints with windows of 8: every layer (Mistral 7B v0.1's kind), layers 2 and 3 (Qwen2's rule)
 WINDOWED = {"mistral_window": ("mistral", {"sliding_window": 8}),
             "qwen2_window": ("qwen2", {"sliding_window": 8, "use_sliding_window": True, "max_window_layers": 2})}
@@ -101,7 +103,7 @@ def test_greedy_tokens_equal_transformers(family_dirs, prompts, arch, chain):
 
 
 @pytest.mark.parametrize("chain", ["torch", "mlx"])
-@pytest.mark.parametrize("arch", ["qwen3_moe", "gemma3_text"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gemma3_text", "gpt_oss"])
 def test_eight_requests_in_one_batch_equal_each_alone(family_dirs, prompts, arch, chain):
     """Eight requests joining one after another, every active one in each step (prompt chunks of 7 beside decode
     tokens, several decode rows attended together): each request's tokens and logits are its own, as alone.
@@ -119,7 +121,7 @@ def test_eight_requests_in_one_batch_equal_each_alone(family_dirs, prompts, arch
 
 
 @pytest.mark.parametrize("chain", CHAINS)
-@pytest.mark.parametrize("arch", [*GEMMA_ARCHITECTURES, *WINDOWED])
+@pytest.mark.parametrize("arch", [*GEMMA_ARCHITECTURES, *SINK_ARCHITECTURES, *WINDOWED])
 def test_sliding_window_layers_give_transformers_logits(family_dirs, prompts, arch, chain):
     """A 40-token prompt in chunks of 7 (chunks starting past the window of 8), then 12 decode steps: every
     sampled row's logits equal transformers' forward over the whole sequence. (Greedy tokens alone would not
@@ -178,3 +180,25 @@ def test_what_is_not_supported_is_refused_naming_it(family_dirs, change, named):
     config = {**json.loads((family_dirs["phi3"] / "config.json").read_text()), **change}
     with pytest.raises(UnsupportedModelError, match=named):
         ModelArgs.from_dict(config)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_parameter_counts_equal_transformers(family_dirs, arch):
+    """Total parameters as transformers holds them (a tied head once); active ones: all but the routed experts
+    a token does not run through (n_experts - top_k of them in each sparse layer)."""
+    from transformers import AutoModelForCausalLM
+
+    from exo_like.models.parameters import count_parameters
+
+    path = family_dirs[arch]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    args = ModelArgs.from_dir(path)
+    total = sum(p.numel() for p in model.parameters())
+    skipped = 0
+    for i, layer in enumerate(model.model.layers):
+        moe = getattr(layer, "block_sparse_moe", None) or layer.mlp  # Mixtral's name, or everyone else's
+        experts = getattr(moe, "experts", None)
+        if experts is not None:
+            per_expert = sum(p.numel() for p in experts.parameters()) // args.moe.n_experts
+            skipped += (args.moe.n_experts - args.moe.top_k) * per_expert
+    assert count_parameters(args).to_json() == {"total": total, "active": total - skipped}

@@ -60,10 +60,29 @@ def test_unsupported_architecture_is_named() -> None:
 
 
 def test_unsupported_rope_scaling_is_named() -> None:
-    config = config_dict("qwen2", rope_scaling={"rope_type": "yarn", "factor": 4.0,
-                                                "original_max_position_embeddings": 1024})
-    with pytest.raises(UnsupportedModelError, match="yarn"):
+    config = config_dict("qwen2", rope_scaling={"rope_type": "dynamic", "factor": 4.0})
+    with pytest.raises(UnsupportedModelError, match="dynamic"):
         ModelArgs.from_dict(config)
+
+
+@pytest.mark.parametrize("yarn", [
+    {"factor": 4.0, "original_max_position_embeddings": 32768},  # Qwen2.5's long-context setting
+    {"factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096},
+    {"factor": 40.0, "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1,
+     "original_max_position_embeddings": 4096},  # DeepSeek V3's
+    {"factor": 16.0, "mscale": 0.707, "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096},
+    {"factor": 8.0, "attention_factor": 0.9, "original_max_position_embeddings": 2048},
+])
+def test_yarn_frequencies_and_attention_factor_match_transformers(yarn: dict) -> None:
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from exo_like.models.config import rope_attention_factor
+
+    config = hf_config("qwen2", 2, 300, TOKEN_IDS, rope_scaling={"rope_type": "yarn", **yarn})
+    expected, factor = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
+    args = ModelArgs.from_dict(config.to_dict())
+    np.testing.assert_allclose(rope_inv_freq(args), expected.numpy(), rtol=1e-6)
+    assert rope_attention_factor(args) == pytest.approx(factor, rel=1e-12)
 
 
 def test_gguf_rope_freq_factors_divide_the_frequencies_and_are_checked() -> None:

@@ -11,7 +11,7 @@ import numpy as np
 
 from exo_like.engines.batch import BatchLayout, ItemLayout
 from exo_like.engines.work import BLOCK_SIZE
-from exo_like.models.config import ModelArgs, rope_inv_freq
+from exo_like.models.config import ModelArgs, rope_attention_factor, rope_inv_freq
 
 
 class LayerPool:
@@ -82,8 +82,8 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """Attention of absolute layer `layer`: its window (sliding-window layers), rope base, and the model's scale
-    and soft-capping come from the config."""
+    """Attention of absolute layer `layer`: its window (sliding-window layers), rope base, and the model's scale,
+    soft-capping and sinks (gpt-oss, which sdpa takes natively) come from the config."""
 
     def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
@@ -97,6 +97,8 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden, kv_dim, bias=args.qkv_bias)
         self.v_proj = nn.Linear(hidden, kv_dim, bias=args.qkv_bias)
         self.o_proj = nn.Linear(q_dim, hidden, bias=args.o_bias)
+        if args.attn_sinks:
+            self.sinks = mx.zeros((self.n_heads,))
         if args.qk_norm:
             # Qwen3 and Gemma 3 normalise each head's query and key before rope.
             self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps, args.norm_offset)
@@ -106,6 +108,7 @@ class Attention(nn.Module):
         if args.local_rope_theta is not None and self.window is not None:  # Gemma 3's local layers
             args = replace(args, rope_theta=args.local_rope_theta, rope_scaling=None, rope_freq_factors=None)
         self._rope_freqs = mx.array(1.0 / rope_inv_freq(args))
+        self._rope_factor = rope_attention_factor(args)  # YaRN's; rotation is linear, so scaling after is the same
 
     def __call__(self, x: mx.array, pool: LayerPool, index: StepIndex) -> mx.array:
         """x: the batch's rows [R, H]."""
@@ -135,7 +138,8 @@ class Attention(nn.Module):
     def _attend(self, q: mx.array, k: mx.array, v: mx.array, mask: mx.array | str | None) -> mx.array:
         """q [1, heads, T, D] against k, v [1, kv_heads, L, D]. GQA: sdpa broadcasts the kv heads itself."""
         if self.softcap is None:
-            return mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+            sinks = self["sinks"].astype(q.dtype) if "sinks" in self else None
+            return mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask, sinks=sinks)
         # Soft-capped scores (Gemma 2), which sdpa cannot do: transformers' eager attention.
         group = self.n_heads // self.n_kv_heads
         k, v = mx.repeat(k, group, axis=1), mx.repeat(v, group, axis=1)
@@ -153,4 +157,5 @@ class Attention(nn.Module):
         """Rotate each row [R, heads, D] by its own position (each row its own batch entry of mx.fast.rope)."""
         rotated = mx.fast.rope(x[:, :, None, :], self.head_dim, traditional=False, base=None, scale=1.0,
                                offset=positions, freqs=self._rope_freqs)
-        return rotated[:, :, 0, :]
+        rotated = rotated[:, :, 0, :]
+        return rotated if self._rope_factor == 1.0 else rotated * self._rope_factor

@@ -73,7 +73,8 @@ def read_shard_tensors(model_dir: Path, args: ModelArgs, shard: Shard, quantized
     tied_embeddings = args.tie_word_embeddings
     if not is_gguf(model_dir):
         plan = plan_shard_load(model_dir, shard, tied_embeddings, args.family.rename)
-        return split_fused_projections(stack_experts(read_plan_tensors(plan, tied_embeddings)), args), {}
+        weights = args.family.converted(read_plan_tensors(plan, tied_embeddings))
+        return split_fused_projections(stack_experts(weights), args), {}
     weights, specs = {}, {}
     for local, value, type_name in open_gguf(model_dir).read_shard(shard, tied_embeddings, quantized):
         if isinstance(value, AffineGroups) and value.bits in MLX_BITS:

@@ -9,6 +9,7 @@ router's logits, top k, optional renormalisation, weights in the activations' dt
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -20,63 +21,88 @@ EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
 ACTIVATIONS = {"silu": nn.silu, "gelu_tanh": nn.gelu_approx}  # gelu_approx: GELU's tanh approximation
+Glu = Callable[[mx.array, mx.array], mx.array]
+
+
+def gated(activation: str, alpha: float = 1.702, limit: float = 7.0) -> Glu:
+    """(gate, up) -> the MLP's inner activations: act(gate) * up, or gpt-oss's clamped SwiGLU."""
+    if activation == "swiglu_clamped":
+        def clamped(gate: mx.array, up: mx.array) -> mx.array:
+            gate, up = mx.minimum(gate, limit), mx.clip(up, -limit, limit)
+            return (up + 1) * (gate * mx.sigmoid(gate * alpha))
+        return clamped
+    act = ACTIVATIONS[activation]
+    return lambda gate, up: act(gate) * up
 
 
 class MLP(nn.Module):
-    """down(act(gate(x)) * up(x)): SwiGLU (act silu), or Gemma's GELU-tanh gate."""
+    """down(glu(gate(x), up(x))): SwiGLU, Gemma's GELU-tanh gate, or gpt-oss's clamped SwiGLU."""
 
     def __init__(self, hidden: int, inner: int, bias: bool = False, activation: str = "silu"):
         super().__init__()
         self.gate_proj = nn.Linear(hidden, inner, bias=bias)
         self.up_proj = nn.Linear(hidden, inner, bias=bias)
         self.down_proj = nn.Linear(inner, hidden, bias=bias)
-        self.activation = ACTIVATIONS[activation]
+        self.glu = gated(activation)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(self.activation(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.glu(self.gate_proj(x), self.up_proj(x)))
 
 
 class ExpertLinear(nn.Module):
-    """One projection of every expert, weight [experts, out, in]; each input row runs through the experts named
-    by its indices."""
+    """One projection of every expert, weight [experts, out, in] (and a bias [experts, out] if the family has
+    one); each input row runs through the experts named by its indices."""
 
-    def __init__(self, inputs: int, outputs: int, n_experts: int):
+    def __init__(self, inputs: int, outputs: int, n_experts: int, bias: bool = False):
         super().__init__()
         bound = math.sqrt(1 / inputs)
         self.weight = mx.random.uniform(-bound, bound, (n_experts, outputs, inputs))
+        if bias:
+            self.bias = mx.zeros((n_experts, outputs))
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool) -> mx.array:
-        return mx.gather_mm(x, self["weight"].swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
+        out = mx.gather_mm(x, self["weight"].swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
+        return add_expert_bias(self, out, indices)
 
     def to_quantized(self, group_size: int | None = None, bits: int | None = None, mode: str = "affine",
                      **_: object) -> "QuantizedExpertLinear":
-        return QuantizedExpertLinear(self["weight"], group_size or 64, bits or 4, mode)
+        return QuantizedExpertLinear(self["weight"], self.get("bias"), group_size or 64, bits or 4, mode)
 
 
 class QuantizedExpertLinear(nn.Module):
-    def __init__(self, weight: mx.array, group_size: int, bits: int, mode: str):
+    def __init__(self, weight: mx.array, bias: mx.array | None, group_size: int, bits: int, mode: str):
         super().__init__()
         self.group_size, self.bits, self.mode = group_size, bits, mode
         packed = mx.quantize(weight, group_size, bits, mode=mode)
         self.weight, self.scales = packed[0], packed[1]
         if len(packed) > 2:  # affine mode has biases; the float-scale modes (mxfp4) do not
             self.biases = packed[2]
+        if bias is not None:
+            self.bias = bias
         self.freeze()
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool) -> mx.array:
-        return mx.gather_qmm(x, self["weight"], self["scales"], self.get("biases"), rhs_indices=indices,
-                             transpose=True, group_size=self.group_size, bits=self.bits, mode=self.mode,
-                             sorted_indices=sorted_indices)
+        out = mx.gather_qmm(x, self["weight"], self["scales"], self.get("biases"), rhs_indices=indices,
+                            transpose=True, group_size=self.group_size, bits=self.bits, mode=self.mode,
+                            sorted_indices=sorted_indices)
+        return add_expert_bias(self, out, indices)
+
+
+def add_expert_bias(projection: nn.Module, out: mx.array, indices: mx.array) -> mx.array:
+    """out [..., 1, out] of each (row, expert) pair plus that expert's bias, if the projection has biases."""
+    return out if "bias" not in projection else out + mx.expand_dims(projection["bias"][indices], -2)
 
 
 class Experts(nn.Module):
     """The routed experts' SwiGLU: x [R, H] and each row's k experts [R, k] -> [R, k, H]."""
 
-    def __init__(self, hidden: int, inner: int, n_experts: int):
+    def __init__(self, hidden: int, moe: MoeArgs):
         super().__init__()
-        self.gate_proj = ExpertLinear(hidden, inner, n_experts)
-        self.up_proj = ExpertLinear(hidden, inner, n_experts)
-        self.down_proj = ExpertLinear(inner, hidden, n_experts)
+        inner, n_experts, bias = moe.expert_size, moe.n_experts, moe.expert_bias
+        self.gate_proj = ExpertLinear(hidden, inner, n_experts, bias)
+        self.up_proj = ExpertLinear(hidden, inner, n_experts, bias)
+        self.down_proj = ExpertLinear(inner, hidden, n_experts, bias)
+        self.glu = gated(moe.activation, moe.swiglu_alpha, moe.swiglu_limit)
 
     def __call__(self, x: mx.array, chosen: mx.array) -> mx.array:
         rows, k = chosen.shape
@@ -88,7 +114,7 @@ class Experts(nn.Module):
             order = mx.argsort(flat)
             h, indices = x[order // k][:, None, :], flat[order]
         sort = order is not None
-        h = nn.silu(self.gate_proj(h, indices, sort)) * self.up_proj(h, indices, sort)
+        h = self.glu(self.gate_proj(h, indices, sort), self.up_proj(h, indices, sort))
         h = self.down_proj(h, indices, sort)
         if order is not None:
             h = h[mx.argsort(order)]  # back to (row, choice) order
@@ -100,20 +126,16 @@ class SparseMoe(nn.Module):
 
     def __init__(self, hidden: int, moe: MoeArgs):
         super().__init__()
-        self.top_k, self.renormalize = moe.top_k, moe.renormalize
-        self.gate = nn.Linear(hidden, moe.n_experts, bias=False)
-        self.switch_mlp = Experts(hidden, moe.expert_size, moe.n_experts)
+        self.top_k, self.renormalize, self.router = moe.top_k, moe.renormalize, moe.router
+        self.gate = nn.Linear(hidden, moe.n_experts, bias=moe.router_bias)
+        self.switch_mlp = Experts(hidden, moe)
         if moe.shared_expert_size:
             self.shared_expert = MLP(hidden, moe.shared_expert_size)
         if moe.shared_expert_gated:
             self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
-        probs = mx.softmax(self.gate(x).astype(mx.float32), axis=-1, precise=True)
-        chosen = mx.argpartition(-probs, kth=self.top_k - 1, axis=-1)[:, :self.top_k]
-        weights = mx.take_along_axis(probs, chosen, axis=-1)
-        if self.renormalize:
-            weights = weights / weights.sum(axis=-1, keepdims=True)
+        weights, chosen = self.route(x)
         out = (self.switch_mlp(x, chosen) * weights.astype(x.dtype)[..., None]).sum(axis=-2)
         if "shared_expert" in self:
             shared = self.shared_expert(x)
@@ -121,6 +143,19 @@ class SparseMoe(nn.Module):
                 shared = mx.sigmoid(self.shared_expert_gate(x)) * shared
             out = out + shared
         return out
+
+    def route(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        """Each row's k experts [R, k] (in no particular order) and their weights."""
+        logits = self.gate(x)
+        if self.router == "topk_softmax":  # gpt-oss: softmax over the chosen logits only
+            chosen = mx.argpartition(-logits, kth=self.top_k - 1, axis=-1)[:, :self.top_k]
+            return mx.softmax(mx.take_along_axis(logits, chosen, axis=-1), axis=-1, precise=True), chosen
+        probs = mx.softmax(logits.astype(mx.float32), axis=-1, precise=True)
+        chosen = mx.argpartition(-probs, kth=self.top_k - 1, axis=-1)[:, :self.top_k]
+        weights = mx.take_along_axis(probs, chosen, axis=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(axis=-1, keepdims=True)
+        return weights, chosen
 
 
 def stack_experts(weights: dict[str, mx.array]) -> dict[str, mx.array]:

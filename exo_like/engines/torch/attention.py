@@ -15,7 +15,7 @@ from exo_like.engines.batch import BatchLayout, ItemLayout
 from exo_like.engines.torch.linear import Linear
 from exo_like.engines.torch.norm import QKNorm
 from exo_like.engines.work import BLOCK_SIZE
-from exo_like.models.config import ModelArgs, rope_inv_freq
+from exo_like.models.config import ModelArgs, rope_attention_factor, rope_inv_freq
 
 ROPE_CHUNK = 4096  # rotary table rows added per growth step
 
@@ -24,11 +24,13 @@ class RotaryTable:
     """cos/sin rows per position, built once from `rope_inv_freq` and extended in chunks when needed.
 
     The sin table carries rotate-half's sign (-sin on the first half), so rotation is `x*cos + swap(x)*sin`
-    with swap = exchange of halves: bit-identical to `x*cos + rotate_half(x)*sin`.
+    with swap = exchange of halves: bit-identical to `x*cos + rotate_half(x)*sin`. YaRN's attention factor
+    multiplies both tables, as transformers does.
     """
 
     def __init__(self, args: ModelArgs, device: torch.device, dtype: torch.dtype):
         self.inv_freq = torch.from_numpy(rope_inv_freq(args)).to(device)
+        self.factor = rope_attention_factor(args)
         self.dtype = dtype
         self.cos = torch.empty(0, args.head_dim, device=device, dtype=dtype)
         self.sin = torch.empty_like(self.cos)
@@ -39,9 +41,11 @@ class RotaryTable:
         freqs = positions[:, None] * self.inv_freq  # float32, as transformers computes it
         emb = torch.cat((freqs, freqs), dim=-1)
         half = freqs.shape[-1]
-        sin = emb.sin()
+        cos, sin = emb.cos(), emb.sin()
+        if self.factor != 1.0:
+            cos, sin = cos * self.factor, sin * self.factor
         sin[:, :half].neg_()
-        self.cos, self.sin = emb.cos().to(self.dtype), sin.to(self.dtype)
+        self.cos, self.sin = cos.to(self.dtype), sin.to(self.dtype)
 
     def get(self, positions: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for each row's position, shaped [rows, 1, head_dim] to broadcast over heads."""
@@ -174,8 +178,9 @@ def causal_mask(offset: int, length: int, device: torch.device) -> torch.Tensor 
 
 
 class Attention(nn.Module):
-    """Attention of absolute layer `layer`: its window (sliding-window layers) and the model's scale and
-    soft-capping come from the config."""
+    """Attention of absolute layer `layer`: its window (sliding-window layers) and the model's scale,
+    soft-capping and sinks come from the config. Soft-capped or sunk scores take the explicit path (scores,
+    softmax, values) that sdpa cannot express."""
 
     def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
@@ -189,6 +194,9 @@ class Attention(nn.Module):
         self.scale = args.attn_scale or self.head_dim**-0.5
         self.window = args.window(layer)
         self.softcap = args.attn_softcap
+        # gpt-oss: a logit per head that joins the softmax beside the scores and is dropped after it.
+        self.sinks = nn.Parameter(torch.empty(self.n_heads), requires_grad=False) if args.attn_sinks else None
+        self.explicit = self.softcap is not None or self.sinks is not None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor,
                 values: torch.Tensor, index: StepIndex) -> torch.Tensor:
@@ -224,8 +232,8 @@ class Attention(nn.Module):
             v = values[:, item.base + first : item.base + item.end]
         else:
             k, v = keys.index_select(1, gather), values.index_select(1, gather)
-        if self.softcap is not None:
-            return self._attend_capped(q.transpose(0, 1), k, v, mask, item.start - first).transpose(0, 1)
+        if self.explicit:
+            return self._attend_explicit(q.transpose(0, 1), k, v, mask, item.start - first).transpose(0, 1)
         return self._attend(q.transpose(0, 1), k, v, mask, item.start - first).transpose(0, 1)
 
     def _attend_decode(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, group: DecodeGroup,
@@ -237,8 +245,9 @@ class Attention(nn.Module):
         q = q.reshape(count, self.n_kv_heads, self.n_heads // self.n_kv_heads, self.head_dim)
         k = keys.index_select(1, group.slots).view(self.n_kv_heads, count, -1, self.head_dim).transpose(0, 1)
         v = values.index_select(1, group.slots).view(self.n_kv_heads, count, -1, self.head_dim).transpose(0, 1)
-        if self.softcap is not None:
-            attended = self._softmax_attention(q, k, v, group.mask)
+        if self.explicit:
+            sinks = None if self.sinks is None else self.sinks.view(1, self.n_kv_heads, -1, 1)
+            attended = self._softmax_attention(q, k, v, group.mask, sinks)
         else:
             attended = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=self.scale)
         attended = attended.reshape(count, self.n_heads, self.head_dim)
@@ -272,24 +281,32 @@ class Attention(nn.Module):
         )
         return out[0]
 
-    def _attend_capped(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                       offset: int) -> torch.Tensor:
-        """As _attend, with scores soft-capped (Gemma 2), which sdpa cannot do: transformers' eager attention."""
-        group = self.n_heads // self.n_kv_heads
-        q = q.reshape(self.n_kv_heads, group * q.shape[1], -1)  # each kv head's query heads, rows one after another
-        if mask is None and q.shape[1] > group:  # several rows from position 0: causal
-            mask = causal_mask(offset, q.shape[1] // group, q.device)
+    def _attend_explicit(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                         offset: int) -> torch.Tensor:
+        """As _attend, with soft-capped scores (Gemma 2) or sinks (gpt-oss): transformers' eager attention."""
+        group, rows = self.n_heads // self.n_kv_heads, q.shape[1]
+        q = q.reshape(self.n_kv_heads, group * rows, -1)  # each kv head's query heads, rows one after another
+        if mask is None and rows > 1:  # several rows from position 0: causal
+            mask = causal_mask(offset, rows, q.device)
         if mask is not None:
             mask = mask.repeat(group, 1)  # the same rows' mask for each query head of the group
-        return self._softmax_attention(q, k, v, mask).reshape(self.n_heads, -1, self.head_dim)
+        sinks = None if self.sinks is None else \
+            self.sinks.view(self.n_kv_heads, group, 1, 1).expand(-1, -1, rows, -1).reshape(self.n_kv_heads, -1, 1)
+        return self._softmax_attention(q, k, v, mask, sinks).reshape(self.n_heads, -1, self.head_dim)
 
-    def _softmax_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                           mask: torch.Tensor | None) -> torch.Tensor:
-        """softmax(cap(q k^T * scale) + mask) v with scores capped as tanh(s / cap) * cap, the softmax in
-        float32 (transformers' eager order). q [..., Q, D], k and v [..., L, D] with matching leading dims."""
+    def _softmax_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """softmax(scores + mask) v in transformers' eager order, scores = q k^T * scale, capped as tanh(s / cap) *
+        cap (Gemma 2); with sinks (gpt-oss, one logit per query row [..., Q, 1]) the softmax runs over the scores
+        and the sink, whose share is then dropped. q [..., Q, D], k and v [..., L, D], matching leading dims."""
         scores = torch.matmul(q, k.transpose(-1, -2)) * self.scale
-        scores = torch.tanh(scores / self.softcap) * self.softcap
+        if self.softcap is not None:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
-        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        return torch.matmul(weights, v)
+        if sinks is None:
+            weights = torch.softmax(scores, dim=-1, dtype=torch.float32)
+        else:
+            weights = torch.softmax(torch.cat((scores, sinks.expand(*scores.shape[:-1], 1)), dim=-1), dim=-1,
+                                    dtype=torch.float32)[..., :-1]
+        return torch.matmul(weights.to(q.dtype), v)

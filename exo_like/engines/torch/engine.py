@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -77,11 +77,13 @@ def pick_dtype(requested: str | None, checkpoint_dtype: str, device: torch.devic
 def read_planned_tensors(
     plan: ShardLoadPlan, skip: set[str], device: torch.device, dtype: torch.dtype, quant: QuantSpec | None = None,
     cancel: threading.Event | None = None, keep_quantized: bool = False,
+    convert: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
 ) -> dict[str, torch.Tensor | AffineGroups]:
     """Read exactly the plan's tensors from exactly the plan's files, converted to the engine's device/dtype.
 
     A quantized checkpoint's matrices come as AffineGroups with `keep_quantized`, else dequantized here, one at
-    a time, so only the packed shard plus one float matrix is ever held beyond the result."""
+    a time, so only the packed shard plus one float matrix is ever held beyond the result. `convert`: the
+    family's own checkpoint layout to the shared one (Family.convert)."""
     weights: dict[str, torch.Tensor] = {}
     stored_as: dict[str, str] = {}  # local name -> checkpoint name (per-module quantization is by the latter)
     for path, names in plan.files.items():
@@ -97,6 +99,8 @@ def read_planned_tensors(
                 # Packed tensors keep their stored form (a copy still) until all parts of a matrix are read.
                 weights[local] = tensor.clone() if quant else tensor.to(device=device, dtype=dtype, copy=True)
                 stored_as[local] = name
+    if convert is not None:
+        weights = convert(weights)
     if quant is None:
         return unstack_experts(weights)
     held: dict[str, torch.Tensor | AffineGroups] = {}
@@ -115,19 +119,20 @@ def read_planned_tensors(
     return unstack_experts(held)
 
 
-def expert_name(stack: str, expert: int) -> str:
+def expert_name(stack: str, expert: int, kind: str = "weight") -> str:
     """`...mlp.switch_mlp.up_proj` (MLX-format experts, stacked) -> `...mlp.experts.{expert}.up_proj.weight`."""
     module, _, projection = stack.rpartition(".switch_mlp.")
-    return f"{module}.experts.{expert}.{projection}.weight"
+    return f"{module}.experts.{expert}.{projection}.{kind}"
 
 
 def unstack_experts(weights: dict[str, Matrix]) -> dict[str, Matrix]:
-    """A float MLX-format mixture's stacked experts ([experts, out, in] under `switch_mlp`) as one matrix each, the
-    names the torch engine's experts take."""
-    for name in [n for n in weights if ".switch_mlp." in n and n.endswith(".weight")]:
+    """A float mixture's stacked experts ([experts, out, in] under `switch_mlp`, and their biases [experts, out])
+    as one matrix each, the names the torch engine's experts take; each expert a contiguous copy of its own."""
+    for name in [n for n in weights if ".switch_mlp." in n and n.endswith((".weight", ".bias"))]:
         stack = weights.pop(name)
+        prefix, _, kind = name.rpartition(".")
         for index in range(stack.shape[0]):
-            weights[expert_name(name.removesuffix(".weight"), index)] = stack[index].clone()
+            weights[expert_name(prefix, index, kind)] = stack[index].clone(memory_format=torch.contiguous_format)
     return weights
 
 
@@ -241,7 +246,8 @@ class TorchEngine(Engine):
             return weights
         plan = plan_shard_load(model_dir, shard, args.tie_word_embeddings, args.family.rename)
         skip = checkpoint_skips(plan, args.tie_word_embeddings)
-        return read_planned_tensors(plan, skip, self.device, self.dtype, args.quant, cancel, keep)
+        return read_planned_tensors(plan, skip, self.device, self.dtype, args.quant, cancel, keep,
+                                    args.family.convert)
 
     def step(self, items: Sequence[WorkItem], inputs: np.ndarray | Activations) -> Activations | np.ndarray:
         model, pool = self._loaded_model(), self._pool()

@@ -23,9 +23,13 @@ TILE = 1 << 16  # random values drawn per tensor; a large matrix repeats them (t
 WEIGHT_SCALE = 0.02  # keeps activations in range through the timed steps
 
 
-def mlp_shapes(prefix: str, hidden: int, inner: int) -> dict[str, tuple[int, ...]]:
-    return {f"{prefix}.gate_proj.weight": (inner, hidden), f"{prefix}.up_proj.weight": (inner, hidden),
-            f"{prefix}.down_proj.weight": (hidden, inner)}
+def mlp_shapes(prefix: str, hidden: int, inner: int, bias: bool = False) -> dict[str, tuple[int, ...]]:
+    shapes = {f"{prefix}.gate_proj.weight": (inner, hidden), f"{prefix}.up_proj.weight": (inner, hidden),
+              f"{prefix}.down_proj.weight": (hidden, inner)}
+    if bias:
+        shapes.update({f"{prefix}.gate_proj.bias": (inner,), f"{prefix}.up_proj.bias": (inner,),
+                       f"{prefix}.down_proj.bias": (hidden,)})
+    return shapes
 
 
 def layer_shapes(args: ModelArgs, layer: int = 0) -> dict[str, tuple[int, ...]]:
@@ -42,11 +46,13 @@ def layer_shapes(args: ModelArgs, layer: int = 0) -> dict[str, tuple[int, ...]]:
         shapes.update({"pre_feedforward_layernorm.weight": (hidden,), "post_feedforward_layernorm.weight": (hidden,)})
     moe = args.moe if args.is_sparse_layer(layer) else None
     if moe is None:
-        shapes.update(mlp_shapes("mlp", hidden, inner))
+        shapes.update(mlp_shapes("mlp", hidden, inner, args.mlp_bias))
     else:
         shapes["mlp.gate.weight"] = (moe.n_experts, hidden)
+        if moe.router_bias:
+            shapes["mlp.gate.bias"] = (moe.n_experts,)
         for expert in range(moe.n_experts):
-            shapes.update(mlp_shapes(f"mlp.experts.{expert}", hidden, moe.expert_size))
+            shapes.update(mlp_shapes(f"mlp.experts.{expert}", hidden, moe.expert_size, moe.expert_bias))
         if moe.shared_expert_size:
             shapes.update(mlp_shapes("mlp.shared_expert", hidden, moe.shared_expert_size))
         if moe.shared_expert_gated:
@@ -56,9 +62,8 @@ def layer_shapes(args: ModelArgs, layer: int = 0) -> dict[str, tuple[int, ...]]:
                        "self_attn.v_proj.bias": (kv * dim,)})
     if args.o_bias:
         shapes["self_attn.o_proj.bias"] = (hidden,)
-    if args.mlp_bias and moe is None:
-        shapes.update({"mlp.gate_proj.bias": (inner,), "mlp.up_proj.bias": (inner,),
-                       "mlp.down_proj.bias": (hidden,)})
+    if args.attn_sinks:
+        shapes["self_attn.sinks"] = (heads,)
     if args.qk_norm:
         shapes.update({"self_attn.q_norm.weight": (dim,), "self_attn.k_norm.weight": (dim,)})
     return {prefix + name: shape for name, shape in shapes.items()}

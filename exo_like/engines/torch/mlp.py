@@ -3,11 +3,14 @@ its router picks.
 
 The mixture follows transformers' eager Qwen3-MoE / Mixtral experts operation by operation (float32 softmax, top
 k, optional renormalisation, hit experts in ascending order, each over the rows routed to it, weighted and
-accumulated with index_add_), so float32 results match it exactly. Each expert is an MLP of its own: quantized
+accumulated with index_add_), so float32 results match it exactly; gpt-oss's router (a bias, softmax over the top k
+logits) and clamped experts follow its own eager code the same way. Each expert is an MLP of its own: quantized
 experts become int4 packs one by one (quant.Installer) and every product runs on the kernel Linear picks. Nothing
 is computed for experts no row picked."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -18,22 +21,34 @@ from exo_like.models.families import MoeArgs
 
 
 ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
+Glu = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def gated(activation: str, alpha: float = 1.702, limit: float = 7.0) -> Glu:
+    """(gate, up) -> the MLP's inner activations: act(gate) * up, or gpt-oss's clamped SwiGLU in its own order."""
+    if activation == "swiglu_clamped":
+        def clamped(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+            gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+            return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+        return clamped
+    act = ACTIVATIONS[activation]
+    return lambda gate, up: act(gate) * up
 
 
 class MLP(nn.Module):
-    """down(act(gate(x)) * up(x)): SwiGLU (act silu), or Gemma's GELU-tanh gate."""
+    """down(glu(gate(x), up(x))): SwiGLU, Gemma's GELU-tanh gate, or gpt-oss's clamped SwiGLU."""
 
-    def __init__(self, hidden: int, inner: int, bias: bool = False, activation: str = "silu"):
+    def __init__(self, hidden: int, inner: int, bias: bool = False, glu: Glu | str = "silu"):
         super().__init__()
         self.hidden = inner
         # One fused projection: gate rows, then up rows.
         self.gate_up_proj = Linear(hidden, 2 * inner, bias=bias)
         self.down_proj = Linear(inner, hidden, bias=bias)
-        self.activation = ACTIVATIONS[activation]
+        self.glu = gated(glu) if isinstance(glu, str) else glu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj.forward(x)
-        return self.down_proj.forward(self.activation(gate_up[:, : self.hidden]) * gate_up[:, self.hidden :])
+        return self.down_proj.forward(self.glu(gate_up[:, : self.hidden], gate_up[:, self.hidden :]))
 
 
 class SparseMoe(nn.Module):
@@ -41,9 +56,10 @@ class SparseMoe(nn.Module):
 
     def __init__(self, hidden: int, moe: MoeArgs):
         super().__init__()
-        self.top_k, self.renormalize = moe.top_k, moe.renormalize
-        self.gate = Linear(hidden, moe.n_experts, bias=False)  # the router
-        self.experts = nn.ModuleList(MLP(hidden, moe.expert_size) for _ in range(moe.n_experts))
+        self.top_k, self.renormalize, self.router = moe.top_k, moe.renormalize, moe.router
+        self.gate = Linear(hidden, moe.n_experts, bias=moe.router_bias)  # the router
+        glu = gated(moe.activation, moe.swiglu_alpha, moe.swiglu_limit)
+        self.experts = nn.ModuleList(MLP(hidden, moe.expert_size, moe.expert_bias, glu) for _ in range(moe.n_experts))
         self.shared_expert = MLP(hidden, moe.shared_expert_size) if moe.shared_expert_size else None
         self.shared_expert_gate = Linear(hidden, 1, bias=False) if moe.shared_expert_gated else None
 
@@ -59,6 +75,9 @@ class SparseMoe(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's top-k experts [R, k] and their weights [R, k] (in x's dtype)."""
+        if self.router == "topk_softmax":  # gpt-oss: softmax over the chosen logits, in their dtype
+            logits, chosen = torch.topk(self.gate.forward(x), self.top_k, dim=-1)
+            return torch.softmax(logits, dim=1, dtype=logits.dtype), chosen
         probs = torch.softmax(self.gate.forward(x), dim=-1, dtype=torch.float32)
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:

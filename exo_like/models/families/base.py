@@ -11,7 +11,11 @@ from typing import Any
 @dataclass(frozen=True)
 class MoeArgs:
     """A mixture-of-experts MLP: `top_k` of `n_experts` experts (SwiGLU, `expert_size` wide) per token, chosen by a
-    softmax router; optionally one always-on shared expert, scaled by a sigmoid gate (Qwen2-MoE)."""
+    router; optionally one always-on shared expert, scaled by a sigmoid gate (Qwen2-MoE).
+
+    Routers: "softmax_topk" takes the top k of a softmax over every expert (Qwen, Mixtral); "topk_softmax" a
+    softmax over the top k logits alone (gpt-oss). Activations: "silu" (SwiGLU), or gpt-oss's "swiglu_clamped":
+    gate clamped above and up on both sides at `swiglu_limit`, then (up + 1) * gate * sigmoid(swiglu_alpha gate)."""
 
     n_experts: int
     top_k: int
@@ -20,6 +24,12 @@ class MoeArgs:
     sparse_layers: tuple[int, ...]  # the absolute layers whose MLP is the mixture (others are dense)
     shared_expert_size: int = 0
     shared_expert_gated: bool = False
+    router: str = "softmax_topk"
+    router_bias: bool = False
+    expert_bias: bool = False  # biases on every expert projection (gpt-oss)
+    activation: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     def is_sparse(self, layer: int) -> bool:
         return layer in self.sparse_layers
@@ -37,13 +47,20 @@ class Family:
     """name: the family as the README lists it; summary: what differs from Llama, in one line.
     parse(model_type, config) returns the ModelArgs fields the family sets beyond the common ones.
     renames: (pattern, replacement) pairs applied to a layer tensor's name after `model.layers.N.` so that every
-    family's checkpoint reaches the engines under the shared names."""
+    family's checkpoint reaches the engines under the shared names.
+    convert: see below."""
 
     name: str
     model_types: tuple[str, ...]
     summary: str
     parse: ConfigParser
     renames: tuple[tuple[str, str], ...] = ()
+    # Tensors the family's checkpoints store in a layout of their own, turned into the shared one after reading (on
+    # the engine's arrays, torch or MLX: slicing and swapaxes only). Local names in, local names out.
+    convert: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+
+    def converted(self, weights: dict[str, Any]) -> dict[str, Any]:
+        return weights if self.convert is None else self.convert(weights)
 
     def rename(self, layer_tensor: str) -> str:
         for pattern, replacement in self.renames:
