@@ -44,22 +44,27 @@ _LAYER_PARTS.update({
 # HF model_type -> llama.cpp's architecture (Mixtral is `llama` with experts).
 GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
                       "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "mixtral": "llama", "phi3": "phi3",
-                      "gemma2": "gemma2", "gemma3_text": "gemma3"}
+                      "gemma2": "gemma2", "gemma3_text": "gemma3", "gpt_oss": "gpt-oss"}
 # Gemma's norm names (its `ffn_norm` is the norm before the MLP); its norms are stored with the 1 of (1 + w) added.
 _GEMMA_PARTS = {"post_attention_layernorm.weight": "post_attention_norm.weight",
                 "pre_feedforward_layernorm.weight": "ffn_norm.weight",
                 "post_feedforward_layernorm.weight": "post_ffw_norm.weight"}
 # Phi-3's fused projections keep their names' roles: q/k/v as `attn_qkv`, gate/up as `ffn_up` (llama.cpp's phi3).
 _PHI3_PARTS = {"self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight"}
+# gpt-oss: its router is `ffn_gate_inp` with a bias, its sinks `attn_sinks`, the norm before its MLP `post_attention_norm`.
+_GPT_OSS_PARTS = {"post_attention_layernorm.weight": "post_attention_norm.weight", "self_attn.sinks": "attn_sinks.weight",
+                  "mlp.router.weight": "ffn_gate_inp.weight", "mlp.router.bias": "ffn_gate_inp.bias",
+                  "self_attn.o_proj.bias": "attn_output.bias"}
 _MIXTRAL_NAMES = {"block_sparse_moe.gate.": "mlp.gate.", ".w1.": ".gate_proj.", ".w2.": ".down_proj.",
                   ".w3.": ".up_proj.", "block_sparse_moe.experts.": "mlp.experts."}
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)_proj\.weight$")
 
 
-def gguf_name(hf_name: str, gemma: bool = False) -> str:
+def gguf_name(hf_name: str, gemma: bool = False, gpt_oss: bool = False) -> str:
     if hf_name.startswith("model.layers."):
         _, _, layer, rest = hf_name.split(".", 3)
-        return f"blk.{layer}.{(_GEMMA_PARTS if gemma else {}).get(rest) or _PHI3_PARTS.get(rest) or _LAYER_PARTS[rest]}"
+        own = {**(_GEMMA_PARTS if gemma else {}), **(_GPT_OSS_PARTS if gpt_oss else {}), **_PHI3_PARTS}
+        return f"blk.{layer}.{own.get(rest) or _LAYER_PARTS[rest]}"
     return {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
             "lm_head.weight": "output.weight"}[hf_name]
 
@@ -140,6 +145,15 @@ def write_gguf(hf_dir: Path, out: Path, matrix_type: str = "F32", embedding_type
     if arch == "phi3":  # as llama.cpp's converter writes a Phi-3 (0: no sliding window, its mark of Phi-4)
         writer.add_rope_dimension_count(config["hidden_size"] // heads)
         writer.add_sliding_window(config.get("sliding_window") or 0)
+    gpt_oss = arch == "gpt-oss"
+    if gpt_oss:  # as llama.cpp's converter writes gpt-oss's window and YaRN
+        writer.add_sliding_window(config["sliding_window"])
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+        writer.add_expert_feed_forward_length(config["intermediate_size"])
     n_experts = config.get("num_experts") or config.get("num_local_experts")
     if n_experts:  # as the converter writes a mixture's settings
         writer.add_expert_count(n_experts)
@@ -157,8 +171,9 @@ def write_gguf(hf_dir: Path, out: Path, matrix_type: str = "F32", embedding_type
         tensors.pop("lm_head.weight", None)
     if config["model_type"] == "mixtral":
         tensors = {_mixtral_name(name): tensor for name, tensor in tensors.items()}
-    for name, values in stack_experts(tensors).items():  # the converter's stacks: [experts, out, in]
-        _add_tensor(writer, name, values, matrix_type)
+    stacks = gpt_oss_stacks(tensors) if gpt_oss else stack_experts(tensors)
+    for name, values in stacks.items():  # the converter's stacks: [experts, out, in], biases [experts, out]
+        _add_tensor(writer, name, values, matrix_type if values.ndim == 3 else "F32")
     for name, tensor in sorted(tensors.items()):
         values = tensor.astype(np.float32)
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
@@ -168,7 +183,8 @@ def write_gguf(hf_dir: Path, out: Path, matrix_type: str = "F32", embedding_type
             (embedding_type or matrix_type) if "embed" in name else matrix_type
         if gemma and name.endswith("norm.weight"):
             values = values + np.float32(1)
-        _add_tensor(writer, gguf_name(name, gemma), values, kind)
+        kind = "F32" if name.endswith("mlp.router.weight") else kind
+        _add_tensor(writer, gguf_name(name, gemma, gpt_oss), values, kind)
     first = writer.format_shard_names(out)[0]
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -192,6 +208,28 @@ def stack_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         found.setdefault((int(layer), projection), {})[int(expert)] = tensors.pop(name).astype(np.float32)
     return {f"blk.{layer}.ffn_{projection}_exps.weight": np.stack([by[e] for e in sorted(by)])
             for (layer, projection), by in sorted(found.items())}
+
+
+def gpt_oss_stacks(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Pop gpt-oss's experts ([experts, in, out], gate and up columns interleaved, biases beside) from `tensors`;
+    return them as llama.cpp's converter writes them: gate, up and down stacks [experts, out, in] and their
+    biases [experts, out]."""
+    stacks: dict[str, np.ndarray] = {}
+    for name in sorted(n for n in tensors if ".mlp.experts." in n):
+        layer, leaf = int(name.split(".")[2]), name.rpartition(".")[2]
+        values = tensors.pop(name).astype(np.float32)
+        block = f"blk.{layer}"
+        if leaf == "gate_up_proj":
+            stacks[f"{block}.ffn_gate_exps.weight"] = np.ascontiguousarray(values[..., 0::2].swapaxes(1, 2))
+            stacks[f"{block}.ffn_up_exps.weight"] = np.ascontiguousarray(values[..., 1::2].swapaxes(1, 2))
+        elif leaf == "gate_up_proj_bias":
+            stacks[f"{block}.ffn_gate_exps.bias"] = np.ascontiguousarray(values[..., 0::2])
+            stacks[f"{block}.ffn_up_exps.bias"] = np.ascontiguousarray(values[..., 1::2])
+        elif leaf == "down_proj":
+            stacks[f"{block}.ffn_down_exps.weight"] = np.ascontiguousarray(values.swapaxes(1, 2))
+        else:
+            stacks[f"{block}.ffn_down_exps.bias"] = values
+    return stacks
 
 
 def _add_tensor(writer, name: str, values: np.ndarray, kind: str) -> None:  # noqa: ANN001
@@ -327,6 +365,9 @@ def hf_tensors_from_gguf(path: Path, config_dir: Path) -> dict[str, "torch.Tenso
     gemma = config["model_type"].startswith("gemma")
     if gemma:
         to_hf.update({v: k for k, v in _GEMMA_PARTS.items()})
+    gpt_oss = config["model_type"] == "gpt_oss"
+    if gpt_oss:
+        to_hf.update({v: k for k, v in _GPT_OSS_PARTS.items()})
     globals_to_hf = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                      "output.weight": "lm_head.weight"}
     tensors: dict[str, np.ndarray] = {}
@@ -339,7 +380,10 @@ def hf_tensors_from_gguf(path: Path, config_dir: Path) -> dict[str, "torch.Tenso
             tensors[globals_to_hf[tensor.name]] = values
             continue
         _, layer, part = tensor.name.split(".", 2)
-        stacked = re.fullmatch(r"ffn_(gate|up|down)_exps\.weight", part)
+        stacked = re.fullmatch(r"ffn_(gate|up|down)_exps\.(weight|bias)", part)
+        if stacked and gpt_oss:
+            tensors[f"blk.{layer}.{part}"] = values  # joined into the checkpoint's stacks below
+            continue
         if stacked:
             for expert, matrix in enumerate(values):
                 tensors[f"model.layers.{layer}.mlp.experts.{expert}.{stacked.group(1)}_proj.weight"] = matrix
@@ -360,6 +404,25 @@ def hf_tensors_from_gguf(path: Path, config_dir: Path) -> dict[str, "torch.Tenso
                 name = name.replace(new, old)
             renamed[name] = values
         tensors = renamed
+    if gpt_oss:
+        tensors = _gpt_oss_experts(tensors, config["num_hidden_layers"])
     if config.get("tie_word_embeddings"):
         tensors.pop("lm_head.weight", None)
     return {name: torch.from_numpy(np.ascontiguousarray(values)) for name, values in tensors.items()}
+
+
+def _gpt_oss_experts(tensors: dict[str, np.ndarray], n_layers: int) -> dict[str, np.ndarray]:
+    """gpt_oss_stacks' inverse: the GGUF stacks back into the checkpoint's [experts, in, out] interleaved ones."""
+    for layer in range(n_layers):
+        stack = {f"{p}.{k}": tensors.pop(f"blk.{layer}.ffn_{p}_exps.{k}") for p in ("gate", "up", "down")
+                 for k in ("weight", "bias")}
+        prefix = f"model.layers.{layer}.mlp.experts"
+        gate, up = stack["gate.weight"].swapaxes(1, 2), stack["up.weight"].swapaxes(1, 2)
+        gate_up = np.empty((*gate.shape[:2], 2 * gate.shape[2]), dtype=np.float32)
+        gate_up[..., 0::2], gate_up[..., 1::2] = gate, up
+        bias = np.empty((gate.shape[0], 2 * gate.shape[2]), dtype=np.float32)
+        bias[:, 0::2], bias[:, 1::2] = stack["gate.bias"], stack["up.bias"]
+        tensors.update({f"{prefix}.gate_up_proj": gate_up, f"{prefix}.gate_up_proj_bias": bias,
+                        f"{prefix}.down_proj": stack["down.weight"].swapaxes(1, 2),
+                        f"{prefix}.down_proj_bias": stack["down.bias"]})
+    return tensors

@@ -1,6 +1,7 @@
 """GGUF files of the families beyond Llama/Qwen as llama.cpp's converter lays them out: the mixtures of experts
-(Qwen3-MoE, Qwen2-MoE, Mixtral: experts stacked per projection, Mixtral as a `llama` file with experts) and Phi-3
-(q/k/v as `attn_qkv`, gate/up as `ffn_up`, its sliding window in the metadata). Float files against transformers
+(Qwen3-MoE, Qwen2-MoE, Mixtral: experts stacked per projection, Mixtral as a `llama` file with experts), Phi-3
+(q/k/v as `attn_qkv`, gate/up as `ffn_up`, its sliding window in the metadata), Gemma 2/3 and gpt-oss (expert
+biases stacked beside the experts, sinks, YaRN in the metadata). Float files against transformers
 on the Hugging Face checkpoint; quantized ones, dequantized (--dtype float32), against transformers on the values
 the file holds."""
 
@@ -16,7 +17,8 @@ pytest.importorskip("gguf")
 
 from exo_like.models.config import ModelArgs  # noqa: E402
 from exo_like.models.gguf.file import open_gguf  # noqa: E402
-from tests.checkpoints import FUSED_ARCHITECTURES, GEMMA_ARCHITECTURES, MOE_ARCHITECTURES, make_checkpoint  # noqa: E402
+from tests.checkpoints import (  # noqa: E402
+    FUSED_ARCHITECTURES, GEMMA_ARCHITECTURES, MOE_ARCHITECTURES, SINK_ARCHITECTURES, make_checkpoint)
 from tests.engine_driver import engine_greedy  # noqa: E402
 from tests.gguf_checkpoints import write_gguf  # noqa: E402
 from tests.oracle import Oracle, gguf_dequantized_greedy  # noqa: E402
@@ -30,8 +32,9 @@ PROMPT = [5 + (i * 37) % 600 for i in range(40)]
 # and scale queries by 1/sqrt(head_dim): the checkpoints follow.
 GGUF_OVERRIDES = {"qwen3_moe": {"mlp_only_layers": []}, "qwen2_moe": {}, "mixtral": {}, "phi3": {},
                   "gemma2": {"query_pre_attn_scalar": 16},
-                  "gemma3_text": {"query_pre_attn_scalar": 16, "sliding_window_pattern": 6, "n_layers": 6}}
-ARCHITECTURES = (*MOE_ARCHITECTURES, *FUSED_ARCHITECTURES, *GEMMA_ARCHITECTURES)
+                  "gemma3_text": {"query_pre_attn_scalar": 16, "sliding_window_pattern": 6, "n_layers": 6},
+                  "gpt_oss": {"intermediate_size": 64}}  # experts 64 wide: Q8_0 blocks of 32
+ARCHITECTURES = (*MOE_ARCHITECTURES, *FUSED_ARCHITECTURES, *GEMMA_ARCHITECTURES, *SINK_ARCHITECTURES)
 # K-quants take rows of 256: every matrix's input that long.
 K_OVERRIDES = {
     "qwen3_moe": {"hidden_size": 256, "head_dim": 64, "intermediate_size": 256, "moe_intermediate_size": 256},
@@ -41,6 +44,7 @@ K_OVERRIDES = {
     "phi3": {"hidden_size": 256, "intermediate_size": 256},
     "gemma2": {"hidden_size": 256, "intermediate_size": 256, "head_dim": 64, "query_pre_attn_scalar": 64},
     "gemma3_text": {"hidden_size": 256, "intermediate_size": 256, "head_dim": 64, "query_pre_attn_scalar": 64},
+    "gpt_oss": {"hidden_size": 256, "intermediate_size": 256, "head_dim": 64},
 }
 
 

@@ -39,7 +39,8 @@ GGUF_SUFFIX = ".gguf"
 # GGUF's `general.architecture` -> the model_type the engines implement (Mistral files say "llama"; Mixtral's
 # say "llama" too, with experts).
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2_moe",
-                 "qwen3moe": "qwen3_moe", "phi3": "phi3", "gemma2": "gemma2", "gemma3": "gemma3_text"}
+                 "qwen3moe": "qwen3_moe", "phi3": "phi3", "gemma2": "gemma2", "gemma3": "gemma3_text",
+                 "gpt-oss": "gpt_oss"}
 # Gemma's norms scale by (1 + w); llama.cpp's converter stores them with the 1 added.
 _NORMS_PLUS_ONE = ("gemma2", "gemma3")
 # What llama.cpp's Gemma graphs take as given rather than from the metadata: the layers' pattern (Gemma 2 alternates
@@ -49,7 +50,7 @@ _GEMMA_PATTERN = {"gemma2": 2, "gemma3": 6}
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 # Whether llama.cpp renormalises the top-k router weights, per architecture, when the file does not say
 # (`expert_weights_norm`): its qwen3moe graph always does, its qwen2moe graph never, Mixtral always.
-_RENORMALIZED = {"qwen2moe": False, "qwen3moe": True, "llama": True}
+_RENORMALIZED = {"qwen2moe": False, "qwen3moe": True, "llama": True, "gpt-oss": False}
 # Tensor types read (and dequantized) here: what F32/F16/BF16 conversions and Q8_0, Q4_0, Q4_1, Q4_K_M, Q5_K_M,
 # Q6_K and the like files contain.
 TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
@@ -89,14 +90,15 @@ _ARCH_LAYER_NAMES = {
     "phi3": {"attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"},
     "gemma2": _GEMMA_NORMS,
     "gemma3": _GEMMA_NORMS,
+    "gpt-oss": {"post_attention_norm.weight": "post_attention_layernorm.weight",
+                "attn_sinks.weight": "self_attn.sinks", "ffn_gate_inp.bias": "mlp.gate.bias"},
 }
 # Stacked experts: GGUF tensor -> the projections it holds, in row order (llama.cpp's converter may fuse gate and
-# up: `--fuse-gate-up-exps`).
+# up: `--fuse-gate-up-exps`); gpt-oss stacks the experts' biases too, [experts, out].
 _EXPERT_STACKS = {
-    "ffn_gate_exps.weight": ("gate_proj",),
-    "ffn_up_exps.weight": ("up_proj",),
-    "ffn_down_exps.weight": ("down_proj",),
-    "ffn_gate_up_exps.weight": ("gate_proj", "up_proj"),
+    f"{stack}.{kind}": projections for kind in ("weight", "bias") for stack, projections in (
+        ("ffn_gate_exps", ("gate_proj",)), ("ffn_up_exps", ("up_proj",)), ("ffn_down_exps", ("down_proj",)),
+        ("ffn_gate_up_exps", ("gate_proj", "up_proj")))
 }
 # Per-dimension rotary frequency factors: part of the model's config (read while planning, see _rope_scaling),
 # not of any shard's weights. Kept under its GGUF name.
@@ -311,8 +313,23 @@ class GGUFCheckpoint:
         if kind == "linear":
             return {**settings,
                     "rope_scaling": {"rope_type": "linear", "factor": float(self._key("rope.scaling.factor"))}}
-        raise UnsupportedModelError(f"{self.path.name}: rope scaling {kind!r} is not supported; supported: linear",
-                                    code="unsupported_rope_scaling")
+        if kind == "yarn":
+            return {**settings, "rope_scaling": self._yarn()}
+        raise UnsupportedModelError(f"{self.path.name}: rope scaling {kind!r} is not supported; supported: linear, "
+                                    "yarn", code="unsupported_rope_scaling")
+
+    def _yarn(self) -> dict[str, Any]:
+        """YaRN as the converter stores it. Whether the ramp's ends are rounded to whole dimensions (transformers'
+        `truncate`) is not stored: gpt-oss was trained without, the other yarn models (Qwen2.5) with."""
+        original = int(self._key("rope.scaling.original_context_length"))
+        yarn: dict[str, Any] = {"rope_type": "yarn", "factor": float(self._key("rope.scaling.factor")),
+                                "original_max_position_embeddings": original,
+                                "truncate": self.architecture != "gpt-oss"}
+        for key, name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
+                          ("yarn_attn_factor", "attention_factor")):
+            if self._key(f"rope.scaling.{key}") is not None:
+                yarn[name] = float(self._key(f"rope.scaling.{key}"))
+        return yarn
 
     def _gemma(self) -> dict[str, Any]:
         layers, hidden, heads = int(self._key("block_count")), int(self._key("embedding_length")), self.config_heads
@@ -399,21 +416,23 @@ def expert_stack(gguf_name: str) -> tuple[int, tuple[str, ...]] | None:
 
 
 def expert_entries(entry: TensorEntry) -> dict[str, TensorEntry]:
-    """One entry per expert and projection of a stack [experts, out, in]: each is `out` rows (of the stack's
-    fused projections, an equal share of them) of contiguous bytes, so it reads as any matrix does."""
+    """One entry per expert and projection of a stack [experts, out, in] (biases: [experts, out]): each is `out`
+    rows (of the stack's fused projections, an equal share of them) of contiguous bytes, so it reads as any
+    matrix (or vector) does."""
     layer, projections = expert_stack(entry.gguf_name)
-    if len(entry.shape) != 3:
-        raise UnsupportedModelError(f"{entry.gguf_name}: experts must be stacked as [experts, out, in], got "
-                                    f"shape {list(entry.shape)}")
-    n_experts, rows, inputs = entry.shape
+    kind = entry.gguf_name.rpartition(".")[2]
+    if len(entry.shape) != (3 if kind == "weight" else 2):
+        raise UnsupportedModelError(f"{entry.gguf_name}: experts must be stacked as [experts, out, in] (biases "
+                                    f"[experts, out]), got shape {list(entry.shape)}")
+    n_experts, rows, *inputs = entry.shape
     rows_each = rows // len(projections)
     row_bytes = entry.n_bytes // (n_experts * rows)
     entries = {}
     for expert in range(n_experts):
         for i, projection in enumerate(projections):
             offset = entry.offset + (expert * rows + i * rows_each) * row_bytes
-            entries[f"model.layers.{layer}.mlp.experts.{expert}.{projection}.weight"] = TensorEntry(
-                entry.gguf_name, entry.type_name, (rows_each, inputs), rows_each * row_bytes, entry.part, offset)
+            entries[f"model.layers.{layer}.mlp.experts.{expert}.{projection}.{kind}"] = TensorEntry(
+                entry.gguf_name, entry.type_name, (rows_each, *inputs), rows_each * row_bytes, entry.part, offset)
     return entries
 
 
