@@ -51,8 +51,10 @@ _GEMMA_PARTS = {"post_attention_layernorm.weight": "post_attention_norm.weight",
                 "post_feedforward_layernorm.weight": "post_ffw_norm.weight"}
 # Phi-3's fused projections keep their names' roles: q/k/v as `attn_qkv`, gate/up as `ffn_up` (llama.cpp's phi3).
 _PHI3_PARTS = {"self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight"}
-# gpt-oss: its router is `ffn_gate_inp` with a bias, its sinks `attn_sinks`, the norm before its MLP `post_attention_norm`.
-_GPT_OSS_PARTS = {"post_attention_layernorm.weight": "post_attention_norm.weight", "self_attn.sinks": "attn_sinks.weight",
+# gpt-oss: its router is `ffn_gate_inp` with a bias, its sinks `attn_sinks`, its norm before the MLP
+# `post_attention_norm`.
+_GPT_OSS_PARTS = {"post_attention_layernorm.weight": "post_attention_norm.weight",
+                  "self_attn.sinks": "attn_sinks.weight",
                   "mlp.router.weight": "ffn_gate_inp.weight", "mlp.router.bias": "ffn_gate_inp.bias",
                   "self_attn.o_proj.bias": "attn_output.bias"}
 _MIXTRAL_NAMES = {"block_sparse_moe.gate.": "mlp.gate.", ".w1.": ".gate_proj.", ".w2.": ".down_proj.",
