@@ -55,7 +55,7 @@ _SPECIFIC = {
     "gemma3_text": dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=8, pad_token_id=0,
                         rope_scaling={"rope_type": "linear", "factor": 4.0}, sliding_window_pattern=3),
     # gpt-oss's own rope (YaRN, factor 32 over 4096) and alternating windowed/full layers, at a small size
-    "gpt_oss": dict(head_dim=16, intermediate_size=48, num_local_experts=6, num_experts_per_tok=2, sliding_window=8,
+    "gpt_oss": dict(head_dim=16, intermediate_size=64, num_local_experts=6, num_experts_per_tok=2, sliding_window=8,
                     max_position_embeddings=131072, pad_token_id=0),
 }
 POST_NORM_OFFSET = 2.0
@@ -103,8 +103,8 @@ def make_peaky(model: torch.nn.Module, seed: int) -> None:
         elif name.endswith(".sinks"):  # gpt-oss: a sink logit comparable with the scores, so it takes a share
             param.copy_(torch.randn(param.shape, generator=generator) * 2.0)
         else:
-            # gpt-oss stacks its experts [experts, in, out]; every other matrix is [out, in]
-            fan_in = param.shape[-2] if param.dim() == 3 else param.shape[-1]
+            # gpt-oss stacks its experts [experts, in, out]; every other matrix is [out, in] (stacks too)
+            fan_in = param.shape[-2] if param.dim() == 3 and model.config.model_type == "gpt_oss" else param.shape[-1]
             scale = ROUTER_SCALE if name.endswith((".gate.weight", ".router.weight")) else 1.5
             param.copy_(torch.randn(param.shape, generator=generator) * scale / math.sqrt(fan_in))
 
@@ -168,3 +168,80 @@ def built_once(root: Path, build: Callable[[str, Path], Path]) -> Callable[[str]
         return made[name]
 
     return get
+
+
+# FP4 (E2M1) values by nibble, as MXFP4 stores them (sign in bit 3).
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def mxfp4_quantize(weight: "np.ndarray") -> tuple["np.ndarray", "np.ndarray"]:  # noqa: F821
+    """[..., out, in] float32 -> (blocks uint8 [..., out, in / 32, 16], exponents uint8 [..., out, in / 32]): per
+    32 inputs a power-of-two scale 2^(e - 127) that puts the largest magnitude in [4, 8), each value the nearest
+    FP4 value (two to a byte, the first in the low nibble): the Hub's gpt-oss layout, and ggml's choice of e."""
+    import numpy as np
+
+    groups = weight.reshape(*weight.shape[:-1], -1, 32).astype(np.float32)
+    top = np.abs(groups).max(-1)
+    exponents = np.where(top > 0, np.floor(np.log2(np.maximum(top, 1e-30))) - 2 + 127, 0).clip(0, 254)
+    scaled = groups / np.ldexp(np.float32(1), exponents.astype(np.int32) - 127)[..., None]
+    nibbles = np.abs(scaled[..., None] - np.array(FP4_VALUES, dtype=np.float32)).argmin(-1).astype(np.uint8)
+    return nibbles[..., 0::2] | (nibbles[..., 1::2] << 4), exponents.astype(np.uint8)
+
+
+def make_mxfp4_checkpoint(float_dir: Path, path: Path) -> Path:
+    """A gpt-oss folder as the Hub's openai/gpt-oss checkpoints are: the experts' matrices in MXFP4
+    (`*_blocks` [experts, out, in / 32, 16], `*_scales`, rows of gate and up interleaved), everything else as in
+    `float_dir`, `quantization_config: {quant_method: mxfp4}`."""
+    import shutil
+
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    for file in float_dir.iterdir():
+        if file.suffix != ".safetensors" and file.name != "model.safetensors.index.json":
+            shutil.copy(file, path / file.name)
+    tensors = load_file(str(float_dir / "model.safetensors"))
+    for name in [n for n in tensors if n.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"))]:
+        # the checkpoint's [experts, in, out] as [experts, out, in], gate and up rows interleaved as its columns were
+        blocks, scales = mxfp4_quantize(np.ascontiguousarray(tensors.pop(name).swapaxes(1, 2)))
+        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
+def make_mlx_mxfp4_checkpoint(hub_dir: Path, path: Path) -> Path:
+    """The MXFP4 gpt-oss folder `hub_dir` as mlx-community's conversions lay it out: the experts stacked per
+    projection (`mlp.experts.gate_proj.weight` uint32 words, `.scales`, `.bias`), `quantization: {mode: mxfp4}`."""
+    import shutil
+
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    for file in hub_dir.iterdir():
+        if file.suffix != ".safetensors":
+            shutil.copy(file, path / file.name)
+    tensors = load_file(str(hub_dir / "model.safetensors"))
+    for name in [n for n in tensors if ".mlp.experts." in n]:
+        values = tensors.pop(name)
+        module, _, leaf = name.rpartition(".")
+        stem, _, kind = leaf.rpartition("_") if leaf.endswith(("_blocks", "_scales", "_bias")) else (leaf, "", "")
+        kind = {"blocks": "weight", "scales": "scales", "bias": "bias"}[kind]
+        if kind == "weight":
+            values = values.reshape(*values.shape[:2], -1)
+        parts = {"gate_proj": values[:, 0::2], "up_proj": values[:, 1::2]} if stem == "gate_up_proj" else \
+            {"down_proj": values}
+        for projection, part in parts.items():
+            part = np.ascontiguousarray(part)
+            tensors[f"{module}.{projection}.{kind}"] = part.view(np.uint32) if kind == "weight" else part
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "mlx"})
+    config = json.loads((path / "config.json").read_text())
+    del config["quantization_config"]
+    config["quantization"] = {"group_size": 32, "bits": 4, "mode": "mxfp4"}
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path

@@ -1,7 +1,8 @@
 """Quantized matrices in one framework-free form: integer codes with a scale and a bias per group of inputs.
 
 Every quantized format this project reads comes down to it: an MLX checkpoint's packed words with its
-`scales` and `biases`, and GGUF's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q5_K blocks (see gguf/blocks.py).
+`scales` and `biases`, GGUF's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q5_K blocks (see gguf/blocks.py), and MXFP4
+(FP4 values with a power-of-two scale per 32: not affine in 4 bits, exactly so in 5, see from_mxfp4).
 w[n, k] = scales[n, k // group_size] * codes[n, k] + biases[n, k // group_size], the arithmetic of
 `mx.dequantize` (mode "affine"). Each engine turns this form into what its quantized kernels take (MLX's packed
 words, torch's int4 packs), so no engine knows any file format.
@@ -88,3 +89,22 @@ def from_mlx(packed: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: i
              group_size: int) -> AffineGroups:
     return AffineGroups(unpack_words(packed, bits), np.asarray(scales, dtype=np.float32),
                         np.asarray(biases, dtype=np.float32), bits, group_size, f"mlx {bits}-bit")
+
+
+# An FP4 (E2M1) nibble's value, doubled: sign bit 3, then 0, 0.5, 1, 1.5, 2, 3, 4, 6.
+FP4_DOUBLED = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.int16)
+
+
+def mxfp4_affine(nibbles: np.ndarray, exponents: np.ndarray, source: str = "mxfp4") -> AffineGroups:
+    """MXFP4 values (FP4 nibbles uint8 [out, in], E8M0 exponents uint8 [out, in // 32]: w = fp4 * 2^(e - 127))
+    as exact 5-bit affine groups: code = 2 * fp4 + 12 in [0, 24], scale 2^(e - 128), bias -12 * scale (powers of
+    two and small integers: exact in every float type, bfloat16 included)."""
+    scales = np.ldexp(np.float32(1), exponents.astype(np.int32) - 128).astype(np.float32)
+    return AffineGroups((FP4_DOUBLED[nibbles] + 12).astype(np.uint8), scales, -12 * scales, 5, 32, source)
+
+
+def from_mlx_mxfp4(packed: np.ndarray, exponents: np.ndarray) -> AffineGroups:
+    """MLX's (and the Hub's) MXFP4 packing: bytes [out, in / 2], value 2j in the low nibble of byte j."""
+    stream = np.ascontiguousarray(packed).view(np.uint8)
+    nibbles = np.stack([stream & 0x0F, stream >> 4], axis=-1).reshape(stream.shape[0], -1)
+    return mxfp4_affine(nibbles, np.asarray(exponents, dtype=np.uint8), "mxfp4")

@@ -29,6 +29,7 @@ TORCH_CPU_FLOAT_BYTES = 4  # and on torch's CPU path, where activations are floa
 TORCH_CPU_DEQUANTIZED_BYTES = 2  # quantized matrices without a kernel there: bfloat16
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 MLX_BITS = (2, 3, 4, 5, 6, 8)
+MXFP4_BLOCKS, MXFP4_SCALES = "_blocks", "_scales"  # the Hub's MXFP4 tensors (gpt-oss experts)
 _FUSED = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
 
 
@@ -201,29 +202,46 @@ def model_footprint(model_dir: Path, n_layers: int, tied: bool, quant: QuantSpec
 def safetensors_matrices(tensors: Iterable[tuple[str, str, int, tuple[int, ...]]],
                          quant: QuantSpec | None) -> list[Matrix]:
     """(name, safetensors dtype, bytes, shape) -> Matrices; an MLX-format triple (packed weight, scales, biases)
-    becomes one."""
+    becomes one, and so do the Hub's MXFP4 blocks and scales."""
     listed = {name: (dtype, size, tuple(shape)) for name, dtype, size, shape in tensors}
     matrices = []
     for name, (dtype, size, shape) in listed.items():
-        if name.endswith(QUANTIZED_SUFFIXES):
+        if name.endswith(QUANTIZED_SUFFIXES) or (name.endswith(MXFP4_SCALES) and name.replace(
+                MXFP4_SCALES, MXFP4_BLOCKS) in listed):
             continue
         prefix = name.removesuffix(".weight")
-        if quant is not None and dtype == "U32" and f"{prefix}.scales" in listed:
+        if name.endswith(MXFP4_BLOCKS) and name.replace(MXFP4_BLOCKS, MXFP4_SCALES) in listed:
+            matrices += _mxfp4_experts(name, shape, size + listed[name.replace(MXFP4_BLOCKS, MXFP4_SCALES)][1])
+        elif quant is not None and dtype == "U32" and f"{prefix}.scales" in listed:
             spec = quant.for_module(prefix)
             extra = sum(listed[f"{prefix}{s}"][1] for s in QUANTIZED_SUFFIXES if f"{prefix}{s}" in listed)
             logical = (*shape[:-1], shape[-1] * 32 // spec.bits)
-            matrices += _per_expert(Matrix(name, logical, size + extra, 0, spec.bits, spec.group_size, True, True))
+            bits = 5 if spec.mxfp4 else spec.bits  # torch holds MXFP4 as exact 5-bit groups (affine.mxfp4_affine)
+            matrices += _per_expert(Matrix(name, logical, size + extra, 0, bits, spec.group_size, True, True))
         else:
             matrices += _per_expert(Matrix(name, shape, size, FLOAT_BYTES.get(dtype, 2)))
     return matrices
 
 
+def _mxfp4_experts(name: str, shape: tuple[int, ...], stored: int) -> list[Matrix]:
+    """The Hub's gpt-oss experts `...mlp.experts.gate_up_proj_blocks` [experts, out, in / 32, 16] as the engines
+    hold them: per expert its gate and up (rows interleaved in the stack) and down matrices, 5-bit on torch."""
+    module, _, leaf = name.removesuffix(MXFP4_BLOCKS).rpartition(".")
+    experts, rows, groups = shape[:3]
+    projections = ("gate_proj", "up_proj") if leaf == "gate_up_proj" else ("down_proj",)
+    each = stored // (experts * len(projections))
+    return [Matrix(f"{module}.{e}.{p}.weight", (rows // len(projections), groups * 32), each, 0, 5, 32, True, True)
+            for e in range(experts) for p in projections]
+
+
 def _per_expert(m: Matrix) -> list[Matrix]:
-    """An MLX-format mixture's experts are stacked ([experts, out, in] under `switch_mlp`); the engines that hold
-    them one by one (torch) size each on its own, under the per-expert names the fusions follow."""
-    if len(m.shape) != 3 or ".switch_mlp." not in m.name:
+    """An MLX-format mixture's experts are stacked ([experts, out, in] under `switch_mlp`, or under `experts` for
+    gpt-oss); the engines that hold them one by one (torch) size each on its own, under the per-expert names the
+    fusions follow."""
+    stack = next((marker for marker in (".switch_mlp.", ".experts.") if marker in m.name), None)
+    if len(m.shape) != 3 or stack is None:
         return [m]
-    module, _, projection = m.name.removesuffix(".weight").rpartition(".switch_mlp.")
+    module, _, projection = m.name.removesuffix(".weight").rpartition(stack)
     experts = m.shape[0]
     return [replace(m, name=f"{module}.experts.{e}.{projection}.weight", shape=m.shape[1:],
                     stored_bytes=m.stored_bytes // experts) for e in range(experts)]

@@ -17,7 +17,7 @@ from exo_like.engines.base import Engine, create_engine
 from exo_like.models.config import ModelArgs
 from exo_like.models.shard import Shard
 from tests.checkpoints import (FUSED_ARCHITECTURES, GEMMA_ARCHITECTURES, MOE_ARCHITECTURES, SINK_ARCHITECTURES,
-                               make_checkpoint)
+                               make_checkpoint, make_mlx_mxfp4_checkpoint, make_mxfp4_checkpoint)
 from tests.engine_driver import Driver, generate_together
 
 N_LAYERS = 4
@@ -202,3 +202,42 @@ def test_parameter_counts_equal_transformers(family_dirs, arch):
             per_expert = sum(p.numel() for p in experts.parameters()) // args.moe.n_experts
             skipped += (args.moe.n_experts - args.moe.top_k) * per_expert
     assert count_parameters(args).to_json() == {"total": total, "active": total - skipped}
+
+
+@pytest.fixture(scope="module")
+def mxfp4_dirs(family_dirs, tmp_path_factory) -> dict[str, Path]:
+    """gpt-oss with MXFP4 experts: as the Hub's openai/gpt-oss checkpoints store them, and as mlx-community's."""
+    root = tmp_path_factory.mktemp("mxfp4")
+    hub = make_mxfp4_checkpoint(family_dirs["gpt_oss"], root / "hub")
+    return {"hub": hub, "mlx": make_mlx_mxfp4_checkpoint(hub, root / "mlx")}
+
+
+@pytest.mark.parametrize("chain", ["torch", "mlx", "torch+mlx+torch"])
+@pytest.mark.parametrize("form", ["hub", "mlx"])
+def test_mxfp4_experts_give_transformers_tokens(mxfp4_dirs, prompts, form, chain):
+    """transformers dequantizes the Hub's MXFP4 experts on CPU; float32 here too: torch reads each expert as exact
+    5-bit groups and dequantizes them (--dtype float32), MLX runs its mxfp4 kernel with float32 activations."""
+    expected = transformers_greedy(mxfp4_dirs["hub"], tuple(prompts["a"].tolist()), N_TOKENS)
+    assert greedy(Driver(load_chain(mxfp4_dirs[form], CHAINS[chain])), prompts["a"], N_TOKENS) == expected
+    assert len(set(expected)) > 10
+
+
+@pytest.mark.parametrize("form", ["hub", "mlx"])
+def test_mxfp4_experts_stay_quantized_and_are_held_as_the_footprint_says(mxfp4_dirs, form):
+    """MLX holds the experts in its mxfp4 form (the checkpoint's bytes); torch as exact 5-bit groups on its int4
+    kernel (two packs); the footprint counts what each holds, so placement sizes gpt-oss's shards right."""
+    from exo_like.models.footprint import model_footprint
+
+    path = mxfp4_dirs[form]
+    args = ModelArgs.from_dir(path)
+    assert args.quant.mxfp4
+    footprint = model_footprint(path, N_LAYERS, args.tie_word_embeddings, args.quant)
+    experts = args.moe.n_experts
+    for engine_name, dtype, forms in (("torch", None, {"mxfp4": 2 * 2 * experts}), ("torch", "float32", {}),
+                                      ("mlx", None, {"mlx mxfp4": 2 * 3})):
+        shard = Shard(path.name, 1, 3, N_LAYERS)
+        engine = create_engine(engine_name, device="cpu", dtype=dtype)
+        engine.load(path, args, shard)
+        assert engine.weight_forms.quantized == forms, (engine_name, dtype)
+        held = footprint.held_by(engine_name, dtype).shard_bytes(shard)
+        assert held == engine.parameter_bytes(), (engine_name, dtype)

@@ -162,7 +162,8 @@ def test_dequantize_is_mx_dequantize_bit_for_bit(bits, group_size):
     ({"group_size": 64, "bits": 4, "model.layers.0.mlp.down_proj": {"group_size": 64, "bits": 7}}, "bits=7"),
     ({"group_size": 64, "bits": 4, "lora": True}, "unknown quantization setting"),
     ({"quant_method": "gptq", "bits": 4}, "gptq"),
-    ({"group_size": 32, "bits": 4, "mode": "mxfp4"}, "mxfp4"),
+    ({"group_size": 64, "bits": 4, "mode": "mxfp4"}, "mxfp4"),
+    ({"group_size": 32, "bits": 8, "mode": "mxfp8"}, "mxfp8"),
     ({"group_size": 64, "bits": 7}, "bits=7"),
 ])
 def test_other_quantization_forms_are_rejected_clearly(entry, hint):
@@ -173,6 +174,9 @@ def test_other_quantization_forms_are_rejected_clearly(entry, hint):
 
 def test_uniform_entry_is_accepted():
     assert quant_spec({"group_size": 64, "bits": 4, "mode": "affine"}) == QuantSpec(64, 4)
+    assert quant_spec({"group_size": 32, "bits": 4, "mode": "mxfp4"}) == QuantSpec(32, 4, mode="mxfp4")
+    hub_gpt_oss = {"quant_method": "mxfp4", "modules_to_not_convert": ["lm_head"]}
+    assert quant_spec(hub_gpt_oss) == QuantSpec(32, 4, mode="mxfp4")
     assert quant_spec(None) is None
 
 

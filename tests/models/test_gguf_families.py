@@ -33,7 +33,7 @@ PROMPT = [5 + (i * 37) % 600 for i in range(40)]
 GGUF_OVERRIDES = {"qwen3_moe": {"mlp_only_layers": []}, "qwen2_moe": {}, "mixtral": {}, "phi3": {},
                   "gemma2": {"query_pre_attn_scalar": 16},
                   "gemma3_text": {"query_pre_attn_scalar": 16, "sliding_window_pattern": 6, "n_layers": 6},
-                  "gpt_oss": {"intermediate_size": 64}}  # experts 64 wide: Q8_0 blocks of 32
+                  "gpt_oss": {}}
 ARCHITECTURES = (*MOE_ARCHITECTURES, *FUSED_ARCHITECTURES, *GEMMA_ARCHITECTURES, *SINK_ARCHITECTURES)
 # K-quants take rows of 256: every matrix's input that long.
 K_OVERRIDES = {
@@ -123,3 +123,26 @@ def test_quantized_experts_run_on_the_quantized_kernels(folders, engine_name) ->
     else:
         assert engine.weight_forms.quantized == {"Q4_K": layers * (4 + 3 * experts + 3 + 1)}
         assert engine.weight_forms.dequantized == {}
+
+
+def test_mxfp4_experts_read_exactly_and_stay_quantized(folders) -> None:
+    """gpt-oss's GGUF files keep the experts in MXFP4 (power-of-two scale per 32, FP4 values): dequantized
+    (--dtype float32) the file gives transformers' tokens on its values; loaded as is, every MXFP4 matrix stays
+    quantized on both engines, as exact 5-bit affine groups (2 * value + 12, scale 2^(e - 128))."""
+    from exo_like.engines.base import create_engine
+    from exo_like.models.shard import Shard
+
+    folder, gguf = folders
+    path = gguf("gpt_oss", "MXFP4")
+    expected = gguf_dequantized_greedy(path, folder("gpt_oss", False), PROMPT, N_TOKENS)
+    engines = ["torch", "mlx"] if HAS_MLX else ["torch"]
+    assert engine_greedy(path, engines, PROMPT, N_TOKENS, dtype="float32") == expected
+    args = ModelArgs.from_dict(open_gguf(path).config())
+    matrices = 2 + 2 * args.moe.n_experts  # per layer: q/k/v, o, each expert's gate+up and down (torch's fusions)
+    for engine_name in engines:
+        engine = create_engine(engine_name, device="cpu")
+        engine.load(path, args, Shard(path.name, 1, 3, 4))
+        if engine_name == "mlx":  # q, k, v, o; each expert's gate, up and down (stacked once read)
+            matrices = 4 + 3 * args.moe.n_experts
+        assert engine.weight_forms.quantized == {"MXFP4": 2 * matrices}, engine_name
+        assert engine.weight_forms.dequantized == {}, engine_name

@@ -73,7 +73,7 @@ def read_shard_tensors(model_dir: Path, args: ModelArgs, shard: Shard, quantized
     tied_embeddings = args.tie_word_embeddings
     if not is_gguf(model_dir):
         plan = plan_shard_load(model_dir, shard, tied_embeddings, args.family.rename)
-        weights = args.family.converted(read_plan_tensors(plan, tied_embeddings))
+        weights = as_words(args.family.converted(read_plan_tensors(plan, tied_embeddings)))
         return split_fused_projections(stack_experts(weights), args), {}
     weights, specs = {}, {}
     for local, value, type_name in open_gguf(model_dir).read_shard(shard, tied_embeddings, quantized):
@@ -95,6 +95,14 @@ def read_shard_tensors(model_dir: Path, args: ModelArgs, shard: Shard, quantized
     # A fused matrix (Phi-3's qkv_proj, gate_up_proj) splits into projections of its own type.
     specs = {split: spec for path, spec in specs.items() for split in split_module_paths(path)}
     return split_fused_projections(stack_experts(weights), args), specs
+
+
+def as_words(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Quantized weights given as packed bytes (the Hub's MXFP4 blocks) as the uint32 words MLX's kernels take."""
+    for name, array in weights.items():
+        if array.dtype == mx.uint8 and name.endswith(".weight") and f"{name.removesuffix('.weight')}.scales" in weights:
+            weights[name] = mx.view(mx.contiguous(array), mx.uint32)
+    return weights
 
 
 def read_plan_tensors(plan: ShardLoadPlan, tied_embeddings: bool) -> dict[str, mx.array]:
@@ -130,8 +138,8 @@ def quantize_like_checkpoint(model: ShardModel, args: ModelArgs, weights: dict[s
         def settings(path: str, _: nn.Module) -> dict[str, int] | bool:
             if f"{path}.scales" not in weights:
                 return False
-            chosen = spec.for_module(checkpoint_path(path, model.shard))  # mixed precision: by the stored name
-            return {"group_size": chosen.group_size, "bits": chosen.bits}
+            # mixed precision: by the stored name
+            return spec.for_module(checkpoint_path(path, model.shard)).mlx_settings()
 
         nn.quantize(model, class_predicate=settings)
     elif specs:
@@ -182,8 +190,8 @@ class MLXEngine(Engine):
             quantize_like_checkpoint(model, args, weights, specs)
             if args.quant is not None:
                 for name in (n for n in weights if n.endswith(".scales")):
-                    bits = args.quant.for_module(checkpoint_path(name.removesuffix(".scales"), shard)).bits
-                    forms.add_quantized(f"mlx {bits}-bit")
+                    spec = args.quant.for_module(checkpoint_path(name.removesuffix(".scales"), shard))
+                    forms.add_quantized("mlx mxfp4" if spec.mxfp4 else f"mlx {spec.bits}-bit")
             dtype = MX_DTYPES[dtype_name]
             model.load_weights([(name, _cast(w, dtype)) for name, w in weights.items()], strict=True)
             # Read everything now, so the first request does not pay for loading and the files can be closed;

@@ -29,7 +29,7 @@ from exo_like.engines.torch.openmp import pin_openmp_team
 from exo_like.engines.torch.quant import Installer, Matrix, cpu_numerics, int4_kernel_available
 from exo_like.engines.work import WorkItem
 from exo_like.errors import InvalidRequestError
-from exo_like.models.affine import AffineGroups, from_mlx
+from exo_like.models.affine import AffineGroups, from_mlx, from_mlx_mxfp4
 from exo_like.models.checkpoint import ShardLoadPlan, plan_shard_load
 from exo_like.models.config import DTYPES, ModelArgs
 from exo_like.models.gguf.file import FLOAT_TYPES, is_gguf, open_gguf
@@ -106,13 +106,19 @@ def read_planned_tensors(
     held: dict[str, torch.Tensor | AffineGroups] = {}
     for name in [n for n in weights if n.endswith(".scales")]:
         prefix = name.removesuffix(".scales")
-        spec = quant.for_module(stored_as[name].removesuffix(".scales"))
-        packed, scales, biases = (weights.pop(f"{prefix}.{kind}") for kind in ("weight", "scales", "biases"))
+        # By the stored name (per-module settings name checkpoint modules); a converted tensor keeps its own.
+        spec = quant.for_module(stored_as.get(name, name).removesuffix(".scales"))
+        packed, scales = weights.pop(f"{prefix}.weight"), weights.pop(name)
+        biases = None if spec.mxfp4 else weights.pop(f"{prefix}.biases")
         stacked = packed.dim() == 3  # an MLX-format mixture's experts, [experts, out, in]: one matrix each
         for index in range(packed.shape[0]) if stacked else (None,):
             part = (lambda t: t[index]) if stacked else (lambda t: t)  # noqa: E731
-            groups = from_mlx(part(packed).view(torch.int32).numpy().view(np.uint32), part(scales).float().numpy(),
-                              part(biases).float().numpy(), spec.bits, spec.group_size)
+            if spec.mxfp4:
+                groups = from_mlx_mxfp4(part(packed).contiguous().view(torch.uint8).numpy(), part(scales).numpy())
+            else:
+                groups = from_mlx(part(packed).view(torch.int32).numpy().view(np.uint32),
+                                  part(scales).float().numpy(), part(biases).float().numpy(), spec.bits,
+                                  spec.group_size)
             held[f"{prefix}.weight" if index is None else expert_name(prefix, index)] = groups if keep_quantized \
                 else torch.from_numpy(groups.dequantize()).to(device=device, dtype=dtype)
     held.update((name, tensor.to(device=device, dtype=dtype)) for name, tensor in weights.items())

@@ -7,8 +7,11 @@
   clamped SwiGLU (`swiglu_alpha`, `swiglu_limit`).
 Its checkpoints stack the experts: `mlp.experts.gate_up_proj` [experts, hidden, 2 x inner] with gate and up
 columns interleaved, `down_proj` [experts, inner, hidden], each with a `_bias`; they are turned into the shared
-stacked layout (`mlp.switch_mlp.{gate,up,down}_proj.{weight,bias}`, [experts, out, in]) after reading. MLX-format
-checkpoints (mlx-lm's, `mlp.experts.gate_proj.weight` stacked) only need the rename."""
+stacked layout (`mlp.switch_mlp.{gate,up,down}_proj.{weight,bias}`, [experts, out, in]) after reading. The Hub's
+own checkpoints keep the experts in MXFP4 (`quant_method: mxfp4`): `gate_up_proj_blocks` [experts, 2 x inner,
+hidden / 32, 16 bytes] with gate and up rows interleaved and `_scales` (one exponent byte per 32), which become
+MLX's mxfp4 form (packed bytes as the weight, `.scales`). MLX-format checkpoints (mlx-lm's,
+`mlp.experts.gate_proj.weight` stacked, MXFP4 or affine) only need the rename."""
 
 from __future__ import annotations
 
@@ -40,13 +43,26 @@ def parse(model_type: str, config: dict[str, Any]) -> dict[str, Any]:
             "layer_windows": tuple(window if kind == "sliding_attention" else None for kind in kinds)}
 
 
+_MXFP4_LEAVES = {"gate_up_proj_blocks": "weight", "gate_up_proj_scales": "scales", "down_proj_blocks": "weight",
+                 "down_proj_scales": "scales"}
+
+
 def convert(weights: dict[str, Any]) -> dict[str, Any]:
-    """Hugging Face's stacked experts ([experts, in, out], gate/up interleaved) -> [experts, out, in] stacks."""
+    """Hugging Face's stacked experts ([experts, in, out], gate/up interleaved; MXFP4: [experts, out, ...], rows
+    interleaved) -> [experts, out, in] stacks (MXFP4: packed bytes [experts, out, in / 2] and scales)."""
     out: dict[str, Any] = {}
     for name, array in weights.items():
         module, marker, leaf = name.rpartition(".mlp.experts.")
         stack = f"{module}.mlp.switch_mlp"
-        if not marker or leaf not in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"):
+        if marker and leaf in _MXFP4_LEAVES:
+            kind = _MXFP4_LEAVES[leaf]
+            if kind == "weight":  # [experts, out, groups, 16 bytes] -> [experts, out, in / 2]
+                array = array.reshape(*array.shape[:2], -1)
+            if leaf.startswith("gate_up"):
+                out[f"{stack}.gate_proj.{kind}"], out[f"{stack}.up_proj.{kind}"] = array[:, 0::2], array[:, 1::2]
+            else:
+                out[f"{stack}.down_proj.{kind}"] = array
+        elif not marker or leaf not in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"):
             out[name] = array
         elif leaf == "gate_up_proj":
             out[f"{stack}.gate_proj.weight"] = array[..., 0::2].swapaxes(1, 2)

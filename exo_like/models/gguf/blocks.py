@@ -12,6 +12,9 @@ a run of blocks; within a block:
   32 bytes holds two groups of 32: low nibbles, then high); w = d * scale * q - dmin * min per group of 32.
 - Q5_K (176 / 256): as Q4_K, with 32 bytes of fifth bits before the nibbles (bit g of byte j is value j of
   group g's fifth bit).
+- MXFP4 (17 / 32, gpt-oss's experts): one byte e, the exponent of a power-of-two scale (E8M0), and nibbles as Q4_0,
+  each an FP4 (E2M1) value of {0, 0.5, 1, 1.5, 2, 3, 4, 6} and their negatives. Not affine in 4 bits, but exactly
+  so in 5: code = 2 * value + 12 in [0, 24], scale 2^(e - 128), bias -12 scale (powers of two: exact in any float).
 Q2_K, Q3_K and Q6_K scale groups of 16, which no engine's quantized kernel takes: they are dequantized.
 """
 
@@ -19,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from exo_like.models.affine import AffineGroups
+from exo_like.models.affine import AffineGroups, mxfp4_affine
 
 GROUP = 32
 
@@ -93,6 +96,11 @@ def _q5_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     return codes.reshape(blocks.shape[0], -1), scales, biases, 5
 
 
+def _mxfp4(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    groups = mxfp4_affine(_nibbles(blocks[:, 1:]), blocks[:, :1])
+    return groups.codes, groups.scales, groups.biases, 5
+
+
 # type name -> (bytes per block, values per block, decoder)
 DECODERS = {
     "Q4_0": (18, 32, _q4_0),
@@ -102,10 +110,11 @@ DECODERS = {
     "Q8_0": (34, 32, _q8_0),
     "Q4_K": (144, 256, _q4_k),
     "Q5_K": (176, 256, _q5_k),
+    "MXFP4": (17, 32, _mxfp4),
 }
 
 
-BITS = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q8_0": 8, "Q4_K": 4, "Q5_K": 5}
+BITS = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q8_0": 8, "Q4_K": 4, "Q5_K": 5, "MXFP4": 5}
 
 
 def has_affine_form(type_name: str) -> bool:

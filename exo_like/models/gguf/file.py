@@ -52,9 +52,9 @@ _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 # (`expert_weights_norm`): its qwen3moe graph always does, its qwen2moe graph never, Mixtral always.
 _RENORMALIZED = {"qwen2moe": False, "qwen3moe": True, "llama": True, "gpt-oss": False}
 # Tensor types read (and dequantized) here: what F32/F16/BF16 conversions and Q8_0, Q4_0, Q4_1, Q4_K_M, Q5_K_M,
-# Q6_K and the like files contain.
+# Q6_K and the like files contain, and gpt-oss's MXFP4 experts.
 TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
-                "Q6_K")
+                "Q6_K", "MXFP4")
 FLOAT_TYPES = ("F32", "F16", "BF16")
 _SPLIT_NAME = re.compile(r"^(?P<stem>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
 _LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.(.+)$")
