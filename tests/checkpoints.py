@@ -22,6 +22,8 @@ MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral")
 FUSED_ARCHITECTURES = ("phi3",)  # q/k/v and gate/up stored fused
 GEMMA_ARCHITECTURES = ("gemma2", "gemma3_text")  # sliding windows (8) shorter than the test prompts
 SINK_ARCHITECTURES = ("gpt_oss",)  # attention sinks, windows of 8, YaRN, biased experts stacked [E, in, out]
+# latent attention (ranks 32, rope 8), a dense first layer, shared + routed experts in groups, YaRN with mscale
+MLA_ARCHITECTURES = ("deepseek_v3", "deepseek_v2")
 
 _COMMON = dict(
     hidden_size=64,
@@ -55,6 +57,19 @@ _SPECIFIC = {
     "gemma3_text": dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=8, pad_token_id=0,
                         rope_scaling={"rope_type": "linear", "factor": 4.0}, sliding_window_pattern=3),
     # gpt-oss's own rope (YaRN, factor 32 over 4096) and alternating windowed/full layers, at a small size
+    "deepseek_v3": dict(q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                        num_key_value_heads=4, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8,
+                        num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=1,
+                        routed_scaling_factor=2.5, norm_topk_prob=True, max_position_embeddings=163840,
+                        rope_scaling={"rope_type": "yarn", "factor": 40.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                      "beta_fast": 32, "beta_slow": 1, "original_max_position_embeddings": 4096},
+                        tie_word_embeddings=False),
+    # DeepSeek-V2-Lite's plain query projection, with V2's group-limited softmax routing
+    "deepseek_v2": dict(q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                        num_key_value_heads=4, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8,
+                        num_experts_per_tok=2, topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                        n_shared_experts=2, first_k_dense_replace=1, routed_scaling_factor=1.5,
+                        tie_word_embeddings=False),
     "gpt_oss": dict(head_dim=16, intermediate_size=64, num_local_experts=6, num_experts_per_tok=2, sliding_window=8,
                     max_position_embeddings=131072, pad_token_id=0),
 }
@@ -69,7 +84,7 @@ def hf_config(arch: str, n_layers: int, vocab_size: int, token_ids: dict[str, in
         "llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
         "qwen3_moe": "Qwen3MoeConfig", "qwen2_moe": "Qwen2MoeConfig", "mixtral": "MixtralConfig",
         "phi3": "Phi3Config", "gemma2": "Gemma2Config", "gemma3_text": "Gemma3TextConfig",
-        "gpt_oss": "GptOssConfig"}[arch])
+        "gpt_oss": "GptOssConfig", "deepseek_v3": "DeepseekV3Config", "deepseek_v2": "DeepseekV2Config"}[arch])
     settings = {**_COMMON, **_SPECIFIC[arch], **overrides}
     return config_class(
         num_hidden_layers=n_layers,
@@ -107,6 +122,9 @@ def make_peaky(model: torch.nn.Module, seed: int) -> None:
             fan_in = param.shape[-2] if param.dim() == 3 and model.config.model_type == "gpt_oss" else param.shape[-1]
             scale = ROUTER_SCALE if name.endswith((".gate.weight", ".router.weight")) else 1.5
             param.copy_(torch.randn(param.shape, generator=generator) * scale / math.sqrt(fan_in))
+    for name, buffer in sorted(model.named_buffers()):
+        if name.endswith("e_score_correction_bias"):  # DeepSeek V3's routing bias: small, but enough to matter
+            buffer.copy_(torch.randn(buffer.shape, generator=generator) * 0.1)
 
 
 def make_checkpoint(

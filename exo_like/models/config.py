@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from exo_like.errors import UnsupportedModelError
-from exo_like.models.families import Family, MoeArgs, family_for
+from exo_like.models.families import Family, MlaArgs, MoeArgs, family_for
 from exo_like.models.quantization import QuantSpec, quant_spec
 from exo_like.models.rope import attention_factor, rope_settings, scaled_inv_freq
 
@@ -63,6 +63,14 @@ class ModelArgs:
     layer_windows: tuple[int | None, ...] | None = None
     local_rope_theta: float | None = None  # the rope base of windowed layers, unscaled (Gemma 3's local layers)
     attn_sinks: bool = False  # a learned logit per head that joins every softmax and takes its share (gpt-oss)
+    mla: MlaArgs | None = None  # multi-head latent attention (DeepSeek): head_dim is then its rotary part's width
+
+    def kv_layout(self) -> tuple[int, int, int]:
+        """(heads, key width, value width) a position's cache entry holds in each layer: MLA caches one latent
+        key, whose first kv_lora_rank values serve as the value (width 0: no value pool)."""
+        if self.mla is not None:
+            return 1, self.mla.latent_dim, 0
+        return self.num_key_value_heads, self.head_dim, self.head_dim
 
     @property
     def family(self) -> Family:

@@ -40,6 +40,8 @@ def count_parameters(args: ModelArgs) -> ParameterCount:
 
 
 def _attention(args: ModelArgs) -> int:
+    if args.mla is not None:
+        return _latent_attention(args)
     q = args.num_attention_heads * args.head_dim
     kv = args.num_key_value_heads * args.head_dim
     weights = args.hidden_size * (q + 2 * kv) + q * args.hidden_size
@@ -50,3 +52,18 @@ def _attention(args: ModelArgs) -> int:
 
 def _mlp(hidden: int, inner: int, bias: bool) -> int:
     return 3 * hidden * inner + ((2 * inner + hidden) if bias else 0)
+
+
+def _latent_attention(args: ModelArgs) -> int:
+    """DeepSeek's: queries (through the low-rank bottleneck and its norm, or direct), the latent projection and
+    norm, the latent's expansion to per-head keys and values, the output."""
+    mla, hidden, heads = args.mla, args.hidden_size, args.num_attention_heads
+    bias = args.qkv_bias
+    if mla.q_lora_rank:
+        queries = hidden * mla.q_lora_rank + bias * mla.q_lora_rank + mla.q_lora_rank + \
+            mla.q_lora_rank * heads * mla.qk_head_dim
+    else:
+        queries = hidden * heads * mla.qk_head_dim
+    latent = hidden * mla.latent_dim + bias * mla.latent_dim + mla.kv_lora_rank
+    expand = mla.kv_lora_rank * heads * (mla.qk_nope_head_dim + mla.v_head_dim)
+    return queries + latent + expand + heads * mla.v_head_dim * hidden

@@ -2,7 +2,8 @@
 structure (tests/checkpoints.py): the mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral: several experts, top-k > 1,
 a dense layer among sparse ones, a gated shared expert), Phi-3 (projections stored fused), Gemma 2/3 (sliding
 windows of 8 positions, shorter than the prompts; soft-capping; local and global rope bases) and gpt-oss (sinks,
-windows of 8, YaRN, a biased router and clamped biased experts stored stacked)."""
+windows of 8, YaRN, a biased router and clamped biased experts stored stacked) and DeepSeek V2/V3 (latent attention
+with ranks of 32, a dense first layer, shared and group-routed experts, YaRN with mscale)."""
 
 from __future__ import annotations
 
@@ -16,12 +17,13 @@ import torch
 from exo_like.engines.base import Engine, create_engine
 from exo_like.models.config import ModelArgs
 from exo_like.models.shard import Shard
-from tests.checkpoints import (FUSED_ARCHITECTURES, GEMMA_ARCHITECTURES, MOE_ARCHITECTURES, SINK_ARCHITECTURES,
-                               make_checkpoint, make_mlx_mxfp4_checkpoint, make_mxfp4_checkpoint)
+from tests.checkpoints import (FUSED_ARCHITECTURES, GEMMA_ARCHITECTURES, MLA_ARCHITECTURES, MOE_ARCHITECTURES,
+                               SINK_ARCHITECTURES, make_checkpoint, make_mlx_mxfp4_checkpoint, make_mxfp4_checkpoint)
 from tests.engine_driver import Driver, generate_together
 
 N_LAYERS = 4
-ARCHITECTURES = (*MOE_ARCHITECTURES, *FUSED_ARCHITECTURES, *GEMMA_ARCHITECTURES, *SINK_ARCHITECTURES)
+ARCHITECTURES = (*MOE_ARCHITECTURES, *FUSED_ARCHITECTURES, *GEMMA_ARCHITECTURES, *SINK_ARCHITECTURES,
+                 *MLA_ARCHITECTURES)
 # Llama-family checkpoints with windows of 8: every layer (Mistral 7B v0.1's kind), layers 2 and 3 (Qwen2's rule)
 WINDOWED = {"mistral_window": ("mistral", {"sliding_window": 8}),
             "qwen2_window": ("qwen2", {"sliding_window": 8, "use_sliding_window": True, "max_window_layers": 2})}
@@ -103,7 +105,7 @@ def test_greedy_tokens_equal_transformers(family_dirs, prompts, arch, chain):
 
 
 @pytest.mark.parametrize("chain", ["torch", "mlx"])
-@pytest.mark.parametrize("arch", ["qwen3_moe", "gemma3_text", "gpt_oss"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gemma3_text", "gpt_oss", "deepseek_v3"])
 def test_eight_requests_in_one_batch_equal_each_alone(family_dirs, prompts, arch, chain):
     """Eight requests joining one after another, every active one in each step (prompt chunks of 7 beside decode
     tokens, several decode rows attended together): each request's tokens and logits are its own, as alone.
@@ -121,11 +123,12 @@ def test_eight_requests_in_one_batch_equal_each_alone(family_dirs, prompts, arch
 
 
 @pytest.mark.parametrize("chain", CHAINS)
-@pytest.mark.parametrize("arch", [*GEMMA_ARCHITECTURES, *SINK_ARCHITECTURES, *WINDOWED])
-def test_sliding_window_layers_give_transformers_logits(family_dirs, prompts, arch, chain):
+@pytest.mark.parametrize("arch", [*GEMMA_ARCHITECTURES, *SINK_ARCHITECTURES, *WINDOWED, *MLA_ARCHITECTURES])
+def test_chunked_prompt_and_decode_give_transformers_logits(family_dirs, prompts, arch, chain):
     """A 40-token prompt in chunks of 7 (chunks starting past the window of 8), then 12 decode steps: every
     sampled row's logits equal transformers' forward over the whole sequence. (Greedy tokens alone would not
-    show a missing window: this checkpoint's soft-capped logits keep the same top token either way.)"""
+    show a missing window: this checkpoint's soft-capped logits keep the same top token either way.) MLA: the
+    absorbed form reassociates transformers' products, so equal to rounding."""
     path = family_dirs[arch]
     driver = Driver(load_chain(path, CHAINS[chain]))
     prompt = prompts["a"]
@@ -139,6 +142,18 @@ def test_sliding_window_layers_give_transformers_logits(family_dirs, prompts, ar
     expected = transformers_logits(path, sequence)
     positions += list(range(len(prompt), len(prompt) + 12))
     np.testing.assert_allclose(np.concatenate([np.stack(ours), decoded]), expected[positions], rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("engine_name", ["torch", "mlx"])
+def test_latent_attention_caches_one_latent_a_position(family_dirs, engine_name):
+    """DeepSeek's cache: per layer and position the normalised latent (rank 32) and the shared rotated key (8),
+    40 values, no value pool; full keys and values would be 4 heads x (24 + 16) = 160."""
+    from exo_like.engines.work import BLOCK_SIZE
+
+    engine = load_chain(family_dirs["deepseek_v3"], (engine_name,))[0]
+    engine.allocate_kv(4)
+    assert engine.kv_block_bytes() == N_LAYERS * BLOCK_SIZE * 40 * 4
+    assert ModelArgs.from_dir(family_dirs["deepseek_v3"]).kv_layout() == (1, 40, 0)
 
 
 def test_sparse_and_dense_layers_follow_the_config(family_dirs):
@@ -167,7 +182,7 @@ def test_mixtral_experts_are_read_under_the_shared_names(family_dirs):
 
 
 @pytest.mark.parametrize("change, named", [
-    ({"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"]}, "DeepseekV3ForCausalLM"),
+    ({"model_type": "glm4_moe", "architectures": ["Glm4MoeForCausalLM"]}, "Glm4MoeForCausalLM"),
     ({"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
                        "original_max_position_embeddings": 4096}}, "longrope"),
     ({"partial_rotary_factor": 0.75}, "partial rotary"),

@@ -15,32 +15,38 @@ from exo_like.models.config import ModelArgs, rope_attention_factor, rope_inv_fr
 
 
 class LayerPool:
-    """One layer's keys and values for every request on this stage: [kv_heads, slots, head_dim] each, slots =
+    """One layer's keys and values for every request on this stage: [kv_heads, slots, width] each (ModelArgs.
+    kv_layout: MLA caches one latent key a position, whose first `value_width` values serve as its value), slots =
     blocks * BLOCK_SIZE (see engines/batch.py for which slot holds what)."""
 
     def __init__(self, args: ModelArgs, n_blocks: int, dtype: mx.Dtype):
-        shape = (args.num_key_value_heads, n_blocks * BLOCK_SIZE, args.head_dim)
-        self.keys = mx.zeros(shape, dtype)
-        self.values = mx.zeros(shape, dtype)
+        heads, key_width, value_width = args.kv_layout()
+        self.keys = mx.zeros((heads, n_blocks * BLOCK_SIZE, key_width), dtype)
+        self.values = mx.zeros((heads, n_blocks * BLOCK_SIZE, value_width), dtype) if value_width else None
+        self.latent_values = None if value_width else args.mla.kv_lora_rank
 
-    def write(self, slots: mx.array, keys: mx.array, values: mx.array) -> None:
-        """Store rows' keys and values [kv_heads, R, head_dim] at their slots."""
+    def write(self, slots: mx.array, keys: mx.array, values: mx.array | None) -> None:
+        """Store rows' keys and values [kv_heads, R, width] at their slots."""
         self.keys[:, slots] = keys
-        self.values[:, slots] = values
+        if self.values is not None:
+            self.values[:, slots] = values
 
     def read(self, item: ItemLayout, slots: mx.array | None, first: int = 0) -> tuple[mx.array, mx.array]:
         """An item's keys and values for positions [first, end): a slice when its slots are consecutive."""
         if slots is None:
             start, end = item.base + first, item.base + item.end
-            return self.keys[:, start:end], self.values[:, start:end]
+            keys = self.keys[:, start:end]
+            return keys, self.values[:, start:end] if self.values is not None else keys[..., :self.latent_values]
         if first:
             slots = slots[first:]
-        return mx.take(self.keys, slots, axis=1), mx.take(self.values, slots, axis=1)
+        keys = mx.take(self.keys, slots, axis=1)
+        return keys, mx.take(self.values, slots, axis=1) if self.values is not None else \
+            keys[..., :self.latent_values]
 
     @property
     def state(self) -> list[mx.array]:
         """The arrays to evaluate after a step, so the next step does not drag this step's graph along."""
-        return [self.keys, self.values]
+        return [self.keys] if self.values is None else [self.keys, self.values]
 
 
 class StepIndex:
@@ -120,6 +126,10 @@ class Attention(nn.Module):
             queries, keys = self.q_norm(queries), self.k_norm(keys)
         queries, keys = self._rope(queries, index.positions), self._rope(keys, index.positions)
         pool.write(index.write_slots, keys.transpose(1, 0, 2), values.transpose(1, 0, 2))
+        return self.o_proj(self.attend(queries, pool, index).reshape(rows, -1))
+
+    def attend(self, queries: mx.array, pool: LayerPool, index: StepIndex) -> mx.array:
+        """The rows' queries [R, heads, D] against the pool (their own keys written) -> [R, heads, Dv]."""
         outs = []
         for i, (item, slots) in enumerate(zip(index.layout.items, index.gathers)):
             q = queries[item.row_start:item.row_end].transpose(1, 0, 2)[None]
@@ -131,9 +141,8 @@ class Attention(nn.Module):
                 first, mask = max(0, item.start - self.window + 1), index.window_mask(i, self.window)
             item_keys, item_values = pool.read(item, slots, first)
             out = self._attend(q, item_keys[None], item_values[None], mask)
-            outs.append(out[0].transpose(1, 0, 2).reshape(item.count, -1))
-        out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
-        return self.o_proj(out)
+            outs.append(out[0].transpose(1, 0, 2))
+        return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
 
     def _attend(self, q: mx.array, k: mx.array, v: mx.array, mask: mx.array | str | None) -> mx.array:
         """q [1, heads, T, D] against k, v [1, kv_heads, L, D]. GQA: sdpa broadcasts the kv heads itself."""
@@ -155,7 +164,7 @@ class Attention(nn.Module):
 
     def _rope(self, x: mx.array, positions: mx.array) -> mx.array:
         """Rotate each row [R, heads, D] by its own position (each row its own batch entry of mx.fast.rope)."""
-        rotated = mx.fast.rope(x[:, :, None, :], self.head_dim, traditional=False, base=None, scale=1.0,
+        rotated = mx.fast.rope(x[:, :, None, :], x.shape[-1], traditional=False, base=None, scale=1.0,
                                offset=positions, freqs=self._rope_freqs)
         rotated = rotated[:, :, 0, :]
         return rotated if self._rope_factor == 1.0 else rotated * self._rope_factor

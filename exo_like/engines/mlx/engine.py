@@ -73,7 +73,7 @@ def read_shard_tensors(model_dir: Path, args: ModelArgs, shard: Shard, quantized
     tied_embeddings = args.tie_word_embeddings
     if not is_gguf(model_dir):
         plan = plan_shard_load(model_dir, shard, tied_embeddings, args.family.rename)
-        weights = as_words(args.family.converted(read_plan_tensors(plan, tied_embeddings)))
+        weights = as_words(args.family.converted(read_plan_tensors(plan, tied_embeddings), args))
         return split_fused_projections(stack_experts(weights), args), {}
     weights, specs = {}, {}
     for local, value, type_name in open_gguf(model_dir).read_shard(shard, tied_embeddings, quantized):
@@ -247,8 +247,8 @@ class MLXEngine(Engine):
             return np.array(out.astype(mx.float32)) if model.shard.is_last else self._to_activations(out)
 
     def kv_block_bytes(self) -> int:
-        args, model = self.args, self._require_model()
-        return 2 * len(model.model.layers) * args.num_key_value_heads * BLOCK_SIZE * args.head_dim * \
+        heads, key_width, value_width = self.args.kv_layout()
+        return len(self._require_model().model.layers) * heads * BLOCK_SIZE * (key_width + value_width) * \
             MX_DTYPES[self._dtype_name].size
 
     def allocate_kv(self, n_blocks: int) -> None:

@@ -126,8 +126,11 @@ class SparseMoe(nn.Module):
 
     def __init__(self, hidden: int, moe: MoeArgs):
         super().__init__()
+        self.moe = moe
         self.top_k, self.renormalize, self.router = moe.top_k, moe.renormalize, moe.router
         self.gate = nn.Linear(hidden, moe.n_experts, bias=moe.router_bias)
+        if moe.router == "sigmoid_grouped":  # DeepSeek V3's per-expert choice bias
+            self.e_score_correction_bias = mx.zeros((moe.n_experts,))
         self.switch_mlp = Experts(hidden, moe)
         if moe.shared_expert_size:
             self.shared_expert = MLP(hidden, moe.shared_expert_size)
@@ -150,12 +153,34 @@ class SparseMoe(nn.Module):
         if self.router == "topk_softmax":  # gpt-oss: softmax over the chosen logits only
             chosen = mx.argpartition(-logits, kth=self.top_k - 1, axis=-1)[:, :self.top_k]
             return mx.softmax(mx.take_along_axis(logits, chosen, axis=-1), axis=-1, precise=True), chosen
-        probs = mx.softmax(logits.astype(mx.float32), axis=-1, precise=True)
-        chosen = mx.argpartition(-probs, kth=self.top_k - 1, axis=-1)[:, :self.top_k]
-        weights = mx.take_along_axis(probs, chosen, axis=-1)
+        if self.router == "sigmoid_grouped":
+            scores = mx.sigmoid(logits.astype(mx.float32))
+            choice = scores + self["e_score_correction_bias"].astype(mx.float32)
+        else:
+            scores = choice = mx.softmax(logits.astype(mx.float32), axis=-1, precise=True)
+        if self.router in ("softmax_grouped", "sigmoid_grouped"):
+            choice = self._within_best_groups(choice)
+        chosen = mx.argpartition(-choice, kth=self.top_k - 1, axis=-1)[:, :self.top_k]
+        weights = mx.take_along_axis(scores, chosen, axis=-1)
         if self.renormalize:
-            weights = weights / weights.sum(axis=-1, keepdims=True)
-        return weights, chosen
+            weights = weights / (weights.sum(axis=-1, keepdims=True) + (1e-20 if self.router == "sigmoid_grouped"
+                                                                        else 0.0))
+        return weights * self.moe.scale if self.moe.scale != 1.0 else weights, chosen
+
+    def _within_best_groups(self, choice: mx.array) -> mx.array:
+        """DeepSeek: scores outside the `topk_group` best groups out of the choice. V2 ranks a group by its best
+        score, V3 by its two best summed."""
+        moe = self.moe
+        grouped = choice.reshape(-1, moe.n_group, moe.n_experts // moe.n_group)
+        if self.router == "softmax_grouped":
+            group_scores = grouped.max(axis=-1)
+        else:
+            group_scores = mx.sort(grouped, axis=-1)[..., -2:].sum(axis=-1)
+        dropped = mx.argpartition(group_scores, kth=moe.n_group - moe.topk_group - 1, axis=-1)[
+            :, : moe.n_group - moe.topk_group]
+        outside = mx.put_along_axis(mx.zeros_like(group_scores), dropped, mx.array(1.0), axis=-1)
+        outside = mx.broadcast_to(outside[..., None], grouped.shape).reshape(choice.shape) > 0
+        return mx.where(outside, 0.0 if self.router == "softmax_grouped" else -mx.inf, choice)
 
 
 def stack_experts(weights: dict[str, mx.array]) -> dict[str, mx.array]:

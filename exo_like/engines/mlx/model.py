@@ -13,6 +13,7 @@ import mlx.nn as nn
 import numpy as np
 
 from exo_like.engines.mlx.attention import Attention, LayerPool, RMSNorm, StepIndex
+from exo_like.engines.mlx.mla import LatentAttention
 from exo_like.engines.mlx.mlp import MLP, SparseMoe
 from exo_like.models.config import ModelArgs
 from exo_like.models.shard import Shard
@@ -25,7 +26,7 @@ class TransformerBlock(nn.Module):
 
     def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
-        self.self_attn = Attention(args, layer)
+        self.self_attn = LatentAttention(args, layer) if args.mla is not None else Attention(args, layer)
         self.mlp = SparseMoe(args.hidden_size, args.moe) if args.is_sparse_layer(layer) else \
             MLP(args.hidden_size, args.intermediate_size, args.mlp_bias, args.hidden_act)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.norm_offset)

@@ -66,20 +66,23 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 class KVPool:
     """Keys and values of every request on this stage, for every layer of the shard: [layers, kv_heads, slots,
-    head_dim], slots = blocks * BLOCK_SIZE (see engines/batch.py for which slot holds what).
+    width] (ModelArgs.kv_layout: MLA caches one latent key a position and no values), slots = blocks * BLOCK_SIZE
+    (see engines/batch.py for which slot holds what).
 
     Allocated with `torch.empty`: memory pages are only taken as blocks are first written, and the first stage
     hands out the lowest free block ids first, so resident memory follows use rather than the budget."""
 
     def __init__(self, args: ModelArgs, n_layers: int, n_blocks: int, device: torch.device, dtype: torch.dtype):
-        shape = (n_layers, args.num_key_value_heads, n_blocks * BLOCK_SIZE, args.head_dim)
+        heads, key_width, value_width = args.kv_layout()
         self.n_blocks = n_blocks
-        self.keys = torch.empty(shape, device=device, dtype=dtype)
-        self.values = torch.empty(shape, device=device, dtype=dtype)
+        self.keys = torch.empty((n_layers, heads, n_blocks * BLOCK_SIZE, key_width), device=device, dtype=dtype)
+        self.values = torch.empty((n_layers, heads, n_blocks * BLOCK_SIZE, value_width), device=device,
+                                  dtype=dtype) if value_width else None
 
     @staticmethod
     def block_bytes(args: ModelArgs, n_layers: int, dtype: torch.dtype) -> int:
-        return 2 * n_layers * args.num_key_value_heads * BLOCK_SIZE * args.head_dim * dtype.itemsize
+        heads, key_width, value_width = args.kv_layout()
+        return n_layers * heads * BLOCK_SIZE * (key_width + value_width) * dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -210,19 +213,24 @@ class Attention(nn.Module):
         # Every row's new key and value go to its slot in the pool, in place, before any row attends.
         keys.index_copy_(1, index.write_slots, qk[:, self.n_heads :].transpose(0, 1))
         values.index_copy_(1, index.write_slots, qkv[:, self.n_heads + self.n_kv_heads :].transpose(0, 1))
-        queries = qk[:, : self.n_heads]  # [R, heads, D]
+        out = self.attend(qk[:, : self.n_heads], keys, values, index)
+        return self.o_proj.forward(out.reshape(rows, -1))
+
+    def attend(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+               index: StepIndex) -> torch.Tensor:
+        """The rows' queries [R, heads, D] against this layer's pool (the rows' own keys and values written) ->
+        [R, heads, Dv], Dv the values' width."""
         if self.window is not None:
             index = index.within(self.window)
         if index.decode is None and len(index.singles) == 1:  # one request: no assembling
-            out = self._attend_one(queries, keys, values, *index.singles[0])
-        else:
-            out = queries.new_empty(queries.shape)
-            for item, first, gather, mask in index.singles:
-                out[item.row_start : item.row_end] = self._attend_one(
-                    queries[item.row_start : item.row_end], keys, values, item, first, gather, mask)
-            if index.decode is not None:
-                self._attend_decode(queries, keys, values, index.decode, out)
-        return self.o_proj.forward(out.reshape(rows, -1))
+            return self._attend_one(queries, keys, values, *index.singles[0])
+        out = queries.new_empty((*queries.shape[:2], values.shape[-1]))
+        for item, first, gather, mask in index.singles:
+            out[item.row_start : item.row_end] = self._attend_one(
+                queries[item.row_start : item.row_end], keys, values, item, first, gather, mask)
+        if index.decode is not None:
+            self._attend_decode(queries, keys, values, index.decode, out)
+        return out
 
     def _attend_one(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, item: ItemLayout, first: int,
                     gather: torch.Tensor | None, mask: torch.Tensor | None) -> torch.Tensor:
@@ -244,13 +252,13 @@ class Attention(nn.Module):
             queries.index_select(0, group.rows)
         q = q.reshape(count, self.n_kv_heads, self.n_heads // self.n_kv_heads, self.head_dim)
         k = keys.index_select(1, group.slots).view(self.n_kv_heads, count, -1, self.head_dim).transpose(0, 1)
-        v = values.index_select(1, group.slots).view(self.n_kv_heads, count, -1, self.head_dim).transpose(0, 1)
+        v = values.index_select(1, group.slots).view(self.n_kv_heads, count, -1, values.shape[-1]).transpose(0, 1)
         if self.explicit:
             sinks = None if self.sinks is None else self.sinks.view(1, self.n_kv_heads, -1, 1)
             attended = self._softmax_attention(q, k, v, group.mask, sinks)
         else:
             attended = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=self.scale)
-        attended = attended.reshape(count, self.n_heads, self.head_dim)
+        attended = attended.reshape(count, self.n_heads, -1)
         if group.first_row is not None:
             out[group.first_row : group.first_row + count] = attended
         else:
@@ -292,7 +300,7 @@ class Attention(nn.Module):
             mask = mask.repeat(group, 1)  # the same rows' mask for each query head of the group
         sinks = None if self.sinks is None else \
             self.sinks.view(self.n_kv_heads, group, 1, 1).expand(-1, -1, rows, -1).reshape(self.n_kv_heads, -1, 1)
-        return self._softmax_attention(q, k, v, mask, sinks).reshape(self.n_heads, -1, self.head_dim)
+        return self._softmax_attention(q, k, v, mask, sinks).reshape(self.n_heads, rows, -1)
 
     def _softmax_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                            sinks: torch.Tensor | None = None) -> torch.Tensor:

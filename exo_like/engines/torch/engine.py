@@ -239,6 +239,15 @@ class TorchEngine(Engine):
 
     def _read_weights(self, model_dir: Path, args: ModelArgs, shard: Shard, keep: bool, installer: Installer,
                       cancel: threading.Event | None) -> dict[str, Matrix]:
+        weights = self._read_stored(model_dir, args, shard, keep, installer, cancel)
+        for name in [n for n in weights if n.endswith(".kv_b_proj.weight")]:
+            if isinstance(weights[name], AffineGroups):  # MLA multiplies by it per head (mla.py): held dense
+                installer.forms.add_dequantized(f"{weights[name].source} (MLA's kv_b_proj, absorbed per head)")
+                weights[name] = torch.from_numpy(weights[name].dequantize()).to(device=self.device, dtype=self.dtype)
+        return weights
+
+    def _read_stored(self, model_dir: Path, args: ModelArgs, shard: Shard, keep: bool, installer: Installer,
+                     cancel: threading.Event | None) -> dict[str, Matrix]:
         if is_gguf(model_dir):
             weights: dict[str, Matrix] = {}
             for local, value, type_name in open_gguf(model_dir).read_shard(shard, args.tie_word_embeddings, keep):
@@ -253,7 +262,7 @@ class TorchEngine(Engine):
         plan = plan_shard_load(model_dir, shard, args.tie_word_embeddings, args.family.rename)
         skip = checkpoint_skips(plan, args.tie_word_embeddings)
         return read_planned_tensors(plan, skip, self.device, self.dtype, args.quant, cancel, keep,
-                                    args.family.convert)
+                                    lambda weights: args.family.converted(weights, args))
 
     def step(self, items: Sequence[WorkItem], inputs: np.ndarray | Activations) -> Activations | np.ndarray:
         model, pool = self._loaded_model(), self._pool()

@@ -108,7 +108,8 @@ def layer_runner(args: ModelArgs, device: torch.device, dtype: torch.dtype, quan
     prefill_item, decode_item, n_blocks = measure_items()
     pool = model.new_pool(n_blocks)
     pool.keys.zero_()  # torch.empty: whatever the memory held (denormals would slow the attention down)
-    pool.values.zero_()
+    if pool.values is not None:
+        pool.values.zero_()
 
     def timed(item: WorkItem) -> Callable[[], None]:
         index = StepIndex.build(batch_layout([item], n_blocks, args.context_length), device)

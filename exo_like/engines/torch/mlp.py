@@ -56,8 +56,12 @@ class SparseMoe(nn.Module):
 
     def __init__(self, hidden: int, moe: MoeArgs):
         super().__init__()
+        self.moe = moe
         self.top_k, self.renormalize, self.router = moe.top_k, moe.renormalize, moe.router
         self.gate = Linear(hidden, moe.n_experts, bias=moe.router_bias)  # the router
+        # DeepSeek V3: a learned per-expert bias added to the scores when choosing (not when weighting), float32
+        self.e_score_correction_bias = nn.Parameter(torch.empty(moe.n_experts), requires_grad=False) \
+            if moe.router == "sigmoid_grouped" else None
         glu = gated(moe.activation, moe.swiglu_alpha, moe.swiglu_limit)
         self.experts = nn.ModuleList(MLP(hidden, moe.expert_size, moe.expert_bias, glu) for _ in range(moe.n_experts))
         self.shared_expert = MLP(hidden, moe.shared_expert_size) if moe.shared_expert_size else None
@@ -78,11 +82,41 @@ class SparseMoe(nn.Module):
         if self.router == "topk_softmax":  # gpt-oss: softmax over the chosen logits, in their dtype
             logits, chosen = torch.topk(self.gate.forward(x), self.top_k, dim=-1)
             return torch.softmax(logits, dim=1, dtype=logits.dtype), chosen
-        probs = torch.softmax(self.gate.forward(x), dim=-1, dtype=torch.float32)
-        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
-        if self.renormalize:
-            weights /= weights.sum(dim=-1, keepdim=True)
+        if self.router in ("softmax_grouped", "sigmoid_grouped"):
+            weights, chosen = self._grouped(x)
+        else:
+            probs = torch.softmax(self.gate.forward(x), dim=-1, dtype=torch.float32)
+            weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+            if self.renormalize:
+                weights /= weights.sum(dim=-1, keepdim=True)
+        if self.moe.scale != 1.0:
+            weights = weights * self.moe.scale
         return weights.to(x.dtype), chosen
+
+    def _grouped(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """DeepSeek's group-limited routing, in float32 as transformers runs it: experts outside the best
+        `topk_group` groups are out of the choice. V2 ranks groups by their best softmax score; V3 by the sum of
+        their two best bias-corrected sigmoid scores, chooses on those, and weights by the plain sigmoid."""
+        moe = self.moe
+        logits = self.gate.forward(x).float()
+        per_group = moe.n_experts // moe.n_group
+        if self.router == "softmax_grouped":
+            scores = choice = logits.softmax(dim=-1, dtype=torch.float32)
+            groups = choice.view(-1, moe.n_group, per_group).max(dim=-1).values
+        else:
+            scores = logits.sigmoid()
+            choice = scores + self.e_score_correction_bias
+            groups = choice.view(-1, moe.n_group, per_group).topk(2, dim=-1)[0].sum(dim=-1)
+        best = torch.topk(groups, k=moe.topk_group, dim=-1, sorted=False)[1]
+        keep = torch.zeros_like(groups).scatter_(1, best, 1).bool()
+        keep = keep.unsqueeze(-1).expand(-1, moe.n_group, per_group).reshape(-1, moe.n_experts)
+        # transformers fills excluded softmax scores with 0 (V2) and excluded biased sigmoid scores with -inf (V3)
+        choice = choice.masked_fill(~keep, 0.0 if self.router == "softmax_grouped" else float("-inf"))
+        chosen = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, chosen)
+        if self.renormalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights, chosen
 
     def run_experts(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """Sum over each row's chosen experts of weight x expert(row), expert by expert in ascending order."""

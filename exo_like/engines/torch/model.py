@@ -19,6 +19,7 @@ from torch import nn
 
 from exo_like.engines.torch.attention import Attention, KVPool, RotaryTable, StepIndex
 from exo_like.engines.torch.linear import PACK_BATCH, Linear, native_matvec, onednn_usable
+from exo_like.engines.torch.mla import LatentAttention
 from exo_like.engines.torch.mlp import MLP, SparseMoe
 from exo_like.engines.torch.norm import RMSNorm
 from exo_like.engines.torch.quant import CastEmbedding, Matrix, QuantEmbedding, QuantLinear, stack_rows
@@ -32,7 +33,7 @@ class TransformerBlock(nn.Module):
 
     def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
-        self.self_attn = Attention(args, layer)
+        self.self_attn = LatentAttention(args, layer) if args.mla is not None else Attention(args, layer)
         self.mlp = SparseMoe(args.hidden_size, args.moe) if args.is_sparse_layer(layer) else \
             MLP(args.hidden_size, args.intermediate_size, args.mlp_bias, args.hidden_act)
         norm = lambda: RMSNorm(args.hidden_size, args.rms_norm_eps, args.norm_offset)  # noqa: E731
@@ -90,8 +91,8 @@ class ShardModel(nn.Module):
         pack = pack_batch is not None and onednn_usable(weight, pack_batch)
         # bfloat16 plain weights (the LM head) go faster through F.linear: natively for one row, see native_matvec.
         onednn = weight.dtype == torch.float32 and onednn_usable(weight, None)
-        for module in self.modules():
-            if isinstance(module, RMSNorm):
+        for module in list(self.modules()):  # (LatentAttention.prepare replaces a module)
+            if isinstance(module, (RMSNorm, LatentAttention)):
                 module.prepare()
             if not isinstance(module, Linear):
                 continue
@@ -132,7 +133,8 @@ class ShardModel(nn.Module):
             # checks, for hooks this model never has) runs ~9 times per layer, a noticeable share of a small
             # model's decode step (see bench/bench_vs_llamacpp.py).
             for i, layer in enumerate(self.layers):
-                h = layer.forward(h, ropes[layer.rope_key], pool.keys[i], pool.values[i], index)
+                values = pool.values[i] if pool.values is not None else None  # MLA: none (values are latents)
+                h = layer.forward(h, ropes[layer.rope_key], pool.keys[i], values, index)
         if self.lm_head is None:
             return h
         sampled = torch.from_numpy(index.layout.sample_rows).to(h.device)
@@ -162,7 +164,9 @@ def fuse_checkpoint_weights(
     for name in [n for n in weights if n.startswith("model.layers.")]:
         for fused, parts in _FUSIONS:
             module, dot, tail = name.rpartition(f".{parts[0]}.")
-            if dot and tail in ("weight", "bias") and name in weights:
+            # (MLA's q_proj has no k_proj or v_proj to join)
+            if dot and tail in ("weight", "bias") and name in weights and \
+                    all(f"{module}.{part}.{tail}" in weights for part in parts):
                 pieces = [weights.pop(f"{module}.{part}.{tail}") for part in parts]
                 state[f"{module.removeprefix('model.')}.{fused}.{tail}"] = stack_rows(pieces)
         module, dot, tail = name.rpartition(".self_attn.q_norm.")

@@ -14,7 +14,11 @@ class MoeArgs:
     router; optionally one always-on shared expert, scaled by a sigmoid gate (Qwen2-MoE).
 
     Routers: "softmax_topk" takes the top k of a softmax over every expert (Qwen, Mixtral); "topk_softmax" a
-    softmax over the top k logits alone (gpt-oss). Activations: "silu" (SwiGLU), or gpt-oss's "swiglu_clamped":
+    softmax over the top k logits alone (gpt-oss); "softmax_grouped" (DeepSeek V2) the top k of a softmax
+    among the experts of the `topk_group` groups (of `n_group`) with the highest expert; "sigmoid_grouped"
+    (DeepSeek V3) sigmoid scores, choices made on scores + a learned per-expert bias among the groups whose two
+    best such scores sum highest, weights the plain scores. `scale` multiplies the final weights
+    (routed_scaling_factor). Activations: "silu" (SwiGLU), or gpt-oss's "swiglu_clamped":
     gate clamped above and up on both sides at `swiglu_limit`, then (up + 1) * gate * sigmoid(swiglu_alpha gate)."""
 
     n_experts: int
@@ -30,6 +34,9 @@ class MoeArgs:
     activation: str = "silu"
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    n_group: int = 1
+    topk_group: int = 1
+    scale: float = 1.0
 
     def is_sparse(self, layer: int) -> bool:
         return layer in self.sparse_layers
@@ -37,6 +44,30 @@ class MoeArgs:
     def active_fraction(self) -> float:
         """The share of the routed experts' weights one token runs through."""
         return self.top_k / self.n_experts
+
+
+@dataclass(frozen=True)
+class MlaArgs:
+    """Multi-head latent attention (DeepSeek V2/V3): keys and values come from one small latent per position,
+    `kv_lora_rank` wide, plus one `qk_rope_head_dim`-wide rotated key shared by every head. The cache holds only
+    that (rank + rope values a position); queries optionally through a low-rank `q_lora_rank` bottleneck.
+    `interleaved`: the checkpoint pairs rotary dimensions (x0, x1), (x2, x3)... (both DeepSeek versions)."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    interleaved: bool = True
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Values a position's latent key holds in the cache."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 ConfigParser = Callable[[str, dict[str, Any]], dict[str, Any]]
@@ -56,11 +87,12 @@ class Family:
     parse: ConfigParser
     renames: tuple[tuple[str, str], ...] = ()
     # Tensors the family's checkpoints store in a layout of their own, turned into the shared one after reading (on
-    # the engine's arrays, torch or MLX: slicing and swapaxes only). Local names in, local names out.
-    convert: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    # the engine's arrays, torch or MLX: slicing, reshapes and swapaxes only), given the parsed ModelArgs. Local names
+    # in, local names out.
+    convert: Callable[[dict[str, Any], Any], dict[str, Any]] | None = None
 
-    def converted(self, weights: dict[str, Any]) -> dict[str, Any]:
-        return weights if self.convert is None else self.convert(weights)
+    def converted(self, weights: dict[str, Any], args: Any) -> dict[str, Any]:
+        return weights if self.convert is None else self.convert(weights, args)
 
     def rename(self, layer_tensor: str) -> str:
         for pattern, replacement in self.renames:

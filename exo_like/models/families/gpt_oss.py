@@ -47,7 +47,7 @@ _MXFP4_LEAVES = {"gate_up_proj_blocks": "weight", "gate_up_proj_scales": "scales
                  "down_proj_scales": "scales"}
 
 
-def convert(weights: dict[str, Any]) -> dict[str, Any]:
+def convert(weights: dict[str, Any], _args: Any = None) -> dict[str, Any]:
     """Hugging Face's stacked experts ([experts, in, out], gate/up interleaved; MXFP4: [experts, out, ...], rows
     interleaved) -> [experts, out, in] stacks (MXFP4: packed bytes [experts, out, in / 2] and scales)."""
     out: dict[str, Any] = {}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from exo_like.errors import UnsupportedModelError
 from exo_like.models.families.base import Family
+from exo_like.models.families.deepseek import DEEPSEEK
 from exo_like.models.families.gemma import GEMMA
 from exo_like.models.families.gpt_oss import GPT_OSS
 from exo_like.models.families.llama import LLAMA
@@ -11,7 +12,7 @@ from exo_like.models.families.mixtral import MIXTRAL
 from exo_like.models.families.phi3 import PHI3
 from exo_like.models.families.qwen_moe import QWEN_MOE
 
-FAMILIES: tuple[Family, ...] = (LLAMA, QWEN_MOE, MIXTRAL, PHI3, GEMMA, GPT_OSS)
+FAMILIES: tuple[Family, ...] = (LLAMA, QWEN_MOE, MIXTRAL, PHI3, GEMMA, GPT_OSS, DEEPSEEK)
 _BY_MODEL_TYPE = {model_type: family for family in FAMILIES for model_type in family.model_types}
 
 

@@ -1,0 +1,76 @@
+"""Multi-head latent attention (DeepSeek V2/V3) over the paged pool, in its absorbed form.
+
+Each position caches one latent key: the normalised compressed latent c (kv_lora_rank values) followed by the
+rotated key shared by every head (qk_rope_head_dim values): one "kv head" of rank + rope values, a few per cent of
+the full keys and values. Attention never expands the latent into per-head keys and values: kv_b_proj's key rows
+(W_k, per head [nope, rank]) are folded into the queries and its value rows (W_v, per head [v, rank]) applied after
+the weighted sum:
+    score_h = q_nope_h . (W_k_h c) + q_rope_h . k_rope = (q_nope_h W_k_h) . c + q_rope_h . k_rope
+    out_h = sum p_h (W_v_h c) = W_v_h (sum p_h c)
+so each head's query is [q_nope_h W_k_h, q_rope_h] against the cached [c, k_rope] (MQA), and the values are the
+latents themselves (the cache's first `rank` values). The same arithmetic as transformers' expanded form,
+reassociated: float32 results agree to rounding (about 1e-6), not bit for bit."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from exo_like.engines.torch.attention import Attention, StepIndex, rotate
+from exo_like.engines.torch.linear import Linear
+from exo_like.engines.torch.norm import RMSNorm
+from exo_like.models.config import ModelArgs
+
+LATENT_NORM_EPS = 1e-6  # transformers' DeepSeek builds its q_a / kv_a norms with the default eps, not the config's
+
+
+class LatentAttention(Attention):
+    def __init__(self, args: ModelArgs, layer: int):
+        nn.Module.__init__(self)
+        mla = args.mla
+        self.mla = mla
+        self.n_heads, self.n_kv_heads, self.head_dim = args.num_attention_heads, 1, mla.latent_dim
+        hidden, q_out = args.hidden_size, args.num_attention_heads * mla.qk_head_dim
+        if mla.q_lora_rank:
+            self.q_a_proj = Linear(hidden, mla.q_lora_rank, bias=args.qkv_bias)
+            self.q_a_layernorm = RMSNorm(mla.q_lora_rank, LATENT_NORM_EPS)
+            self.q_b_proj = Linear(mla.q_lora_rank, q_out, bias=False)
+        else:
+            self.q_proj = Linear(hidden, q_out, bias=False)
+        self.kv_a_proj_with_mqa = Linear(hidden, mla.latent_dim, bias=args.qkv_bias)
+        self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, LATENT_NORM_EPS)
+        self.kv_b_proj = Linear(mla.kv_lora_rank, self.n_heads * (mla.qk_nope_head_dim + mla.v_head_dim), bias=False)
+        self.o_proj = Linear(self.n_heads * mla.v_head_dim, hidden, bias=args.o_bias)
+        self.scale = args.attn_scale
+        self.window, self.softcap, self.sinks, self.explicit = None, None, None, False
+        self.w_k: nn.Parameter | None = None  # [heads, nope, rank], made from kv_b_proj once loaded
+        self.w_v: nn.Parameter | None = None  # [heads, v, rank]
+
+    def prepare(self) -> None:
+        """After loading: kv_b_proj's key and value rows per head, as plain matrices (a quantized kv_b_proj is
+        dequantized: the absorbed form multiplies by them per head, not through one projection)."""
+        mla = self.mla
+        weight = self.kv_b_proj.dense_weight().view(self.n_heads, mla.qk_nope_head_dim + mla.v_head_dim, -1)
+        self.w_k = nn.Parameter(weight[:, : mla.qk_nope_head_dim].contiguous(), requires_grad=False)
+        self.w_v = nn.Parameter(weight[:, mla.qk_nope_head_dim :].contiguous(), requires_grad=False)
+        self.kv_b_proj = None  # its values now live in w_k and w_v
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor,
+                values: torch.Tensor | None, index: StepIndex) -> torch.Tensor:
+        """x: the batch's rows [R, H]; keys: this layer's latent pool [1, slots, rank + rope] (no value pool)."""
+        rows, mla = x.shape[0], self.mla
+        if mla.q_lora_rank:
+            q = self.q_b_proj.forward(self.q_a_layernorm.forward(self.q_a_proj.forward(x)))
+        else:
+            q = self.q_proj.forward(x)
+        q = q.view(rows, self.n_heads, mla.qk_head_dim)
+        latent = self.kv_a_proj_with_mqa.forward(x)
+        compressed = self.kv_a_layernorm.forward(latent[:, : mla.kv_lora_rank])
+        k_rope = rotate(latent[:, None, mla.kv_lora_rank :], *rope)  # [R, 1, rope]
+        keys.index_copy_(1, index.write_slots, torch.cat((compressed[:, None], k_rope), dim=-1).transpose(0, 1))
+        # Each head's query in latent space: q_nope_h W_k_h [R, heads, rank], then its rotated part.
+        q_latent = torch.matmul(q[..., : mla.qk_nope_head_dim].transpose(0, 1), self.w_k).transpose(0, 1)
+        queries = torch.cat((q_latent, rotate(q[..., mla.qk_nope_head_dim :], *rope)), dim=-1)
+        out = self.attend(queries, keys, keys[..., : mla.kv_lora_rank], index)  # [R, heads, rank]
+        out = torch.matmul(out.transpose(0, 1), self.w_v.transpose(1, 2)).transpose(0, 1)  # [R, heads, v]
+        return self.o_proj.forward(out.reshape(rows, -1))
