@@ -256,3 +256,24 @@ def test_mxfp4_experts_stay_quantized_and_are_held_as_the_footprint_says(mxfp4_d
         assert engine.weight_forms.quantized == forms, (engine_name, dtype)
         held = footprint.held_by(engine_name, dtype).shard_bytes(shard)
         assert held == engine.parameter_bytes(), (engine_name, dtype)
+
+
+@pytest.mark.parametrize("arch", [*SINK_ARCHITECTURES, *MLA_ARCHITECTURES])
+def test_the_speed_probe_times_a_layer_of_the_models_shapes(family_dirs, arch):
+    """Placement by speed times one random layer of the model's shapes (engines/torch/layer.py): those shapes hold
+    exactly the parameters a loaded shard's layer does, and the probe runs on both engines."""
+    import math
+
+    from exo_like.engines.torch.layer import layer_shapes
+
+    path = family_dirs[arch]
+    args = ModelArgs.from_dir(path)
+    layer = args.moe.sparse_layers[0]
+    engine = create_engine("torch", device="cpu", dtype="float32")
+    engine.load(path, args, Shard(path.name, layer, layer + 1, N_LAYERS))
+    held = sum(p.numel() for p in engine.model.layers[0].parameters())
+    assert sum(math.prod(shape) for shape in layer_shapes(args, layer).values()) == held
+    for engine_name in ("torch", "mlx"):
+        runner = create_engine(engine_name, device="cpu", dtype="float32").layer_runner(path, args)
+        runner.decode()
+        runner.prefill()
