@@ -61,6 +61,7 @@ _SPECIFIC = {
                         num_key_value_heads=4, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8,
                         num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=1,
                         routed_scaling_factor=2.5, norm_topk_prob=True, max_position_embeddings=163840,
+                        scoring_func="sigmoid", topk_method="noaux_tc",  # as the Hub's config.json says
                         rope_scaling={"rope_type": "yarn", "factor": 40.0, "mscale": 1.0, "mscale_all_dim": 1.0,
                                       "beta_fast": 32, "beta_slow": 1, "original_max_position_embeddings": 4096},
                         tie_word_embeddings=False),

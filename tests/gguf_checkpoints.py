@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import load_file
 
+from tests import gguf_deepseek
+
 _LAYER_PARTS = {
     "input_layernorm.weight": "attn_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
@@ -44,7 +46,8 @@ _LAYER_PARTS.update({
 # HF model_type -> llama.cpp's architecture (Mixtral is `llama` with experts).
 GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
                       "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "mixtral": "llama", "phi3": "phi3",
-                      "gemma2": "gemma2", "gemma3_text": "gemma3", "gpt_oss": "gpt-oss"}
+                      "gemma2": "gemma2", "gemma3_text": "gemma3", "gpt_oss": "gpt-oss", "deepseek_v3": "deepseek2",
+                      "deepseek_v2": "deepseek2"}
 # Gemma's norm names (its `ffn_norm` is the norm before the MLP); its norms are stored with the 1 of (1 + w) added.
 _GEMMA_PARTS = {"post_attention_layernorm.weight": "post_attention_norm.weight",
                 "pre_feedforward_layernorm.weight": "ffn_norm.weight",
@@ -125,13 +128,17 @@ def write_gguf(hf_dir: Path, out: Path, matrix_type: str = "F32", embedding_type
     writer.add_embedding_length(config["hidden_size"])
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
+    latent = arch == gguf_deepseek.ARCH
+    if latent:  # MLA's heads and widths, its experts and YaRN, as the converter writes them
+        gguf_deepseek.add_metadata(writer, config)
+    else:
+        writer.add_head_count_kv(kv_heads)
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     rope = config.get("rope_parameters") or {}
     rope = rope.get("full_attention", rope)  # Gemma 3's global layers' (the file's base; the local one is implied)
     writer.add_rope_freq_base(float(config.get("rope_theta") or rope.get("rope_theta") or 10000.0))
     writer.add_vocab_size(config["vocab_size"])
-    if "head_dim" in config and config["head_dim"]:
+    if "head_dim" in config and config["head_dim"] and not latent:
         writer.add_key_length(config["head_dim"])
         writer.add_value_length(config["head_dim"])
     gemma = arch.startswith("gemma")
@@ -157,7 +164,7 @@ def write_gguf(hf_dir: Path, out: Path, matrix_type: str = "F32", embedding_type
         writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
         writer.add_expert_feed_forward_length(config["intermediate_size"])
     n_experts = config.get("num_experts") or config.get("num_local_experts")
-    if n_experts:  # as the converter writes a mixture's settings
+    if n_experts and not latent:  # as the converter writes a mixture's settings
         writer.add_expert_count(n_experts)
         writer.add_expert_used_count(config["num_experts_per_tok"])
         if config.get("moe_intermediate_size"):
@@ -173,6 +180,10 @@ def write_gguf(hf_dir: Path, out: Path, matrix_type: str = "F32", embedding_type
         tensors.pop("lm_head.weight", None)
     if config["model_type"] == "mixtral":
         tensors = {_mixtral_name(name): tensor for name, tensor in tensors.items()}
+    if latent:
+        for name, values in gguf_deepseek.gguf_tensors(tensors, config).items():
+            _add_tensor(writer, name, values, _fitting(matrix_type, values) if values.ndim > 1 and ".attn_" in name
+                        and "_norm" not in name else "F32")
     stacks = gpt_oss_stacks(tensors) if gpt_oss else stack_experts(tensors)
     for name, values in stacks.items():  # the converter's stacks: [experts, out, in], biases [experts, out]
         _add_tensor(writer, name, values, matrix_type if values.ndim == 3 else "F32")
@@ -210,6 +221,14 @@ def stack_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         found.setdefault((int(layer), projection), {})[int(expert)] = tensors.pop(name).astype(np.float32)
     return {f"blk.{layer}.ffn_{projection}_exps.weight": np.stack([by[e] for e in sorted(by)])
             for (layer, projection), by in sorted(found.items())}
+
+
+def _fitting(kind: str, values: np.ndarray) -> str:
+    """`kind`, or F32 for a matrix whose rows are not whole blocks of it (llama-quantize leaves those so)."""
+    import gguf
+
+    block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]][0]
+    return kind if values.shape[-1] % block == 0 else "F32"
 
 
 def gpt_oss_stacks(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -390,6 +409,9 @@ def hf_tensors_from_gguf(path: Path, config_dir: Path) -> dict[str, "torch.Tenso
             for expert, matrix in enumerate(values):
                 tensors[f"model.layers.{layer}.mlp.experts.{expert}.{stacked.group(1)}_proj.weight"] = matrix
             continue
+        if gguf_deepseek.is_latent_part(part) and GGUF_ARCHITECTURES[config["model_type"]] == gguf_deepseek.ARCH:
+            tensors[tensor.name] = values  # named (and kv_b joined) by gguf_deepseek.hf_tensors below
+            continue
         name = f"model.layers.{layer}.{to_hf[part]}"
         if gemma and name.endswith("norm.weight"):
             values = values - np.float32(1)
@@ -408,6 +430,7 @@ def hf_tensors_from_gguf(path: Path, config_dir: Path) -> dict[str, "torch.Tenso
         tensors = renamed
     if gpt_oss:
         tensors = _gpt_oss_experts(tensors, config["num_hidden_layers"])
+    tensors.update(gguf_deepseek.hf_tensors(tensors))
     if config.get("tie_word_embeddings"):
         tensors.pop("lm_head.weight", None)
     return {name: torch.from_numpy(np.ascontiguousarray(values)) for name, values in tensors.items()}

@@ -1,7 +1,8 @@
 """GGUF files of the families beyond Llama/Qwen as llama.cpp's converter lays them out: the mixtures of experts
 (Qwen3-MoE, Qwen2-MoE, Mixtral: experts stacked per projection, Mixtral as a `llama` file with experts), Phi-3
 (q/k/v as `attn_qkv`, gate/up as `ffn_up`, its sliding window in the metadata), Gemma 2/3 and gpt-oss (expert
-biases stacked beside the experts, sinks, YaRN in the metadata). Float files against transformers
+biases stacked beside the experts, sinks, YaRN in the metadata) and DeepSeek V2/V3 (`deepseek2`: latent attention's
+kv_b_proj split into `attn_k_b` / `attn_v_b`, shared experts, V3's routing bias). Float files against transformers
 on the Hugging Face checkpoint; quantized ones, dequantized (--dtype float32), against transformers on the values
 the file holds."""
 
@@ -18,7 +19,8 @@ pytest.importorskip("gguf")
 from exo_like.models.config import ModelArgs  # noqa: E402
 from exo_like.models.gguf.file import open_gguf  # noqa: E402
 from tests.checkpoints import (  # noqa: E402
-    FUSED_ARCHITECTURES, GEMMA_ARCHITECTURES, MOE_ARCHITECTURES, SINK_ARCHITECTURES, make_checkpoint)
+    FUSED_ARCHITECTURES, GEMMA_ARCHITECTURES, MLA_ARCHITECTURES, MOE_ARCHITECTURES, SINK_ARCHITECTURES,
+    make_checkpoint)
 from tests.engine_driver import engine_greedy  # noqa: E402
 from tests.gguf_checkpoints import write_gguf  # noqa: E402
 from tests.oracle import Oracle, gguf_dequantized_greedy  # noqa: E402
@@ -33,8 +35,9 @@ PROMPT = [5 + (i * 37) % 600 for i in range(40)]
 GGUF_OVERRIDES = {"qwen3_moe": {"mlp_only_layers": []}, "qwen2_moe": {}, "mixtral": {}, "phi3": {},
                   "gemma2": {"query_pre_attn_scalar": 16},
                   "gemma3_text": {"query_pre_attn_scalar": 16, "sliding_window_pattern": 6, "n_layers": 6},
-                  "gpt_oss": {}}
-ARCHITECTURES = (*MOE_ARCHITECTURES, *FUSED_ARCHITECTURES, *GEMMA_ARCHITECTURES, *SINK_ARCHITECTURES)
+                  "gpt_oss": {}, "deepseek_v3": {}, "deepseek_v2": {}}
+ARCHITECTURES = (*MOE_ARCHITECTURES, *FUSED_ARCHITECTURES, *GEMMA_ARCHITECTURES, *SINK_ARCHITECTURES,
+                 *MLA_ARCHITECTURES)
 # K-quants take rows of 256: every matrix's input that long.
 K_OVERRIDES = {
     "qwen3_moe": {"hidden_size": 256, "head_dim": 64, "intermediate_size": 256, "moe_intermediate_size": 256},
@@ -45,6 +48,10 @@ K_OVERRIDES = {
     "gemma2": {"hidden_size": 256, "intermediate_size": 256, "head_dim": 64, "query_pre_attn_scalar": 64},
     "gemma3_text": {"hidden_size": 256, "intermediate_size": 256, "head_dim": 64, "query_pre_attn_scalar": 64},
     "gpt_oss": {"hidden_size": 256, "intermediate_size": 256, "head_dim": 64},
+    "deepseek_v3": {"hidden_size": 256, "intermediate_size": 256, "moe_intermediate_size": 256, "q_lora_rank": 256,
+                    "kv_lora_rank": 256, "qk_nope_head_dim": 64, "v_head_dim": 64},
+    "deepseek_v2": {"hidden_size": 256, "intermediate_size": 256, "moe_intermediate_size": 256,
+                    "kv_lora_rank": 256, "qk_nope_head_dim": 64, "v_head_dim": 64},
 }
 
 
@@ -76,7 +83,8 @@ def test_the_config_comes_from_the_file_as_the_checkpoint_has_it(folders, arch) 
     from_file, from_folder = ModelArgs.from_dict(open_gguf(gguf(arch, "F32")).config()), ModelArgs.from_dir(
         folder(arch, False))
     assert from_file.model_type == from_folder.model_type == arch
-    assert from_file.moe == from_folder.moe
+    assert from_file.moe == from_folder.moe and from_file.mla == from_folder.mla
+    assert (from_file.attn_scale or 0) == pytest.approx(from_folder.attn_scale or 0, rel=1e-6)
     assert from_file.context_length == min(from_folder.context_length, from_file.max_position_embeddings)
 
 

@@ -94,7 +94,7 @@ def read_shard_tensors(model_dir: Path, args: ModelArgs, shard: Shard, quantized
     specs = {(stacked_name(path) or (path,))[0]: spec for path, spec in specs.items()}
     # A fused matrix (Phi-3's qkv_proj, gate_up_proj) splits into projections of its own type.
     specs = {split: spec for path, spec in specs.items() for split in split_module_paths(path)}
-    return split_fused_projections(stack_experts(weights), args), specs
+    return split_fused_projections(stack_experts(args.family.converted(weights, args)), args), specs
 
 
 def as_words(weights: dict[str, mx.array]) -> dict[str, mx.array]:

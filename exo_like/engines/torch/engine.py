@@ -258,7 +258,7 @@ class TorchEngine(Engine):
                     weights[local] = installer.dense(value, f"{type_name} (no affine form)")
                 else:
                     weights[local] = torch.from_numpy(value).to(device=self.device, dtype=self.dtype)
-            return weights
+            return args.family.converted(weights, args)
         plan = plan_shard_load(model_dir, shard, args.tie_word_embeddings, args.family.rename)
         skip = checkpoint_skips(plan, args.tie_word_embeddings)
         return read_planned_tensors(plan, skip, self.device, self.dtype, args.quant, cancel, keep,

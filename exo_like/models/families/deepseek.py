@@ -78,7 +78,10 @@ def convert(weights: dict[str, Any], args: Any) -> dict[str, Any]:
 
 
 def _take_rows(array: Any, rows: Any) -> Any:
-    """array[rows] for a torch tensor (which takes a numpy index) or an MLX array (which takes its own arrays)."""
+    """array[rows] for a torch tensor (which takes a numpy index), an MLX array (which takes its own arrays) or
+    quantized AffineGroups (a GGUF matrix read as is)."""
+    if hasattr(array, "map_rows"):
+        return array.map_rows(lambda values: values[rows])
     try:
         return array[rows]
     except ValueError:

@@ -31,6 +31,7 @@ import numpy as np
 from exo_like.errors import ModelNotFoundError, UnsupportedModelError
 from exo_like.models.affine import AffineGroups
 from exo_like.models.checkpoint import local_tensor_name
+from exo_like.models.gguf import deepseek
 from exo_like.models.gguf.blocks import affine_groups, has_affine_form
 from exo_like.models.shard import Shard
 from exo_like.models.gguf.header import read_header
@@ -40,7 +41,7 @@ GGUF_SUFFIX = ".gguf"
 # say "llama" too, with experts).
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2_moe",
                  "qwen3moe": "qwen3_moe", "phi3": "phi3", "gemma2": "gemma2", "gemma3": "gemma3_text",
-                 "gpt-oss": "gpt_oss"}
+                 "gpt-oss": "gpt_oss", deepseek.ARCHITECTURE: "deepseek_v3"}
 # Gemma's norms scale by (1 + w); llama.cpp's converter stores them with the 1 added.
 _NORMS_PLUS_ONE = ("gemma2", "gemma3")
 # What llama.cpp's Gemma graphs take as given rather than from the metadata: the layers' pattern (Gemma 2 alternates
@@ -50,7 +51,8 @@ _GEMMA_PATTERN = {"gemma2": 2, "gemma3": 6}
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 # Whether llama.cpp renormalises the top-k router weights, per architecture, when the file does not say
 # (`expert_weights_norm`): its qwen3moe graph always does, its qwen2moe graph never, Mixtral always.
-_RENORMALIZED = {"qwen2moe": False, "qwen3moe": True, "llama": True, "gpt-oss": False}
+_RENORMALIZED = {"qwen2moe": False, "qwen3moe": True, "llama": True, "gpt-oss": False,
+                 deepseek.ARCHITECTURE: False}
 # Tensor types read (and dequantized) here: what F32/F16/BF16 conversions and Q8_0, Q4_0, Q4_1, Q4_K_M, Q5_K_M,
 # Q6_K and the like files contain, and gpt-oss's MXFP4 experts.
 TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
@@ -92,6 +94,7 @@ _ARCH_LAYER_NAMES = {
     "gemma3": _GEMMA_NORMS,
     "gpt-oss": {"post_attention_norm.weight": "post_attention_layernorm.weight",
                 "attn_sinks.weight": "self_attn.sinks", "ffn_gate_inp.bias": "mlp.gate.bias"},
+    deepseek.ARCHITECTURE: deepseek.LAYER_NAMES,
 }
 # Stacked experts: GGUF tensor -> the projections it holds, in row order (llama.cpp's converter may fuse gate and
 # up: `--fuse-gate-up-exps`); gpt-oss stacks the experts' biases too, [experts, out].
@@ -263,6 +266,11 @@ class GGUFCheckpoint:
             config["sliding_window"] = window
         if self.architecture in _GEMMA_PATTERN:
             config.update(self._gemma())
+        if self.architecture == deepseek.ARCHITECTURE:
+            config.update(deepseek.config(self._key, heads))
+            mscales = {key: config.pop(key) for key in ("mscale", "mscale_all_dim") if key in config}
+            if "rope_scaling" in config:
+                config["rope_scaling"].update(mscales)
         rope_dims = self._key("rope.dimension_count")
         if rope_dims is not None and int(rope_dims) != config["head_dim"]:
             config["partial_rotary_factor"] = int(rope_dims) / config["head_dim"]
@@ -272,6 +280,8 @@ class GGUFCheckpoint:
     def model_type(self) -> str:
         if self.architecture == "llama" and int(self._key("expert_count", 0)):
             return "mixtral"
+        if self.architecture == deepseek.ARCHITECTURE:
+            return deepseek.model_type(self._key, [entry.gguf_name for entry in self._stored])
         return ARCHITECTURES[self.architecture]
 
     def _experts(self) -> dict[str, Any]:
@@ -403,8 +413,13 @@ class GGUFCheckpoint:
         `quantized`)."""
         for name, entry in self.tensors.items():
             local = local_tensor_name(name, shard, tied)
-            if local is not None:
-                yield local, self.read(name, quantized), entry.type_name
+            if local is None or name.endswith(".v_b_proj.weight"):
+                continue
+            if name.endswith(".k_b_proj.weight"):  # DeepSeek: joined with its v_b into kv_b_proj, float
+                joined = deepseek.join_latent_projection(self.read(name), self.read(name.replace(".k_b_", ".v_b_")))
+                yield local.replace(".k_b_proj.", ".kv_b_proj."), joined, "F32"
+                continue
+            yield local, self.read(name, quantized), entry.type_name
 
 
 def expert_stack(gguf_name: str) -> tuple[int, tuple[str, ...]] | None:
