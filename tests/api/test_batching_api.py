@@ -14,7 +14,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.api_server import NodeProcess, start_node, stop_nodes, wait_for
-from tests.checkpoints import ARCHITECTURES, MOE_ARCHITECTURES, built_once, make_checkpoint
+from tests.checkpoints import ARCHITECTURES, MLA_ARCHITECTURES, MOE_ARCHITECTURES, SINK_ARCHITECTURES, built_once, \
+    make_checkpoint
 from tests.cluster_harness import start_cluster, wait_until_ready
 from tests.oracle import Oracle
 
@@ -100,13 +101,29 @@ def test_a_ring_mixing_mlx_and_torch_batches_exactly(models, oracles, tmp_path: 
         stop_nodes(nodes)
 
 
-@pytest.mark.parametrize("arch", [a for a in MOE_ARCHITECTURES if a != "qwen3_moe"])
+@pytest.mark.parametrize("arch", [*(a for a in MOE_ARCHITECTURES if a != "qwen3_moe"), *SINK_ARCHITECTURES])
 def test_eight_concurrent_requests_of_a_mixture_each_equal_the_oracle(models, oracles, tmp_path: Path,
                                                                       arch: str) -> None:
     node = start_node(tmp_path, str(models(arch)), "--no-mdns", "--engine", "torch", "--dtype", "float32")
     try:
         results = asyncio.run(all_at_once(node, models(arch).name, temperature=0))
         assert results == expected(oracles(arch))
+        assert batched_steps(node) > 1
+    finally:
+        assert node.stop() == 0, node.log()
+
+
+def test_eight_concurrent_requests_of_deepseek_each_equal_their_single_request_output(models, tmp_path: Path
+                                                                                       ) -> None:
+    """Latent attention (one latent a position in the pool) and group-routed experts, eight requests batched: each
+    gives what it gives alone. (Against transformers, tests/engines/test_families.py compares logits with its full
+    forward; its cached `generate` path drifts from that forward for DeepSeek V3 by up to 0.06 in a logit here,
+    which flips a near tie on one of these prompts, so it is not the oracle for this checkpoint.)"""
+    model = models(MLA_ARCHITECTURES[0])
+    node = start_node(tmp_path, str(model), "--no-mdns", "--engine", "torch", "--dtype", "float32")
+    try:
+        alone = [asyncio.run(chat(client(node), model.name, p, n, temperature=0)) for p, n in zip(PROMPTS, MAX_TOKENS)]
+        assert asyncio.run(all_at_once(node, model.name, temperature=0)) == alone
         assert batched_steps(node) > 1
     finally:
         assert node.stop() == 0, node.log()
