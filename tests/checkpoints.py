@@ -74,6 +74,12 @@ _SPECIFIC = {
     "gpt_oss": dict(head_dim=16, intermediate_size=64, num_local_experts=6, num_experts_per_tok=2, sliding_window=8,
                     max_position_embeddings=131072, pad_token_id=0),
 }
+# Phi-3-mini-128k's LongRoPE over an original window of 32 (the prompts pass it, so transformers uses the long factors
+# throughout, as we always do), with Phi-4-mini's partial rotary: 3/4 of each head's 16 dimensions, 6 factors each
+PHI3_LONGROPE = ("phi3", {
+    "max_position_embeddings": 4096, "original_max_position_embeddings": 32, "partial_rotary_factor": 0.75,
+    "rope_scaling": {"rope_type": "longrope", "original_max_position_embeddings": 32,
+                     "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5], "long_factor": [1.0, 1.5, 3.0, 6.0, 12.0, 24.0]}})
 POST_NORM_OFFSET = 2.0
 ROUTER_SCALE = 6.0  # router logits' spread: top-k choices far from ties, so summation order never flips one
 

@@ -152,8 +152,16 @@ def write_gguf(hf_dir: Path, out: Path, matrix_type: str = "F32", embedding_type
             writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
             writer.add_rope_scaling_factor(rope["factor"])
     if arch == "phi3":  # as llama.cpp's converter writes a Phi-3 (0: no sliding window, its mark of Phi-4)
-        writer.add_rope_dimension_count(config["hidden_size"] // heads)
+        fraction = rope.get("partial_rotary_factor", 1.0)
+        writer.add_rope_dimension_count(int(fraction * config["hidden_size"]) // heads)
         writer.add_sliding_window(config.get("sliding_window") or 0)
+        if rope.get("rope_type") == "longrope":  # the 128k models: factors as tensors, the attention factor
+            original = rope["original_max_position_embeddings"]
+            writer.add_rope_scaling_orig_ctx_len(original)
+            scale = config["max_position_embeddings"] / original
+            writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
+            writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+            writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
     gpt_oss = arch == "gpt-oss"
     if gpt_oss:  # as llama.cpp's converter writes gpt-oss's window and YaRN
         writer.add_sliding_window(config["sliding_window"])
@@ -395,6 +403,8 @@ def hf_tensors_from_gguf(path: Path, config_dir: Path) -> dict[str, "torch.Tenso
     for tensor in gguf.GGUFReader(str(path)).tensors:
         shape = tuple(int(d) for d in reversed(tensor.shape))
         values = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32).reshape(shape)
+        if tensor.name in ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"):
+            continue  # the model's rope settings, not weights
         if tensor.name in globals_to_hf:
             if config["model_type"].startswith("gemma") and tensor.name == "output_norm.weight":
                 values = values - np.float32(1)

@@ -20,7 +20,7 @@ import numpy as np
 from exo_like.errors import UnsupportedModelError
 from exo_like.models.families import Family, MlaArgs, MoeArgs, family_for
 from exo_like.models.quantization import QuantSpec, quant_spec
-from exo_like.models.rope import attention_factor, rope_settings, scaled_inv_freq
+from exo_like.models.rope import attention_factor, rope_settings, rotary_fraction, scaled_inv_freq
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -64,6 +64,11 @@ class ModelArgs:
     local_rope_theta: float | None = None  # the rope base of windowed layers, unscaled (Gemma 3's local layers)
     attn_sinks: bool = False  # a learned logit per head that joins every softmax and takes its share (gpt-oss)
     mla: MlaArgs | None = None  # multi-head latent attention (DeepSeek): head_dim is then its rotary part's width
+    rotary_dim: int | None = None  # the leading head dimensions that rotate, if not all (Phi-4-mini)
+
+    @property
+    def rope_dim(self) -> int:
+        return self.rotary_dim or self.head_dim
 
     def kv_layout(self) -> tuple[int, int, int]:
         """(heads, key width, value width) a position's cache entry holds in each layer: MLA caches one latent
@@ -116,9 +121,12 @@ class ModelArgs:
             bos_token_id=config.get("bos_token_id"),
             quantization=_quantization(config),
             rope_freq_factors=_rope_freq_factors(config.get("rope_freq_factors"), head_dim),
+            rotary_dim=_rotary_dim(config, head_dim),
         )
         fields.update(family.parse(model_type, config))  # a family may also set common fields its own way
-        return cls(**fields)
+        args = cls(**fields)
+        rope_inv_freq(args)  # checks the scaling's per-dimension factors against the rotary width, before loading
+        return args
 
     @property
     def quant(self) -> QuantSpec | None:
@@ -146,6 +154,11 @@ def _as_id_tuple(value: Any) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
+def _rotary_dim(config: dict[str, Any], head_dim: int) -> int | None:
+    fraction = rotary_fraction(config)
+    return None if fraction == 1.0 else int(head_dim * fraction)
+
+
 def _rope_freq_factors(value: Any, head_dim: int) -> tuple[float, ...] | None:
     """llama.cpp's per-dimension frequency divisors, checked: one per rotary frequency, each positive."""
     if value is None:
@@ -170,7 +183,7 @@ def rope_inv_freq(args: ModelArgs) -> np.ndarray:
 
     Computed in float64 and rounded once, so both engines start from identical values.
     """
-    inv_freq = scaled_inv_freq(args.rope_theta, args.head_dim, args.rope_scaling)
+    inv_freq = scaled_inv_freq(args.rope_theta, args.rope_dim, args.rope_scaling)
     if args.rope_freq_factors is not None:
         inv_freq = inv_freq / np.asarray(args.rope_freq_factors, dtype=np.float64)
     return inv_freq.astype(np.float32)

@@ -11,7 +11,18 @@ import numpy as np
 
 from exo_like.errors import UnsupportedModelError
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+
+
+def rotary_fraction(config: dict[str, Any]) -> float:
+    """The share of each head's dimensions that rotate (Phi-4-mini: 0.75; the rest pass through)."""
+    params = config.get("rope_parameters") or {}
+    scaling = config.get("rope_scaling") or params or {}
+    fraction = float(config.get("partial_rotary_factor") or scaling.get("partial_rotary_factor") or 1.0)
+    if not 0 < fraction <= 1:
+        raise UnsupportedModelError(f"partial_rotary_factor {fraction} is not in (0, 1]",
+                                    code="unsupported_rope_scaling")
+    return fraction
 
 
 def rope_settings(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -19,10 +30,7 @@ def rope_settings(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]
     params = config.get("rope_parameters") or {}
     scaling = dict(config.get("rope_scaling") or params or {})
     theta = float(config.get("rope_theta") or params.get("rope_theta") or scaling.get("rope_theta") or 10000.0)
-    partial = float(config.get("partial_rotary_factor") or scaling.pop("partial_rotary_factor", None) or 1.0)
-    if partial != 1.0:
-        raise UnsupportedModelError(f"partial rotary embeddings (partial_rotary_factor {partial}) are not supported",
-                                    code="unsupported_rope_scaling")
+    scaling.pop("partial_rotary_factor", None)
     rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
     scaling.pop("type", None)
     scaling.pop("rope_theta", None)
@@ -33,14 +41,16 @@ def rope_settings(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]
         )
     if rope_type == "default":
         return theta, None
-    if rope_type == "yarn" and scaling.get("factor") is None:  # transformers: the context's growth
+    if rope_type in ("yarn", "longrope") and scaling.get("factor") is None:  # transformers: the context's growth
         scaling["factor"] = float(config.get("max_position_embeddings", 4096)) / float(
             scaling["original_max_position_embeddings"])
     return theta, {"rope_type": rope_type, **scaling}
 
 
 def scaled_inv_freq(theta: float, dim: int, scaling: dict[str, Any] | None) -> np.ndarray:
-    """Inverse rotary frequencies (float64, dim // 2) after the scaling's adjustment."""
+    """Inverse rotary frequencies (float64, dim // 2) after the scaling's adjustment. LongRoPE: always its long
+    factors (see docs/families.md: a served context beyond the original window, as llama.cpp chooses there;
+    transformers switches to them per forward pass, once a sequence passes the original window)."""
     inv_freq = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
     if scaling is None:
         return inv_freq
@@ -49,18 +59,27 @@ def scaled_inv_freq(theta: float, dim: int, scaling: dict[str, Any] | None) -> n
         return inv_freq / factor
     if scaling["rope_type"] == "yarn":
         return _yarn(inv_freq, theta, dim, factor, scaling)
+    if scaling["rope_type"] == "longrope":
+        factors = np.asarray(scaling["long_factor"], dtype=np.float64)
+        if factors.shape != inv_freq.shape:
+            raise UnsupportedModelError(f"longrope long_factor has {factors.size} values; the rotary dimensions need "
+                                        f"{inv_freq.size}", code="unsupported_rope_scaling")
+        return inv_freq / factors
     return _llama3(inv_freq, factor, scaling)
 
 
 def attention_factor(scaling: dict[str, Any] | None) -> float:
-    """What YaRN multiplies cos and sin by (so every attention score by its square): the config's
-    `attention_factor`, else 0.1 ln(factor) + 1, or with DeepSeek's `mscale` / `mscale_all_dim` their ratio. 1.0 for
-    the other types."""
-    if scaling is None or scaling["rope_type"] != "yarn":
+    """What YaRN and LongRoPE multiply cos and sin by (so every attention score by its square): the config's
+    `attention_factor`; else YaRN's 0.1 ln(factor) + 1 (with DeepSeek's `mscale` / `mscale_all_dim`, their ratio),
+    LongRoPE's sqrt(1 + ln(factor) / ln(original context)). 1.0 for the other types."""
+    if scaling is None or scaling["rope_type"] not in ("yarn", "longrope"):
         return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
     factor = float(scaling["factor"])
+    if scaling["rope_type"] == "longrope":
+        original = float(scaling["original_max_position_embeddings"])
+        return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
     mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
     if mscale and mscale_all_dim:
         return yarn_mscale(factor, float(mscale)) / yarn_mscale(factor, float(mscale_all_dim))

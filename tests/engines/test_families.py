@@ -18,7 +18,8 @@ from exo_like.engines.base import Engine, create_engine
 from exo_like.models.config import ModelArgs
 from exo_like.models.shard import Shard
 from tests.checkpoints import (FUSED_ARCHITECTURES, GEMMA_ARCHITECTURES, MLA_ARCHITECTURES, MOE_ARCHITECTURES,
-                               SINK_ARCHITECTURES, make_checkpoint, make_mlx_mxfp4_checkpoint, make_mxfp4_checkpoint)
+                               SINK_ARCHITECTURES, PHI3_LONGROPE, make_checkpoint, make_mlx_mxfp4_checkpoint,
+                               make_mxfp4_checkpoint)
 from tests.engine_driver import Driver, generate_together
 
 N_LAYERS = 4
@@ -27,6 +28,7 @@ ARCHITECTURES = (*MOE_ARCHITECTURES, *FUSED_ARCHITECTURES, *GEMMA_ARCHITECTURES,
 # Llama-family checkpoints with windows of 8: every layer (Mistral 7B v0.1's kind), layers 2 and 3 (Qwen2's rule)
 WINDOWED = {"mistral_window": ("mistral", {"sliding_window": 8}),
             "qwen2_window": ("qwen2", {"sliding_window": 8, "use_sliding_window": True, "max_window_layers": 2})}
+LONGROPE = {"phi3_longrope": PHI3_LONGROPE}
 N_TOKENS = 48
 CHAINS = {"torch": ("torch",), "mlx": ("mlx",), "torch+mlx+torch": ("torch", "mlx", "torch"),
           "mlx+torch+mlx": ("mlx", "torch", "mlx")}
@@ -39,7 +41,7 @@ def family_dirs(tmp_path_factory) -> dict[str, Path]:
     made = {arch: make_checkpoint(root / arch, arch, n_layers=N_LAYERS, seed=2 if arch == "gemma3_text" else 3)
             for arch in ARCHITECTURES}
     made.update({name: make_checkpoint(root / name, arch, n_layers=N_LAYERS, seed=3, **overrides)
-                 for name, (arch, overrides) in WINDOWED.items()})
+                 for name, (arch, overrides) in {**WINDOWED, **LONGROPE}.items()})
     return made
 
 
@@ -123,7 +125,8 @@ def test_eight_requests_in_one_batch_equal_each_alone(family_dirs, prompts, arch
 
 
 @pytest.mark.parametrize("chain", CHAINS)
-@pytest.mark.parametrize("arch", [*GEMMA_ARCHITECTURES, *SINK_ARCHITECTURES, *WINDOWED, *MLA_ARCHITECTURES])
+@pytest.mark.parametrize("arch", [*GEMMA_ARCHITECTURES, *SINK_ARCHITECTURES, *WINDOWED, *MLA_ARCHITECTURES,
+                                  *LONGROPE])
 def test_chunked_prompt_and_decode_give_transformers_logits(family_dirs, prompts, arch, chain):
     """A 40-token prompt in chunks of 7 (chunks starting past the window of 8), then 12 decode steps: every
     sampled row's logits equal transformers' forward over the whole sequence. (Greedy tokens alone would not
@@ -183,9 +186,10 @@ def test_mixtral_experts_are_read_under_the_shared_names(family_dirs):
 
 @pytest.mark.parametrize("change, named", [
     ({"model_type": "glm4_moe", "architectures": ["Glm4MoeForCausalLM"]}, "Glm4MoeForCausalLM"),
-    ({"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
-                       "original_max_position_embeddings": 4096}}, "longrope"),
-    ({"partial_rotary_factor": 0.75}, "partial rotary"),
+    ({"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 7, "long_factor": [2.0] * 7,
+                       "original_max_position_embeddings": 4096}}, "long_factor has 7 values"),
+    ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "dynamic"),
+    ({"partial_rotary_factor": 1.5}, "partial_rotary_factor 1.5"),
 ])
 def test_what_is_not_supported_is_refused_naming_it(family_dirs, change, named):
     import json

@@ -16,11 +16,11 @@ import pytest
 
 pytest.importorskip("gguf")
 
-from exo_like.models.config import ModelArgs  # noqa: E402
+from exo_like.models.config import ModelArgs, rope_attention_factor  # noqa: E402
 from exo_like.models.gguf.file import open_gguf  # noqa: E402
 from tests.checkpoints import (  # noqa: E402
-    FUSED_ARCHITECTURES, GEMMA_ARCHITECTURES, MLA_ARCHITECTURES, MOE_ARCHITECTURES, SINK_ARCHITECTURES,
-    make_checkpoint)
+    FUSED_ARCHITECTURES, GEMMA_ARCHITECTURES, MLA_ARCHITECTURES, MOE_ARCHITECTURES, PHI3_LONGROPE,
+    SINK_ARCHITECTURES, make_checkpoint)
 from tests.engine_driver import engine_greedy  # noqa: E402
 from tests.gguf_checkpoints import write_gguf  # noqa: E402
 from tests.oracle import Oracle, gguf_dequantized_greedy  # noqa: E402
@@ -154,3 +154,19 @@ def test_mxfp4_experts_read_exactly_and_stay_quantized(folders) -> None:
             matrices = 4 + 3 * args.moe.n_experts
         assert engine.weight_forms.quantized == {"MXFP4": 2 * matrices}, engine_name
         assert engine.weight_forms.dequantized == {}, engine_name
+
+
+def test_a_longrope_phi3_file_gives_transformers_tokens(tmp_path) -> None:
+    """Phi-3-mini-128k's LongRoPE as llama.cpp's converter stores it (the factors as `rope_factors_long/short`
+    tensors, the attention factor and original window in the metadata), with Phi-4-mini's partial rotary
+    (`rope.dimension_count` below the head width): prompts past the original window, on both engines."""
+    arch, overrides = PHI3_LONGROPE
+    folder = make_checkpoint(tmp_path / "phi3-longrope", arch, n_layers=4, seed=5, **overrides)
+    path = write_gguf(folder, tmp_path / "phi3-longrope.gguf", "F32")
+    args, expected_args = ModelArgs.from_dict(open_gguf(path).config()), ModelArgs.from_dir(folder)
+    assert args.rotary_dim == expected_args.rotary_dim == 12
+    assert args.rope_scaling["long_factor"] == expected_args.rope_scaling["long_factor"]
+    assert args.rope_scaling["attention_factor"] == pytest.approx(rope_attention_factor(expected_args), rel=1e-6)
+    expected = transformers_tokens(folder)
+    assert engine_greedy(path, ["torch", "mlx"] if HAS_MLX else ["torch"], PROMPT, N_TOKENS) == expected
+    assert len(set(expected)) > 10

@@ -115,6 +115,7 @@ class Attention(nn.Module):
             args = replace(args, rope_theta=args.local_rope_theta, rope_scaling=None, rope_freq_factors=None)
         self._rope_freqs = mx.array(1.0 / rope_inv_freq(args))
         self._rope_factor = rope_attention_factor(args)  # YaRN's; rotation is linear, so scaling after is the same
+        self._rotary_dim = args.rope_dim
 
     def __call__(self, x: mx.array, pool: LayerPool, index: StepIndex) -> mx.array:
         """x: the batch's rows [R, H]."""
@@ -164,7 +165,11 @@ class Attention(nn.Module):
 
     def _rope(self, x: mx.array, positions: mx.array) -> mx.array:
         """Rotate each row [R, heads, D] by its own position (each row its own batch entry of mx.fast.rope)."""
-        rotated = mx.fast.rope(x[:, :, None, :], x.shape[-1], traditional=False, base=None, scale=1.0,
-                               offset=positions, freqs=self._rope_freqs)
-        rotated = rotated[:, :, 0, :]
-        return rotated if self._rope_factor == 1.0 else rotated * self._rope_factor
+        dims = self._rotary_dim  # the leading dimensions rotate, the rest pass through (Phi-4-mini)
+        rotated = mx.fast.rope(x[:, :, None, :], dims, traditional=False, base=None, scale=1.0,
+                               offset=positions, freqs=self._rope_freqs)[:, :, 0, :]
+        if self._rope_factor == 1.0:
+            return rotated
+        if dims == x.shape[-1]:
+            return rotated * self._rope_factor
+        return mx.concatenate([rotated[..., :dims] * self._rope_factor, rotated[..., dims:]], axis=-1)

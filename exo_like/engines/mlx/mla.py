@@ -33,6 +33,7 @@ class LatentAttention(Attention):
         self.o_proj = nn.Linear(self.n_heads * mla.v_head_dim, hidden, bias=args.o_bias)
         self._rope_freqs = mx.array(1.0 / rope_inv_freq(args))  # args.head_dim: the rotary part's width
         self._rope_factor = rope_attention_factor(args)
+        self._rotary_dim = mla.qk_rope_head_dim
 
     def _latent_weights(self) -> tuple[mx.array, mx.array]:
         """kv_b_proj's key rows [heads, nope, rank] and value rows [heads, v, rank] (dequantized if need be)."""

@@ -195,6 +195,7 @@ class Attention(nn.Module):
         self.qk_norm = QKNorm(self.head_dim, self.n_heads, args.rms_norm_eps, args.norm_offset) \
             if args.qk_norm else None
         self.scale = args.attn_scale or self.head_dim**-0.5
+        self.rotary_dim = args.rope_dim
         self.window = args.window(layer)
         self.softcap = args.attn_softcap
         # gpt-oss: a logit per head that joins the softmax beside the scores and is dropped after it.
@@ -209,7 +210,10 @@ class Attention(nn.Module):
         qk = qkv[:, : self.n_heads + self.n_kv_heads]
         if self.qk_norm is not None:
             qk = self.qk_norm(qk)
-        qk = rotate(qk, *rope)
+        if self.rotary_dim == self.head_dim:
+            qk = rotate(qk, *rope)
+        else:  # Phi-4-mini: only the leading dimensions rotate
+            qk = torch.cat((rotate(qk[..., : self.rotary_dim], *rope), qk[..., self.rotary_dim :]), dim=-1)
         # Every row's new key and value go to its slot in the pool, in place, before any row attends.
         keys.index_copy_(1, index.write_slots, qk[:, self.n_heads :].transpose(0, 1))
         values.index_copy_(1, index.write_slots, qkv[:, self.n_heads + self.n_kv_heads :].transpose(0, 1))

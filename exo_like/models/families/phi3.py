@@ -2,8 +2,9 @@
 value rows) and `mlp.gate_up_proj` (gate rows, then up rows), as the torch engine holds them anyway; the MLX engine
 splits them on load. No biases, no query/key norms.
 
-LongRoPE (the 128k-context models' `rope_scaling` of type `longrope`) and partial rotary embeddings (Phi-4-mini)
-are refused for now by the shared config reader (models/config.py), naming them."""
+The 128k-context models scale rope with LongRoPE (per-dimension long factors, cos/sin times
+sqrt(1 + ln(factor) / ln(original context)); models/rope.py), and Phi-4-mini rotates only the first 3/4 of each
+head's dimensions (`partial_rotary_factor`)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ def parse(model_type: str, config: dict[str, Any]) -> dict[str, Any]:
 PHI3 = Family(
     name="Phi-3, Phi-4",
     model_types=("phi3",),
-    summary="Llama's block with q/k/v and gate/up stored fused (qkv_proj, gate_up_proj)",
+    summary="Llama's block with q/k/v and gate/up stored fused (qkv_proj, gate_up_proj); LongRoPE (128k models), "
+            "partial rotary (Phi-4-mini)",
     parse=parse,
 )

@@ -314,9 +314,8 @@ class GGUFCheckpoint:
         settings: dict[str, Any] = {}
         if ROPE_FREQS in self.tensors:
             settings["rope_freq_factors"] = self.read(ROPE_FREQS).reshape(-1).tolist()
-        if any(name in self.tensors for name in ROPE_FACTORS):
-            # Refused by the config's reader, naming it (models/config.py).
-            return {**settings, "rope_scaling": {"rope_type": "longrope"}}
+        if all(name in self.tensors for name in ROPE_FACTORS):  # Phi-3's LongRoPE (its 128k models)
+            return {**settings, "rope_scaling": self._longrope()}
         kind = self._key("rope.scaling.type", "none")
         if kind in ("none", None):
             return settings
@@ -327,6 +326,14 @@ class GGUFCheckpoint:
             return {**settings, "rope_scaling": self._yarn()}
         raise UnsupportedModelError(f"{self.path.name}: rope scaling {kind!r} is not supported; supported: linear, "
                                     "yarn", code="unsupported_rope_scaling")
+
+    def _longrope(self) -> dict[str, Any]:
+        long, short = (self.read(name).reshape(-1).tolist() for name in ROPE_FACTORS)
+        scaling = {"rope_type": "longrope", "long_factor": long, "short_factor": short,
+                   "original_max_position_embeddings": int(self._key("rope.scaling.original_context_length", 4096))}
+        if self._key("rope.scaling.attn_factor") is not None:
+            scaling["attention_factor"] = float(self._key("rope.scaling.attn_factor"))
+        return scaling
 
     def _yarn(self) -> dict[str, Any]:
         """YaRN as the converter stores it. Whether the ramp's ends are rounded to whole dimensions (transformers'
