@@ -23,7 +23,7 @@ from exo_like.models.rope import rope_settings, yarn_mscale
 
 def parse(model_type: str, config: dict[str, Any]) -> dict[str, Any]:
     n_layers = int(config["num_hidden_layers"])
-    v3 = model_type == "deepseek_v3"
+    v3 = model_type in ("deepseek_v3", "kimi_k2")  # Kimi K2 is DeepSeek V3's architecture, its own name
     mla = MlaArgs(
         q_lora_rank=int(config["q_lora_rank"]) if config.get("q_lora_rank") else None,
         kv_lora_rank=int(config["kv_lora_rank"]),
@@ -90,7 +90,7 @@ def _take_rows(array: Any, rows: Any) -> Any:
 
 DEEPSEEK = Family(
     name="DeepSeek V2, DeepSeek V3",
-    model_types=("deepseek_v2", "deepseek_v3"),
+    model_types=("deepseek_v2", "deepseek_v3", "kimi_k2"),
     summary="multi-head latent attention (the cache holds one latent + one rotated key a position), dense first "
             "layers, shared + routed experts (V2 softmax, V3 sigmoid with bias and group-limited choice)",
     parse=parse,
