@@ -8,6 +8,7 @@ import asyncio
 import json
 from pathlib import Path
 
+import numpy as np
 import openai
 import psutil
 import pytest
@@ -113,16 +114,32 @@ def test_eight_concurrent_requests_of_a_mixture_each_equal_the_oracle(models, or
         assert node.stop() == 0, node.log()
 
 
-def test_eight_concurrent_requests_of_deepseek_each_equal_their_single_request_output(models, tmp_path: Path
-                                                                                       ) -> None:
-    """Latent attention (one latent a position in the pool) and group-routed experts, eight requests batched: each
-    gives what it gives alone. (Against transformers, tests/engines/test_families.py compares logits with its full
-    forward; its cached `generate` path drifts from that forward for DeepSeek V3 by up to 0.06 in a logit here,
-    which flips a near tie on one of these prompts, so it is not the oracle for this checkpoint.)"""
-    model = models(MLA_ARCHITECTURES[0])
+def test_eight_concurrent_requests_of_deepseek_each_equal_their_single_request_output(models, oracles,
+                                                                                       tmp_path: Path) -> None:
+    """Latent attention (one latent a position in the pool) and group-routed experts, eight requests batched through
+    the API: each gives what the engine gives for it alone (greedy from the same chat ids). (Against transformers,
+    tests/engines/test_families.py compares logits with its full forward; its cached `generate` path drifts from
+    that forward for DeepSeek V3 by up to 0.06 in a logit here, which flips a near tie on one of these prompts, so
+    it is not the oracle for this checkpoint.)"""
+    from exo_like.engines.base import create_engine
+    from exo_like.models.config import ModelArgs
+    from exo_like.models.shard import Shard
+    from tests.engine_driver import Driver
+
+    model, oracle = models(MLA_ARCHITECTURES[0]), oracles(MLA_ARCHITECTURES[0])
+    args = ModelArgs.from_dir(model)
+    engine = create_engine("torch", device="cpu", dtype="float32")
+    engine.load(model, args, Shard.whole(model.name, args.num_hidden_layers))
+    alone = []
+    for rid, (prompt, max_tokens) in enumerate(zip(PROMPTS, MAX_TOKENS)):
+        driver, tokens, inputs = Driver([engine]), [], np.array(oracle.chat_ids(prompt))
+        while len(tokens) < max_tokens and (not tokens or tokens[-1] not in oracle.eos_ids):
+            tokens.append(int(np.argmax(driver.forward(str(rid), inputs))))
+            inputs = np.array(tokens[-1:])
+        stopped = tokens[-1] in oracle.eos_ids
+        alone.append((oracle.decode(tokens[:-1] if stopped else tokens), "stop" if stopped else "length"))
     node = start_node(tmp_path, str(model), "--no-mdns", "--engine", "torch", "--dtype", "float32")
     try:
-        alone = [asyncio.run(chat(client(node), model.name, p, n, temperature=0)) for p, n in zip(PROMPTS, MAX_TOKENS)]
         assert asyncio.run(all_at_once(node, model.name, temperature=0)) == alone
         assert batched_steps(node) > 1
     finally:

@@ -220,7 +220,9 @@ class Attention(nn.Module):
         out = self.attend(qk[:, : self.n_heads], keys, values, index)
         return self.o_proj.forward(out.reshape(rows, -1))
 
-    def attend(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+    latent_values: int | None = None  # MLA: values are the keys' first this many values (no value pool)
+
+    def attend(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor | None,
                index: StepIndex) -> torch.Tensor:
         """The rows' queries [R, heads, D] against this layer's pool (the rows' own keys and values written) ->
         [R, heads, Dv], Dv the values' width."""
@@ -228,7 +230,8 @@ class Attention(nn.Module):
             index = index.within(self.window)
         if index.decode is None and len(index.singles) == 1:  # one request: no assembling
             return self._attend_one(queries, keys, values, *index.singles[0])
-        out = queries.new_empty((*queries.shape[:2], values.shape[-1]))
+        width = self.latent_values or values.shape[-1]
+        out = queries.new_empty((*queries.shape[:2], width))
         for item, first, gather, mask in index.singles:
             out[item.row_start : item.row_end] = self._attend_one(
                 queries[item.row_start : item.row_end], keys, values, item, first, gather, mask)
@@ -241,9 +244,12 @@ class Attention(nn.Module):
         """One request's rows q [T, heads, D] against its positions [first, end) -> [T, heads, D]."""
         if gather is None:  # the item's positions are consecutive slots: attend to a view of the pool
             k = keys[:, item.base + first : item.base + item.end]
-            v = values[:, item.base + first : item.base + item.end]
+            v = None if values is None else values[:, item.base + first : item.base + item.end]
         else:
-            k, v = keys.index_select(1, gather), values.index_select(1, gather)
+            k = keys.index_select(1, gather)
+            v = None if values is None else values.index_select(1, gather)
+        if v is None:  # MLA: a view of the gathered keys (gathering from a view of the pool would copy the pool)
+            v = k[..., : self.latent_values]
         if self.explicit:
             return self._attend_explicit(q.transpose(0, 1), k, v, mask, item.start - first).transpose(0, 1)
         return self._attend(q.transpose(0, 1), k, v, mask, item.start - first).transpose(0, 1)
@@ -256,7 +262,8 @@ class Attention(nn.Module):
             queries.index_select(0, group.rows)
         q = q.reshape(count, self.n_kv_heads, self.n_heads // self.n_kv_heads, self.head_dim)
         k = keys.index_select(1, group.slots).view(self.n_kv_heads, count, -1, self.head_dim).transpose(0, 1)
-        v = values.index_select(1, group.slots).view(self.n_kv_heads, count, -1, values.shape[-1]).transpose(0, 1)
+        v = k[..., : self.latent_values] if values is None else \
+            values.index_select(1, group.slots).view(self.n_kv_heads, count, -1, values.shape[-1]).transpose(0, 1)
         if self.explicit:
             sinks = None if self.sinks is None else self.sinks.view(1, self.n_kv_heads, -1, 1)
             attended = self._softmax_attention(q, k, v, group.mask, sinks)

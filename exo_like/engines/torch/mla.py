@@ -43,6 +43,7 @@ class LatentAttention(Attention):
         self.o_proj = Linear(self.n_heads * mla.v_head_dim, hidden, bias=args.o_bias)
         self.scale = args.attn_scale
         self.window, self.softcap, self.sinks, self.explicit = None, None, None, False
+        self.latent_values = mla.kv_lora_rank
         self.w_k: nn.Parameter | None = None  # [heads, nope, rank], made from kv_b_proj once loaded
         self.w_v: nn.Parameter | None = None  # [heads, v, rank]
 
@@ -71,6 +72,6 @@ class LatentAttention(Attention):
         # Each head's query in latent space: q_nope_h W_k_h [R, heads, rank], then its rotated part.
         q_latent = torch.matmul(q[..., : mla.qk_nope_head_dim].transpose(0, 1), self.w_k).transpose(0, 1)
         queries = torch.cat((q_latent, rotate(q[..., mla.qk_nope_head_dim :], *rope)), dim=-1)
-        out = self.attend(queries, keys, keys[..., : mla.kv_lora_rank], index)  # [R, heads, rank]
+        out = self.attend(queries, keys, None, index)  # [R, heads, rank]: the values are the latents
         out = torch.matmul(out.transpose(0, 1), self.w_v.transpose(1, 2)).transpose(0, 1)  # [R, heads, v]
         return self.o_proj.forward(out.reshape(rows, -1))
