@@ -8,13 +8,18 @@ quantizers. Then, from the same prompt ids, transformers' greedy tokens (`from_p
 gguf_file=...)`, which dequantizes to float32) against each engine's with --dtype float32 (the dequantized
 reference path): torch, and mlx when it is installed. Exit status 1 on any mismatch.
 
+The mixture and newer families (qwen3_moe, qwen2_moe, mixtral, gpt_oss, deepseek_v3, deepseek_v2), which
+transformers' GGUF loader does not read, are compared with transformers on the values the file holds (gguf's reader
+dequantizes every tensor, put back under the checkpoint's names: tests/oracle.py gguf_dequantized_greedy, whose
+inverse of the converter's layout is checked against that converter).
+
 `llama3` is a llama checkpoint with Llama 3.1's rope scaling (`rope_type: llama3`, an original context short
 enough to change the frequencies at this head_dim), which the converter writes as the tensor rope_freqs.weight.
 transformers' GGUF loader ignores that tensor, so its reference is given the checkpoint's config.json (the
 file's tensors, the llama3 rope the factors encode).
 
-Usage: python bench/check_llamacpp_q4km.py [--archs llama,qwen2,llama3] [--layers 4] [--seed S] [--tokens 32]
-           [--type Q4_K_M]
+Usage: python bench/check_llamacpp_q4km.py [--archs llama,qwen2,llama3,qwen3_moe,gpt_oss,deepseek_v3,...]
+           [--layers 4] [--seed S] [--tokens 32] [--type Q4_K_M]
 """
 
 from __future__ import annotations
@@ -42,11 +47,14 @@ from exo_like.models.gguf.file import open_gguf  # noqa: E402
 from exo_like.models.shard import Shard  # noqa: E402
 from tests.checkpoints import make_checkpoint  # noqa: E402
 from tests.engine_driver import Driver  # noqa: E402
+from tests.models.test_gguf_families import GGUF_OVERRIDES, K_OVERRIDES  # noqa: E402
+from tests.oracle import gguf_dequantized_greedy  # noqa: E402
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Paris is the capital of"
 K_SIZES = {"hidden_size": 256, "intermediate_size": 512}  # K-quant rows are multiples of 256 values
 # Seeds whose greedy continuation is not one token repeated (random qwen2 models at this size often are).
-SEEDS = {"llama": 1, "mistral": 1, "qwen2": 4, "qwen3": 1, "llama3": 1}
+SEEDS = {"llama": 1, "mistral": 1, "qwen2": 4, "qwen3": 1, "llama3": 1, "qwen3_moe": 5, "qwen2_moe": 5, "mixtral": 5,
+         "gpt_oss": 5, "deepseek_v3": 5, "deepseek_v2": 5}
 # Llama 3.1's rope scaling with an original context of 64: at head_dim 64 (theta 500000) some frequencies are kept,
 # some smoothed and most divided by 8.
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -54,6 +62,10 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
 # name -> (architecture, rope scaling): no rope scaling but for llama3.
 CASES = {"llama": ("llama", None), "mistral": ("mistral", None), "qwen2": ("qwen2", None), "qwen3": ("qwen3", None),
          "llama3": ("llama", LLAMA3_ROPE)}
+# The families transformers' GGUF loader cannot read: their checkpoints' sizes for K-quants (tests/models/
+# test_gguf_families.py), compared on the file's dequantized values.
+FAMILIES = {"qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss", "deepseek_v3", "deepseek_v2"}
+CASES.update({name: (name, None) for name in sorted(FAMILIES)})
 
 
 def quantized_file(name: str, opts: argparse.Namespace, work: Path) -> tuple[Path, list[int], Path]:
@@ -61,8 +73,12 @@ def quantized_file(name: str, opts: argparse.Namespace, work: Path) -> tuple[Pat
     checkpoint's folder."""
     arch, rope_scaling = CASES[name]
     seed = SEEDS[name] if opts.seed is None else opts.seed
-    folder = make_checkpoint(work / name, arch, n_layers=opts.layers, seed=seed, rope_scaling=rope_scaling,
-                             **K_SIZES)
+    if name in FAMILIES:
+        sizes = {**GGUF_OVERRIDES[name], **K_OVERRIDES[name]}
+        folder = make_checkpoint(work / name, arch, n_layers=opts.layers, seed=seed, **sizes)
+    else:
+        folder = make_checkpoint(work / name, arch, n_layers=opts.layers, seed=seed, rope_scaling=rope_scaling,
+                                 **K_SIZES)
     pad_vocabulary(folder, 64)
     f32 = work / f"{name}-f32.gguf"
     # The converter does not know this tokenizer's pre-tokenizer; it needs a name llama.cpp accepts.
@@ -125,8 +141,13 @@ def check(name: str, opts: argparse.Namespace, work: Path) -> bool:
     factors = ModelArgs.from_dict(gguf.config()).rope_freq_factors
     if scaled:
         print(f"  rope_freqs.weight from the converter: {np.round(factors, 4).tolist() if factors else None}")
-    expected, reference = transformers_greedy(path, prompt, opts.tokens, folder if scaled else None)
-    print(f"  transformers float32{' (the checkpoint config)' if scaled else ''}: {expected}")
+    if name in FAMILIES:  # transformers on the file's own values, through the checkpoint's config
+        expected = gguf_dequantized_greedy(path, folder, prompt, opts.tokens)
+        reference = None
+        print(f"  transformers float32 on the file's dequantized values: {expected}")
+    else:
+        expected, reference = transformers_greedy(path, prompt, opts.tokens, folder if scaled else None)
+        print(f"  transformers float32{' (the checkpoint config)' if scaled else ''}: {expected}")
     ok = len(set(expected)) > 1 and (factors is not None) == scaled
     if not ok:
         print("  degenerate reference (one token repeated): pick another --seed")
@@ -135,10 +156,12 @@ def check(name: str, opts: argparse.Namespace, work: Path) -> bool:
         tokens, logits = engine_greedy(name, path, prompt, opts.tokens)
         same = next((i for i, (a, b) in enumerate(zip(tokens, expected)) if a != b), len(expected))
         verdict = "same tokens" if tokens == expected else f"MISMATCH from token {same}: {tokens}"
-        # Logits are compared where both sides saw the same inputs: up to the first differing token.
-        diff = float(np.abs(logits[:same + 1] - reference[:same + 1]).max())
-        print(f"  exo-like {name} --dtype float32: {verdict} (max |logit difference| {diff:.1e}, logits up to "
-              f"{float(np.abs(reference).max()):.0f})", flush=True)
+        if reference is None:
+            print(f"  exo-like {name} --dtype float32: {verdict}", flush=True)
+        else:  # logits compared where both sides saw the same inputs: up to the first differing token
+            diff = float(np.abs(logits[:same + 1] - reference[:same + 1]).max())
+            print(f"  exo-like {name} --dtype float32: {verdict} (max |logit difference| {diff:.1e}, logits up to "
+                  f"{float(np.abs(reference).max()):.0f})", flush=True)
         ok = ok and tokens == expected
     return ok
 
