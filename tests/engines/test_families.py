@@ -281,3 +281,20 @@ def test_the_speed_probe_times_a_layer_of_the_models_shapes(family_dirs, arch):
         runner = create_engine(engine_name, device="cpu", dtype="float32").layer_runner(path, args)
         runner.decode()
         runner.prefill()
+
+
+@pytest.mark.parametrize("chain", ["torch", "mlx"])
+@pytest.mark.parametrize("arch", ["gpt_oss", "deepseek_v3"])
+def test_a_request_reusing_another_requests_prefix_blocks_gives_its_own_logits(family_dirs, prompts, arch, chain):
+    """The prefix cache's situation: request b's block table starts with request a's first two blocks (32
+    positions of the same prompt), and b computes only the rest. Sliding windows and sinks (gpt-oss) and the latent
+    cache (DeepSeek) read those shared blocks as b's own: its logits equal b's alone."""
+    engines = load_chain(family_dirs[arch], CHAINS[chain])
+    shared, rest = prompts["a"][:32], prompts["e"][:9]
+    driver = Driver(engines)
+    driver.forward("a", prompts["a"])
+    driver.tables["b"], driver.lengths["b"] = list(driver.tables["a"][:2]), 32
+    reused = greedy_logits(driver, rest, 8, "b")
+    alone = greedy_logits(Driver(engines), np.concatenate([shared, rest]), 8, "b")
+    assert reused[0] == alone[0]
+    np.testing.assert_allclose(reused[1], alone[1], rtol=1e-5, atol=1e-4)
