@@ -199,6 +199,8 @@ def write_gguf(hf_dir: Path, out: Path, matrix_type: str = "F32", embedding_type
         values = tensor.astype(np.float32)
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             values = permute_rotary_rows(values, heads if "q_proj" in name else kv_heads)
+        if name.endswith("shared_expert_gate.weight") and matrix_type != "F32":
+            values = values.reshape(-1)  # llama-quantize writes this one-row matrix as a float vector
         # As llama-quantize does, routers (`ffn_gate_inp`) stay float.
         kind = "F32" if values.ndim == 1 or name.endswith("mlp.gate.weight") else \
             (embedding_type or matrix_type) if "embed" in name else matrix_type
@@ -419,6 +421,8 @@ def hf_tensors_from_gguf(path: Path, config_dir: Path) -> dict[str, "torch.Tenso
             for expert, matrix in enumerate(values):
                 tensors[f"model.layers.{layer}.mlp.experts.{expert}.{stacked.group(1)}_proj.weight"] = matrix
             continue
+        if part == "ffn_gate_inp_shexp.weight":
+            values = values.reshape(1, -1)  # one output; llama-quantize may store it as a vector
         if gguf_deepseek.is_latent_part(part) and GGUF_ARCHITECTURES[config["model_type"]] == gguf_deepseek.ARCH:
             tensors[tensor.name] = values  # named (and kv_b joined) by gguf_deepseek.hf_tensors below
             continue

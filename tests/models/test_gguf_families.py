@@ -112,9 +112,8 @@ def test_a_quantized_file_dequantized_gives_transformers_tokens_on_its_values(fo
 @pytest.mark.parametrize("engine_name", ["torch", "mlx"] if HAS_MLX else ["torch"])
 def test_quantized_experts_run_on_the_quantized_kernels(folders, engine_name) -> None:
     """A Q4_K Qwen2-MoE file loaded as is: every expert (and the shared expert) stays 4-bit; routers are float in
-    the file, as llama-quantize leaves them. Torch holds each expert's gate and up as one matrix; MLX each
-    projection's experts as one stack. Only the shared expert's gate (one output, below the int4 kernel's
-    16-output tiles) is dequantized on torch."""
+    the file, as llama-quantize leaves them, and so is the shared expert's one-output gate, which it stores as a
+    vector. Torch holds each expert's gate and up as one matrix; MLX each projection's experts as one stack."""
     from exo_like.engines.base import create_engine
     from exo_like.models.shard import Shard
 
@@ -127,9 +126,9 @@ def test_quantized_experts_run_on_the_quantized_kernels(folders, engine_name) ->
     if engine_name == "torch":
         # per layer: qkv, o, each expert's gate_up and down, the shared expert's gate_up and down
         assert engine.weight_forms.quantized == {"Q4_K": layers * (2 + 2 * experts + 2)}
-        assert engine.weight_forms.dequantized == {"Q4_K (1 outputs (not a multiple of 16))": layers}
+        assert engine.weight_forms.dequantized == {}
     else:
-        assert engine.weight_forms.quantized == {"Q4_K": layers * (4 + 3 * experts + 3 + 1)}
+        assert engine.weight_forms.quantized == {"Q4_K": layers * (4 + 3 * experts + 3)}
         assert engine.weight_forms.dequantized == {}
 
 

@@ -393,6 +393,9 @@ class GGUFCheckpoint:
             values = dequantize(stored, GGMLQuantizationType[entry.type_name])
             # A copy: a float tensor comes back as a view of the memory map, which must not outlive the load.
             values = np.array(values, dtype=np.float32).reshape(entry.shape)
+        if name.endswith(".shared_expert_gate.weight") and len(entry.shape) == 1:
+            # One output row; llama-quantize stores it as a vector (the converter as [1, hidden]).
+            return values.reshape(1, -1)
         if self.architecture in _NORMS_PLUS_ONE and name.endswith("norm.weight"):
             # (w + 1) - 1 is exact in float32 (Sterbenz), so the engines' 1 + w gives back the stored value.
             return values - np.float32(1)
