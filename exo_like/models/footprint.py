@@ -103,8 +103,15 @@ def torch_int4_bytes(matrices: list[Matrix]) -> int:
     return total
 
 
+# Matrices the engines hold dense whatever the file's type: DeepSeek's kv_b_proj, which latent attention multiplies
+# per head (the torch engine dequantizes it; GGUF's attn_k_b / attn_v_b are read joined, as float, by both engines).
+LATENT_PROJECTIONS = (".kv_b_proj.weight", ".k_b_proj.weight", ".v_b_proj.weight")
+
+
 def _torch_piece_bytes(stacked: list[Matrix]) -> int:
     first = stacked[0]
+    if first.name.endswith(LATENT_PROJECTIONS):
+        return sum(m.numel * TORCH_CPU_FLOAT_BYTES for m in stacked)
     out = sum(m.shape[0] for m in stacked)
     if first.affine and int4_refusal(first.bits, first.group_size, out) is None:
         return int4_bytes(first.bits, first.group_size, out, first.shape[1])
@@ -251,7 +258,9 @@ def gguf_matrices(entries: Iterable[tuple[str, str, int, tuple[int, ...]]]) -> l
     """(name, GGUF type, bytes, shape) -> Matrices."""
     matrices = []
     for name, type_name, size, shape in entries:
-        if type_name in FLOAT_BYTES:
+        if name.endswith(LATENT_PROJECTIONS):  # read as float32 whatever the type (gguf/deepseek.py)
+            matrices.append(Matrix(name, shape, size, FLOAT_BYTES["F32"]))
+        elif type_name in FLOAT_BYTES:
             matrices.append(Matrix(name, shape, size, FLOAT_BYTES[type_name]))
         else:
             bits = GGUF_BITS.get(type_name, 0)

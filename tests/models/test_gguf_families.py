@@ -169,3 +169,23 @@ def test_a_longrope_phi3_file_gives_transformers_tokens(tmp_path) -> None:
     expected = transformers_tokens(folder)
     assert engine_greedy(path, ["torch", "mlx"] if HAS_MLX else ["torch"], PROMPT, N_TOKENS) == expected
     assert len(set(expected)) > 10
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "gpt_oss", *MLA_ARCHITECTURES])
+def test_the_footprint_counts_what_each_engine_holds_of_a_quantized_file(folders, arch) -> None:
+    """A Q4_K file's per-layer bytes as planning sees them (from the header) equal what each engine holds of a
+    shard: MLX its quantized matrices, torch its int4 packs, torch --dtype float32 everything dequantized;
+    DeepSeek's kv_b_proj (attn_k_b / attn_v_b in the file) dense on both, as latent attention multiplies by it."""
+    from exo_like.engines.base import create_engine
+    from exo_like.models.gguf.hub import gguf_description
+    from exo_like.models.shard import Shard
+
+    _, gguf = folders
+    path = gguf(arch, "Q4_K")
+    args, footprint = gguf_description(path)
+    shard = Shard(path.name, 1, 3, args.num_hidden_layers)
+    for engine_name, dtype in [("torch", None), ("torch", "float32"), *([("mlx", None)] if HAS_MLX else [])]:
+        engine = create_engine(engine_name, device="cpu", dtype=dtype)
+        engine.load(path, args, shard)
+        assert footprint.held_by(engine_name, dtype, "cpu").shard_bytes(shard) == engine.parameter_bytes(), \
+            (engine_name, dtype)
