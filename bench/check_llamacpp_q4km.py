@@ -75,6 +75,8 @@ def quantized_file(name: str, opts: argparse.Namespace, work: Path) -> tuple[Pat
     seed = SEEDS[name] if opts.seed is None else opts.seed
     if name in FAMILIES:
         sizes = {**GGUF_OVERRIDES[name], **K_OVERRIDES[name]}
+        if name == "deepseek_v2":  # llama.cpp takes a V2 without q_lora_rank for V2-Lite only by its 27 layers
+            sizes["q_lora_rank"] = 256
         folder = make_checkpoint(work / name, arch, n_layers=opts.layers, seed=seed, **sizes)
     else:
         folder = make_checkpoint(work / name, arch, n_layers=opts.layers, seed=seed, rope_scaling=rope_scaling,
