@@ -1,4 +1,5 @@
-"""Decode speed of the torch engine against transformers `generate`, on a random Qwen2.5-0.5B-shaped model.
+"""Decode speed of the torch engine against transformers `generate`, on a random Qwen2.5-0.5B-shaped model (or
+any checkpoint folder given by --model-dir, e.g. a mixture or DeepSeek built by tests/checkpoints.py).
 
 Builds the checkpoint in a temp folder (no network), then for each dtype times both sides on the same prompt
 ids and the same number of new tokens, in the same process and with the same torch thread count:
@@ -215,7 +216,6 @@ def main() -> None:
     parser.add_argument("--model-dir", type=Path, help="reuse a folder built by an earlier run")
     opts = parser.parse_args()
     torch.set_num_threads(opts.threads)  # one setting for the whole process: both sides use it
-    prompt = np.random.default_rng(0).integers(0, QWEN25_05B["vocab_size"], opts.prompt_tokens, dtype=np.int64)
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, prompt {opts.prompt_tokens} tokens, "
         f"{opts.new_tokens} new tokens, median of {opts.repeats} runs (TTFT: of {opts.repeats + opts.ttft_repeats})",
@@ -225,6 +225,8 @@ def main() -> None:
         model_dir = opts.model_dir
         if model_dir is None or not (model_dir / "config.json").exists():
             model_dir = build_checkpoint(model_dir or Path(tmp))
+        vocab = ModelArgs.from_dir(model_dir).vocab_size  # a --model-dir of any family and vocabulary
+        prompt = np.random.default_rng(0).integers(0, vocab, opts.prompt_tokens, dtype=np.int64)
         for dtype in opts.dtypes.split(","):
             bench_dtype(model_dir, dtype, prompt, opts)
 
