@@ -227,6 +227,9 @@ def make_mxfp4_checkpoint(float_dir: Path, path: Path) -> Path:
         if file.suffix != ".safetensors" and file.name != "model.safetensors.index.json":
             shutil.copy(file, path / file.name)
     tensors = load_file(str(float_dir / "model.safetensors"))
+    for name in [n for n in tensors if n.endswith(".mlp.router.weight")]:
+        # held at 8 bits by the MLX form (make_mlx_mxfp4_checkpoint): both forms then hold the same values
+        tensors[name] = affine8(tensors[name]).dequantize()
     for name in [n for n in tensors if n.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"))]:
         # the checkpoint's [experts, in, out] as [experts, out, in], gate and up rows interleaved as its columns were
         blocks, scales = mxfp4_quantize(np.ascontiguousarray(tensors.pop(name).swapaxes(1, 2)))
@@ -239,13 +242,30 @@ def make_mxfp4_checkpoint(float_dir: Path, path: Path) -> Path:
     return path
 
 
+def affine8(weight: "np.ndarray") -> "AffineGroups":  # noqa: F821
+    """8-bit affine groups of 64 (mlx-lm's router setting) with scales and biases exact in float16."""
+    import numpy as np
+
+    from exo_like.models.affine import AffineGroups
+
+    groups = weight.reshape(weight.shape[0], -1, 64).astype(np.float32)
+    low, high = groups.min(-1), groups.max(-1)
+    scales = ((high - low) / 255).astype(np.float16).astype(np.float32)
+    biases = low.astype(np.float16).astype(np.float32)
+    codes = np.clip(np.round((groups - biases[..., None]) / scales[..., None]), 0, 255).astype(np.uint8)
+    return AffineGroups(codes.reshape(weight.shape), scales, biases, 8, 64, "test 8-bit")
+
+
 def make_mlx_mxfp4_checkpoint(hub_dir: Path, path: Path) -> Path:
     """The MXFP4 gpt-oss folder `hub_dir` as mlx-community's conversions lay it out: the experts stacked per
-    projection (`mlp.experts.gate_proj.weight` uint32 words, `.scales`, `.bias`), `quantization: {mode: mxfp4}`."""
+    projection (`mlp.experts.gate_proj.weight` uint32 words, `.scales`, `.bias`), `quantization: {mode: mxfp4}`,
+    the routers at 8 bits under their own (checkpoint) names in the config."""
     import shutil
 
     import numpy as np
     from safetensors.numpy import load_file, save_file
+
+    from exo_like.models.affine import pack_words
 
     path.mkdir(parents=True, exist_ok=True)
     for file in hub_dir.iterdir():
@@ -264,9 +284,15 @@ def make_mlx_mxfp4_checkpoint(hub_dir: Path, path: Path) -> Path:
         for projection, part in parts.items():
             part = np.ascontiguousarray(part)
             tensors[f"{module}.{projection}.{kind}"] = part.view(np.uint32) if kind == "weight" else part
+    routers = [n.removesuffix(".weight") for n in tensors if n.endswith(".mlp.router.weight")]
+    for router in routers:
+        groups = affine8(tensors[f"{router}.weight"])
+        tensors[f"{router}.weight"] = pack_words(groups.codes, 8)
+        tensors[f"{router}.scales"], tensors[f"{router}.biases"] = groups.scales, groups.biases
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "mlx"})
     config = json.loads((path / "config.json").read_text())
     del config["quantization_config"]
-    config["quantization"] = {"group_size": 32, "bits": 4, "mode": "mxfp4"}
+    config["quantization"] = {"group_size": 32, "bits": 4, "mode": "mxfp4",
+                              **{router: {"group_size": 64, "bits": 8} for router in routers}}
     (path / "config.json").write_text(json.dumps(config, indent=2))
     return path

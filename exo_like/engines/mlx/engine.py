@@ -68,13 +68,16 @@ def describe_device(device: mx.Device) -> str:
 def read_shard_tensors(model_dir: Path, args: ModelArgs, shard: Shard, quantized: bool,
                        forms: WeightForms) -> tuple[dict[str, mx.array], dict[str, dict[str, int]]]:
     """The shard's tensors under their shard-local names, from a GGUF file or a Hugging Face folder, and the
-    {group_size, bits} of each GGUF matrix kept quantized (`quantized`: in MLX's packed form), by module path.
-    `forms` counts the GGUF matrices kept quantized and those dequantized for want of a kernel."""
+    quantization settings (nn.quantize's {group_size, bits[, mode]}) of each matrix kept quantized (`quantized`: a
+    GGUF file's, in MLX's packed form; an MLX-format checkpoint's always), by module path. `forms` counts the GGUF
+    matrices kept quantized and those dequantized for want of a kernel."""
     tied_embeddings = args.tie_word_embeddings
     if not is_gguf(model_dir):
         plan = plan_shard_load(model_dir, shard, tied_embeddings, args.family.rename)
         weights = as_words(args.family.converted(read_plan_tensors(plan, tied_embeddings), args))
-        return split_fused_projections(stack_experts(weights), args), {}
+        specs = mlx_format_specs(args, weights, {local: name for names in plan.files.values() for name, local in names})
+        specs = {split: spec for path, spec in specs.items() for split in split_module_paths(path)}
+        return split_fused_projections(stack_experts(weights), args), specs
     weights, specs = {}, {}
     for local, value, type_name in open_gguf(model_dir).read_shard(shard, tied_embeddings, quantized):
         if isinstance(value, AffineGroups) and value.bits in MLX_BITS:
@@ -95,6 +98,18 @@ def read_shard_tensors(model_dir: Path, args: ModelArgs, shard: Shard, quantized
     # A fused matrix (Phi-3's qkv_proj, gate_up_proj) splits into projections of its own type.
     specs = {split: spec for path, spec in specs.items() for split in split_module_paths(path)}
     return split_fused_projections(stack_experts(args.family.converted(weights, args)), args), specs
+
+
+def mlx_format_specs(args: ModelArgs, weights: dict[str, mx.array], stored: dict[str, str]
+                     ) -> dict[str, dict[str, int | str]]:
+    """Each quantized matrix's settings, by module path: as mlx-lm does, a layer is quantized exactly when the
+    checkpoint has its `.scales` (converters leave some in float), with the config's settings for its module as
+    the checkpoint names it (`stored`: local tensor name -> checkpoint name; mixed precision, e.g. 8-bit routers,
+    is keyed by those names, which a family may rename)."""
+    if args.quant is None:
+        return {}
+    return {name.removesuffix(".scales"): args.quant.for_module(stored.get(name, name).removesuffix(".scales"))
+            .mlx_settings() for name in weights if name.endswith(".scales")}
 
 
 def as_words(weights: dict[str, mx.array]) -> dict[str, mx.array]:
@@ -124,34 +139,6 @@ def _is_derived(name: str, tied_embeddings: bool) -> bool:
     if name.endswith("rotary_emb.inv_freq"):
         return True
     return tied_embeddings and name.startswith("lm_head.")
-
-
-def quantize_like_checkpoint(model: ShardModel, args: ModelArgs, weights: dict[str, mx.array],
-                             specs: dict[str, dict[str, int]]) -> None:
-    """Swap in quantized layers where the checkpoint stores quantized matrices, before loading them.
-
-    As mlx-lm does, a layer is quantized exactly when the checkpoint has its `.scales`: converters leave some
-    layers in float (e.g. ones whose input size is not a multiple of the group size). A GGUF file's matrices
-    each have their own {group_size, bits} (`specs`)."""
-    spec = args.quant
-    if spec is not None:
-        def settings(path: str, _: nn.Module) -> dict[str, int] | bool:
-            if f"{path}.scales" not in weights:
-                return False
-            # mixed precision: by the stored name
-            return spec.for_module(checkpoint_path(path, model.shard)).mlx_settings()
-
-        nn.quantize(model, class_predicate=settings)
-    elif specs:
-        nn.quantize(model, class_predicate=lambda path, _: specs.get(path, False))
-
-
-def checkpoint_path(local: str, shard: Shard) -> str:
-    """A module's path as the checkpoint names it: the shard numbers its layers from 0."""
-    parts = local.split(".")
-    if parts[:2] == ["model", "layers"] and len(parts) > 2:
-        parts[2] = str(int(parts[2]) + shard.start_layer)
-    return ".".join(parts)
 
 
 def _cast(array: mx.array, dtype: mx.Dtype) -> mx.array:
@@ -187,11 +174,12 @@ class MLXEngine(Engine):
             # stays quantized (its reference, mlx-lm, runs it so).
             forms = WeightForms()
             weights, specs = read_shard_tensors(Path(model_dir), args, shard, self.requested_dtype is None, forms)
-            quantize_like_checkpoint(model, args, weights, specs)
+            # Quantized layers swapped in where the checkpoint stores quantized matrices, before loading them.
+            nn.quantize(model, class_predicate=lambda path, _: specs.get(path, False))
             if args.quant is not None:
                 for name in (n for n in weights if n.endswith(".scales")):
-                    spec = args.quant.for_module(checkpoint_path(name.removesuffix(".scales"), shard))
-                    forms.add_quantized("mlx mxfp4" if spec.mxfp4 else f"mlx {spec.bits}-bit")
+                    spec = specs[name.removesuffix(".scales")]
+                    forms.add_quantized("mlx mxfp4" if spec.get("mode") == "mxfp4" else f"mlx {spec['bits']}-bit")
             dtype = MX_DTYPES[dtype_name]
             model.load_weights([(name, _cast(w, dtype)) for name, w in weights.items()], strict=True)
             # Read everything now, so the first request does not pay for loading and the files can be closed;
