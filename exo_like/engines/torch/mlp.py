@@ -59,7 +59,7 @@ class SparseMoe(nn.Module):
         self.moe = moe
         self.top_k, self.renormalize, self.router = moe.top_k, moe.renormalize, moe.router
         self.gate = Linear(hidden, moe.n_experts, bias=moe.router_bias)  # the router
-        # DeepSeek V3: a learned per-expert bias added to the scores when choosing (not when weighting), float32
+        # DeepSeek V3: a learned per-expert bias added to the scores when choosing (not when weighting)
         self.e_score_correction_bias = nn.Parameter(torch.empty(moe.n_experts), requires_grad=False) \
             if moe.router == "sigmoid_grouped" else None
         glu = gated(moe.activation, moe.swiglu_alpha, moe.swiglu_limit)
