@@ -34,15 +34,24 @@ class LatentAttention(Attention):
         self._rope_freqs = mx.array(1.0 / rope_inv_freq(args))  # args.head_dim: the rotary part's width
         self._rope_factor = rope_attention_factor(args)
         self._rotary_dim = mla.qk_rope_head_dim
+        self._latent: tuple[mx.array, mx.array] | None = None  # see _latent_weights
 
     def _latent_weights(self) -> tuple[mx.array, mx.array]:
-        """kv_b_proj's key rows [heads, nope, rank] and value rows [heads, v, rank] (dequantized if need be)."""
+        """kv_b_proj's key rows [heads, nope, rank] and value rows [heads, v, rank] (dequantized if need be), made
+        on the first step after loading and kept (not per step)."""
+        if self._latent is None:
+            self._latent = self._split_latent_projection()
+        return self._latent
+
+    def _split_latent_projection(self) -> tuple[mx.array, mx.array]:
         mla, projection = self._mla, self.kv_b_proj
         weight = projection.weight if isinstance(projection, nn.Linear) else mx.dequantize(
             projection.weight, projection.scales, projection.get("biases"), projection.group_size, projection.bits,
             mode=projection.mode)
         weight = weight.reshape(self.n_heads, mla.qk_nope_head_dim + mla.v_head_dim, -1)
-        return weight[:, : mla.qk_nope_head_dim], weight[:, mla.qk_nope_head_dim :]
+        w_k, w_v = mx.contiguous(weight[:, : mla.qk_nope_head_dim]), mx.contiguous(weight[:, mla.qk_nope_head_dim :])
+        mx.eval(w_k, w_v)
+        return w_k, w_v
 
     def __call__(self, x: mx.array, pool: LayerPool, index: StepIndex) -> mx.array:
         rows, mla = x.shape[0], self._mla
