@@ -107,7 +107,7 @@ class Node:
         self.download_progress = DownloadProgress()
         self.downloader = ShardDownloader(self.cache_dir, self.node_id, self.download_progress)
         self.shards = ShardHolder(self.node_id, self.engine, self.executor, self.models, self.downloader,
-                                  options.kv_cache_gb)
+                                  options.kv_cache_gb, options.limits)
         disable_progress_bars()  # huggingface_hub's per-file bars: the node draws one bar of its own
         self._tasks: set[asyncio.Task] = set()
         self.started = time.time()
@@ -175,7 +175,7 @@ class Node:
                                 lambda: self.peers.lowest_round_trips(RTT_SAMPLES),
                                 lambda: self.cluster and self.cluster.replan())
         self.cluster = Cluster(self.info, self.peers, self.models.describe, self._load_shard, self._members_changed,
-                               self.current_load, lambda: self.engine.kv_blocks or None, self.speed)
+                               self.current_load, lambda: self.engine.kv_size, self.speed)
         self.stage = StageWorker(self.node_id, self, self.executor, self.cluster.ring_resources, self.options.limits,
                                  self.metrics.observe_step)
         if self.options.request_wait is not None:
@@ -353,6 +353,7 @@ class Node:
                         len(self.generator.in_flight), self.stage.busy(),
                         self.download_progress.status(), self.stage.step_seconds(),
                         None if decode_step is None else decode_step * 1000, self.engine.kv_blocks,
+                        kv_window_blocks=(self.engine.kv_size and self.engine.kv_size.window_blocks) or 0,
                         **self.stage.scheduler_counts(), **weights, **replays)
 
     def _peer_rtts(self) -> dict[str, float]:

@@ -6,6 +6,7 @@ chain of engines."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Union
 
@@ -16,7 +17,7 @@ from exo_like.engines.base import Engine, create_engine
 from exo_like.models.config import ModelArgs
 from exo_like.models.gguf.file import open_gguf
 from exo_like.models.shard import Shard
-from exo_like.engines.work import BLOCK_SIZE, SampleSpec, WorkItem, blocks_for
+from exo_like.engines.work import BLOCK_SIZE, SampleSpec, WorkItem, blocks_for, window_start
 from exo_like.serving.kv_blocks import BlockPool
 
 SPEC = SampleSpec(temperature=0.0, top_p=1.0, top_k=0, seed=0, max_tokens=1 << 20, eos=(), prompt_len=1)
@@ -54,11 +55,18 @@ class Driver:
                  block_ids: Sequence[int] | None = None):
         """`first_block`: requests get blocks from that id on, so tables need not begin at slot 0.
         `block_ids`: the engines' id of the driver pool's i-th block (a permutation, e.g. reversed, so tables
-        are not ascending)."""
+        are not ascending).
+
+        A model with sliding-window layers gets window tables as the scheduler hands them out: from a pool of
+        their own (its ids in reverse, so they differ from the full tables'), only the blocks each request's window
+        still reaches, the others given back to the pool as the request moves on and reused by the next."""
         self.engines = list(engines)
+        self.window = self.engines[0].kv_window
+        window_blocks = n_blocks // 2  # a window pool smaller than the other: tables must not mix them up
         for engine in self.engines:
-            if engine.kv_blocks < n_blocks:
-                engine.allocate_kv(n_blocks)
+            if engine.kv_size is None or engine.kv_size.blocks < n_blocks or \
+                    (engine.kv_size.window_blocks or window_blocks) < window_blocks:
+                engine.allocate_kv(n_blocks, window_blocks)
         self.n_blocks = n_blocks
         self.pool = BlockPool(n_blocks)
         if first_block:
@@ -67,6 +75,8 @@ class Driver:
         assert sorted(self.block_ids) == list(range(n_blocks)), "block_ids must permute the pool's ids"
         self.tables: dict[str, list[int]] = {}
         self.lengths: dict[str, int] = {}
+        self.window_pool = BlockPool(window_blocks)
+        self.window_tables: dict[str, tuple[int, list[int]]] = {}  # rid -> (first block, pool ids)
 
     def forward(self, rid: str, inputs: Inputs) -> np.ndarray | Activations:
         """One request's next positions; the last engine's output for them (logits [vocab] of the last
@@ -96,6 +106,7 @@ class Driver:
 
     def release(self, rid: str) -> None:
         self.pool.release(self.tables.pop(rid, []))
+        self.window_pool.release(self.window_tables.pop(rid, (0, []))[1])
         self.lengths.pop(rid, None)
 
     def cached_length(self, rid: str) -> int:
@@ -112,7 +123,23 @@ class Driver:
         if new is None:
             raise RuntimeError("the test driver's KV pool is full")
         table += new
-        return WorkItem(rid, "test", start, count, self.blocks(rid), SPEC if sample else None)
+        item = WorkItem(rid, "test", start, count, self.blocks(rid), SPEC if sample else None)
+        return item if self.window is None else self._windowed(item)
+
+    def _windowed(self, item: WorkItem) -> WorkItem:
+        """`item` with the sliding-window table: blocks its window no longer reaches go back to the pool."""
+        first, table = self.window_tables.get(item.rid, (0, []))
+        reach = window_start(item.start, self.window) // BLOCK_SIZE
+        if reach > first:
+            self.window_pool.release(table[:reach - first])
+            table, first = table[reach - first:], reach
+        new = self.window_pool.allocate(blocks_for(item.end) - first - len(table))
+        if new is None:
+            raise RuntimeError("the test driver's sliding-window pool is full")
+        table = table + new
+        self.window_tables[item.rid] = first, table
+        ids = tuple(self.window_pool.n_blocks - 1 - b for b in table)
+        return replace(item, window_blocks=ids, window_first=first)
 
 
 def _rows(inputs: Inputs) -> int:

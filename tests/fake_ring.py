@@ -4,6 +4,8 @@ the peer protocol does, and a fake engine whose output depends on every position
 The fake engine's "model": each stage stores its input per slot and outputs, for each row, a mix of everything
 stored at the row's positions [0, end). A request's tokens are therefore a function of its whole token history,
 and any mix-up of KV blocks (sharing, reuse after release, preemption, a replay that skips a token) changes them.
+With a `window`, it also stores its input in a sliding-window pool of its own (the window tables the first stage
+hands out) and mixes in what that pool holds at the row's last `window` positions.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ import numpy as np
 from exo_like.cluster.protocol import Error, Message, Tokens, decode, encode
 from exo_like.engines.activations import Activations
 from exo_like.engines.base import Engine
-from exo_like.engines.batch import layout
-from exo_like.engines.work import WorkItem
+from exo_like.engines.batch import ItemLayout, layout
+from exo_like.engines.work import KVPoolSize, WorkItem, window_start
 from exo_like.errors import ServiceUnavailableError
 from exo_like.serving.ring import RingGenerator
 from exo_like.serving.sampling import SamplingParams
@@ -36,16 +38,22 @@ MODULUS = 1_000_003
 class FakeEngine(Engine):
     name = "fake"
 
-    def __init__(self, stage_index: int, last: bool, n_blocks: int, delay: float = 0.0):
+    def __init__(self, stage_index: int, last: bool, n_blocks: int, delay: float = 0.0, window: int | None = None,
+                 n_window_blocks: int = 0, window_from_full: bool = False):
         super().__init__()
         self.stage_index, self.last, self.delay = stage_index, last, delay
         self.store = np.zeros(n_blocks * 16, dtype=np.int64)
         self.n_blocks = n_blocks
+        self.window, self.n_window_blocks = window, n_window_blocks
+        self.window_store = np.zeros(n_window_blocks * 16, dtype=np.int64)
+        self.window_from_full = window_from_full  # the reference: read the window from the full pool
+        self.window_tables: list[tuple[int, ...]] = []  # every window table seen for a decode row
         self.calls: list[list[tuple[str, int, int]]] = []
         self.fail_on: str | None = None  # a rid whose presence in a batch makes the step fail
 
     def step(self, items: Sequence[WorkItem], inputs: np.ndarray | Activations) -> Activations | np.ndarray:
         self.calls.append([(i.rid, i.start, i.count) for i in items])
+        self.window_tables += [i.window_blocks for i in items if i.count == 1 and i.window_blocks is not None]
         if self.fail_on is not None and any(i.rid == self.fail_on for i in items):
             raise RuntimeError("the fake engine broke")
         time.sleep(self.delay)
@@ -53,17 +61,29 @@ class FakeEngine(Engine):
         values = (np.asarray(inputs) if isinstance(inputs, np.ndarray) else
                   inputs.bits()[:, 0].astype(np.int64)) + 1000 * (self.stage_index + 1)
         self.store[batch.write_slots] = values
+        windowed = None if self.window is None else layout(items, self.n_window_blocks, 1 << 20, self.window)
+        if windowed is not None:
+            self.window_store[windowed.write_slots] = values
         out = np.empty(batch.rows, dtype=np.int64)
-        for item in batch.items:
+        for i, item in enumerate(batch.items):
             for row in range(item.row_start, item.row_end):
                 visible = item.slots[: item.start + (row - item.row_start) + 1]
-                out[row] = int((self.store[visible] * np.arange(1, len(visible) + 1)).sum() % MODULUS)
+                mix = int((self.store[visible] * np.arange(1, len(visible) + 1)).sum())
+                if windowed is not None:
+                    source = (item, self.store) if self.window_from_full else (windowed.items[i], self.window_store)
+                    mix += 7 * self._window_mix(*source, item.start + row - item.row_start)
+                out[row] = mix % MODULUS
         if not self.last:
             hidden = np.stack([out, np.zeros_like(out)], axis=1).astype(np.float32)
             return Activations("float32", hidden.shape, hidden.tobytes())
         logits = np.zeros((len(batch.sample_rows), VOCAB), dtype=np.float32)
         logits[np.arange(len(batch.sample_rows)), out[batch.sample_rows] % VOCAB] = 1.0
         return logits
+
+    def _window_mix(self, item: ItemLayout, store: np.ndarray, position: int) -> int:
+        first = window_start(position, self.window)
+        seen = item.slots[first - item.origin: position + 1 - item.origin]
+        return int((store[seen] * np.arange(first + 1, position + 2)).sum())
 
     def load(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
         raise NotImplementedError
@@ -74,15 +94,19 @@ class FakeEngine(Engine):
     def layer_runner(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
         raise NotImplementedError
 
-    def kv_block_bytes(self) -> int:
-        return 1
+    def kv_block_bytes(self) -> tuple[int, int]:
+        return 1, int(self.window is not None)
 
-    def allocate_kv(self, n_blocks: int) -> None:
+    def allocate_kv(self, n_blocks: int, n_window_blocks: int | None = None) -> None:
         raise NotImplementedError
 
     @property
-    def kv_blocks(self) -> int:
-        return self.n_blocks
+    def kv_size(self) -> KVPoolSize:
+        return KVPoolSize(self.n_blocks, self.n_window_blocks if self.window is not None else None)
+
+    @property
+    def kv_window(self) -> int | None:
+        return self.window
 
     def parameter_bytes(self) -> int:
         return 0
@@ -104,21 +128,23 @@ class FakeNode:
     """A stage worker and an origin, delivering messages the way exo_like.node.Node does."""
 
     def __init__(self, node_id: str, net: "FakeNetwork", limits: SchedulerLimits, kv_blocks: int, depth: int,
-                 delay: float, request_wait: float):
+                 delay: float, request_wait: float, window: int | None, window_blocks: int, window_from_full: bool):
         self.node_id = node_id
         self.net = net
         self.kv_blocks, self.delay = kv_blocks, delay
+        self.window, self.window_blocks, self.window_from_full = window, window_blocks, window_from_full
         self.engine: FakeEngine | None = None
         self.executor = ThreadPoolExecutor(1)
-        resources = RingResources(kv_blocks, depth)
+        resources = RingResources(kv_blocks, depth, window_blocks if window is not None else None)
         self.stage = StageWorker(node_id, self, self.executor, lambda plan: resources, limits)
         self.origin = RingGenerator(node_id, self, net.wait_ready, self.stage, request_wait=request_wait)
 
     def serve(self, plan: Plan) -> None:
         """Hold this node's stage of `plan` (a fresh engine: its KV cache starts empty, as after a reload)."""
         index = plan.stage_index(self.node_id)
-        self.engine = None if index is None else \
-            FakeEngine(index, index == len(plan.stages) - 1, self.kv_blocks, self.delay)
+        self.engine = None if index is None else FakeEngine(
+            index, index == len(plan.stages) - 1, self.kv_blocks, self.delay, self.window, self.window_blocks,
+            self.window_from_full)
         self.stage.activate(plan, self.engine)
 
     async def send(self, node_id: str, message: Message) -> None:
@@ -145,11 +171,13 @@ class FakeNetwork:
     join; origins wait for it like Cluster.wait_ready (up to their timeout)."""
 
     def __init__(self, n_stages: int, limits: SchedulerLimits = SchedulerLimits(256), kv_blocks: int = 256,
-                 delays: Sequence[float] = (), depth: int = 1, spares: int = 0, request_wait: float = 5.0):
+                 delays: Sequence[float] = (), depth: int = 1, spares: int = 0, request_wait: float = 5.0,
+                 window: int | None = None, window_blocks: int = 0, window_from_full: bool = False):
         ids = [f"n{i}" for i in range(n_stages + spares)]
         self.plan = make_plan(ids[:n_stages])
         self.nodes = {node_id: FakeNode(node_id, self, limits, kv_blocks, depth,
-                                        delays[i] if i < len(delays) else 0.0, request_wait)
+                                        delays[i] if i < len(delays) else 0.0, request_wait, window, window_blocks,
+                                        window_from_full)
                       for i, node_id in enumerate(ids)}
         self.lost: dict[str, FakeNode] = {}
         self.problem: str | None = None  # why no plan can serve the model (as Cluster.problem)

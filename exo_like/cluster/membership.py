@@ -23,6 +23,7 @@ from exo_like.cluster.node_load import NodeLoad
 from exo_like.cluster.peers import PeerNetwork
 from exo_like.cluster.protocol import MAX_MEMBERS, PlanState
 from exo_like.cluster.settled import meshed, unsettled
+from exo_like.engines.work import KVPoolSize
 from exo_like.errors import ExoLikeError, ModelPendingError, ServiceUnavailableError
 from exo_like.models.footprint import ModelDescription
 from exo_like.models.hub.progress import DownloadStatus
@@ -42,6 +43,7 @@ ACTIVITY_POLL_SECONDS = 0.2  # a node that starts or stops work says so this soo
 class RingResources:
     kv_blocks: int  # the smallest KV pool of the plan's stages: what the first stage may hand out
     pipeline_depth: int  # batches worth keeping in flight (stages on separate machines)
+    kv_window_blocks: int | None = None  # the same for the sliding-window layers' pools (None: the model has none)
 
 
 DEPARTED_SHOWN_SECONDS = 10.0  # a lost node stays listed as unreachable this long, so users see what vanished
@@ -55,7 +57,7 @@ class Announcement:
     ready: bool
     problem: str | None
     load: NodeLoad = field(default_factory=NodeLoad)
-    kv_blocks: int | None = None  # KV cache blocks the node's pool holds for its layers (None: not loaded, or not said)
+    kv: KVPoolSize | None = None  # the KV pool the node holds for its layers (None: not loaded, or not said)
     figures: SpeedFigures | None = None  # its placement, measured speed and link round trips (None: not said)
     linked: frozenset[str] = frozenset()  # the peers it is linked with
 
@@ -64,14 +66,14 @@ class Cluster:
     def __init__(self, me: NodeInfo, peers: PeerNetwork, describe: Callable[[str], ModelDescription],
                  load_shard: Callable[[Plan, Shard | None], Awaitable[None]],
                  on_members: Callable[[set[str]], None], current_load: Callable[[], NodeLoad] = NodeLoad,
-                 kv_blocks: Callable[[], int | None] = lambda: None, speed: SpeedSource | None = None):
+                 kv_size: Callable[[], KVPoolSize | None] = lambda: None, speed: SpeedSource | None = None):
         self.me = me
         self.peers = peers
         self._describe = describe
         self._load_shard = load_shard
         self._on_members = on_members
         self._current_load = current_load
-        self._kv_blocks = kv_blocks  # this node's KV pool, announced with `ready` (the first stage sizes by it)
+        self._kv_size = kv_size  # this node's KV pool, announced with `ready` (the first stage sizes by it)
         self._speed = speed or SpeedSource()
         self._placer = Placer(me.node_id)
         self.placement: PlacementReport | None = None  # why the plan is what it is (GET /v1/cluster)
@@ -252,14 +254,14 @@ class Cluster:
         digest = self.plan.digest if self.plan else None
         ready = digest is not None and self.loaded_digest == digest
         return Announcement(self.model_id, self.clock, digest, ready, self.problem, self._current_load(),
-                            self._kv_blocks() if ready else None, self._speed.figures(self.model_id),
+                            self._kv_size() if ready else None, self._speed.figures(self.model_id),
                             frozenset(self.linked_ids()))
 
     def receive(self, node_id: str, message: PlanState) -> None:
         """A peer's announcement (fields checked by protocol.decode)."""
         figures = SpeedFigures.from_json(message.figures) if message.figures is not None else None
         announcement = Announcement(message.model, message.clock, message.digest, message.ready, message.problem,
-                                    NodeLoad.from_json(message.load), message.kv_blocks, figures,
+                                    NodeLoad.from_json(message.load), message.kv_size, figures,
                                     frozenset(message.linked))
         before = self.announcements.get(node_id)
         self.announcements[node_id] = announcement
@@ -311,12 +313,13 @@ class Cluster:
     def ring_resources(self, plan: Plan) -> RingResources | None:
         """What the plan's first stage may use: the smallest KV pool among the plan's stages (None until each has
         announced one), and how many batches to keep in flight (one per machine the stages run on)."""
-        pools = [self._kv_blocks() if node_id == self.me.node_id else
-                 getattr(self.announcements.get(node_id), "kv_blocks", None) for node_id in plan.node_ids]
-        if any(blocks is None for blocks in pools):
+        pools = [self._kv_size() if node_id == self.me.node_id else
+                 getattr(self.announcements.get(node_id), "kv", None) for node_id in plan.node_ids]
+        if any(pool is None for pool in pools):
             return None
         hosts = {m.host for m in self.members() if m.node_id in plan.node_ids}
-        return RingResources(min(pools), max(1, len(hosts)))
+        windows = [pool.window_blocks for pool in pools if pool.window_blocks is not None]
+        return RingResources(min(pool.blocks for pool in pools), max(1, len(hosts)), min(windows, default=None))
 
     def _download_of(self, node_id: str) -> DownloadStatus | None:
         announcement = self.announcement_of(node_id)
@@ -362,7 +365,9 @@ class Cluster:
         mine = self.my_announcement()
         self._announced, self._announced_figures = (time.monotonic(), mine.load.in_flight, mine.load.busy), mine.figures
         message = PlanState(mine.model, mine.clock, mine.digest, mine.ready, mine.problem, mine.load.to_json(),
-                            kv_blocks=mine.kv_blocks, figures=mine.figures.to_json() if mine.figures else None,
+                            kv_blocks=mine.kv.blocks if mine.kv else None,
+                            kv_window_blocks=mine.kv.window_blocks if mine.kv else None,
+                            figures=mine.figures.to_json() if mine.figures else None,
                             linked=tuple(sorted(mine.linked))[:MAX_MEMBERS])
         for link in list(self.peers.links.values()):
             try:

@@ -24,6 +24,7 @@ class NodeLoad:
     # stage counts them; every stage holds the same block ids).
     kv_blocks: int = 0
     kv_used: int = 0
+    kv_window_blocks: int = 0  # blocks of its sliding-window layers' pool (0: it holds none)
     # The first stage's scheduler: requests batched and queued, and prompt tokens found in the prefix cache.
     running: int = 0
     waiting: int = 0
@@ -46,7 +47,8 @@ class NodeLoad:
                 "generated_per_second": round(self.generated_per_second, 2),
                 "in_flight": self.in_flight, "busy": self.busy, "step_seconds": round(self.step_seconds, 1),
                 "decode_step_ms": None if self.decode_step_ms is None else round(self.decode_step_ms, 2),
-                "kv_blocks": self.kv_blocks, "kv_used": self.kv_used, "running": self.running, "waiting": self.waiting,
+                "kv_blocks": self.kv_blocks, "kv_used": self.kv_used, "kv_window_blocks": self.kv_window_blocks,
+                "running": self.running, "waiting": self.waiting,
                 "prefix_queries": self.prefix_queries, "prefix_hits": self.prefix_hits,
                 "preemptions": self.preemptions, "quantized_weights": dict(self.quantized_weights),
                 "dequantized_weights": dict(self.dequantized_weights), "numerics": dict(self.numerics),
@@ -73,4 +75,5 @@ class NodeLoad:
 
 
 _FORMS = ("quantized_weights", "dequantized_weights", "recovering")
-_COUNTS = ("kv_blocks", "kv_used", "running", "waiting", "prefix_queries", "prefix_hits", "preemptions", "replays")
+_COUNTS = ("kv_blocks", "kv_used", "kv_window_blocks", "running", "waiting", "prefix_queries", "prefix_hits",
+           "preemptions", "replays")

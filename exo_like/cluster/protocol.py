@@ -32,7 +32,7 @@ from exo_like.cluster.protocol_fields import (  # noqa: F401  (ProtocolError is 
     string,
 )
 from exo_like.engines.activations import WIRE_DTYPES, Activations
-from exo_like.engines.work import SampleSpec, WorkItem, blocks_for  # noqa: F401  (part of the protocol's interface)
+from exo_like.engines.work import BLOCK_SIZE, KVPoolSize, SampleSpec, WorkItem, blocks_for  # noqa: F401  (part of the protocol's interface)
 
 DEFAULT_MAX_FRAME_BYTES = 64 * 1024 * 1024
 
@@ -255,10 +255,12 @@ class PlanState(Message):
     kv_blocks: int | None = None  # KV cache blocks this node's pool holds for its layers, once loaded
     figures: dict[str, Any] | None = None  # SpeedFigures.to_json(): placement, measured speed, link round trips
     linked: tuple[str, ...] = ()  # node ids of the announcer's linked peers: plans need a membership all members see
+    kv_window_blocks: int | None = None  # the sliding-window layers' pool beside kv_blocks (None: it has none)
 
     def to_wire(self) -> dict[str, Any]:
         return {"model": self.model, "clock": list(self.clock), "digest": self.digest, "ready": self.ready,
-                "problem": self.problem, "load": self.load, "kv_blocks": self.kv_blocks, "figures": self.figures,
+                "problem": self.problem, "load": self.load, "kv_blocks": self.kv_blocks,
+                "kv_window_blocks": self.kv_window_blocks, "figures": self.figures,
                 "linked": list(self.linked)}
 
     @classmethod
@@ -272,7 +274,12 @@ class PlanState(Message):
                    string(data, "digest", optional=True), boolean(data, "ready"),
                    string(data, "problem", MAX_TEXT, optional=True), node_load(data.get("load")),
                    integer(data, "kv_blocks", 0, optional=True), speed_figures(data.get("figures")),
-                   tuple(string({"linked": peer}, "linked") for peer in bounded(array(data, "linked"), "linked")))
+                   tuple(string({"linked": peer}, "linked") for peer in bounded(array(data, "linked"), "linked")),
+                   integer(data, "kv_window_blocks", 0, optional=True))
+
+    @property
+    def kv_size(self) -> KVPoolSize | None:
+        return None if self.kv_blocks is None else KVPoolSize(self.kv_blocks, self.kv_window_blocks)
 
 
 # The ring (ring.py, scheduler.py).
@@ -294,6 +301,8 @@ def item_to_wire(item: WorkItem) -> dict[str, Any]:
                             "blocks": list(item.blocks)}
     if item.sample is not None:
         wire["sample"] = sample_to_wire(item.sample)
+    if item.window_blocks is not None:
+        wire["window_blocks"], wire["window_first"] = list(item.window_blocks), item.window_first
     return wire
 
 
@@ -301,10 +310,16 @@ def item_from_wire(data: Any) -> WorkItem:
     data = mapping(data, "items")
     sample = data.get("sample")
     item = WorkItem(string(data, "rid"), string(data, "origin"), integer(data, "start", 0), integer(data, "count", 1),
-                    integers(data, "blocks"), None if sample is None else sample_from_wire(sample))
+                    integers(data, "blocks"), None if sample is None else sample_from_wire(sample),
+                    integers(data, "window_blocks") if "window_blocks" in data else None,
+                    integer(data, "window_first", 0) if "window_blocks" in data else 0)
     # Stages look up the block of every position the item writes before any engine check runs.
     if len(item.blocks) < blocks_for(item.end):
         raise ProtocolError(f"field 'blocks': {len(item.blocks)} blocks cannot hold positions up to {item.end}")
+    if item.window_blocks is not None and (item.window_first * BLOCK_SIZE > item.start or
+                                           len(item.window_blocks) < blocks_for(item.end) - item.window_first):
+        raise ProtocolError(f"field 'window_blocks': blocks {item.window_first} on cannot hold positions "
+                            f"[{item.start}, {item.end})")
     # The last stage counts the tokens generated before this one as end - prompt_len (its sampling index).
     if item.sample is not None and item.end < item.sample.prompt_len:
         raise ProtocolError(f"field 'sample': a prompt of {item.sample.prompt_len} tokens does not end by the "

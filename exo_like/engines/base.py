@@ -8,6 +8,7 @@ thread at a time (the node serialises calls), so engines need no locking of thei
 from __future__ import annotations
 
 import ctypes
+import logging
 import importlib
 import importlib.util
 import sys
@@ -21,10 +22,12 @@ import numpy as np
 
 from exo_like.engines.activations import Activations
 from exo_like.engines.layer_speed import LayerRunner, LayerSpeed, time_layer
-from exo_like.engines.work import WorkItem
+from exo_like.engines.work import KVPoolSize, WorkItem
 from exo_like.errors import ExoLikeError
 from exo_like.models.config import ModelArgs
 from exo_like.models.shard import Shard
+
+log = logging.getLogger(__name__)
 
 ENGINE_MODULES = {"torch": "exo_like.engines.torch.engine", "mlx": "exo_like.engines.mlx.engine"}
 
@@ -106,17 +109,37 @@ class Engine(ABC):
         return time_layer(self.layer_runner(model_dir, args))
 
     @abstractmethod
-    def kv_block_bytes(self) -> int:
-        """Bytes one KV block takes for the loaded shard's layers."""
+    def kv_block_bytes(self) -> tuple[int, int]:
+        """Bytes one KV block takes for the loaded shard's layers: (layers attending to every position,
+        sliding-window layers), each group in a pool of its own."""
 
     @abstractmethod
-    def allocate_kv(self, n_blocks: int) -> None:
-        """Make the pool `n_blocks` blocks (after load; a load drops the pool)."""
+    def allocate_kv(self, n_blocks: int, n_window_blocks: int | None = None) -> None:
+        """Make the pool `n_blocks` blocks, the sliding-window layers' `n_window_blocks` (default the same) (after
+        load; a load drops the pool)."""
 
     @property
     @abstractmethod
+    def kv_size(self) -> KVPoolSize | None:
+        """The pool's size (None before allocate_kv)."""
+
+    @property
+    def kv_window(self) -> int | None:
+        """The loaded model's sliding window, whose layers have a pool of their own (None: none, or no model)."""
+        return None if self.args is None else self.args.kv_window
+
+    @property
     def kv_blocks(self) -> int:
-        """Blocks in the pool (0 before allocate_kv)."""
+        """Blocks in the full-attention layers' pool (0 before allocate_kv)."""
+        return 0 if self.kv_size is None else self.kv_size.blocks
+
+    def _log_pool(self, size: KVPoolSize | None) -> None:
+        if size is None:
+            return
+        full, windowed = self.kv_block_bytes()
+        megabytes = (size.blocks * full + (size.window_blocks or 0) * windowed) / 1e6
+        window = "" if size.window_blocks is None else f" + {size.window_blocks} sliding-window blocks"
+        log.info("KV pool: %d blocks%s (%.1f MB) for %s", size.blocks, window, megabytes, self.shard)
 
     def place_threads(self) -> None:
         """Called on the engine thread after each load: settle where the framework's compute threads run.

@@ -94,6 +94,15 @@ class ModelArgs:
         """The attention window of absolute layer `layer` (None: it attends to every earlier position)."""
         return None if self.layer_windows is None else self.layer_windows[layer]
 
+    @property
+    def kv_window(self) -> int | None:
+        """The window of the sliding-window layers, whose KV pool keeps only that many positions a request
+        (None: no layer has one). Families with windows give all their windowed layers the same one."""
+        windows = {w for w in self.layer_windows or () if w is not None}
+        if len(windows) > 1:
+            raise ValueError(f"sliding windows of several sizes ({sorted(windows)}) are not supported")
+        return windows.pop() if windows else None
+
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> "ModelArgs":
         model_type = config.get("model_type")

@@ -9,6 +9,11 @@ Prefix cache: a block whose positions are all scheduled is registered under a ha
 token before it. A finished request's registered blocks stay in the pool (least recently used first out) until
 their space is needed, and a new request whose prompt starts with the same tokens takes them instead of
 computing them again. Only full blocks are shared, and a shared block is never written again.
+
+Sliding-window layers (gpt-oss, Gemma 2/3, Mistral 7B v0.1) keep their keys and values in a second pool, where a
+request holds only the blocks its window still reaches: older ones go back as the request moves on (to the
+prefix cache's least-recently-used list if registered). A cached prefix serves a new request when both pools hold
+what it needs: every block in the first, the blocks its window reaches in the second.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ from collections.abc import Sequence
 import numpy as np
 import psutil
 
-BLOCK_SIZE = 16  # positions per KV block, the same on every node (the first stage's block tables assume it)
+from exo_like.engines.work import BLOCK_SIZE, KVPoolSize, blocks_for
+
 # A node's KV cache unless --kv-cache-gb says otherwise: this share of the memory left after loading its layers, at
 # most DEFAULT_KV_CAP bytes (pages are only taken as blocks are first written; see the engines' pools).
 DEFAULT_KV_SHARE = 0.3
@@ -33,8 +39,34 @@ def kv_budget_bytes(kv_cache_gb: float | None) -> int:
     return int(min(DEFAULT_KV_CAP, DEFAULT_KV_SHARE * psutil.virtual_memory().available))
 
 
-def blocks_for(positions: int) -> int:
-    return -(-positions // BLOCK_SIZE)
+# Requests whose whole windows the sliding-window pool holds at once (at most the running limit): a home cluster
+# serves a few users at a time, and a model with long windows (Gemma 3's 1,024 over 51 of 62 layers) would spend
+# most of the budget on windows for 64. More long requests than this share the pool by preemption (they wait, and
+# their text does not change).
+WINDOW_REQUESTS = 16
+
+
+def pool_sizes(budget: int, block_bytes: tuple[int, int], window: int | None, requests: int, step_rows: int,
+               context_length: int) -> KVPoolSize:
+    """A stage's KV pools within `budget` bytes, given the bytes of a block in each (full-attention layers,
+    sliding-window layers; Engine.kv_block_bytes).
+
+    A request holds about its window's blocks in the sliding-window pool, so that pool is made big enough for
+    `requests` windows (the scheduler's running limit, at most WINDOW_REQUESTS) and one step's prompt chunk of
+    `step_rows`, and the rest of the budget goes to the other pool: more positions than one pool for all layers
+    would give. A budget smaller than that splits evenly (the window pool never needs more blocks than the other:
+    a request holds no more window blocks than full ones). A stage holding no full-attention layer names blocks it
+    does not store: enough ids for `requests` whole contexts."""
+    full, windowed = block_bytes
+    if not windowed:
+        return KVPoolSize(max(1, budget // full))
+    if not full:
+        return KVPoolSize(requests * blocks_for(context_length), max(1, budget // windowed))
+    even = max(1, budget // (full + windowed))  # what one pool for all layers would hold
+    windows = min(requests, WINDOW_REQUESTS) * (blocks_for(window) + 2) + blocks_for(step_rows)
+    if even <= windows:
+        return KVPoolSize(even, even)
+    return KVPoolSize((budget - windows * windowed) // full, windows)
 
 
 def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
@@ -143,22 +175,34 @@ class BlockPool:
 
     # -- prefix cache -----------------------------------------------------------------------------------
 
-    def take_prefix(self, tokens: Sequence[int], limit: int) -> tuple[list[int], bytes]:
-        """The cached blocks holding the longest prefix of `tokens` in whole blocks, at most `limit` blocks,
-        now also used by the caller (release them as usual); and the hash of the last one."""
-        blocks: list[int] = []
+    def cached_chain(self, tokens: Sequence[int], limit: int) -> list[bytes]:
+        """Hashes of the leading whole blocks of `tokens` (at most `limit`) that this pool holds, in order."""
+        digests: list[bytes] = []
         parent = ROOT_HASH
         for i in range(limit):
-            digest = block_hash(parent, tokens[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE])
-            block = self._by_hash.get(digest)
-            if block is None:
+            parent = block_hash(parent, tokens[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE])
+            if parent not in self._by_hash:
                 break
+            digests.append(parent)
+        return digests
+
+    def holds(self, digest: bytes) -> bool:
+        return digest in self._by_hash
+
+    def take(self, digests: Sequence[bytes]) -> list[int]:
+        """The cached blocks holding `digests` (all held), now also used by the caller (release them as usual)."""
+        blocks = [self._by_hash[digest] for digest in digests]
+        for block in blocks:
             if self._refs[block] == 0:
                 del self._evictable[block]
             self._refs[block] += 1
-            blocks.append(block)
-            parent = digest
-        return blocks, parent
+        return blocks
+
+    def take_prefix(self, tokens: Sequence[int], limit: int) -> tuple[list[int], bytes]:
+        """The cached blocks holding the longest prefix of `tokens` in whole blocks, at most `limit` blocks,
+        now also used by the caller (release them as usual); and the hash of the last one."""
+        digests = self.cached_chain(tokens, limit)
+        return self.take(digests), digests[-1] if digests else ROOT_HASH
 
     def register(self, block: int, digest: bytes) -> None:
         """`block` (used by the caller) is full and holds the tokens `digest` names: later prompts may share it.

@@ -103,6 +103,8 @@ class _StateCollector(Collector):
         usage = load.kv_used / load.kv_blocks if load.kv_blocks else 0.0
         yield _gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage)
         yield _gauge("kv_cache_blocks", "KV-cache blocks of this node's pool (16 positions each).", load.kv_blocks)
+        yield _gauge("kv_cache_window_blocks", "KV-cache blocks of this node's sliding-window layers' pool (0: it "
+                     "holds no such layer).", load.kv_window_blocks)
         yield _counter("prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
                        load.prefix_queries)
         yield _counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",

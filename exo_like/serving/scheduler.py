@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from exo_like.cluster.protocol import Submit
-from exo_like.engines.work import BLOCK_SIZE, SampleSpec, WorkItem, blocks_for
+from exo_like.engines.work import BLOCK_SIZE, SampleSpec, WorkItem, blocks_for, window_start
 from exo_like.serving.kv_blocks import ROOT_HASH, BlockPool, block_hash
 
 # Rows of one engine step, by where the first stage computes, unless --max-batch-tokens says otherwise: big steps
@@ -64,6 +64,8 @@ class Sequence:
     arrival: int
     computed: int = 0  # positions scheduled so far: their keys and values are (or will be) in `blocks`
     blocks: list[int] = field(default_factory=list)
+    window_blocks: list[int] = field(default_factory=list)  # the sliding-window layers' blocks its window reaches
+    window_first: int = 0  # which of the request's blocks window_blocks[0] is
     registered: int = 0  # leading blocks registered in the prefix cache
     parent_hash: bytes = ROOT_HASH  # hash of the last registered block
     in_flight: bool = False  # a token is being sampled for it: it has nothing to compute until that arrives
@@ -91,8 +93,13 @@ class Step:
 
 class Scheduler:
     def __init__(self, n_blocks: int, limits: SchedulerLimits = SchedulerLimits(), pipeline_depth: int = 1,
-                 cpu: bool = True, attention_scale: int | None = None):
+                 cpu: bool = True, attention_scale: int | None = None, window: int | None = None,
+                 n_window_blocks: int | None = None):
         self.pool = BlockPool(n_blocks)
+        # The sliding-window layers' pool (if the model has such layers): a request holds the blocks its window
+        # reaches, from window_start(next position) on (see kv_blocks.py).
+        self.window = window if n_window_blocks is not None else None
+        self.window_pool = BlockPool(n_window_blocks) if self.window is not None else None
         self.limits = limits.for_device(cpu)
         # A prompt token at position p costs (1 + p // attention_scale) of the step's budget: its attention to the
         # p positions before it grows with p, so chunks late in a long prompt are smaller and the step's time
@@ -159,12 +166,19 @@ class Scheduler:
             self._finish(seq)
         self.waiting.clear()
         self.pool.clear_cache()
+        if self.window_pool is not None:
+            self.window_pool.clear_cache()
         return sequences
 
     def _finish(self, seq: Sequence) -> None:
         del self.running[seq.rid]
+        self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
         self.pool.release(seq.blocks)
-        seq.blocks = []
+        if self.window_pool is not None:
+            self.window_pool.release(seq.window_blocks)
+        seq.blocks, seq.window_blocks, seq.window_first = [], [], 0
 
     # -- steps --------------------------------------------------------------------------------------------
 
@@ -235,21 +249,16 @@ class Scheduler:
     def _admit(self, seq: Sequence, budget: int, chosen: list[tuple[Sequence, int]]) -> int:
         """Give the oldest waiting request the blocks for its first chunk (after any cached prefix)."""
         if self.limits.prefix_cache:
-            # At least one position is computed, so the last prompt token's logits exist to sample from.
-            blocks, parent = self.pool.take_prefix(seq.tokens, (len(seq.tokens) - 1) // BLOCK_SIZE)
-            seq.blocks, seq.parent_hash = blocks, parent
-            seq.computed = len(blocks) * BLOCK_SIZE
-            seq.registered = len(blocks)
+            self._take_prefix(seq)
         count = self._chunk(seq, budget, chosen)
         # Blocks for the whole prompt at once, in one run after any cached prefix where the pool allows: its
         # later chunks then attend to consecutive slots (see BlockPool), and it is admitted only when all fit.
-        new = self.pool.allocate(blocks_for(len(seq.tokens)) - len(seq.blocks), self._last_block(seq)) \
-            if count else None
-        if new is None:
-            self.pool.release(seq.blocks)  # wait without holding cached blocks others may need
-            seq.blocks, seq.computed, seq.registered, seq.parent_hash = [], 0, 0, ROOT_HASH
+        # (Sliding-window layers' blocks come chunk by chunk: their window holds few.)
+        if not count or not self._allocate(seq, blocks_for(len(seq.tokens)) - len(seq.blocks),
+                                           self._window_needed(seq, count)):
+            self._release(seq)  # wait without holding cached blocks others may need
+            seq.computed, seq.registered, seq.parent_hash = 0, 0, ROOT_HASH
             return 0
-        seq.blocks += new
         self.running[seq.rid] = seq
         if self.limits.prefix_cache:
             self.prefix_queries += len(seq.tokens)
@@ -257,26 +266,84 @@ class Scheduler:
         return count
 
     def _grow(self, seq: Sequence, count: int, chosen: list[tuple[Sequence, int]]) -> int:
-        """Blocks for `count` more positions of a running request, preempting newer idle requests if the pool
+        """Blocks for `count` more positions of a running request, preempting newer idle requests if a pool
         is full; the positions it can have (0: it waits)."""
+        self._slide(seq)
         needed = blocks_for(seq.computed + count) - len(seq.blocks)
-        if needed <= 0:
+        window_needed = self._window_needed(seq, count)
+        if needed <= 0 and window_needed <= 0:
             return count
         busy = {s.rid for s, _ in chosen} | {seq.rid}
-        while (new := self.pool.allocate(needed, self._last_block(seq))) is None:
+        while not self._allocate(seq, needed, window_needed):
             victims = [s for s in self.running.values() if not s.in_flight and s.rid not in busy]
             if not victims:
-                room = len(seq.blocks) * BLOCK_SIZE - seq.computed  # what its own last block still holds
+                room = self._held_positions(seq) - seq.computed  # what its own last blocks still hold
                 if room == 0 and len(self.running) == 1:
                     self._fail_alone(seq)
                 return min(room, count)
             self._preempt(max(victims, key=lambda s: s.arrival))
-        seq.blocks += new
         return count
 
-    @staticmethod
-    def _last_block(seq: Sequence) -> int | None:
-        return seq.blocks[-1] if seq.blocks else None
+    def _allocate(self, seq: Sequence, needed: int, window_needed: int) -> bool:
+        """`needed` more blocks and `window_needed` more sliding-window blocks for `seq`, both or neither."""
+        new = self.pool.allocate(needed, seq.blocks[-1] if seq.blocks else None) if needed > 0 else []
+        if new is None:
+            return False
+        if window_needed > 0:
+            last = seq.window_blocks[-1] if seq.window_blocks else None
+            window_new = self.window_pool.allocate(window_needed, last)
+            if window_new is None:
+                self.pool.release(new)
+                return False
+            seq.window_blocks += window_new
+        seq.blocks += new
+        return True
+
+    def _held_positions(self, seq: Sequence) -> int:
+        """Positions the request's blocks reach (in both pools)."""
+        held = len(seq.blocks) * BLOCK_SIZE
+        if self.window is None:
+            return held
+        return min(held, (seq.window_first + len(seq.window_blocks)) * BLOCK_SIZE)
+
+    def _window_needed(self, seq: Sequence, count: int) -> int:
+        """More sliding-window blocks `count` more positions need."""
+        if self.window is None:
+            return 0
+        return blocks_for(seq.computed + count) - seq.window_first - len(seq.window_blocks)
+
+    def _slide(self, seq: Sequence) -> None:
+        """Give back the sliding-window blocks the request's window no longer reaches from its next position.
+        A block released here may be written for another request by the next step: every stage runs steps in
+        order, so this request's steps before that have read it on every stage by then."""
+        if self.window is None:
+            return
+        first = window_start(seq.computed, self.window) // BLOCK_SIZE
+        gone = min(first - seq.window_first, len(seq.window_blocks))
+        if gone > 0:
+            self.window_pool.release(seq.window_blocks[:gone])
+            del seq.window_blocks[:gone]
+            seq.window_first += gone
+
+    def _take_prefix(self, seq: Sequence) -> None:
+        """Start `seq` from the longest cached prefix of its prompt both pools can serve (at least one position
+        left to compute, so the last prompt token's logits exist to sample from)."""
+        digests = self.pool.cached_chain(seq.tokens, (len(seq.tokens) - 1) // BLOCK_SIZE)
+        reach = len(digests)
+        while self.window is not None and reach and not all(
+                self.window_pool.holds(d) for d in digests[self._window_first_block(reach):reach]):
+            reach -= 1
+        seq.blocks = self.pool.take(digests[:reach])
+        if self.window is not None:
+            seq.window_first = self._window_first_block(reach)
+            seq.window_blocks = self.window_pool.take(digests[seq.window_first:reach])
+        seq.parent_hash = digests[reach - 1] if reach else ROOT_HASH
+        seq.computed = reach * BLOCK_SIZE
+        seq.registered = reach
+
+    def _window_first_block(self, blocks: int) -> int:
+        """The first block the window of position `blocks * BLOCK_SIZE` reaches."""
+        return window_start(blocks * BLOCK_SIZE, self.window) // BLOCK_SIZE
 
     def _preempt(self, seq: Sequence) -> None:
         """Free a running request's blocks and put it back first in line; it will be recomputed from its tokens."""
@@ -298,8 +365,9 @@ class Scheduler:
             seq.computed += count
             sample = seq.computed == len(seq.tokens)
             seq.in_flight, seq.batch = sample, self._steps
+            window = (tuple(seq.window_blocks), seq.window_first) if self.window is not None else (None, 0)
             items.append(WorkItem(seq.rid, seq.origin, start, count, tuple(seq.blocks),
-                                  seq.sample if sample else None))
+                                  seq.sample if sample else None, *window))
             tokens.extend(seq.tokens[start:seq.computed])
             if self.limits.prefix_cache:
                 self._register_full_blocks(seq)
@@ -311,4 +379,6 @@ class Scheduler:
         for i in range(seq.registered, seq.computed // BLOCK_SIZE):
             seq.parent_hash = block_hash(seq.parent_hash, seq.tokens[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE])
             self.pool.register(seq.blocks[i], seq.parent_hash)
+            if self.window is not None and i >= seq.window_first:
+                self.window_pool.register(seq.window_blocks[i - seq.window_first], seq.parent_hash)
             seq.registered = i + 1

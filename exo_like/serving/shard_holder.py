@@ -17,7 +17,8 @@ from exo_like.engines.base import Engine
 from exo_like.models.hub.download import ShardDownloader
 from exo_like.models.registry import ModelRegistry
 from exo_like.models.shard import Shard
-from exo_like.serving.kv_blocks import kv_budget_bytes
+from exo_like.serving.kv_blocks import kv_budget_bytes, pool_sizes
+from exo_like.serving.scheduler import SchedulerLimits
 from exo_like.serving.stage import StageWorker
 from partitioning.plan import Plan
 
@@ -26,13 +27,14 @@ log = logging.getLogger(__name__)
 
 class ShardHolder:
     def __init__(self, node_id: str, engine: Engine, executor: ThreadPoolExecutor, models: ModelRegistry,
-                 downloader: ShardDownloader, kv_cache_gb: float | None):
+                 downloader: ShardDownloader, kv_cache_gb: float | None, limits: SchedulerLimits):
         self.node_id = node_id
         self.engine = engine
         self.executor = executor
         self.models = models
         self.downloader = downloader
         self.kv_cache_gb = kv_cache_gb
+        self.limits = limits  # the scheduler's, should this node be a first stage (they size the window pool)
         self.held: tuple[str, Shard] | None = None  # (model key, shard) the engine holds
 
     async def hold(self, plan: Plan, shard: Shard | None, stage: StageWorker) -> None:
@@ -69,4 +71,7 @@ class ShardHolder:
 
     def _allocate_kv(self) -> None:
         """Engine thread, after a load: the KV pool for this node's layers, within the budget."""
-        self.engine.allocate_kv(max(1, kv_budget_bytes(self.kv_cache_gb) // self.engine.kv_block_bytes()))
+        args, limits = self.engine.args, self.limits.for_device(self.engine.on_cpu)
+        size = pool_sizes(kv_budget_bytes(self.kv_cache_gb), self.engine.kv_block_bytes(), args.kv_window,
+                          limits.max_running, limits.max_batch_tokens, args.context_length)
+        self.engine.allocate_kv(size.blocks, size.window_blocks)

@@ -191,7 +191,9 @@ class StageWorker:
             if resources is None:
                 return None  # some stage has not announced its KV pool yet: its announcement wakes us
             self.scheduler = Scheduler(resources.kv_blocks, self.limits, resources.pipeline_depth,
-                                       self.engine is None or self.engine.on_cpu, attention_scale(self.engine))
+                                       self.engine is None or self.engine.on_cpu, attention_scale(self.engine),
+                                       self.engine.kv_window if self.engine is not None else None,
+                                       resources.kv_window_blocks)
             for message in self._submitted:
                 self.scheduler.submit(message)
             self._submitted.clear()

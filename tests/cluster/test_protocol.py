@@ -30,7 +30,7 @@ from exo_like.engines.work import SampleSpec, WorkItem
 
 INFO = NodeInfo("node-a", "studio", "10.0.0.5", 52415, "torch", "cpu", "x86_64", 16 << 30, "0.1.0", "float32")
 SAMPLE = SampleSpec(temperature=0.7, top_p=0.9, top_k=40, seed=1234, max_tokens=32, eos=(2, 151645), prompt_len=5)
-HIDDEN = Activations("float32", (3, 4), np.arange(12, dtype=np.float32).tobytes())
+HIDDEN = Activations("float32", (5, 4), np.arange(20, dtype=np.float32).tobytes())
 
 HELLO = Hello(b"n" * 16, PROTOCOL, "0.1.0")
 WELCOME = Welcome(INFO.to_dict(), b"p" * 32)
@@ -38,11 +38,13 @@ REFUSED = Refused("cluster key mismatch")
 # Round trips by peer are a map of counts like a load's weight counts (checked in test_announced_speed_figures...).
 FIGURES = SpeedFigures("compute", "org/model@abc", 2_310_000, 120_000, 1.25, False, None, {})
 PLAN = PlanState("org/model@abc", (3, "node-a"), "d1g3st", True, None, NodeLoad(1.5, 2.0, 1, True).to_json(), 512,
-                 FIGURES.to_json(), ("node-b", "node-c"))
+                 FIGURES.to_json(), ("node-b", "node-c"), kv_window_blocks=96)
 ADDRESSES = PeerAddresses((MemberAddress("node-b", "10.0.0.6", 52415), MemberAddress("node-c", "192.168.1.9", 7)))
 SUBMIT = Submit("req-1", "node-a", "d1g3st", (1, 2, 3, 4, 5), SAMPLE)
+# req-3 of a model with sliding-window layers: their table holds its blocks 1 and 2 (positions 16-47).
 FORWARD = Forward("d1g3st", (WorkItem("req-1", "node-a", 0, 1, (0,)),
-                             WorkItem("req-2", "node-b", 16, 2, (3, 7), SAMPLE)), HIDDEN, kv_used=9)
+                             WorkItem("req-2", "node-b", 16, 2, (3, 7), SAMPLE),
+                             WorkItem("req-3", "node-a", 40, 2, (1, 2, 4), None, (5, 6), 1)), HIDDEN, kv_used=9)
 SAMPLED = Sampled("d1g3st", (SampledToken("req-1", 17, False), SampledToken("req-2", 2, True)))
 RELEASE = Release("req-1")
 ERROR = Error("req-1", "node b left the ring \u2603", "stage_failed")
@@ -61,7 +63,8 @@ EXAMPLES: list[Message] = [
 # whose every field may be (an announced load: a field left out reads as its default); any other missing field
 # refuses the frame.
 OPTIONAL = {"protocol@refused", "version@refused", "model@plan_state", "digest@plan_state", "problem@plan_state",
-            "kv_blocks@plan_state", "load@plan_state", "figures@plan_state", "sample@items", "dtype@info"}
+            "kv_blocks@plan_state", "load@plan_state", "figures@plan_state", "sample@items", "dtype@info",
+            "kv_window_blocks@plan_state", "window_blocks@items"}
 ALL_OPTIONAL = {"load", "download", "figures"}
 IGNORED = {"percent", "eta_seconds"}  # sent in a download, and worked out again by the receiver
 ODD = msgpack.ExtType(42, b"?")  # no field takes an extension type: ill-typed wherever it is put
@@ -279,11 +282,14 @@ OUT_OF_RANGE: list[tuple[Message, tuple, Any, str]] = [
     # them.
     (FORWARD, ("items", 1, "blocks"), [3], "blocks"),
     (FORWARD, ("items", 0, "start"), 16, "blocks"),
+    (FORWARD, ("items", 2, "window_blocks"), [5], "window_blocks"),  # positions up to 41 need blocks 1 and 2
+    (FORWARD, ("items", 2, "window_first"), 3, "window_blocks"),  # the window table starts past position 40
+    (FORWARD, ("items", 2, "window_first"), -1, "window_first"),
     (FORWARD, ("items", 0), "req-1", "items"),
     (FORWARD, ("kv_used",), -1, "kv_used"),
     (FORWARD, ("hidden", "dtype"), "int8", "dtype"),
-    (FORWARD, ("hidden", "shape"), [12], "hidden"),
-    (FORWARD, ("hidden", "shape"), [4, 3], "hidden"),
+    (FORWARD, ("hidden", "shape"), [20], "hidden"),
+    (FORWARD, ("hidden", "shape"), [4, 5], "hidden"),
     (FORWARD, ("hidden", "shape"), [3, -4], "shape"),
     (FORWARD, ("hidden", "data"), b"\0" * 47, "data"),
     (SAMPLED, ("tokens", 0), ["req-1", -1, True], "token"),

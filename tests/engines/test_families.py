@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from exo_like.engines.base import Engine, create_engine
+from exo_like.engines.work import BLOCK_SIZE, window_start
 from exo_like.models.config import ModelArgs
 from exo_like.models.shard import Shard
 from tests.checkpoints import (FUSED_ARCHITECTURES, GEMMA_ARCHITECTURES, MLA_ARCHITECTURES, MOE_ARCHITECTURES,
@@ -155,7 +156,7 @@ def test_latent_attention_caches_one_latent_a_position(family_dirs, engine_name)
 
     engine = load_chain(family_dirs["deepseek_v3"], (engine_name,))[0]
     engine.allocate_kv(4)
-    assert engine.kv_block_bytes() == N_LAYERS * BLOCK_SIZE * 40 * 4
+    assert engine.kv_block_bytes() == (N_LAYERS * BLOCK_SIZE * 40 * 4, 0)  # (no sliding-window layers)
     assert ModelArgs.from_dir(family_dirs["deepseek_v3"]).kv_layout() == (1, 40, 0)
 
 
@@ -297,6 +298,10 @@ def test_a_request_reusing_another_requests_prefix_blocks_gives_its_own_logits(f
     driver = Driver(engines)
     driver.forward("a", prompts["a"])
     driver.tables["b"], driver.lengths["b"] = list(driver.tables["a"][:2]), 32
+    if driver.window is not None:  # and the sliding-window layers' blocks b's window reaches from position 32
+        first, table = driver.window_tables["a"]
+        reach = window_start(32, driver.window) // BLOCK_SIZE
+        driver.window_tables["b"] = reach, table[reach - first:2 - first]
     reused = greedy_logits(driver, rest, 8, "b")
     alone = greedy_logits(Driver(engines), np.concatenate([shared, rest]), 8, "b")
     assert reused[0] == alone[0]

@@ -3,6 +3,7 @@ attention layer (GQA, one sdpa call per request, each row rotated at its own pos
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 
 import mlx.core as mx
@@ -10,7 +11,8 @@ import mlx.nn as nn
 import numpy as np
 
 from exo_like.engines.batch import BatchLayout, ItemLayout
-from exo_like.engines.work import BLOCK_SIZE
+from exo_like.engines.batch import layout as batch_layout
+from exo_like.engines.work import BLOCK_SIZE, WorkItem, window_start
 from exo_like.models.config import ModelArgs, rope_attention_factor, rope_inv_freq
 
 
@@ -34,11 +36,11 @@ class LayerPool:
     def read(self, item: ItemLayout, slots: mx.array | None, first: int = 0) -> tuple[mx.array, mx.array]:
         """An item's keys and values for positions [first, end): a slice when its slots are consecutive."""
         if slots is None:
-            start, end = item.base + first, item.base + item.end
+            start, end = item.base + first - item.origin, item.base + item.end - item.origin
             keys = self.keys[:, start:end]
             return keys, self.values[:, start:end] if self.values is not None else keys[..., :self.latent_values]
-        if first:
-            slots = slots[first:]
+        if first > item.origin:
+            slots = slots[first - item.origin:]
         keys = mx.take(self.keys, slots, axis=1)
         return keys, mx.take(self.values, slots, axis=1) if self.values is not None else \
             keys[..., :self.latent_values]
@@ -50,10 +52,12 @@ class LayerPool:
 
 
 class StepIndex:
-    """A BatchLayout as MLX arrays, built once per step and shared by every layer."""
+    """A BatchLayout as MLX arrays, built once per step and shared by every layer; for the sliding-window layers,
+    `windowed` is the same from their own pool's layout."""
 
-    def __init__(self, layout: BatchLayout):
+    def __init__(self, layout: BatchLayout, window_layout: BatchLayout | None = None):
         self.layout = layout
+        self.windowed = None if window_layout is None else StepIndex(window_layout)
         self.positions = mx.array(layout.positions.astype(np.int32))
         self.write_slots = mx.array(layout.write_slots.astype(np.int32))
         self.gathers = [None if item.base is not None else mx.array(item.slots.astype(np.int32))
@@ -66,10 +70,19 @@ class StepIndex:
         if (index, window) not in self._windows:
             item = self.layout.items[index]
             queries = np.arange(item.start, item.end)[:, None]
-            keys = np.arange(max(0, item.start - window + 1), item.end)[None, :]
+            keys = np.arange(window_start(item.start, window), item.end)[None, :]
             visible = (keys <= queries) & (keys > queries - window)
             self._windows[index, window] = None if visible.all() else mx.array(visible)
         return self._windows[index, window]
+
+
+def step_index(items: Sequence[WorkItem], n_blocks: int, n_window_blocks: int | None, args: ModelArgs) -> StepIndex:
+    """A step's index on a shard whose pools hold `n_blocks` and `n_window_blocks` (None: no sliding-window
+    layers) blocks."""
+    layout = batch_layout(items, n_blocks, args.context_length)
+    if n_window_blocks is None:
+        return StepIndex(layout)
+    return StepIndex(layout, batch_layout(items, n_window_blocks, args.context_length, args.kv_window))
 
 
 class RMSNorm(nn.Module):
@@ -120,6 +133,8 @@ class Attention(nn.Module):
     def __call__(self, x: mx.array, pool: LayerPool, index: StepIndex) -> mx.array:
         """x: the batch's rows [R, H]."""
         rows = x.shape[0]
+        if self.window is not None:  # its own pool's slots
+            index = index.windowed
         queries = self.q_proj(x).reshape(rows, self.n_heads, self.head_dim)
         keys = self.k_proj(x).reshape(rows, self.n_kv_heads, self.head_dim)
         values = self.v_proj(x).reshape(rows, self.n_kv_heads, self.head_dim)
@@ -130,7 +145,8 @@ class Attention(nn.Module):
         return self.o_proj(self.attend(queries, pool, index).reshape(rows, -1))
 
     def attend(self, queries: mx.array, pool: LayerPool, index: StepIndex) -> mx.array:
-        """The rows' queries [R, heads, D] against the pool (their own keys written) -> [R, heads, Dv]."""
+        """The rows' queries [R, heads, D] against the pool (their own keys written) -> [R, heads, Dv]; `index`
+        the one of this layer's pool (StepIndex.windowed for a sliding-window layer)."""
         outs = []
         for i, (item, slots) in enumerate(zip(index.layout.items, index.gathers)):
             q = queries[item.row_start:item.row_end].transpose(1, 0, 2)[None]
@@ -139,7 +155,7 @@ class Attention(nn.Module):
                 # for new positions after cached ones.
                 first, mask = 0, "causal" if item.count > 1 else None
             else:
-                first, mask = max(0, item.start - self.window + 1), index.window_mask(i, self.window)
+                first, mask = window_start(item.start, self.window), index.window_mask(i, self.window)
             item_keys, item_values = pool.read(item, slots, first)
             out = self._attend(q, item_keys[None], item_values[None], mask)
             outs.append(out[0].transpose(1, 0, 2))

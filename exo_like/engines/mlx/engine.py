@@ -20,13 +20,12 @@ from mlx.utils import tree_flatten
 
 from exo_like.engines.activations import Activations
 from exo_like.engines.base import Engine, EngineUnavailableError, WeightForms, check_cancel, return_freed_memory
-from exo_like.engines.batch import layout as batch_layout
 from exo_like.engines.layer_speed import LayerRunner
 from exo_like.engines.mlx.layer import layer_runner
-from exo_like.engines.mlx.attention import LayerPool, StepIndex
+from exo_like.engines.mlx.attention import LayerPool, step_index
 from exo_like.engines.mlx.mlp import stack_experts, stacked_name
 from exo_like.engines.mlx.model import ShardModel, split_fused_projections, split_module_paths
-from exo_like.engines.work import BLOCK_SIZE, WorkItem
+from exo_like.engines.work import BLOCK_SIZE, KVPoolSize, WorkItem
 from exo_like.errors import InvalidRequestError, UnsupportedModelError
 from exo_like.models.affine import AffineGroups, pack_words
 from exo_like.models.checkpoint import ShardLoadPlan, plan_shard_load
@@ -157,7 +156,7 @@ class MLXEngine(Engine):
         self._dtype_name = dtype or "float32"
         self._model: ShardModel | None = None
         self._pools: list[LayerPool] = []
-        self._kv_blocks = 0
+        self._kv_size: KVPoolSize | None = None
 
     # ---- loading -------------------------------------------------------------------------------------------
 
@@ -227,35 +226,39 @@ class MLXEngine(Engine):
         model = self._require_model()
         if not self._pools:
             raise RuntimeError("no KV pool: call allocate_kv() after load()")
-        index = StepIndex(batch_layout(items, self._kv_blocks, self.args.context_length))
+        size = self._kv_size
+        index = step_index(items, size.blocks, size.window_blocks, self.args)
         with mx.stream(self._device):
             x = self._to_mlx(inputs, index.layout.rows)
             out = model(x, self._pools, index)
             mx.eval(out, [pool.state for pool in self._pools])
             return np.array(out.astype(mx.float32)) if model.shard.is_last else self._to_activations(out)
 
-    def kv_block_bytes(self) -> int:
+    def kv_block_bytes(self) -> tuple[int, int]:
         heads, key_width, value_width = self.args.kv_layout()
-        return len(self._require_model().model.layers) * heads * BLOCK_SIZE * (key_width + value_width) * \
-            MX_DTYPES[self._dtype_name].size
+        per_layer = heads * BLOCK_SIZE * (key_width + value_width) * MX_DTYPES[self._dtype_name].size
+        shard = self._require_model().shard
+        windowed = sum(self.args.window(layer) is not None for layer in range(shard.start_layer, shard.end_layer))
+        return (shard.end_layer - shard.start_layer - windowed) * per_layer, windowed * per_layer
 
-    def allocate_kv(self, n_blocks: int) -> None:
-        self._pools = []  # the old pool's memory goes before the new one is taken
+    def allocate_kv(self, n_blocks: int, n_window_blocks: int | None = None) -> None:
+        self._pools, self._kv_size = [], None  # the old pool's memory goes before the new one is taken
+        window_blocks = n_blocks if n_window_blocks is None else n_window_blocks
         with mx.stream(self._device):
-            self._pools = self._require_model().make_pools(n_blocks, MX_DTYPES[self._dtype_name])
+            self._pools = self._require_model().make_pools(n_blocks, window_blocks, MX_DTYPES[self._dtype_name])
             mx.eval([pool.state for pool in self._pools])
-        self._kv_blocks = n_blocks
-        log.info("KV pool: %d blocks (%.1f MB) for %s", n_blocks, n_blocks * self.kv_block_bytes() / 1e6, self.shard)
+        self._kv_size = KVPoolSize(n_blocks, window_blocks if self.kv_block_bytes()[1] else None)
+        self._log_pool(self._kv_size)
 
     @property
-    def kv_blocks(self) -> int:
-        return self._kv_blocks if self._pools else 0
+    def kv_size(self) -> KVPoolSize | None:
+        return self._kv_size if self._pools else None
 
     def close(self) -> None:
         # A thread that ran MLX holds per-thread state (its streams, and the random key layer initialisation
         # used) whose destructors take the GIL; left to the thread's exit, they can run while the interpreter
         # finalizes, and the process aborts. MLX asks each such thread to clear them itself before it ends.
-        self._model, self._pools, self._kv_blocks, self.shard, self.args = None, [], 0, None, None
+        self._model, self._pools, self._kv_size, self.shard, self.args = None, [], None, None, None
         mx.clear_streams()
 
     def _to_mlx(self, inputs: np.ndarray | Activations, rows: int) -> mx.array:

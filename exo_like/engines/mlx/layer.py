@@ -8,9 +8,8 @@ from collections.abc import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from exo_like.engines.batch import layout as batch_layout
 from exo_like.engines.layer_speed import LayerRunner, measure_items, measured_layer
-from exo_like.engines.mlx.attention import LayerPool, StepIndex
+from exo_like.engines.mlx.attention import LayerPool, step_index
 from exo_like.engines.mlx.model import TransformerBlock
 from exo_like.engines.work import WorkItem
 from exo_like.models.config import ModelArgs
@@ -30,7 +29,7 @@ def layer_runner(args: ModelArgs, device: mx.Device, dtype: mx.Dtype, quant: Qua
         mx.eval(pool.state)
 
     def timed(item: WorkItem) -> Callable[[], None]:
-        index = StepIndex(batch_layout([item], n_blocks, args.context_length))
+        index = step_index([item], n_blocks, n_blocks if args.kv_window else None, args)
         with mx.stream(device):
             x = (mx.random.normal((item.count, args.hidden_size)) * 0.02).astype(dtype)
             mx.eval(x)

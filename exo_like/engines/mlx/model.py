@@ -85,8 +85,10 @@ class ShardModel(nn.Module):
             logits = mx.tanh(logits / self.args.final_softcap) * self.args.final_softcap
         return logits
 
-    def make_pools(self, n_blocks: int, dtype: mx.Dtype) -> list[LayerPool]:
-        return [LayerPool(self.args, n_blocks, dtype) for _ in self.model.layers]
+    def make_pools(self, n_blocks: int, n_window_blocks: int, dtype: mx.Dtype) -> list[LayerPool]:
+        """A pool per layer: `n_window_blocks` blocks for a sliding-window layer, `n_blocks` for the others."""
+        return [LayerPool(self.args, n_blocks if self.args.window(layer) is None else n_window_blocks, dtype)
+                for layer in range(self.shard.start_layer, self.shard.end_layer)]
 
 
 FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}

@@ -4,7 +4,8 @@ attention layer (fused q/k/v projection, GQA, one sdpa call per request or one f
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -12,9 +13,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from exo_like.engines.batch import BatchLayout, ItemLayout
+from exo_like.engines.batch import layout as batch_layout
 from exo_like.engines.torch.linear import Linear
 from exo_like.engines.torch.norm import QKNorm
-from exo_like.engines.work import BLOCK_SIZE
+from exo_like.engines.work import BLOCK_SIZE, WorkItem, window_start
 from exo_like.models.config import ModelArgs, rope_attention_factor, rope_inv_freq
 
 ROPE_CHUNK = 4096  # rotary table rows added per growth step
@@ -65,24 +67,47 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 class KVPool:
-    """Keys and values of every request on this stage, for every layer of the shard: [layers, kv_heads, slots,
-    width] (ModelArgs.kv_layout: MLA caches one latent key a position and no values), slots = blocks * BLOCK_SIZE
-    (see engines/batch.py for which slot holds what).
+    """Keys and values of every request on this stage, for every layer of the shard, [kv_heads, slots, width] a
+    layer (ModelArgs.kv_layout: MLA caches one latent key a position and no values), slots = blocks * BLOCK_SIZE
+    (see engines/batch.py for which slot holds what). Layers attending to every position share one tensor of
+    `n_blocks` blocks, sliding-window layers another of `n_window_blocks`: a request keeps only its window's
+    blocks there.
 
     Allocated with `torch.empty`: memory pages are only taken as blocks are first written, and the first stage
     hands out the lowest free block ids first, so resident memory follows use rather than the budget."""
 
-    def __init__(self, args: ModelArgs, n_layers: int, n_blocks: int, device: torch.device, dtype: torch.dtype):
+    def __init__(self, args: ModelArgs, layers: Sequence[int], n_blocks: int, n_window_blocks: int,
+                 device: torch.device, dtype: torch.dtype):
+        windowed = [args.window(layer) is not None for layer in layers]
+        self.n_blocks, self.n_window_blocks = n_blocks, n_window_blocks if any(windowed) else None
+        # Layer i's tensors: (group, row) with group 0 full attention, 1 sliding window.
+        self._rows = [(int(w), sum(windowed[:i]) if w else i - sum(windowed[:i])) for i, w in enumerate(windowed)]
+        counts = (len(layers) - sum(windowed), sum(windowed))
         heads, key_width, value_width = args.kv_layout()
-        self.n_blocks = n_blocks
-        self.keys = torch.empty((n_layers, heads, n_blocks * BLOCK_SIZE, key_width), device=device, dtype=dtype)
-        self.values = torch.empty((n_layers, heads, n_blocks * BLOCK_SIZE, value_width), device=device,
-                                  dtype=dtype) if value_width else None
+        self.keys, self.values = [], []
+        for count, blocks in zip(counts, (n_blocks, n_window_blocks)):
+            shape = (count, heads, blocks * BLOCK_SIZE if count else 0)
+            self.keys.append(torch.empty((*shape, key_width), device=device, dtype=dtype))
+            self.values.append(torch.empty((*shape, value_width), device=device, dtype=dtype) if value_width else None)
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Local layer i's keys and values (None: MLA, whose values are the latent keys)."""
+        group, row = self._rows[i]
+        values = self.values[group]
+        return self.keys[group][row], None if values is None else values[row]
+
+    def zero_(self) -> None:
+        for tensor in (*self.keys, *self.values):
+            if tensor is not None:
+                tensor.zero_()
 
     @staticmethod
-    def block_bytes(args: ModelArgs, n_layers: int, dtype: torch.dtype) -> int:
+    def block_bytes(args: ModelArgs, layers: Sequence[int], dtype: torch.dtype) -> tuple[int, int]:
+        """Bytes a block takes in the full-attention layers' pool and in the sliding-window layers' pool."""
         heads, key_width, value_width = args.kv_layout()
-        return n_layers * heads * BLOCK_SIZE * (key_width + value_width) * dtype.itemsize
+        per_layer = heads * BLOCK_SIZE * (key_width + value_width) * dtype.itemsize
+        windowed = sum(args.window(layer) is not None for layer in layers)
+        return (len(layers) - windowed) * per_layer, windowed * per_layer
 
 
 @dataclass(frozen=True)
@@ -95,27 +120,28 @@ class DecodeGroup:
     first_row: int | None  # when those rows are [first_row, first_row + B), as the scheduler puts decode first
     slots: torch.Tensor  # [B * longest] pool slots to gather (padding repeats a slot of the same request)
     mask: torch.Tensor  # [B, 1, 1, longest] True where a position is the request's own
-    ends: torch.Tensor  # [B, 1, 1, 1] each request's length (its new position + 1)
-
-    def within(self, window: int) -> "DecodeGroup":
-        """The same group attending only to each request's last `window` positions."""
-        positions = torch.arange(self.mask.shape[-1], device=self.mask.device)
-        return replace(self, mask=self.mask & (positions >= self.ends - window))
 
     @classmethod
-    def build(cls, items: list[ItemLayout], device: torch.device) -> "DecodeGroup":
-        longest = max(item.end for item in items)
+    def build(cls, items: list[ItemLayout], device: torch.device, window: int | None) -> "DecodeGroup":
+        """The group's positions: each request's whole range, or through a window its last `window`."""
+        firsts = [0 if window is None else window_start(item.start, window) for item in items]
+        longest = max(item.end - first for item, first in zip(items, firsts))
         slots = np.empty((len(items), longest), dtype=np.int64)
         mask = np.zeros((len(items), 1, 1, longest), dtype=bool)
-        for i, item in enumerate(items):
-            slots[i, :item.end] = item.slots if item.base is None else np.arange(item.base, item.base + item.end)
-            slots[i, item.end:] = slots[i, 0]
-            mask[i, ..., :item.end] = True
+        for i, (item, first) in enumerate(zip(items, firsts)):
+            seen = item.end - first
+            slots[i, :seen] = item_slots(item)[first - item.origin:]
+            slots[i, seen:] = slots[i, 0]
+            mask[i, ..., :seen] = True
         rows = np.array([item.row_start for item in items], dtype=np.int64)
         first = int(rows[0]) if np.array_equal(rows, np.arange(rows[0], rows[0] + len(rows))) else None
-        ends = np.array([item.end for item in items], dtype=np.int64).reshape(-1, 1, 1, 1)
         return cls(torch.from_numpy(rows).to(device), first, torch.from_numpy(slots.reshape(-1)).to(device),
-                   torch.from_numpy(mask).to(device), torch.from_numpy(ends).to(device))
+                   torch.from_numpy(mask).to(device))
+
+
+def item_slots(item: ItemLayout) -> np.ndarray:
+    """Slots of an item's positions [origin, end)."""
+    return item.slots if item.base is None else np.arange(item.base, item.base + item.end - item.origin)
 
 
 # Above this many positions a request attends to its own slots (a view of the pool when they are consecutive)
@@ -130,43 +156,53 @@ Single = tuple[ItemLayout, int, "torch.Tensor | None", "torch.Tensor | None"]
 
 @dataclass(frozen=True)
 class StepIndex:
-    """A BatchLayout as tensors on the engine's device, built once per step and shared by every layer."""
+    """A BatchLayout as tensors on the engine's device, built once per step and shared by every layer; for the
+    sliding-window layers, `windowed` is the same from their own pool's layout."""
 
     layout: BatchLayout
     write_slots: torch.Tensor
     singles: tuple[Single, ...]
     decode: DecodeGroup | None  # the single-position items attended to together, if several
-    device: torch.device
-    _windowed: dict[int, "StepIndex"] = field(default_factory=dict, compare=False)
+    windowed: "StepIndex | None" = None
 
     @classmethod
-    def build(cls, layout: BatchLayout, device: torch.device) -> "StepIndex":
-        decoding = [item for item in layout.items if item.count == 1 and item.end <= DECODE_GROUP_MAX_POSITIONS]
-        group = DecodeGroup.build(decoding, device) if len(decoding) > 1 else None
+    def build(cls, layout: BatchLayout, device: torch.device, window_layout: BatchLayout | None = None,
+              window: int | None = None) -> "StepIndex":
+        """The index of the layers attending to every position, and with a `window_layout` the sliding-window
+        layers' (`window` positions each) as `windowed`."""
+        windowed = None if window_layout is None else cls._build(window_layout, device, window)
+        return replace(cls._build(layout, device, None), windowed=windowed)
+
+    @classmethod
+    def _build(cls, layout: BatchLayout, device: torch.device, window: int | None) -> "StepIndex":
+        def seen(item: ItemLayout) -> int:
+            return item.end - (0 if window is None else window_start(item.start, window))
+        decoding = [item for item in layout.items if item.count == 1 and seen(item) <= DECODE_GROUP_MAX_POSITIONS]
+        group = DecodeGroup.build(decoding, device, window) if len(decoding) > 1 else None
         grouped = {id(item) for item in decoding} if group is not None else set()
-        singles = tuple((item, 0, None if item.base is not None else torch.from_numpy(item.slots).to(device),
-                         causal_mask(item.start, item.count, device) if item.start else None)
-                        for item in layout.items if id(item) not in grouped)
-        return cls(layout, torch.from_numpy(layout.write_slots).to(device), singles, group, device)
+        singles = tuple(_single(item, window, device) for item in layout.items if id(item) not in grouped)
+        return cls(layout, torch.from_numpy(layout.write_slots).to(device), singles, group)
 
-    def within(self, window: int) -> "StepIndex":
-        """The index of a sliding-window layer: each position attends to itself and the `window` - 1 before it.
-        A request's keys start at its first query's window (a narrower view or gather), masked per row. Built
-        once per step and window size."""
-        if window not in self._windowed:
-            singles = tuple(self._windowed_single(item, gather, window) for item, _, gather, _ in self.singles)
-            decode = self.decode.within(window) if self.decode is not None else None
-            self._windowed[window] = replace(self, singles=singles, decode=decode, _windowed={})
-        return self._windowed[window]
 
-    def _windowed_single(self, item: ItemLayout, gather: torch.Tensor | None, window: int) -> Single:
-        first = max(0, item.start - window + 1)
-        queries = torch.arange(item.start, item.end, device=self.device)[:, None]
-        keys = torch.arange(first, item.end, device=self.device)[None, :]
-        mask = (keys <= queries) & (keys > queries - window)
-        if bool(mask.all()):  # one row, seeing its whole window
-            mask = None
-        return item, first, None if gather is None else gather[first:], mask
+def step_index(items: Sequence[WorkItem], pool: KVPool, args: ModelArgs, device: torch.device) -> StepIndex:
+    """A step's index on a shard holding `pool`: the sliding-window layers' too when it has some."""
+    layout = batch_layout(items, pool.n_blocks, args.context_length)
+    if pool.n_window_blocks is None:
+        return StepIndex.build(layout, device)
+    window_layout = batch_layout(items, pool.n_window_blocks, args.context_length, args.kv_window)
+    return StepIndex.build(layout, device, window_layout, args.kv_window)
+
+
+def _single(item: ItemLayout, window: int | None, device: torch.device) -> Single:
+    """One request's attention: its keys from the first its first row sees (a view or a gather), and the mask."""
+    first = 0 if window is None else window_start(item.start, window)
+    gather = None if item.base is not None else torch.from_numpy(item.slots[first - item.origin:]).to(device)
+    if window is None:
+        return item, first, gather, causal_mask(item.start, item.count, device) if item.start else None
+    queries = torch.arange(item.start, item.end, device=device)[:, None]
+    keys = torch.arange(first, item.end, device=device)[None, :]
+    mask = (keys <= queries) & (keys > queries - window)
+    return item, first, gather, None if bool(mask.all()) else mask  # (all: one row, seeing its whole window)
 
 
 def causal_mask(offset: int, length: int, device: torch.device) -> torch.Tensor | None:
@@ -206,6 +242,8 @@ class Attention(nn.Module):
                 values: torch.Tensor, index: StepIndex) -> torch.Tensor:
         """x: the batch's rows [R, H]; keys/values: this layer's pool [kv_heads, slots, D]."""
         rows = x.shape[0]
+        if self.window is not None:  # its own pool's slots
+            index = index.windowed
         qkv = self.qkv_proj.forward(x).view(rows, -1, self.head_dim)
         qk = qkv[:, : self.n_heads + self.n_kv_heads]
         if self.qk_norm is not None:
@@ -225,9 +263,8 @@ class Attention(nn.Module):
     def attend(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor | None,
                index: StepIndex) -> torch.Tensor:
         """The rows' queries [R, heads, D] against this layer's pool (the rows' own keys and values written) ->
-        [R, heads, Dv], Dv the values' width."""
-        if self.window is not None:
-            index = index.within(self.window)
+        [R, heads, Dv], Dv the values' width; `index` the one of this layer's pool (StepIndex.windowed for a
+        sliding-window layer)."""
         if index.decode is None and len(index.singles) == 1:  # one request: no assembling
             return self._attend_one(queries, keys, values, *index.singles[0])
         width = self.latent_values or values.shape[-1]
@@ -243,8 +280,9 @@ class Attention(nn.Module):
                     gather: torch.Tensor | None, mask: torch.Tensor | None) -> torch.Tensor:
         """One request's rows q [T, heads, D] against its positions [first, end) -> [T, heads, D]."""
         if gather is None:  # the item's positions are consecutive slots: attend to a view of the pool
-            k = keys[:, item.base + first : item.base + item.end]
-            v = None if values is None else values[:, item.base + first : item.base + item.end]
+            start, end = item.base + first - item.origin, item.base + item.end - item.origin
+            k = keys[:, start:end]
+            v = None if values is None else values[:, start:end]
         else:
             k = keys.index_select(1, gather)
             v = None if values is None else values.index_select(1, gather)

@@ -19,15 +19,14 @@ from safetensors import safe_open
 
 from exo_like.engines.activations import Activations
 from exo_like.engines.base import Engine, WeightForms, check_cancel, return_freed_memory
-from exo_like.engines.batch import layout as batch_layout
 from exo_like.engines.layer_speed import LayerRunner
 from exo_like.engines.torch.layer import layer_runner
-from exo_like.engines.torch.attention import KVPool, StepIndex
+from exo_like.engines.torch.attention import KVPool, step_index
 from exo_like.engines.torch.linear import bound_onednn_caches
 from exo_like.engines.torch.model import ShardModel, fuse_checkpoint_weights, load_state
 from exo_like.engines.torch.openmp import pin_openmp_team
 from exo_like.engines.torch.quant import Installer, Matrix, cpu_numerics, int4_kernel_available
-from exo_like.engines.work import WorkItem
+from exo_like.engines.work import KVPoolSize, WorkItem
 from exo_like.errors import InvalidRequestError
 from exo_like.models.affine import AffineGroups, from_mlx, from_mlx_mxfp4
 from exo_like.models.checkpoint import ShardLoadPlan, plan_shard_load
@@ -266,7 +265,7 @@ class TorchEngine(Engine):
 
     def step(self, items: Sequence[WorkItem], inputs: np.ndarray | Activations) -> Activations | np.ndarray:
         model, pool = self._loaded_model(), self._pool()
-        index = StepIndex.build(batch_layout(items, pool.n_blocks, self.args.context_length), self.device)
+        index = step_index(items, pool, self.args, self.device)
         x = self._input_tensor(inputs, index.layout.rows)
         with torch.inference_mode():
             out = model(x, pool, index)
@@ -274,18 +273,17 @@ class TorchEngine(Engine):
                 return out.float().cpu().numpy()
             return tensor_to_activations(out)
 
-    def kv_block_bytes(self) -> int:
-        model = self._loaded_model()
-        return KVPool.block_bytes(self.args, len(model.layers), self.dtype)
+    def kv_block_bytes(self) -> tuple[int, int]:
+        return KVPool.block_bytes(self.args, self._loaded_model().layer_ids, self.dtype)
 
-    def allocate_kv(self, n_blocks: int) -> None:
+    def allocate_kv(self, n_blocks: int, n_window_blocks: int | None = None) -> None:
         self.pool = None  # the old pool's memory goes before the new one is taken
-        self.pool = self._loaded_model().new_pool(n_blocks)
-        log.info("KV pool: %d blocks (%.1f MB) for %s", n_blocks, n_blocks * self.kv_block_bytes() / 1e6, self.shard)
+        self.pool = self._loaded_model().new_pool(n_blocks, n_window_blocks)
+        self._log_pool(self.kv_size)
 
     @property
-    def kv_blocks(self) -> int:
-        return 0 if self.pool is None else self.pool.n_blocks
+    def kv_size(self) -> KVPoolSize | None:
+        return None if self.pool is None else KVPoolSize(self.pool.n_blocks, self.pool.n_window_blocks)
 
     def place_threads(self) -> None:
         """On CPU, one core per OpenMP thread of this (the engine) thread's team: see engines/torch/openmp.py."""

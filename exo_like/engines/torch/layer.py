@@ -9,9 +9,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from exo_like.engines.batch import layout as batch_layout
 from exo_like.engines.layer_speed import LayerRunner, measure_items, measured_layer
-from exo_like.engines.torch.attention import StepIndex
+from exo_like.engines.torch.attention import step_index
 from exo_like.engines.torch.model import ShardModel, fuse_checkpoint_weights, load_state
 from exo_like.engines.torch.quant import Installer, Matrix, int4_kernel_available
 from exo_like.engines.work import WorkItem
@@ -133,12 +132,10 @@ def layer_runner(args: ModelArgs, device: torch.device, dtype: torch.dtype, quan
     model.requires_grad_(False).eval().prepare()
     prefill_item, decode_item, n_blocks = measure_items()
     pool = model.new_pool(n_blocks)
-    pool.keys.zero_()  # torch.empty: whatever the memory held (denormals would slow the attention down)
-    if pool.values is not None:
-        pool.values.zero_()
+    pool.zero_()  # torch.empty: whatever the memory held (denormals would slow the attention down)
 
     def timed(item: WorkItem) -> Callable[[], None]:
-        index = StepIndex.build(batch_layout([item], n_blocks, args.context_length), device)
+        index = step_index([item], pool, args, device)
         x = (torch.randn(item.count, args.hidden_size, generator=generator) * WEIGHT_SCALE).to(device, dtype)
 
         def run() -> None:

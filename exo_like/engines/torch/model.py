@@ -74,7 +74,8 @@ class ShardModel(nn.Module):
         # (and sympy): tens of MB of resident memory for nothing.
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size,
                                          _weight=torch.empty(args.vocab_size, args.hidden_size)) if is_first else None
-        self.layers = nn.ModuleList(TransformerBlock(args, first_layer + i) for i in range(n_layers))
+        self.layer_ids = range(first_layer, first_layer + n_layers)  # absolute
+        self.layers = nn.ModuleList(TransformerBlock(args, layer) for layer in self.layer_ids)
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.norm_offset) if is_last else None
         self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False) if is_last else None
         self.ropes: dict[str, RotaryTable] = {}
@@ -117,9 +118,11 @@ class ShardModel(nn.Module):
                 held.update((id(t), t) for t in module.tensors())
         return list(held.values())
 
-    def new_pool(self, n_blocks: int) -> KVPool:
+    def new_pool(self, n_blocks: int, n_window_blocks: int | None = None) -> KVPool:
+        """The KV pool for the shard's layers; the sliding-window layers' of `n_window_blocks` (default the same)."""
         weight = self.norm_weight
-        return KVPool(self.args, len(self.layers), n_blocks, weight.device, weight.dtype)
+        window_blocks = n_blocks if n_window_blocks is None else n_window_blocks
+        return KVPool(self.args, self.layer_ids, n_blocks, window_blocks, weight.device, weight.dtype)
 
     def forward(self, inputs: torch.Tensor, pool: KVPool, index: StepIndex) -> torch.Tensor:
         """One step over a batch. inputs: token ids [R] (first shard) or hidden states [R, H]. Returns hidden
@@ -133,8 +136,7 @@ class ShardModel(nn.Module):
             # checks, for hooks this model never has) runs ~9 times per layer, a noticeable share of a small
             # model's decode step (see bench/bench_vs_llamacpp.py).
             for i, layer in enumerate(self.layers):
-                values = pool.values[i] if pool.values is not None else None  # MLA: none (values are latents)
-                h = layer.forward(h, ropes[layer.rope_key], pool.keys[i], values, index)
+                h = layer.forward(h, ropes[layer.rope_key], *pool.layer(i), index)
         if self.lm_head is None:
             return h
         sampled = torch.from_numpy(index.layout.sample_rows).to(h.device)
