@@ -16,6 +16,7 @@ from exo_like.engines.work import BLOCK_SIZE, KVPoolSize, blocks_for, window_sta
 from exo_like.serving.kv_blocks import WINDOW_REQUESTS, pool_sizes
 from exo_like.serving.scheduler import Scheduler, SchedulerLimits
 from tests.fake_ring import VOCAB, FakeEngine, generate, ring
+from tests.serving.test_replay import lose_then_replan, stream
 from tests.serving.test_scheduler import submit
 
 WINDOW = 20  # not a multiple of the block size: a window spans two or three blocks
@@ -113,3 +114,14 @@ def test_a_stage_gives_the_window_pool_what_its_requests_need_and_the_rest_to_th
     assert pool_sizes(budget, (2048, 0), None, 64, 512, 4096) == KVPoolSize(10_000)  # no window
     # Only sliding-window layers here: the other pool holds nothing, its ids only name blocks.
     assert pool_sizes(budget, (0, 2048), 128, 64, 512, 4096) == KVPoolSize(64 * blocks_for(4096), 10_000)
+
+
+async def test_a_replay_on_a_new_ring_rebuilds_both_pools_and_costs_nothing(reference) -> None:
+    prompt = PROMPTS["w5"]
+    async with ring(3, window=WINDOW, window_blocks=16, spares=1) as net:
+        tokens = await asyncio.wait_for(stream(net.nodes["n0"], "w5", prompt, NEW_TOKENS, at=10,
+                                               action=lose_then_replan(net, "n1", ["n0", "n3", "n2"])), 10)
+        assert net.nodes["n0"].origin.replays_total == 1
+        scheduler = net.first.stage.scheduler
+        assert not scheduler.running and scheduler.window_pool.used == scheduler.window_pool.cached
+    assert tokens == reference["w5"]
