@@ -127,7 +127,8 @@ async def test_picture_has_bytes_per_node_and_every_members_shared_load() -> Non
     await asyncio.sleep(0)  # let the announcement tasks run
     assert peers.links["b"].sent[-1].load == {"tokens_per_second": 8.0, "generated_per_second": 8.0,
                                                  "in_flight": 1, "busy": True, "step_seconds": 0.0,
-                                                 "decode_step_ms": None, "kv_blocks": 0, "kv_used": 0, "running": 0,
+                                                 "decode_step_ms": None, "kv_blocks": 0, "kv_used": 0,
+                                                 "kv_window_blocks": 0, "running": 0,
                                                  "waiting": 0, "prefix_queries": 0, "prefix_hits": 0,
                                                  "preemptions": 0, "quantized_weights": {},
                                                  "dequantized_weights": {}, "numerics": {}, "replays": 0,
