@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 import select
 import socket
 import threading
@@ -14,14 +15,29 @@ from tests.api_server import Launched, NodeProcess, launch_node
 
 
 def free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
+    """Ports free now, for servers a test starts later. Picked below the kernel's ephemeral range: the kernel hands
+    ports in that range to every process's outgoing connections and port-0 binds, so one picked there can be taken
+    (by a parallel test worker's connection) before the test binds it."""
+    low = ephemeral_low()
+    rng = random.SystemRandom()
+    ports: list[int] = []
+    while len(ports) < count:
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        if port not in ports:
+            ports.append(port)
+    return ports
+
+
+def ephemeral_low() -> int:
     try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default (macOS's is 49152: 32768 is below it too)
 
 
 def start_cluster(root: Path, model: str | None, memories_gb: list[float], engines: list[str] | None = None,
