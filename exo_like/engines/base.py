@@ -22,6 +22,7 @@ import numpy as np
 
 from exo_like.engines.activations import Activations
 from exo_like.engines.layer_speed import LayerRunner, LayerSpeed, time_layer
+from exo_like.engines.tensor_group import TensorGroup
 from exo_like.engines.work import KVPoolSize, WorkItem
 from exo_like.errors import ExoLikeError
 from exo_like.models.config import ModelArgs
@@ -76,6 +77,8 @@ class Engine(ABC):
         self.shard: Shard | None = None
         self.args: ModelArgs | None = None
         self.weight_forms = WeightForms()
+        # Set when the engine is one rank of a tensor-parallel group (before loading a shard with `tp`).
+        self.group: TensorGroup | None = None
 
     @abstractmethod
     def load(self, model_dir: Path, args: ModelArgs, shard: Shard, cancel: threading.Event | None = None) -> None:
@@ -93,6 +96,11 @@ class Engine(ABC):
         logits [S, vocab] of the last row of each item that samples (in item order).
         Raises InvalidRequestError if an item does not fit the pool or the context.
         """
+
+    def follow(self, items: Sequence[WorkItem], hidden: Activations) -> None:
+        """A tensor-parallel follower's part of its leader's step: its slice of the layers over the hidden states
+        the leader embedded (or received), in lockstep with the group. Nothing comes back: the leader has it all."""
+        raise NotImplementedError(f"the {self.name} engine does not run in tensor-parallel groups")
 
     @abstractmethod
     def layer_form(self, model_dir: Path, args: ModelArgs) -> str:

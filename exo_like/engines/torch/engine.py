@@ -34,6 +34,7 @@ from exo_like.models.config import DTYPES, ModelArgs
 from exo_like.models.gguf.file import FLOAT_TYPES, is_gguf, open_gguf
 from exo_like.models.quantization import QuantSpec
 from exo_like.models.shard import Shard
+from exo_like.models.tensor_split import rank_args, split_tensor, unfused
 
 log = logging.getLogger(__name__)
 
@@ -192,11 +193,16 @@ class TorchEngine(Engine):
         keep_quantized = self._keeps_quantized(model_dir, args)
         self.dtype = pick_dtype(self.requested_dtype, args.torch_dtype, self.device, keep_quantized)
         log.info("loading %s from %s on %s as %s", shard, Path(model_dir).name, self.device, DTYPE_NAMES[self.dtype])
+        held_args = args if shard.tp is None else rank_args(args, shard.tp)
         with torch.device("meta"):  # no memory, no random init: every parameter is replaced by a loaded tensor
-            model = ShardModel(args, shard.start_layer, shard.layer_count, shard.is_first, shard.is_last)
+            model = ShardModel(held_args, shard.start_layer, shard.layer_count, shard.is_first, shard.is_last,
+                               None if shard.tp is None else self._group_reduce(shard))
         installer = Installer(self.dtype, self.device, int4_kernel_available(self.device))
         weights = self._read_weights(Path(model_dir), args, shard, keep_quantized, installer, cancel)
-        state = fuse_checkpoint_weights(weights, args, shard.is_first, shard.is_last)
+        if shard.tp is not None:
+            weights = {name: split_tensor(name, tensor, args, shard.tp)
+                       for name, tensor in unfused(weights, args).items()}
+        state = fuse_checkpoint_weights(weights, held_args, shard.is_first, shard.is_last)
         installer.install(model, state)
         load_state(model, state)
         # Drop our references so prepare()'s relayout frees each old tensor as it goes.
@@ -213,6 +219,12 @@ class TorchEngine(Engine):
             # These paths make results differ, slightly, between CPUs: say which ones run, once, as they first do.
             self._numerics_logged = True
             log.info("cpu numerics: %s", ", ".join(f"{k} {v}" for k, v in self._numerics.items()))
+
+    def _group_reduce(self, shard: Shard) -> Callable[[torch.Tensor], torch.Tensor]:
+        group = self.group
+        if group is None or shard.tp is None or (group.rank, group.size) != (shard.tp.rank, shard.tp.size):
+            raise ValueError(f"{shard} needs this engine to be rank {shard.tp} of a tensor-parallel group")
+        return group.all_reduce
 
     def _keeps_quantized(self, model_dir: Path, args: ModelArgs) -> bool:
         """A quantized checkpoint runs on quantized kernels unless a float --dtype asks for the dequantized
@@ -265,16 +277,26 @@ class TorchEngine(Engine):
 
     def step(self, items: Sequence[WorkItem], inputs: np.ndarray | Activations) -> Activations | np.ndarray:
         model, pool = self._loaded_model(), self._pool()
-        index = step_index(items, pool, self.args, self.device)
+        index = step_index(items, pool, model.args, self.device)
         x = self._input_tensor(inputs, index.layout.rows)
         with torch.inference_mode():
-            out = model(x, pool, index)
+            h = model.embed(x)
+            if self.group is not None:  # the leader of a tensor-parallel group: its followers run the step too
+                self.group.share_step(items, tensor_to_activations(h))
+            out = model.head(model.run_layers(h, pool, index), index)
             if model.is_last:
                 return out.float().cpu().numpy()
             return tensor_to_activations(out)
 
+    def follow(self, items: Sequence[WorkItem], hidden: Activations) -> None:
+        model, pool = self._loaded_model(), self._pool()
+        index = step_index(items, pool, model.args, self.device)
+        with torch.inference_mode():
+            model.run_layers(activations_to_tensor(hidden, self.device, self.dtype), pool, index)
+
     def kv_block_bytes(self) -> tuple[int, int]:
-        return KVPool.block_bytes(self.args, self._loaded_model().layer_ids, self.dtype)
+        model = self._loaded_model()
+        return KVPool.block_bytes(model.args, model.layer_ids, self.dtype)
 
     def allocate_kv(self, n_blocks: int, n_window_blocks: int | None = None) -> None:
         self.pool = None  # the old pool's memory goes before the new one is taken

@@ -12,6 +12,7 @@ for it (see Linear, PACK_BATCH, native_matvec). None of this changes float32 res
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -31,8 +32,11 @@ class TransformerBlock(nn.Module):
     depends on it). With sandwich norms (Gemma), the attention's and the MLP's outputs are normalised too, and
     `post_attention_layernorm` is the attention's output norm rather than the MLP's input norm."""
 
-    def __init__(self, args: ModelArgs, layer: int):
+    def __init__(self, args: ModelArgs, layer: int, reduce: Reduce | None = None):
         super().__init__()
+        # A tensor-parallel rank's attention and MLP give partial sums, which the group adds up (an all-reduce);
+        # they stand for the whole outputs from there on (residual, sandwich norms).
+        self.reduce = reduce or _whole
         self.self_attn = LatentAttention(args, layer) if args.mla is not None else Attention(args, layer)
         self.mlp = SparseMoe(args.hidden_size, args.moe) if args.is_sparse_layer(layer) else \
             MLP(args.hidden_size, args.intermediate_size, args.mlp_bias, args.hidden_act)
@@ -45,12 +49,20 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor,
                 values: torch.Tensor, index: StepIndex) -> torch.Tensor:
-        attended = self.self_attn.forward(self.input_layernorm.forward(x), rope, keys, values, index)
+        attended = self.reduce(self.self_attn.forward(self.input_layernorm.forward(x), rope, keys, values, index))
         if not self.sandwich:
             h = x + attended
-            return h + self.mlp.forward(self.post_attention_layernorm.forward(h))
+            return h + self.reduce(self.mlp.forward(self.post_attention_layernorm.forward(h)))
         h = x + self.post_attention_layernorm.forward(attended)
-        return h + self.post_feedforward_layernorm.forward(self.mlp.forward(self.pre_feedforward_layernorm.forward(h)))
+        mlp_out = self.reduce(self.mlp.forward(self.pre_feedforward_layernorm.forward(h)))
+        return h + self.post_feedforward_layernorm.forward(mlp_out)
+
+
+Reduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _whole(x: torch.Tensor) -> torch.Tensor:
+    return x
 
 
 def rope_key(args: ModelArgs, layer: int) -> str:
@@ -66,7 +78,9 @@ def rope_tables(args: ModelArgs, keys: set[str], device: torch.device, dtype: to
 class ShardModel(nn.Module):
     """Layers [first_layer, first_layer + n_layers) of the model; embedding if first, final norm + LM head if last."""
 
-    def __init__(self, args: ModelArgs, first_layer: int, n_layers: int, is_first: bool, is_last: bool):
+    def __init__(self, args: ModelArgs, first_layer: int, n_layers: int, is_first: bool, is_last: bool,
+                 reduce: Reduce | None = None):
+        """reduce: sums a tensor-parallel group's partial layer outputs (None: the layers are whole)."""
         super().__init__()
         self.args = args
         self.is_first, self.is_last = is_first, is_last
@@ -75,7 +89,7 @@ class ShardModel(nn.Module):
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size,
                                          _weight=torch.empty(args.vocab_size, args.hidden_size)) if is_first else None
         self.layer_ids = range(first_layer, first_layer + n_layers)  # absolute
-        self.layers = nn.ModuleList(TransformerBlock(args, layer) for layer in self.layer_ids)
+        self.layers = nn.ModuleList(TransformerBlock(args, layer, reduce) for layer in self.layer_ids)
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.norm_offset) if is_last else None
         self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False) if is_last else None
         self.ropes: dict[str, RotaryTable] = {}
@@ -127,9 +141,18 @@ class ShardModel(nn.Module):
     def forward(self, inputs: torch.Tensor, pool: KVPool, index: StepIndex) -> torch.Tensor:
         """One step over a batch. inputs: token ids [R] (first shard) or hidden states [R, H]. Returns hidden
         states [R, H], or on the last shard the logits [S, vocab] of the batch's sampled rows."""
-        h = self.embed_tokens(inputs) if self.embed_tokens is not None else inputs
-        if self.embed_tokens is not None and self.args.embed_scale:  # Gemma: by sqrt(hidden), in h's dtype
+        return self.head(self.run_layers(self.embed(inputs), pool, index), index)
+
+    def embed(self, inputs: torch.Tensor) -> torch.Tensor:
+        """Token ids [R] -> hidden states [R, H] on the first shard; hidden states pass through elsewhere."""
+        if self.embed_tokens is None:
+            return inputs
+        h = self.embed_tokens(inputs)
+        if self.args.embed_scale:  # Gemma: by sqrt(hidden), in h's dtype
             h = h * torch.tensor(self.args.hidden_size**0.5, dtype=h.dtype)
+        return h
+
+    def run_layers(self, h: torch.Tensor, pool: KVPool, index: StepIndex) -> torch.Tensor:
         ropes = {key: table.get(index.layout.positions) for key, table in self.ropes.items()}
         with native_matvec(self.native_matvec and h.shape[0] == 1):
             # Layers call their parts through .forward, not nn.Module's call machinery: that machinery (hook
@@ -137,6 +160,10 @@ class ShardModel(nn.Module):
             # model's decode step (see bench/bench_vs_llamacpp.py).
             for i, layer in enumerate(self.layers):
                 h = layer.forward(h, ropes[layer.rope_key], *pool.layer(i), index)
+        return h
+
+    def head(self, h: torch.Tensor, index: StepIndex) -> torch.Tensor:
+        """On the last shard, the logits of the batch's sampled rows; elsewhere the hidden states unchanged."""
         if self.lm_head is None:
             return h
         sampled = torch.from_numpy(index.layout.sample_rows).to(h.device)

@@ -1,0 +1,29 @@
+"""What an engine sees of the tensor-parallel group it is one rank of (exo_like/tensor_parallel/ forms the group,
+runs each rank in a worker process and implements this).
+
+Every rank holds a slice of every layer of the stage (models/tensor_split.py). The leader (rank 0) runs the
+stage's steps: after embedding it shares the step (work items and first hidden states) with the followers, then
+all ranks run the layers in lockstep, adding their partial outputs with `all_reduce` twice a layer."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
+from exo_like.engines.activations import Activations
+from exo_like.engines.work import WorkItem
+
+
+class TensorGroup(ABC):
+    rank: int
+    size: int
+
+    @abstractmethod
+    def all_reduce(self, tensor: Any) -> Any:
+        """The sum of every rank's `tensor` (the engine's framework array), on every rank bit for bit the same
+        (routers on each rank must choose the same experts). May work in place; returns the sum."""
+
+    @abstractmethod
+    def share_step(self, items: Sequence[WorkItem], hidden: Activations) -> None:
+        """Leader only: hand the followers the step it is about to run through the layers."""

@@ -1,0 +1,206 @@
+"""How a tensor-parallel group splits a model's layers (Megatron's split): which attention heads and which MLP units
+each rank holds, the ModelArgs of one rank's slice, which rows or columns of each checkpoint tensor it keeps, and
+which models cannot be split over a group of a given size (and why).
+
+Per layer, q/k/v and gate/up are split by output (column-parallel: whole heads, whole MLP units), o_proj and
+down_proj by input (row-parallel): each rank's o_proj and down_proj give a partial sum of the layer's output, and
+the group adds them (an all-reduce) before the residual. Norms, routers and q/k norms are replicated; a
+row-parallel bias is held by rank 0 only, so the sum adds it once. A mixture of experts splits every expert's
+(and the shared expert's) intermediate dimension, as mlx-lm and exo do: the replicated router picks the same
+experts on every rank, each rank runs its slice of them, one all-reduce sums routed and shared outputs.
+
+Heads go in whole key/value groups (the query heads sharing one KV head), as evenly as the group count allows;
+with more ranks than KV heads, each KV head is replicated on consecutive ranks, which split its query heads (as
+vLLM does), so a 3-node group serves a model with 2 KV heads. Uneven counts split unevenly: the slowest rank's
+share sets the step time, which the planner counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar
+
+from exo_like.models.config import ModelArgs
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class TensorSplit:
+    """Rank `rank` of a tensor-parallel group of `size` ranks. Rank 0 (the leader) also holds what is not split:
+    the embedding, the final norm and the LM head of its stage, and the row-parallel biases."""
+
+    rank: int
+    size: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.size or self.size < 2:
+            raise ValueError(f"rank {self.rank} of a group of {self.size}: need 0 <= rank < size and size >= 2")
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    def __str__(self) -> str:
+        return f"tp {self.rank}/{self.size}"
+
+
+@dataclass(frozen=True)
+class RankSlice:
+    """What one rank holds of every layer: query heads [q_start, q_end), KV heads [kv_start, kv_end), and of
+    each MLP the units [unit_start, unit_end) of `units` (the dense MLP's intermediate_size), likewise of each
+    expert and of the shared expert."""
+
+    q_start: int
+    q_end: int
+    kv_start: int
+    kv_end: int
+    mlp: tuple[int, int]
+    expert: tuple[int, int] | None
+    shared_expert: tuple[int, int] | None
+
+
+def even_parts(total: int, parts: int) -> list[tuple[int, int]]:
+    """[start, end) of `parts` consecutive ranges covering [0, total), sizes differing by at most one (the first
+    ones larger)."""
+    bounds = [0]
+    for part in range(parts):
+        bounds.append(bounds[-1] + total // parts + (1 if part < total % parts else 0))
+    return list(zip(bounds, bounds[1:]))
+
+
+def head_ranges(n_heads: int, n_kv_heads: int, size: int) -> list[tuple[int, int, int, int]]:
+    """(q_start, q_end, kv_start, kv_end) per rank; see the module's docstring. Assumes split_refusal passed."""
+    per_group = n_heads // n_kv_heads
+    if size <= n_kv_heads:
+        return [(a * per_group, b * per_group, a, b) for a, b in even_parts(n_kv_heads, size)]
+    ranges = []
+    for kv_head, (first_rank, end_rank) in enumerate(even_parts(size, n_kv_heads)):
+        for a, b in even_parts(per_group, end_rank - first_rank):
+            ranges.append((kv_head * per_group + a, kv_head * per_group + b, kv_head, kv_head + 1))
+    return ranges
+
+
+def split_refusal(args: ModelArgs, size: int) -> str | None:
+    """Why the model's layers cannot be split over `size` ranks, or None if they can."""
+    if size < 2:
+        return "a tensor-parallel group has at least 2 ranks"
+    if args.mla is not None:
+        return "latent attention (DeepSeek) is not split by tensor parallelism yet: run it as a pipeline"
+    heads = args.num_attention_heads
+    if heads < size:
+        return f"{heads} attention heads cannot be split over {size} ranks"
+    # (With no more ranks than heads, a KV head shared by several ranks always has a query head for each.)
+    widths = [args.intermediate_size] if args.moe is None or len(args.moe.sparse_layers) < args.num_hidden_layers \
+        else []
+    if args.moe is not None:
+        widths += [args.moe.expert_size] + ([args.moe.shared_expert_size] if args.moe.shared_expert_size else [])
+    if min(widths) < size:
+        return f"an MLP {min(widths)} units wide cannot be split over {size} ranks"
+    return None
+
+
+def rank_slice(args: ModelArgs, split: TensorSplit) -> RankSlice:
+    refusal = split_refusal(args, split.size)
+    if refusal is not None:
+        raise ValueError(f"{args.model_type} over {split.size} ranks: {refusal}")
+    q_start, q_end, kv_start, kv_end = head_ranges(args.num_attention_heads, args.num_key_value_heads,
+                                                   split.size)[split.rank]
+    moe = args.moe
+    return RankSlice(
+        q_start, q_end, kv_start, kv_end,
+        mlp=even_parts(args.intermediate_size, split.size)[split.rank],
+        expert=None if moe is None else even_parts(moe.expert_size, split.size)[split.rank],
+        shared_expert=None if moe is None or not moe.shared_expert_size else
+        even_parts(moe.shared_expert_size, split.size)[split.rank])
+
+
+def rank_args(args: ModelArgs, split: TensorSplit) -> ModelArgs:
+    """The ModelArgs one rank's layers are built from: its heads, KV heads and MLP widths; all else the same."""
+    part = rank_slice(args, split)
+    moe = args.moe
+    if moe is not None:
+        moe = replace(moe, expert_size=_width(part.expert),
+                      shared_expert_size=0 if part.shared_expert is None else _width(part.shared_expert))
+    return replace(args, num_attention_heads=part.q_end - part.q_start,
+                   num_key_value_heads=part.kv_end - part.kv_start, intermediate_size=_width(part.mlp), moe=moe)
+
+
+def _width(bounds: tuple[int, int] | None) -> int:
+    assert bounds is not None
+    return bounds[1] - bounds[0]
+
+
+# How each layer tensor is split, by its name's last two parts (shared names, after a family's renames and
+# conversion): "out" keeps the rank's output rows (column-parallel), "in" its input columns (row-parallel), "bias"
+# a row-parallel bias, kept by rank 0 only. Anything else is replicated.
+_ATTENTION = {"q_proj": "q", "k_proj": "kv", "v_proj": "kv", "o_proj": "o", "sinks": "q"}
+_MLP = {"gate_proj": "out", "up_proj": "out", "down_proj": "in"}
+
+
+def split_tensor(name: str, tensor: T, args: ModelArgs, split: TensorSplit) -> T:
+    """The rank's part of layer tensor `name` (`model.layers.N.` + shared name; torch, numpy or MLX arrays, any
+    of them stacked by expert in front); a row-parallel bias is zeros on ranks other than 0 (the group's sum adds
+    it once). Tensors outside the layers, norms and routers come back whole."""
+    part = rank_slice(args, split)
+    head_dim = args.head_dim
+    module, _, leaf = name.rpartition(".")
+    owner, _, projection = module.rpartition(".")
+    if leaf == "sinks":  # gpt-oss: one logit per query head
+        return _take(tensor, -1, part.q_start, part.q_end)
+    if projection in _ATTENTION and owner.endswith(".self_attn"):
+        kind = _ATTENTION[projection]
+        if kind == "o":
+            return _leader_only(tensor, split) if leaf == "bias" else \
+                _take(tensor, -1, part.q_start * head_dim, part.q_end * head_dim)
+        start, end = (part.q_start, part.q_end) if kind == "q" else (part.kv_start, part.kv_end)
+        return _take(tensor, -1 if leaf == "bias" else -2, start * head_dim, end * head_dim)
+    if projection not in _MLP or ".mlp." not in f"{name}.":
+        return tensor
+    units = _mlp_units(owner, part)
+    if _MLP[projection] == "in":
+        return _leader_only(tensor, split) if leaf == "bias" else _take(tensor, -1, *units)
+    return _take(tensor, -1 if leaf == "bias" else -2, *units)
+
+
+def unfused(weights: dict[str, T], args: ModelArgs) -> dict[str, T]:
+    """Fused projections as checkpoints store them (Phi-3's `qkv_proj`: query, key, value rows; `gate_up_proj`:
+    gate rows, then up rows) as their parts, so that each part splits by its own rule. Consumes `weights`."""
+    q_rows, kv_rows = args.num_attention_heads * args.head_dim, args.num_key_value_heads * args.head_dim
+    segments = {"qkv_proj": (("q_proj", 0, q_rows), ("k_proj", q_rows, q_rows + kv_rows),
+                             ("v_proj", q_rows + kv_rows, q_rows + 2 * kv_rows))}
+    for name in [n for n in weights if n.rpartition(".")[0].endswith((".qkv_proj", ".gate_up_proj"))]:
+        module, _, leaf = name.rpartition(".")
+        owner, _, fused = module.rpartition(".")
+        tensor = weights.pop(name)
+        rows = tensor.shape[-1 if leaf == "bias" else -2]
+        parts = segments.get(fused) or (("gate_proj", 0, rows // 2), ("up_proj", rows // 2, rows))
+        for part, start, end in parts:
+            weights[f"{owner}.{part}.{leaf}"] = _take(tensor, -1 if leaf == "bias" else -2, start, end)
+    return weights
+
+
+def _mlp_units(owner: str, part: RankSlice) -> tuple[int, int]:
+    """The units this rank holds of the MLP named `owner` (a dense MLP, an expert, a stack of experts, a shared
+    expert)."""
+    if owner.endswith(".shared_expert"):
+        assert part.shared_expert is not None
+        return part.shared_expert
+    if ".experts." in f"{owner}." or owner.endswith(".switch_mlp"):
+        assert part.expert is not None
+        return part.expert
+    return part.mlp
+
+
+def _leader_only(tensor: T, split: TensorSplit) -> T:
+    return tensor if split.is_leader else tensor * 0
+
+
+def _take(tensor: Any, axis: int, start: int, end: int) -> Any:
+    """tensor[..., start:end] along `axis` (-1 or -2), a contiguous copy (a view would keep the whole alive)."""
+    index = (Ellipsis, slice(start, end)) if axis == -1 else (Ellipsis, slice(start, end), slice(None))
+    part = tensor[index]
+    for copy in ("contiguous", "copy"):  # torch, then numpy; MLX slices are copies already
+        if hasattr(part, copy):
+            return getattr(part, copy)()
+    return part

@@ -1,0 +1,167 @@
+"""Tensor-parallel engines in one process: each rank a TorchEngine on its own thread, holding its slice of every layer
+(models/tensor_split.py), the group's all-reduce a fake that adds the ranks' partial sums in rank order. Greedy
+tokens and logits must be the single engine's, for every family the split handles; the real group (worker
+processes over torch.distributed) is tested in tests/tensor_parallel/."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from exo_like.engines.activations import Activations
+from exo_like.engines.tensor_group import TensorGroup
+from exo_like.engines.torch.engine import TorchEngine
+from exo_like.engines.work import WorkItem
+from exo_like.models.config import ModelArgs
+from exo_like.models.shard import Shard
+from exo_like.models.tensor_split import TensorSplit, head_ranges, rank_args, split_refusal
+from tests.checkpoints import make_checkpoint
+from tests.engine_driver import Driver
+
+N_TOKENS = 48
+PROMPT = np.array([3, 17, 29, 5, 11, 42, 7, 19, 23, 2, 31, 13], dtype=np.int64)
+
+
+class Shared:
+    """What the fake group's ranks share: the partial sums of the all-reduce under way, the followers' inboxes."""
+
+    def __init__(self, size: int):
+        self.barrier = threading.Barrier(size, timeout=30)
+        self.parts: list[torch.Tensor | None] = [None] * size
+        self.inboxes = [queue.Queue() for _ in range(size)]
+
+
+class ThreadGroup(TensorGroup):
+    def __init__(self, rank: int, size: int, shared: Shared):
+        self.rank, self.size, self.shared = rank, size, shared
+        self.reduces = 0
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.reduces += 1
+        self.shared.parts[self.rank] = tensor
+        self.shared.barrier.wait()
+        total = self.shared.parts[0].clone()
+        for part in self.shared.parts[1:]:
+            total += part
+        self.shared.barrier.wait()  # everyone has read every part before any is replaced
+        return total
+
+    def share_step(self, items: Sequence[WorkItem], hidden: Activations) -> None:
+        for inbox in self.shared.inboxes[1:]:
+            inbox.put((list(items), hidden))
+
+
+def follow(engine: TorchEngine, inbox: queue.Queue) -> None:
+    while (step := inbox.get()) is not None:
+        engine.follow(*step)
+
+
+class Group:
+    """`size` engines holding the model's ranks; the leader's steps drive the followers' threads."""
+
+    def __init__(self, model_dir: Path, args: ModelArgs, size: int):
+        shared = Shared(size)
+        self.engines = []
+        for rank in range(size):
+            engine = TorchEngine(device="cpu", dtype="float32")
+            engine.group = ThreadGroup(rank, size, shared)
+            engine.load(model_dir, args, replace(Shard.whole(model_dir.name, args.num_hidden_layers),
+                                                 tp=TensorSplit(rank, size)))
+            engine.allocate_kv(64)
+            self.engines.append(engine)
+        self.shared = shared
+        self.threads = [threading.Thread(target=follow, args=(engine, shared.inboxes[rank]), daemon=True)
+                        for rank, engine in enumerate(self.engines) if rank]
+        for thread in self.threads:
+            thread.start()
+
+    def close(self) -> None:
+        for inbox in self.shared.inboxes[1:]:
+            inbox.put(None)
+        for thread in self.threads:
+            thread.join(timeout=30)
+
+
+def greedy(driver: Driver, n_tokens: int = N_TOKENS) -> tuple[list[int], np.ndarray]:
+    tokens, logits, inputs = [], [], PROMPT
+    for _ in range(n_tokens):
+        out = driver.forward("r", inputs)
+        logits.append(out)
+        tokens.append(int(np.argmax(out)))
+        inputs = np.array([tokens[-1]], dtype=np.int64)
+    return tokens, np.stack(logits)
+
+
+# (architecture, config overrides): dense, GQA, KV heads fewer than ranks (replicated), mixtures of experts with
+# and without a shared expert, biases split and added once (Qwen2's q/k/v, gpt-oss's o_proj and experts), sinks,
+# sandwich norms with soft-capping and windows (Gemma 2), fused q/k/v and gate/up (Phi-3).
+CASES = {
+    "llama": ("llama", {}),
+    "mistral-mha": ("mistral", {"num_key_value_heads": 4}),
+    "qwen3-one-kv-head": ("qwen3", {"num_key_value_heads": 1}),
+    "qwen2": ("qwen2", {}),
+    "qwen3_moe": ("qwen3_moe", {}),
+    "qwen2_moe": ("qwen2_moe", {}),
+    "gpt_oss": ("gpt_oss", {}),
+    "gemma2": ("gemma2", {}),
+    "phi3": ("phi3", {}),
+}
+REFUSED = {"deepseek_v3": ("deepseek_v3", {})}
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tensor-split")
+    return {name: make_checkpoint(root / name, arch, n_layers=3, seed=5, **overrides)
+            for name, (arch, overrides) in {**CASES, **REFUSED}.items()}
+
+
+@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_group_decodes_what_one_engine_does(model_dirs, name, size):
+    model_dir = model_dirs[name]
+    args = ModelArgs.from_dir(model_dir)
+    whole = TorchEngine(device="cpu", dtype="float32")
+    whole.load(model_dir, args, Shard.whole(model_dir.name, args.num_hidden_layers))
+    tokens, logits = greedy(Driver([whole], n_blocks=64))
+    group = Group(model_dir, args, size)
+    try:
+        group_tokens, group_logits = greedy(Driver(group.engines[:1], n_blocks=64))
+    finally:
+        group.close()
+    assert group_tokens == tokens
+    relative = np.abs(group_logits - logits).max() / np.abs(logits).max()
+    assert relative < 1e-4, relative
+    # two sums a layer, for every step, on every rank
+    assert {engine.group.reduces for engine in group.engines} == {2 * args.num_hidden_layers * N_TOKENS}
+
+
+def test_heads_split_in_whole_kv_groups_or_kv_heads_replicate():
+    assert head_ranges(8, 4, 2) == [(0, 4, 0, 2), (4, 8, 2, 4)]
+    assert head_ranges(8, 4, 3) == [(0, 4, 0, 2), (4, 6, 2, 3), (6, 8, 3, 4)]  # uneven: by KV group
+    assert head_ranges(4, 2, 3) == [(0, 1, 0, 1), (1, 2, 0, 1), (2, 4, 1, 2)]  # KV head 0 on ranks 0 and 1
+    assert head_ranges(4, 1, 4) == [(0, 1, 0, 1), (1, 2, 0, 1), (2, 3, 0, 1), (3, 4, 0, 1)]
+
+
+def test_a_rank_holds_its_share_of_heads_and_units(model_dirs):
+    args = ModelArgs.from_dir(model_dirs["qwen2_moe"])
+    parts = [rank_args(args, TensorSplit(rank, 3)) for rank in range(3)]
+    assert sum(p.num_attention_heads for p in parts) == args.num_attention_heads
+    assert sum(p.moe.expert_size for p in parts) == args.moe.expert_size
+    assert sum(p.moe.shared_expert_size for p in parts) == args.moe.shared_expert_size
+    assert {p.moe.n_experts for p in parts} == {args.moe.n_experts}  # every rank runs every expert's slice
+
+
+def test_models_that_cannot_split_say_why(model_dirs):
+    args = ModelArgs.from_dir(model_dirs["llama"])  # 4 heads, 2 KV heads, MLP 160 wide
+    assert split_refusal(args, 4) is None
+    assert split_refusal(args, 5) == "4 attention heads cannot be split over 5 ranks"
+    assert split_refusal(replace(args, intermediate_size=3), 4) == "an MLP 3 units wide cannot be split over 4 ranks"
+    assert "latent attention" in split_refusal(ModelArgs.from_dir(model_dirs["deepseek_v3"]), 2)
