@@ -1,0 +1,69 @@
+"""A torch rank's group: torch.distributed over gloo (CPU) or NCCL (CUDA), one process group per worker process,
+formed on a TCPStore the leader's worker hosts, fresh for every formation (a new worker, a new store)."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+import socket
+from collections.abc import Sequence
+from datetime import timedelta
+
+import psutil
+import torch
+import torch.distributed as dist
+
+from exo_like.engines.activations import Activations
+from exo_like.engines.tensor_group import TensorGroup
+from exo_like.engines.work import WorkItem
+from exo_like.tensor_parallel.messages import Follow, send
+
+log = logging.getLogger(__name__)
+
+
+def interface_of(address: str) -> str | None:
+    """The network interface holding `address` (gloo binds to the hostname's address unless told one)."""
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == address for a in addresses):
+            return name
+    return None
+
+
+class TorchGroup(TensorGroup):
+    """Rank `rank` of `size`. `rendezvous`: the leader's store address; `bind`: this host's address on the
+    group's network; `timeout`: how long a collective waits for a silent peer (a dead one fails at once)."""
+
+    def __init__(self, rank: int, size: int, rendezvous: tuple[str, int], bind: str, key: bytes, name: str,
+                 timeout: float, device: torch.device):
+        self.rank, self.size = rank, size
+        self.followers: list[socket.socket] = []
+        interface = interface_of(bind)
+        if interface is not None:
+            os.environ["GLOO_SOCKET_IFNAME"] = interface
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        store = dist.TCPStore(rendezvous[0], rendezvous[1], size, rank == 0, timedelta(seconds=timeout),
+                              wait_for_workers=False)
+        # Keys of this group only: a store from an older formation of the same name cannot be mixed in.
+        prefix = hmac.new(key, f"tensor-parallel|{name}".encode(), hashlib.sha256).hexdigest()[:32]
+        dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=rank, world_size=size,
+                                timeout=timedelta(seconds=timeout))
+        self._store = store  # the leader's hosts the store: it lives as long as the group
+        log.info("tensor-parallel group %s: rank %d of %d formed over %s (%s)", name, rank, size, backend,
+                 interface or "default interface")
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(tensor)
+        return tensor
+
+    def share_step(self, items: Sequence[WorkItem], hidden: Activations) -> None:
+        message = Follow(tuple(items), hidden)
+        for follower in self.followers:
+            send(follower, message)
+
+    def close(self) -> None:
+        for follower in self.followers:
+            follower.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()

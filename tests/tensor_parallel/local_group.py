@@ -1,0 +1,49 @@
+"""A tensor-parallel group of worker processes on this host (127.0.0.1), as the nodes of a cluster would start
+them, for engine-level tests and benches."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+from exo_like.engines.base import create_engine
+from exo_like.tensor_parallel.options import WorkerOptions
+from exo_like.tensor_parallel.process import GroupMemberEngine, WorkerProcess
+from tests.cluster_harness import free_ports
+
+KEY = os.urandom(32)
+
+
+def start_group(size: int, engine: str = "torch", dtype: str | None = "float32", threads: int = 1,
+                timeout: float = 30.0, key: bytes = KEY) -> list[GroupMemberEngine]:
+    """Ranks 0..size-1, each a worker process; returned once the group has formed (leader first)."""
+    ports = free_ports(size + 1)
+    name = f"test-{uuid.uuid4().hex[:8]}"
+    workers = [WorkerProcess(WorkerOptions(rank, size, name, engine, ("127.0.0.1", ports[0]), "127.0.0.1",
+                                           [("127.0.0.1", port) for port in ports[1:]], timeout, "cpu", dtype,
+                                           threads), key)
+               for rank in range(size)]
+    try:
+        with ThreadPoolExecutor(size) as pool:
+            ready = list(pool.map(lambda worker: worker.wait_ready(), workers))
+    except BaseException:
+        for worker in workers:
+            worker.kill()
+        raise
+    return [GroupMemberEngine(worker, info, create_engine(engine, device="cpu", dtype=dtype))
+            for worker, info in zip(workers, ready)]
+
+
+def load_group(members: list[GroupMemberEngine], model_dir, args, shard_of, n_blocks: int) -> None:
+    """Every rank loads its part (`shard_of(rank)`) at once and makes its pool `n_blocks` blocks."""
+    def load(member: GroupMemberEngine) -> None:
+        member.load(model_dir, args, shard_of(member.worker.rank))
+        member.allocate_kv(n_blocks, n_blocks // 2)
+    with ThreadPoolExecutor(len(members)) as pool:
+        list(pool.map(load, members))
+
+
+def close_group(members: list[GroupMemberEngine]) -> None:
+    for member in members:
+        member.close()

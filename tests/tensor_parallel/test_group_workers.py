@@ -1,0 +1,101 @@
+"""A tensor-parallel group as the nodes run it: one worker process per rank (torch.distributed over gloo on
+127.0.0.1), the leader handing each step to the followers over the authenticated control channel. Greedy tokens
+and logits equal one engine's; a bad request is refused and the group goes on; a rank that dies breaks the
+leader's step with GroupBroken, never a hang."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import replace
+
+import numpy as np
+import psutil
+import pytest
+
+from exo_like.engines.torch.engine import TorchEngine
+from exo_like.errors import InvalidRequestError
+from exo_like.models.config import ModelArgs
+from exo_like.models.shard import Shard
+from exo_like.models.tensor_split import TensorSplit
+from exo_like.tensor_parallel.process import GroupBroken
+from tests.checkpoints import make_checkpoint
+from tests.engine_driver import Driver
+from tests.tensor_parallel.local_group import close_group, load_group, start_group
+
+N_TOKENS = 48
+PROMPT = np.array([3, 17, 29, 5, 11, 42, 7, 19, 23, 2, 31, 13], dtype=np.int64)
+N_BLOCKS = 32
+# dense with GQA, one KV head (replicated on every rank), a mixture of experts beside a dense layer
+CASES = {"llama": ("llama", {}), "qwen3-one-kv-head": ("qwen3", {"num_key_value_heads": 1}),
+         "qwen3_moe": ("qwen3_moe", {})}
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp-workers")
+    return {name: make_checkpoint(root / name, arch, n_layers=3, seed=5, **overrides)
+            for name, (arch, overrides) in CASES.items()}
+
+
+def greedy(driver: Driver, rid: str = "r") -> tuple[list[int], np.ndarray]:
+    tokens, logits, inputs = [], [], PROMPT
+    for _ in range(N_TOKENS):
+        out = driver.forward(rid, inputs)
+        logits.append(out)
+        tokens.append(int(np.argmax(out)))
+        inputs = np.array([tokens[-1]], dtype=np.int64)
+    return tokens, np.stack(logits)
+
+
+def whole_model(model_dir) -> tuple[list[int], np.ndarray]:
+    args = ModelArgs.from_dir(model_dir)
+    engine = TorchEngine(device="cpu", dtype="float32")
+    engine.load(model_dir, args, Shard.whole(model_dir.name, args.num_hidden_layers))
+    return greedy(Driver([engine], n_blocks=N_BLOCKS))
+
+
+def rank_shard(args: ModelArgs, name: str, size: int):
+    return lambda rank: replace(Shard.whole(name, args.num_hidden_layers), tp=TensorSplit(rank, size))
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_worker_groups_decode_what_one_engine_does(model_dirs, size):
+    group = start_group(size)
+    try:
+        for name, model_dir in model_dirs.items():  # one group loads one model after another
+            args = ModelArgs.from_dir(model_dir)
+            load_group(group, model_dir, args, rank_shard(args, name, size), N_BLOCKS)
+            driver = Driver(group[:1], n_blocks=N_BLOCKS)
+            with pytest.raises(InvalidRequestError):  # refused by the leader; the group goes on
+                driver.forward("bad", np.array([args.vocab_size + 5], dtype=np.int64))
+            driver.release("bad")
+            tokens, logits = greedy(driver)
+            expected_tokens, expected_logits = whole_model(model_dir)
+            assert tokens == expected_tokens, name
+            relative = np.abs(logits - expected_logits).max() / np.abs(expected_logits).max()
+            assert relative < 1e-4, (name, relative)
+    finally:
+        close_group(group)
+    assert not any(psutil.pid_exists(member.worker.pid) and
+                   psutil.Process(member.worker.pid).status() != psutil.STATUS_ZOMBIE for member in group)
+
+
+def test_a_dead_follower_breaks_the_leaders_step_at_once(model_dirs):
+    group = start_group(2, timeout=600.0)  # a hang would wait this long; a dead peer must not
+    try:
+        model_dir = model_dirs["llama"]
+        args = ModelArgs.from_dir(model_dir)
+        load_group(group, model_dir, args, rank_shard(args, "llama", 2), N_BLOCKS)
+        driver = Driver(group[:1], n_blocks=N_BLOCKS)
+        driver.forward("r", PROMPT)
+        os.kill(group[1].worker.pid, signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(GroupBroken):
+            driver.forward("r", np.array([1], dtype=np.int64))
+        assert time.monotonic() - started < 30
+        with pytest.raises(GroupBroken):  # the leader's worker has exited: nothing more runs there
+            driver.forward("r", np.array([1], dtype=np.int64))
+    finally:
+        close_group(group)
