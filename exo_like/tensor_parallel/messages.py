@@ -142,6 +142,20 @@ class Failed(Message):
 # -- leader -> follower -----------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
+class Formation(Message):
+    """The first frame on a control channel: where the leader's rendezvous store listens (the framework's
+    collective group forms there next)."""
+
+    type: ClassVar[str] = "formation"
+    store_host: str
+    store_port: int
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> "Formation":
+        return cls(string(data, "store_host", 256), integer(data, "store_port", 1, 65535))
+
+
+@dataclass(frozen=True)
 class Follow(Message):
     """Run your slice of the layers on these hidden states, in lockstep with the group."""
 

@@ -51,8 +51,9 @@ class WorkerProcess:
         options.parent = os.getpid()
         env = {**os.environ, KEY_VARIABLE: key.hex()}
         self.rank = options.rank
+        inherited = (theirs.fileno(),) + ((options.listen_fd,) if options.listen_fd >= 0 else ())
         self.process = subprocess.Popen([sys.executable, "-m", "exo_like.tensor_parallel.worker",
-                                         *options.to_argv()], pass_fds=(theirs.fileno(),), env=env)
+                                         *options.to_argv()], pass_fds=inherited, env=env)
         theirs.close()
         self.channel = ours
         self.lock = threading.Lock()

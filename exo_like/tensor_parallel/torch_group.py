@@ -31,11 +31,20 @@ def interface_of(address: str) -> str | None:
     return None
 
 
-class TorchGroup(TensorGroup):
-    """Rank `rank` of `size`. `rendezvous`: the leader's store address; `bind`: this host's address on the
-    group's network; `timeout`: how long a collective waits for a silent peer (a dead one fails at once)."""
+def leader_store(bind: str, size: int, timeout: float) -> dist.TCPStore:
+    """The leader's rendezvous store, on a port of the system's choosing (the followers learn it in Formation)."""
+    return dist.TCPStore(bind, 0, size, True, timedelta(seconds=timeout), wait_for_workers=False)
 
-    def __init__(self, rank: int, size: int, rendezvous: tuple[str, int], bind: str, key: bytes, name: str,
+
+def follower_store(address: tuple[str, int], size: int, timeout: float) -> dist.TCPStore:
+    return dist.TCPStore(address[0], address[1], size, False, timedelta(seconds=timeout))
+
+
+class TorchGroup(TensorGroup):
+    """Rank `rank` of `size`, formed on `store` (the leader's); `bind`: this host's address on the group's network;
+    `timeout`: how long a collective waits for a silent peer (a dead one fails at once)."""
+
+    def __init__(self, rank: int, size: int, store: dist.TCPStore, bind: str, key: bytes, name: str,
                  timeout: float, device: torch.device):
         self.rank, self.size = rank, size
         self.followers: list[socket.socket] = []
@@ -43,8 +52,6 @@ class TorchGroup(TensorGroup):
         if interface is not None:
             os.environ["GLOO_SOCKET_IFNAME"] = interface
         backend = "nccl" if device.type == "cuda" else "gloo"
-        store = dist.TCPStore(rendezvous[0], rendezvous[1], size, rank == 0, timedelta(seconds=timeout),
-                              wait_for_workers=False)
         # Keys of this group only: a store from an older formation of the same name cannot be mixed in.
         prefix = hmac.new(key, f"tensor-parallel|{name}".encode(), hashlib.sha256).hexdigest()[:32]
         dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=rank, world_size=size,

@@ -21,19 +21,50 @@ from typing import Any
 from exo_like.engines.base import Engine, create_engine
 from exo_like.errors import ExoLikeError
 from exo_like.tensor_parallel import control
-from exo_like.tensor_parallel.messages import (AllocateKV, Describe, Done, Failed, Follow, Load, Message, Ready,
-                                               Step, receive, send)
+from exo_like.tensor_parallel.messages import (AllocateKV, Describe, Done, Failed, Follow, Formation, Load, Message,
+                                               Ready, Step, receive, send)
 from exo_like.tensor_parallel.options import KEY_VARIABLE, WorkerOptions
 
 log = logging.getLogger("exo_like.tensor_parallel.worker")
 
 
 def form_group(options: WorkerOptions, key: bytes, device: Any) -> Any:
+    """Meet the other ranks: the leader opens its rendezvous store, dials every follower's control channel and
+    tells it where the store is; then all form the framework's group there."""
     if options.engine != "torch":
         raise ValueError(f"no tensor-parallel backend for the {options.engine} engine yet")
-    from exo_like.tensor_parallel.torch_group import TorchGroup
-    return TorchGroup(options.rank, options.size, options.rendezvous, options.bind, key, options.name,
-                      options.timeout, device)
+    from exo_like.tensor_parallel import torch_group
+    if options.rank == 0:
+        store = torch_group.leader_store(options.bind, options.size, options.timeout)
+        followers = [control.dial_follower(address, key, options.name, rank)
+                     for rank, address in enumerate(options.control) if rank > 0]
+        for follower in followers:
+            send(follower, Formation(options.bind, store.port))
+        leader_channel = None
+    else:
+        leader_channel = accept_leader(options, key)
+        formation = receive(leader_channel)
+        if not isinstance(formation, Formation):
+            raise SystemExit(f"the leader sent {formation.type} before formation")
+        store = torch_group.follower_store((formation.store_host, formation.store_port), options.size,
+                                           options.timeout)
+        followers = []
+    group = torch_group.TorchGroup(options.rank, options.size, store, options.bind, key, options.name,
+                                   options.timeout, device)
+    group.followers = followers
+    return group, leader_channel
+
+
+def accept_leader(options: WorkerOptions, key: bytes) -> socket.socket:
+    server = socket.socket(fileno=options.listen_fd) if options.listen_fd >= 0 else \
+        control.listen(options.control[options.rank])
+    try:
+        return control.accept_leader(server, key, options.name, options.rank)
+    finally:
+        if options.listen_fd < 0:
+            server.close()
+        else:
+            server.detach()  # the node's socket: it stays open for the next worker
 
 
 def describe(engine: Engine) -> dict[str, Any]:
@@ -98,20 +129,6 @@ def serve(node: socket.socket, engine: Engine, leader_channel: socket.socket | N
                 return
 
 
-def connect(options: WorkerOptions, key: bytes, group: Any) -> socket.socket | None:
-    """The leader dials every follower's control channel; a follower accepts its leader's."""
-    if options.rank == 0:
-        group.followers = [control.dial_follower(address, key, options.name, rank)
-                           for rank, address in enumerate(options.control) if rank > 0]
-        return None
-    server = options.listening
-    assert server is not None
-    try:
-        return control.accept_leader(server, key, options.name, options.rank)
-    finally:
-        server.close()
-
-
 def die_with(parent: int) -> None:
     """Linux: the kernel kills this process when its node's process ends, even a SIGKILLed node, even while this
     one is blocked in a collective: no orphan workers."""
@@ -129,14 +146,11 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {options.rank} %(name)s: %(message)s")
     key = bytes.fromhex(os.environ.pop(KEY_VARIABLE))
     node = socket.socket(fileno=options.fd)
-    if options.rank > 0:  # listen before forming the group, so the leader finds us once it has
-        options.listening = control.listen(options.control[options.rank])
     engine = create_engine(options.engine, device=options.device, dtype=options.dtype)
     if options.threads:
         import torch
         torch.set_num_threads(options.threads)
-    engine.group = form_group(options, key, getattr(engine, "device", None))
-    leader_channel = connect(options, key, engine.group)
+    engine.group, leader_channel = form_group(options, key, getattr(engine, "device", None))
     send(node, Ready(os.getpid(), engine.name, engine.device_name, engine.on_cpu, engine.numerics()))
     try:
         serve(node, engine, leader_channel)

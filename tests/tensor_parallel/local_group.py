@@ -18,10 +18,10 @@ KEY = os.urandom(32)
 def start_group(size: int, engine: str = "torch", dtype: str | None = "float32", threads: int = 1,
                 timeout: float = 30.0, key: bytes = KEY) -> list[GroupMemberEngine]:
     """Ranks 0..size-1, each a worker process; returned once the group has formed (leader first)."""
-    ports = free_ports(size + 1)
+    ports = free_ports(size)
     name = f"test-{uuid.uuid4().hex[:8]}"
-    workers = [WorkerProcess(WorkerOptions(rank, size, name, engine, ("127.0.0.1", ports[0]), "127.0.0.1",
-                                           [("127.0.0.1", port) for port in ports[1:]], timeout, "cpu", dtype,
+    workers = [WorkerProcess(WorkerOptions(rank, size, name, engine, "127.0.0.1",
+                                           [("127.0.0.1", port) for port in ports], timeout, "cpu", dtype,
                                            threads), key)
                for rank in range(size)]
     try:
