@@ -1,7 +1,10 @@
-"""Tensor-parallel engines in one process: each rank a TorchEngine on its own thread, holding its slice of every layer
-(models/tensor_split.py), the group's all-reduce a fake that adds the ranks' partial sums in rank order. Greedy
-tokens and logits must be the single engine's, for every family the split handles; the real group (worker
-processes over torch.distributed) is tested in tests/tensor_parallel/."""
+"""Tensor-parallel engines in one process: each rank an engine (torch or MLX) on its own thread, holding its slice of
+every layer (models/tensor_split.py), the group's all-reduce a fake that adds the ranks' partial sums in rank order.
+Greedy tokens and logits must be the single engine's, for every family the split handles; the real group (worker
+processes over torch.distributed) is tested in tests/tensor_parallel/.
+
+MLX (>= 0.31.2) gives each thread its own default stream: a rank's thread builds its graphs on its own stream, and
+arrays cross threads only evaluated (the fake's partial sums are evaluated before another rank reads them)."""
 
 from __future__ import annotations
 
@@ -10,14 +13,15 @@ import threading
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
 from exo_like.engines.activations import Activations
+from exo_like.engines.base import Engine, create_engine
 from exo_like.engines.tensor_group import TensorGroup
-from exo_like.engines.torch.engine import TorchEngine
 from exo_like.engines.work import WorkItem
 from exo_like.models.config import ModelArgs
 from exo_like.models.shard import Shard
@@ -34,7 +38,7 @@ class Shared:
 
     def __init__(self, size: int):
         self.barrier = threading.Barrier(size, timeout=30)
-        self.parts: list[torch.Tensor | None] = [None] * size
+        self.parts: list[Any] = [None] * size
         self.inboxes = [queue.Queue() for _ in range(size)]
 
 
@@ -43,13 +47,14 @@ class ThreadGroup(TensorGroup):
         self.rank, self.size, self.shared = rank, size, shared
         self.reduces = 0
 
-    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+    def all_reduce(self, tensor: Any) -> Any:
         self.reduces += 1
-        self.shared.parts[self.rank] = tensor
+        self.shared.parts[self.rank] = computed(tensor)
         self.shared.barrier.wait()
-        total = self.shared.parts[0].clone()
+        total = self.shared.parts[0]
         for part in self.shared.parts[1:]:
-            total += part
+            total = total + part
+        computed(total)
         self.shared.barrier.wait()  # everyone has read every part before any is replaced
         return total
 
@@ -58,19 +63,29 @@ class ThreadGroup(TensorGroup):
             inbox.put((list(items), hidden))
 
 
-def follow(engine: TorchEngine, inbox: queue.Queue) -> None:
+def computed(tensor: Any) -> Any:
+    """The tensor with its value in memory: MLX's arrays are lazy graphs, which must not reach another thread."""
+    if not isinstance(tensor, torch.Tensor):
+        import mlx.core as mx
+
+        mx.eval(tensor)
+    return tensor
+
+
+def follow(engine: Engine, inbox: queue.Queue) -> None:
     while (step := inbox.get()) is not None:
         engine.follow(*step)
+    engine.close()  # MLX: the thread's streams go with the thread, not at the interpreter's exit
 
 
 class Group:
     """`size` engines holding the model's ranks; the leader's steps drive the followers' threads."""
 
-    def __init__(self, model_dir: Path, args: ModelArgs, size: int):
+    def __init__(self, engine_name: str, model_dir: Path, args: ModelArgs, size: int):
         shared = Shared(size)
         self.engines = []
         for rank in range(size):
-            engine = TorchEngine(device="cpu", dtype="float32")
+            engine = create_engine(engine_name, device="cpu", dtype="float32")
             engine.group = ThreadGroup(rank, size, shared)
             engine.load(model_dir, args, replace(Shard.whole(model_dir.name, args.num_hidden_layers),
                                                  tp=TensorSplit(rank, size)))
@@ -125,13 +140,16 @@ def model_dirs(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.mark.parametrize("size", [2, 3])
 @pytest.mark.parametrize("name", list(CASES))
-def test_a_group_decodes_what_one_engine_does(model_dirs, name, size):
+@pytest.mark.parametrize("engine_name", ["torch", "mlx"])
+def test_a_group_decodes_what_one_engine_does(model_dirs, engine_name, name, size):
+    if engine_name == "mlx":
+        pytest.importorskip("mlx.core", reason="mlx is not installed (install the 'mlx' extra)")
     model_dir = model_dirs[name]
     args = ModelArgs.from_dir(model_dir)
-    whole = TorchEngine(device="cpu", dtype="float32")
+    whole = create_engine(engine_name, device="cpu", dtype="float32")
     whole.load(model_dir, args, Shard.whole(model_dir.name, args.num_hidden_layers))
     tokens, logits = greedy(Driver([whole], n_blocks=64))
-    group = Group(model_dir, args, size)
+    group = Group(engine_name, model_dir, args, size)
     try:
         group_tokens, group_logits = greedy(Driver(group.engines[:1], n_blocks=64))
     finally:
@@ -165,3 +183,18 @@ def test_models_that_cannot_split_say_why(model_dirs):
     assert split_refusal(args, 5) == "4 attention heads cannot be split over 5 ranks"
     assert split_refusal(replace(args, intermediate_size=3), 4) == "an MLP 3 units wide cannot be split over 4 ranks"
     assert "latent attention" in split_refusal(ModelArgs.from_dir(model_dirs["deepseek_v3"]), 2)
+
+
+def test_an_mlx_rank_refuses_quantized_weights(model_dirs, tmp_path):
+    pytest.importorskip("mlx_lm", reason="mlx-lm is not installed (install the 'mlx' extra)")
+    from mlx_lm.convert import convert
+
+    quantized = tmp_path / "llama-q4"
+    convert(str(model_dirs["llama"]), mlx_path=str(quantized), quantize=True, q_group_size=64, q_bits=4,
+            dtype="float32")
+    args = ModelArgs.from_dir(quantized)
+    engine = create_engine("mlx", device="cpu", dtype="float32")
+    engine.group = ThreadGroup(1, 2, Shared(2))
+    with pytest.raises(ValueError, match="tensor parallelism of quantized MLX weights is not supported yet"):
+        engine.load(quantized, args, replace(Shard.whole(quantized.name, args.num_hidden_layers),
+                                             tp=TensorSplit(1, 2)))

@@ -22,9 +22,9 @@ from exo_like.engines.activations import Activations
 from exo_like.engines.base import Engine, EngineUnavailableError, WeightForms, check_cancel, return_freed_memory
 from exo_like.engines.layer_speed import LayerRunner
 from exo_like.engines.mlx.layer import layer_runner
-from exo_like.engines.mlx.attention import LayerPool, step_index
+from exo_like.engines.mlx.attention import LayerPool, StepIndex, step_index
 from exo_like.engines.mlx.mlp import stack_experts, stacked_name
-from exo_like.engines.mlx.model import ShardModel, split_fused_projections, split_module_paths
+from exo_like.engines.mlx.model import Reduce, ShardModel, split_fused_projections, split_module_paths
 from exo_like.engines.work import BLOCK_SIZE, KVPoolSize, WorkItem
 from exo_like.errors import InvalidRequestError, UnsupportedModelError
 from exo_like.models.affine import AffineGroups, pack_words
@@ -34,6 +34,7 @@ from exo_like.models.footprint import MLX_BITS
 from exo_like.models.gguf.file import FLOAT_TYPES, is_gguf, open_gguf
 from exo_like.models.quantization import QuantSpec
 from exo_like.models.shard import Shard
+from exo_like.models.tensor_split import TensorSplit, rank_args, split_tensor
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +98,16 @@ def read_shard_tensors(model_dir: Path, args: ModelArgs, shard: Shard, quantized
     # A fused matrix (Phi-3's qkv_proj, gate_up_proj) splits into projections of its own type.
     specs = {split: spec for path, spec in specs.items() for split in split_module_paths(path)}
     return split_fused_projections(stack_experts(args.family.converted(weights, args)), args), specs
+
+
+def rank_tensors(weights: dict[str, mx.array], specs: dict[str, dict[str, int]], args: ModelArgs,
+                 split: TensorSplit) -> dict[str, mx.array]:
+    """A tensor-parallel rank's slice of the shard's tensors. Fused projections come split already
+    (read_shard_tensors splits them by the whole model's head counts, which a fused matrix's rows follow), so
+    each part slices by its own rule, as models/tensor_split.unfused would have it."""
+    if specs:  # packed codes and their group scales would have to slice together, along the groups
+        raise ValueError("tensor parallelism of quantized MLX weights is not supported yet")
+    return {name: split_tensor(name, array, args, split) for name, array in weights.items()}
 
 
 def mlx_format_specs(args: ModelArgs, weights: dict[str, mx.array], stored: dict[str, str]
@@ -168,11 +179,14 @@ class MLXEngine(Engine):
         self._model, self._pools, self.shard, self.args = None, [], None, None
         self.weight_forms = WeightForms()
         with mx.stream(self._device):
-            model = ShardModel(args, shard)
+            model = ShardModel(args if shard.tp is None else rank_args(args, shard.tp), shard,
+                               None if shard.tp is None else self._group_reduce(shard))
             # A float --dtype asks for a GGUF file's dequantized (reference) path; an MLX-format checkpoint
             # stays quantized (its reference, mlx-lm, runs it so).
             forms = WeightForms()
             weights, specs = read_shard_tensors(Path(model_dir), args, shard, self.requested_dtype is None, forms)
+            if shard.tp is not None:
+                weights = rank_tensors(weights, specs, args, shard.tp)
             # Quantized layers swapped in where the checkpoint stores quantized matrices, before loading them.
             nn.quantize(model, class_predicate=lambda path, _: specs.get(path, False))
             if args.quant is not None:
@@ -200,6 +214,12 @@ class MLXEngine(Engine):
             self.parameter_bytes() / 1e6, time.perf_counter() - started,
         )
 
+    def _group_reduce(self, shard: Shard) -> Reduce:
+        group = self.group
+        if group is None or shard.tp is None or (group.rank, group.size) != (shard.tp.rank, shard.tp.size):
+            raise ValueError(f"{shard} needs this engine to be rank {shard.tp} of a tensor-parallel group")
+        return group.all_reduce
+
     # ---- measuring (placement by speed) -------------------------------------------------------------------
 
     def layer_form(self, model_dir: Path, args: ModelArgs) -> str:
@@ -223,22 +243,33 @@ class MLXEngine(Engine):
     # ---- running -------------------------------------------------------------------------------------------
 
     def step(self, items: Sequence[WorkItem], inputs: np.ndarray | Activations) -> Activations | np.ndarray:
-        model = self._require_model()
-        if not self._pools:
-            raise RuntimeError("no KV pool: call allocate_kv() after load()")
-        size = self._kv_size
-        index = step_index(items, size.blocks, size.window_blocks, self.args)
+        model, index = self._require_model(), self._step_index(items)
         with mx.stream(self._device):
-            x = self._to_mlx(inputs, index.layout.rows)
-            out = model(x, self._pools, index)
+            h = model.embed(self._to_mlx(inputs, index.layout.rows))
+            if self.group is not None:  # the leader of a tensor-parallel group: its followers run the step too
+                self.group.share_step(items, self._to_activations(h))
+            out = model.head(model.run_layers(h, self._pools, index), index)
             mx.eval(out, [pool.state for pool in self._pools])
             return np.array(out.astype(mx.float32)) if model.shard.is_last else self._to_activations(out)
 
+    def follow(self, items: Sequence[WorkItem], hidden: Activations) -> None:
+        model, index = self._require_model(), self._step_index(items)
+        with mx.stream(self._device):
+            h = model.run_layers(self._to_mlx(hidden, index.layout.rows), self._pools, index)
+            mx.eval(h, [pool.state for pool in self._pools])
+
+    def _step_index(self, items: Sequence[WorkItem]) -> StepIndex:
+        size = self._kv_size
+        if not self._pools or size is None:
+            raise RuntimeError("no KV pool: call allocate_kv() after load()")
+        return step_index(items, size.blocks, size.window_blocks, self._require_model().args)
+
     def kv_block_bytes(self) -> tuple[int, int]:
-        heads, key_width, value_width = self.args.kv_layout()
+        model = self._require_model()
+        args, shard = model.args, model.shard  # a tensor-parallel rank's pools hold its own KV heads only
+        heads, key_width, value_width = args.kv_layout()
         per_layer = heads * BLOCK_SIZE * (key_width + value_width) * MX_DTYPES[self._dtype_name].size
-        shard = self._require_model().shard
-        windowed = sum(self.args.window(layer) is not None for layer in range(shard.start_layer, shard.end_layer))
+        windowed = sum(args.window(layer) is not None for layer in range(shard.start_layer, shard.end_layer))
         return (shard.end_layer - shard.start_layer - windowed) * per_layer, windowed * per_layer
 
     def allocate_kv(self, n_blocks: int, n_window_blocks: int | None = None) -> None:

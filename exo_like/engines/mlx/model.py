@@ -8,6 +8,8 @@ drop straight into `ShardModel.load_weights`. Linear layers are plain `nn.Linear
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -24,8 +26,11 @@ class TransformerBlock(nn.Module):
     depends on it). With sandwich norms (Gemma), the attention's and the MLP's outputs are normalised too, and
     `post_attention_layernorm` is the attention's output norm rather than the MLP's input norm."""
 
-    def __init__(self, args: ModelArgs, layer: int):
+    def __init__(self, args: ModelArgs, layer: int, reduce: Reduce | None = None):
         super().__init__()
+        # A tensor-parallel rank's attention and MLP give partial sums, which the group adds up (an all-reduce);
+        # they stand for the whole outputs from there on (residual, sandwich norms).
+        self.reduce = reduce or _whole
         self.self_attn = LatentAttention(args, layer) if args.mla is not None else Attention(args, layer)
         self.mlp = SparseMoe(args.hidden_size, args.moe) if args.is_sparse_layer(layer) else \
             MLP(args.hidden_size, args.intermediate_size, args.mlp_bias, args.hidden_act)
@@ -37,46 +42,68 @@ class TransformerBlock(nn.Module):
             self.post_feedforward_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.norm_offset)
 
     def __call__(self, x: mx.array, pool: LayerPool, index: StepIndex) -> mx.array:
-        attended = self.self_attn(self.input_layernorm(x), pool, index)
+        attended = self.reduce(self.self_attn(self.input_layernorm(x), pool, index))
         if not self.sandwich:
             h = x + attended
-            return h + self.mlp(self.post_attention_layernorm(h))
+            return h + self.reduce(self.mlp(self.post_attention_layernorm(h)))
         h = x + self.post_attention_layernorm(attended)
-        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        return h + self.post_feedforward_layernorm(self.reduce(self.mlp(self.pre_feedforward_layernorm(h))))
+
+
+Reduce = Callable[[mx.array], mx.array]
+
+
+def _whole(x: mx.array) -> mx.array:
+    return x
 
 
 class ShardBody(nn.Module):
     """The `model.*` part of the checkpoint that this shard holds."""
 
-    def __init__(self, args: ModelArgs, shard: Shard):
+    def __init__(self, args: ModelArgs, shard: Shard, reduce: Reduce | None = None):
         super().__init__()
         # A tied last stage needs the embedding matrix as its LM head even when it is not the first stage.
         if shard.is_first or (shard.is_last and args.tie_word_embeddings):
             self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [TransformerBlock(args, shard.start_layer + i) for i in range(shard.layer_count)]
+        self.layers = [TransformerBlock(args, shard.start_layer + i, reduce) for i in range(shard.layer_count)]
         if shard.is_last:
             self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.norm_offset)
 
 
 class ShardModel(nn.Module):
-    """Layers [start, end) of the model; token ids in if first, logits out if last, hidden states otherwise."""
+    """Layers [start, end) of the model; token ids in if first, logits out if last, hidden states otherwise. In a
+    tensor-parallel group, `args` are the rank's (models/tensor_split.rank_args) and `reduce` sums the ranks'
+    partial layer outputs (None: the layers are whole)."""
 
-    def __init__(self, args: ModelArgs, shard: Shard):
+    def __init__(self, args: ModelArgs, shard: Shard, reduce: Reduce | None = None):
         super().__init__()
         self.args = args
         self.shard = shard
-        self.model = ShardBody(args, shard)
+        self.model = ShardBody(args, shard, reduce)
         if shard.is_last and not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
     def __call__(self, inputs: mx.array, pools: list[LayerPool], index: StepIndex) -> mx.array:
         """One step over a batch. inputs: token ids [R] on the first shard, else hidden states [R, H]. Returns
         hidden states [R, H], or on the last shard the logits [S, vocab] of the batch's sampled rows."""
-        h = self.model.embed_tokens(inputs) if self.shard.is_first else inputs
-        if self.shard.is_first and self.args.embed_scale:  # Gemma: by sqrt(hidden), in h's dtype
+        return self.head(self.run_layers(self.embed(inputs), pools, index), index)
+
+    def embed(self, inputs: mx.array) -> mx.array:
+        """Token ids [R] -> hidden states [R, H] on the first shard; hidden states pass through elsewhere."""
+        if not self.shard.is_first:
+            return inputs
+        h = self.model.embed_tokens(inputs)
+        if self.args.embed_scale:  # Gemma: by sqrt(hidden), in h's dtype
             h = h * mx.array(self.args.hidden_size**0.5, dtype=h.dtype)
+        return h
+
+    def run_layers(self, h: mx.array, pools: list[LayerPool], index: StepIndex) -> mx.array:
         for layer, pool in zip(self.model.layers, pools):
             h = layer(h, pool, index)
+        return h
+
+    def head(self, h: mx.array, index: StepIndex) -> mx.array:
+        """On the last shard, the logits of the batch's sampled rows; elsewhere the hidden states unchanged."""
         if not self.shard.is_last:
             return h
         h = self.model.norm(h[mx.array(index.layout.sample_rows.astype(np.int32))])
