@@ -18,6 +18,7 @@ from exo_like.models.footprint import ModelFootprint
 from partitioning import NodeCapacity, Placement, stage_times
 from partitioning.plan import Holder, Plan, fit_problems, make_plan, make_speed_plan, speed_nodes
 from partitioning.speed_figures import RTT_FLOOR_US, SpeedFigures
+from partitioning.tensor import tensor_stages
 
 PLAN_CACHE = 16  # speed plans kept by their inputs: re-plans with the same figures cost nothing
 
@@ -43,7 +44,7 @@ class Member(Protocol):
 class PlacementReport:
     """Why the plan is what it is: for GET /v1/cluster and the dashboard."""
 
-    mode: str  # "compute" or "memory"
+    mode: str  # "compute", "memory" or "tensor"
     why: str
     stage_ns: dict[str, int] = field(default_factory=dict)  # each stage's time per token, when the figures allow
     bottleneck: str | None = None  # node id of the slowest stage
@@ -98,9 +99,13 @@ class Placer:
         self._plans: dict[tuple, tuple[Plan, Placement] | None] = {}
 
     def decide(self, model: str, n_layers: int, footprint: ModelFootprint, members: list[Member],
-               figures: dict[str, SpeedFigures | None], current: Plan | None) -> Decision:
+               figures: dict[str, SpeedFigures | None], current: Plan | None,
+               tensor_sizes: tuple[int, ...] = ()) -> Decision:
+        """tensor_sizes: the tensor-parallel group sizes the model's layers split over."""
         names = {m.node_id: m.name for m in members}
         holders = {m.node_id: Holder(m.engine, m.dtype, m.device) for m in members}
+        if tensor_wanted(figures):
+            return self._tensor(model, n_layers, footprint, members, holders, tensor_sizes, names)
         memory_reason = self._memory_reason(model, figures, names)
         if memory_reason is not None:
             return self._memory(model, n_layers, footprint, members, figures, holders, memory_reason)
@@ -170,6 +175,27 @@ class Placer:
         report = PlacementReport("memory", f"split by memory: {why}", stage_ns, bottleneck, left)
         return Decision(plan, ("the model does not fit: " + "; ".join(problems)) if problems else None, None, report)
 
+    def _tensor(self, model: str, n_layers: int, footprint: ModelFootprint, members: list[Member],
+                holders: dict[str, Holder], sizes: tuple[int, ...], names: dict[str, str]) -> Decision:
+        """Every member asked for --parallel tensor: groups of same-engine nodes, split by memory."""
+        capacities = [NodeCapacity(m.node_id, m.memory_bytes) for m in members]
+        stages = tensor_stages(n_layers, capacities, {m.node_id: m.engine for m in members}, sizes,
+                               footprint.layer_bytes)
+        plan = Plan(model, n_layers, tuple(stages), tuple(sorted((c.node_id, c.memory_bytes) for c in capacities)))
+        problems = fit_problems(plan, footprint, holders)
+        groups = [s for s in stages if s.group]
+        if groups:
+            why = "tensor parallel (--parallel tensor): " + "; ".join(
+                f"{', '.join(names.get(n, n) for n in s.members)} run layers [{s.start_layer}, {s.end_layer}) "
+                "together" for s in groups)
+        else:
+            why = (f"--parallel tensor, but no group forms: the model splits over groups of "
+                   f"{', '.join(map(str, sizes)) or 'no size'}, and no engine has that many nodes")
+        left = tuple((c.node_id, "more nodes than layers: the memory split gives it none") for c in capacities
+                     if c.node_id not in plan.member_ids)
+        report = PlacementReport("tensor", why, left_out=left)
+        return Decision(plan, ("the model does not fit: " + "; ".join(problems)) if problems else None, None, report)
+
     def _keeps_serving(self, current: Plan | None, model: str, measuring: tuple[str, ...],
                        members: list[Member]) -> bool:
         """Whether the ring already serving this model goes on while the members in `measuring` measure: it does
@@ -177,6 +203,11 @@ class Placer:
         live = {m.node_id for m in members}
         return current is not None and current.model_id == model and self.me not in measuring and \
             all(s.node_id in live and s.node_id not in measuring for s in current.stages)
+
+
+def tensor_wanted(figures: dict[str, SpeedFigures | None]) -> bool:
+    """Whether every member runs with --parallel tensor (and has said so)."""
+    return bool(figures) and all(f is not None and f.parallel == "tensor" for f in figures.values())
 
 
 def hop_table(figures: dict[str, SpeedFigures | None]) -> dict[tuple[str, str], int]:

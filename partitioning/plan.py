@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 
 from exo_like.models.footprint import ModelFootprint
 from exo_like.models.shard import Shard
+from exo_like.models.tensor_split import TensorSplit
 from partitioning import NodeCapacity, NodeSpeed, Placement, Stage, place_by_speed, plan_ring
 
 
@@ -29,34 +30,48 @@ class Plan:
 
     @cached_property  # read on every message of every request; the plan never changes
     def digest(self) -> str:
-        body = json.dumps([self.model_id, self.n_layers, [(s.node_id, s.start_layer, s.end_layer)
-                                                          for s in self.stages], self.memories])
+        # (A stage's group only when it has one: plans without groups keep the digests they always had.)
+        stages = [(s.node_id, s.start_layer, s.end_layer) + ((list(s.group),) if s.group else ())
+                  for s in self.stages]
+        body = json.dumps([self.model_id, self.n_layers, stages, self.memories])
         return hashlib.sha256(body.encode()).hexdigest()[:16]
 
     @property
     def node_ids(self) -> list[str]:
+        """The stages' addresses on the ring, in order (a tensor-parallel stage's leader)."""
         return [s.node_id for s in self.stages]
 
+    @property
+    def member_ids(self) -> list[str]:
+        """Every node the plan runs on: the stages' nodes and their groups' followers."""
+        return [node_id for s in self.stages for node_id in s.members]
+
     def stage_index(self, node_id: str) -> int | None:
+        """The stage a node leads (or is alone in); None for a follower or a node outside the plan."""
         for i, stage in enumerate(self.stages):
             if stage.node_id == node_id:
                 return i
         return None
 
     def shard_for(self, node_id: str) -> Shard | None:
-        index = self.stage_index(node_id)
-        if index is None:
-            return None
-        stage = self.stages[index]
-        return Shard(self.model_id, stage.start_layer, stage.end_layer, self.n_layers)
+        for stage in self.stages:
+            if node_id in stage.members:
+                split = TensorSplit(stage.members.index(node_id), len(stage.members)) if stage.group else None
+                return Shard(self.model_id, stage.start_layer, stage.end_layer, self.n_layers, split)
+        return None
+
+    def group_of(self, node_id: str) -> Stage | None:
+        """The tensor-parallel stage a node is a member of (None: it runs a stage alone, or none)."""
+        return next((s for s in self.stages if s.group and node_id in s.members), None)
 
     def to_json(self) -> dict[str, Any]:
         return {
             "model": self.model_id,
             "n_layers": self.n_layers,
             "digest": self.digest,
-            "stages": [{"node_id": s.node_id, "start_layer": s.start_layer, "end_layer": s.end_layer}
-                       for s in self.stages],
+            # a tensor-parallel stage names its members, the leader first
+            "stages": [{"node_id": s.node_id, "start_layer": s.start_layer, "end_layer": s.end_layer,
+                        **({"group": list(s.members)} if s.group else {})} for s in self.stages],
         }
 
 
@@ -122,14 +137,15 @@ def fit_problems(plan: Plan, footprint: ModelFootprint, holders: dict[str, Holde
     memory = dict(plan.memories)
     problems = []
     total_needed = 0
-    for stage in plan.stages:
-        shard = plan.shard_for(stage.node_id)
+    for node_id in plan.member_ids:
+        shard = plan.shard_for(node_id)
         assert shard is not None
-        needed = needed_bytes(footprint, holders.get(stage.node_id, Holder()), shard)
+        needed = needed_bytes(footprint, holders.get(node_id, Holder()), shard)
         total_needed += needed
-        if needed > memory[stage.node_id]:
-            problems.append(f"node {stage.node_id} needs {needed} bytes for layers [{shard.start_layer}, "
-                            f"{shard.end_layer}) but has {memory[stage.node_id]} bytes available")
+        part = "" if shard.tp is None else f" ({shard.tp})"
+        if needed > memory[node_id]:
+            problems.append(f"node {node_id} needs {needed} bytes for layers [{shard.start_layer}, "
+                            f"{shard.end_layer}){part} but has {memory[node_id]} bytes available")
     total_memory = sum(memory.values())
     if problems and total_needed > total_memory:
         problems.insert(0, f"the model needs {total_needed} bytes in total; the cluster has {total_memory} bytes")

@@ -24,13 +24,22 @@ class NodeCapacity:
 
 @dataclass(frozen=True)
 class Stage:
+    """Layers [start_layer, end_layer) run by node `node_id`, or by a tensor-parallel group: `node_id` its leader
+    (rank 0, the stage's address on the ring), `group` its followers in rank order."""
+
     node_id: str
     start_layer: int
     end_layer: int
+    group: tuple[str, ...] = ()
 
     @property
     def layer_count(self) -> int:
         return self.end_layer - self.start_layer
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        """Every node running the stage, in rank order (the leader first)."""
+        return (self.node_id,) + self.group
 
 
 def ring_order(nodes: Sequence[NodeCapacity]) -> list[NodeCapacity]:

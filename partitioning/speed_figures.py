@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 PLACEMENTS = ("compute", "memory")
+PARALLEL_MODES = ("auto", "pipeline", "tensor")
 RTT_FLOOR_US = 2048  # round trips up to this count as this: a LAN's and a loopback's hops all look alike
 RTT_SAMPLES = 3  # round trips a link must have measured before its own figure replaces the floor
 
@@ -23,6 +24,7 @@ class SpeedFigures:
     # Round trip of each link, by peer node id, in microseconds: the lowest seen (queueing only adds to a round
     # trip), rounded up to a power of two, so a plan does not follow every jitter (see speed.rtt_bucket_us).
     rtt_us: dict[str, int] = field(default_factory=dict)
+    parallel: str = "auto"  # its --parallel
 
     def measured_for(self, model: str | None) -> bool:
         return model is not None and self.model == model and self.decode_ns is not None

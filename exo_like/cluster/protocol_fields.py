@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 from exo_like.cluster.node_load import NodeLoad
 from exo_like.models.hub.progress import DownloadStatus
-from partitioning.speed_figures import PLACEMENTS, SpeedFigures
+from partitioning.speed_figures import PARALLEL_MODES, PLACEMENTS, SpeedFigures
 
 MAX_ID = 256  # characters in a request or node id, a digest, a dtype name
 MAX_TEXT = 64 * 1024  # characters in an error message or a reason
@@ -170,4 +170,6 @@ def speed_figures(value: Any) -> dict[str, Any] | None:
     figures = plain_map({"figures": value}, "figures", FIGURES_FIELDS, False)
     if figures.get("placement", PLACEMENTS[0]) not in PLACEMENTS:
         raise ProtocolError(f"field 'placement' must be one of {', '.join(PLACEMENTS)}")
+    if figures.get("parallel", PARALLEL_MODES[0]) not in PARALLEL_MODES:
+        raise ProtocolError(f"field 'parallel' must be one of {', '.join(PARALLEL_MODES)}")
     return figures

@@ -144,7 +144,11 @@ class ModelFootprint:
     mlx_native: bool = False
 
     def shard_bytes(self, shard: Shard) -> int:
+        """A tensor-parallel rank's share of the layers is counted as 1/size of them (it also holds its copies of
+        the norms, routers and, when ranks outnumber KV heads, of its KV heads: a few per cent more)."""
         total = sum(self.layer_bytes[shard.start_layer:shard.end_layer])
+        if shard.tp is not None:
+            total = -(-total // shard.tp.size)
         if shard.is_first:
             total += self.embed_bytes
         if shard.is_last:
