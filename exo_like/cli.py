@@ -20,6 +20,7 @@ from exo_like.cluster.peers import DEFAULT_PEER_TIMEOUT
 from exo_like.engines.torch.openmp import limit_worker_spin
 from exo_like.errors import ExoLikeError
 from exo_like.node import DEFAULT_CLUSTER_KEY, DEFAULT_STEP_TIMEOUT, Node, NodeOptions, default_home
+from partitioning.speed_figures import PARALLEL_MODES
 from exo_like.serving.scheduler import (
     DEFAULT_INTERLEAVE_TOKENS,
     DEFAULT_MAX_BATCH_TOKENS,
@@ -98,6 +99,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="split the layers by each node's measured speed (compute: the slowest stage as fast as "
                              "it can be) or by memory alone (memory); one node asking for memory makes the cluster "
                              "split by memory (default: %(default)s)")
+    parser.add_argument("--parallel", choices=PARALLEL_MODES, default="auto",
+                        help="tensor: nodes of one engine run every layer of a stage together, each a slice of it "
+                             "(tensor parallelism: batch-1 decode up to N times faster over fast links; needs "
+                             "every node to ask for it); pipeline: each node runs whole layers; auto: the pipeline "
+                             "for now (default: %(default)s)")
     parser.add_argument("--remeasure", action="store_true",
                         help="measure this node's speed on the model again instead of reading it from the cache "
                              "in <home> (after a hardware or load change)")
@@ -209,7 +215,7 @@ def main(argv: list[str] | None = None) -> None:
                           peer_timeout=args.peer_timeout, kv_cache_gb=args.kv_cache_gb,
                           limits=SchedulerLimits(args.max_batch_tokens, args.max_running, not args.no_prefix_cache,
                                                  args.interleave_tokens),
-                          placement=args.placement, remeasure=args.remeasure)
+                          placement=args.placement, remeasure=args.remeasure, parallel=args.parallel)
     try:
         node = Node(options)
         node_filter.node_id = node.node_id

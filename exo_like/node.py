@@ -6,12 +6,13 @@ One node alone is a ring of one; with peers, the same code runs a stage of a rin
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 import platform
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,8 @@ from exo_like.serving.ring import RingGenerator
 from exo_like.serving.scheduler import SchedulerLimits
 from exo_like.serving.shard_holder import ShardHolder
 from exo_like.serving.stage import StageWorker
+from exo_like.tensor_parallel import control as group_control
+from exo_like.tensor_parallel.supervisor import GroupSpec, GroupSupervisor
 from partitioning.plan import Plan
 from partitioning.speed_figures import RTT_SAMPLES
 from exo_like.cluster.protocol import MemberAddress
@@ -91,6 +94,7 @@ class NodeOptions:
     kv_cache_gb: float | None = None  # KV cache budget for this node's layers (default: kv_blocks.kv_budget_bytes)
     limits: SchedulerLimits = field(default_factory=SchedulerLimits)  # used when this node is the first stage
     placement: str = "compute"  # place layers by measured speed ("compute") or by memory alone ("memory")
+    parallel: str = "auto"  # --parallel: tensor-parallel groups where every member asks ("tensor"), or not
     remeasure: bool = False  # measure this node's speed again instead of reading it from <home>
 
 
@@ -168,14 +172,15 @@ class Node:
     async def start(self, host: str, port: int) -> None:
         """Join the cluster: identity, peer links, discovery and plan agreement (call once the port is bound)."""
         self.info = self._node_info(host, port)
+        self._start_groups()
         self.peers = PeerNetwork(self.info, self.options.cluster_key, self._on_peer_message, self._links_changed,
                                  self.options.max_frame_bytes, self.options.peer_timeout, self._peers_of_peers)
         self.speed = SpeedProbe(self.node_id, self.engine, self.executor, self.home, self.options.placement,
                                 self.options.remeasure, self.models.files,
                                 lambda: self.peers.lowest_round_trips(RTT_SAMPLES),
-                                lambda: self.cluster and self.cluster.replan())
+                                lambda: self.cluster and self.cluster.replan(), self.options.parallel)
         self.cluster = Cluster(self.info, self.peers, self.models.describe, self._load_shard, self._members_changed,
-                               self.current_load, lambda: self.engine.kv_size, self.speed)
+                               self.current_load, lambda: self.shards.serving.kv_size, self.speed)
         self.stage = StageWorker(self.node_id, self, self.executor, self.cluster.ring_resources, self.options.limits,
                                  self.metrics.observe_step)
         if self.options.request_wait is not None:
@@ -201,6 +206,26 @@ class Node:
             self.cluster.set_model(self.resolve(self.options.model).key)
         else:
             self.cluster.replan()
+
+    def _start_groups(self) -> None:
+        """Where this node's tensor-parallel workers take a leader's control channel: one listening socket for the
+        node's life, handed to each worker it starts (tensor_parallel/supervisor.py)."""
+        assert self.info is not None
+        listener = group_control.listen((self.info.host, 0))
+        self.info = replace(self.info, tp_port=listener.getsockname()[1])
+        key = hashlib.sha256(b"exo-like tensor-parallel|" + self.options.cluster_key.encode()).digest()
+        self.shards.groups = GroupSupervisor(self.node_id, key, self.info.host, listener, self.engine,
+                                             self.options.step_timeout)
+        self.shards.group_spec = self._group_spec
+
+    def _group_spec(self, plan: Plan, shard: Shard) -> GroupSpec:
+        """This node's rank of the plan's group that holds `shard`, with every member's control address."""
+        assert self.cluster is not None and shard.tp is not None
+        stage = plan.group_of(self.node_id)
+        assert stage is not None
+        infos = {m.node_id: m for m in self.cluster.members()}
+        members = tuple((node_id, infos[node_id].host, infos[node_id].tp_port) for node_id in stage.members)
+        return GroupSpec(plan.model_id, stage.start_layer, stage.end_layer, members, shard.tp.rank)
 
     def _node_info(self, host: str, port: int) -> NodeInfo:
         memory = (int(self.options.memory_gb * 2**30) if self.options.memory_gb is not None
@@ -229,6 +254,7 @@ class Node:
             task.cancel()
         self.downloader.close()
         loop = asyncio.get_running_loop()
+        self.shards.close()  # this node's group worker, if any
         await loop.run_in_executor(self.executor, self.engine.close)
         await loop.run_in_executor(None, self.executor.shutdown, True)
         self.identity.release()
@@ -322,18 +348,19 @@ class Node:
     def status(self) -> dict[str, object]:
         """What /health reports (and what a dashboard shows about this node)."""
         model = self.model
+        engine = self.shards.serving
         return {
             "status": "stopping" if self.stopping else "ok",
             "node_id": self.node_id,
             "model": model.model_id if model else None,
-            "engine": self.engine.name,
-            "device": self.engine.device_name,
-            "dtype": self.engine.dtype_name,
+            "engine": engine.name,
+            "device": engine.device_name,
+            "dtype": engine.dtype_name,
             # The bytes this node's layers hold; of a quantized model, the matrices run quantized and those
             # dequantized for want of a kernel.
-            "weights": {"parameter_bytes": self.engine.parameter_bytes(),
-                        "quantized": self.engine.weight_forms.quantized,
-                        "dequantized": self.engine.weight_forms.dequantized},
+            "weights": {"parameter_bytes": engine.parameter_bytes(),
+                        "quantized": engine.weight_forms.quantized,
+                        "dequantized": engine.weight_forms.dequantized},
             "uptime_seconds": round(time.time() - self.started, 1),
             "cluster_ready": bool(self.cluster and self.cluster.ready),
             **self.generation_stats(),
@@ -341,9 +368,10 @@ class Node:
 
     def current_load(self) -> NodeLoad:
         """What this node is doing now (shared with peers in its announcements)."""
-        forms = self.engine.weight_forms
+        engine = self.shards.serving
+        forms = engine.weight_forms
         weights = {"quantized_weights": forms.quantized, "dequantized_weights": forms.dequantized,
-                   "numerics": self.engine.numerics()}
+                   "numerics": engine.numerics()}
         if self.generator is None or self.stage is None:
             return NodeLoad(download=self.download_progress.status(), **weights)
         decode_step = self.stage.decode_step_seconds.median()
@@ -352,8 +380,8 @@ class Node:
         return NodeLoad(self.stage.throughput.rate(), self.generator.throughput.rate(),
                         len(self.generator.in_flight), self.stage.busy(),
                         self.download_progress.status(), self.stage.step_seconds(),
-                        None if decode_step is None else decode_step * 1000, self.engine.kv_blocks,
-                        kv_window_blocks=(self.engine.kv_size and self.engine.kv_size.window_blocks) or 0,
+                        None if decode_step is None else decode_step * 1000, engine.kv_blocks,
+                        kv_window_blocks=(engine.kv_size and engine.kv_size.window_blocks) or 0,
                         **self.stage.scheduler_counts(), **weights, **replays)
 
     def _peer_rtts(self) -> dict[str, float]:

@@ -186,7 +186,7 @@ class Cluster:
         self._speed.measure(self.model_id)  # a no-op once measured (or when placing by memory)
         figures = {node_id: self.figures_of(node_id) for node_id in self.member_ids()}
         decision = self._placer.decide(self.model_id, description.n_layers, description.footprint, self.members(),
-                                       figures, self.plan)
+                                       figures, self.plan, description.tensor_sizes)
         self.pending, self.placement = decision.pending, decision.report
         return decision.plan, decision.problem
 
@@ -206,7 +206,7 @@ class Cluster:
         """Whether the plan in place serves this model and its stages are all still linked with each other."""
         if self.plan is None or self.plan.model_id != self.model_id:
             return False
-        return meshed(self.plan.node_ids, self.me.node_id, self.linked_ids(), self._announced_links())
+        return meshed(self.plan.member_ids, self.me.node_id, self.linked_ids(), self._announced_links())
 
     def _announced_links(self) -> dict[str, frozenset[str]]:
         return {node_id: announcement.linked for node_id, announcement in self.announcements.items()}
@@ -291,7 +291,7 @@ class Cluster:
         if not self.agreed or self.problem or self.plan is None:
             return False
         mine = self.my_announcement()
-        return mine.ready and all(self.announcements[n].ready for n in self.plan.node_ids if n != self.me.node_id)
+        return mine.ready and all(self.announcements[n].ready for n in self.plan.member_ids if n != self.me.node_id)
 
     def why_not_ready(self) -> str:
         if self.model_id is None:
@@ -304,17 +304,18 @@ class Cluster:
                    if self.announcements.get(n) is None or self.announcements[n].digest != self.plan.digest]
         if waiting:
             return f"nodes {', '.join(sorted(waiting))} have not agreed on plan {self.plan.digest} yet"
-        loading = [n for n in self.plan.node_ids if n == self.me.node_id and not self.my_announcement().ready
+        loading = [n for n in self.plan.member_ids if n == self.me.node_id and not self.my_announcement().ready
                    or n != self.me.node_id and not self.announcements[n].ready]
         downloads = [f"node {n}: {status.describe()}" for n in loading
                      if (status := self._download_of(n)) is not None and status.state == "downloading"]
         return f"nodes {', '.join(loading)} are still loading their layers" + "".join(f"; {d}" for d in downloads)
 
     def ring_resources(self, plan: Plan) -> RingResources | None:
-        """What the plan's first stage may use: the smallest KV pool among the plan's stages (None until each has
-        announced one), and how many batches to keep in flight (one per machine the stages run on)."""
+        """What the plan's first stage may use: the smallest KV pool among the plan's members (None until each has
+        announced one; a tensor-parallel group's followers hold the same blocks as their leader), and how many
+        batches to keep in flight (one per machine the stages run on)."""
         pools = [self._kv_size() if node_id == self.me.node_id else
-                 getattr(self.announcements.get(node_id), "kv", None) for node_id in plan.node_ids]
+                 getattr(self.announcements.get(node_id), "kv", None) for node_id in plan.member_ids]
         if any(pool is None for pool in pools):
             return None
         hosts = {m.host for m in self.members() if m.node_id in plan.node_ids}

@@ -18,6 +18,7 @@ class NodeInfo:
     memory_bytes: int
     version: str
     dtype: str | None = None  # --dtype: weights held in this float dtype; None: as the checkpoint stores them
+    tp_port: int = 0  # where its tensor-parallel worker takes a group leader's control channel (0: it takes none)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -29,6 +30,7 @@ class NodeInfo:
             engine=str(data["engine"]), device=str(data["device"]), chip=str(data["chip"]),
             memory_bytes=int(data["memory_bytes"]), version=str(data["version"]),
             dtype=_dtype_or_none(data.get("dtype")),  # absent from peers of versions before it was sent
+            tp_port=int(data.get("tp_port") or 0),
         )
 
 

@@ -43,7 +43,9 @@ DEFAULT_MAX_FRAME_BYTES = 64 * 1024 * 1024
 # 3: plan announcements carry speed figures and link round trips; plans place layers by speed.
 # 4: linked nodes exchange where their members listen (PeerAddresses); plan announcements name the announcer's
 #    linked peers, and plans are made only over a membership every member sees.
-PROTOCOL = 4
+# 5: a node says where its tensor-parallel workers take their leader's control channel (NodeInfo.tp_port); plan
+#    stages may be tensor-parallel groups; speed figures carry --parallel.
+PROTOCOL = 5
 # Entries in a list of members (addresses shared, linked peers announced): far above any real cluster, and a bound
 # on what one peer can make this node remember or dial.
 MAX_MEMBERS = 256
@@ -137,7 +139,8 @@ def _node_info(value: Any) -> dict[str, Any]:
     info = {key: string(data, key, MAX_TEXT if key == "chip" else MAX_ID)
             for key in ("node_id", "name", "host", "engine", "device", "chip", "version")}
     info.update(port=integer(data, "port", 0, 65535), memory_bytes=integer(data, "memory_bytes", 0),
-                dtype=string(data, "dtype", optional=True))  # dtype: absent from peers before it was sent
+                dtype=string(data, "dtype", optional=True),  # dtype: absent from peers before it was sent
+                tp_port=integer(data, "tp_port", 0, 65535, optional=True) or 0)
     return info
 
 

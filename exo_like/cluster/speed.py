@@ -71,12 +71,14 @@ class SpeedProbe(SpeedSource):
 
     def __init__(self, node_id: str, engine: Engine, executor: ThreadPoolExecutor, home: Path, placement: str,
                  remeasure: bool, locate: Callable[[str], tuple[Path, ModelArgs]],
-                 round_trips: Callable[[], dict[str, float | None]], on_measured: Callable[[], None]):
+                 round_trips: Callable[[], dict[str, float | None]], on_measured: Callable[[], None],
+                 parallel: str = "auto"):
         self.node_id = node_id
         self.engine = engine
         self.executor = executor
         self.cache_path = home / CACHE_FILE
         self.placement = placement
+        self.parallel = parallel  # its --parallel, announced with the figures
         self.remeasure = remeasure  # measure every model once in this run, whatever the cache holds
         self._locate = locate  # a model key -> its folder and config (the model is described already)
         self._round_trips = round_trips  # each link's lowest round trip so far, in seconds, by peer node id
@@ -88,12 +90,13 @@ class SpeedProbe(SpeedSource):
         # A frame holds at most MAX_COUNTS round trips; past that many peers, the other ends' figures count.
         rtt_us = {peer: rtt_bucket_us(seconds) for peer, seconds in sorted(self._round_trips().items())[:MAX_COUNTS]}
         if self.placement == "memory" or model is None:
-            return SpeedFigures(self.placement, rtt_us=rtt_us)
+            return SpeedFigures(self.placement, rtt_us=rtt_us, parallel=self.parallel)
         result = self._results.get(model)
         if isinstance(result, Measured):
             return SpeedFigures(self.placement, model, result.speed.decode_ns, result.speed.prefill_ns,
-                                round(result.seconds, 3), result.cached, None, rtt_us)
-        return SpeedFigures(self.placement, model, problem=result, rtt_us=rtt_us)  # failed, or still measuring
+                                round(result.seconds, 3), result.cached, None, rtt_us, self.parallel)
+        # failed, or still measuring
+        return SpeedFigures(self.placement, model, problem=result, rtt_us=rtt_us, parallel=self.parallel)
 
     def measure(self, model: str) -> None:
         if self.placement == "compute":

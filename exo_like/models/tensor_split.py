@@ -100,6 +100,14 @@ def split_refusal(args: ModelArgs, size: int) -> str | None:
     return None
 
 
+MAX_GROUP = 8  # the largest tensor-parallel group planned: beyond that, the all-reduces outweigh the split
+
+
+def group_sizes(args: ModelArgs) -> tuple[int, ...]:
+    """The group sizes the model's layers split over."""
+    return tuple(size for size in range(2, MAX_GROUP + 1) if split_refusal(args, size) is None)
+
+
 def rank_slice(args: ModelArgs, split: TensorSplit) -> RankSlice:
     refusal = split_refusal(args, split.size)
     if refusal is not None:

@@ -193,7 +193,7 @@ class RingGenerator(TokenGenerator):
     def members_changed(self, live_node_ids: Collection[str]) -> None:
         """Replay every request whose ring lost a node."""
         for attempt in self._attempts.values():
-            missing = tuple(n for n in dict.fromkeys(attempt.plan.node_ids) if n not in live_node_ids)
+            missing = tuple(n for n in dict.fromkeys(attempt.plan.member_ids) if n not in live_node_ids)
             if missing:
                 names = ", ".join(self._name(n) for n in missing)
                 attempt.queue.put_nowait(RingLost(f"node {names} left the cluster during the request", missing))
@@ -202,7 +202,7 @@ class RingGenerator(TokenGenerator):
         """Fail every request whose ring has a stage that has been inside one step for more than `limit`
         seconds. Its engine is most likely hung while the node itself (and so its link) stays alive."""
         for attempt in self._attempts.values():
-            for node_id in dict.fromkeys(attempt.plan.node_ids):
+            for node_id in dict.fromkeys(attempt.plan.member_ids):
                 seconds = step_seconds(node_id)
                 if seconds > limit:
                     attempt.queue.put_nowait(StageStalledError(

@@ -3,8 +3,9 @@
 
 Two channels: a node and the worker process it supervises (a socketpair: requests, each answered by Done or
 Failed; Ready once the group has formed), and a group's leader and each follower (TCP, authenticated by
-control.py: Follow, one per step, never answered — the all-reduces inside the step keep the ranks in lockstep).
-Frames from a follower's leader cross the network: they are checked field by field as the peer protocol's are.
+control.py: at formation an MLX follower's Offer, then the leader's Formation; then Follow, one per step, never
+answered — the all-reduces inside the step keep the ranks in lockstep). Frames that cross the network (the
+leader's to a follower, a follower's Offer) are checked field by field as the peer protocol's are.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from exo_like.models.tensor_split import TensorSplit
 # float32 is 128 MiB; logits of 64 sampled rows of a 256k vocabulary 64 MiB.
 MAX_FRAME_BYTES = 512 * 1024 * 1024
 ARRAY_DTYPES = ("int64", "int32", "float32")
+MAX_HOST = 256  # characters of a host name
+MAX_RANKS = 256  # ranks of an MLX ring
 
 M = TypeVar("M", bound="Message")
 _TYPES: dict[str, type["Message"]] = {}
@@ -143,16 +146,23 @@ class Failed(Message):
 
 @dataclass(frozen=True)
 class Formation(Message):
-    """The first frame on a control channel: where the leader's rendezvous store listens (the framework's
-    collective group forms there next)."""
+    """Where the framework's collective group forms next. torch: where the leader's rendezvous store listens (the
+    first frame on a control channel). MLX: `ring`, every rank's "host:port" in rank order (each rank listens on
+    its own; a follower's is the one it offered); the store fields are then empty."""
 
     type: ClassVar[str] = "formation"
-    store_host: str
-    store_port: int
+    store_host: str = ""
+    store_port: int = 0
+    ring: tuple[str, ...] = ()
 
     @classmethod
     def from_wire(cls, data: dict[str, Any]) -> "Formation":
-        return cls(string(data, "store_host", 256), integer(data, "store_port", 1, 65535))
+        ring = data.get("ring") or []
+        if not ring:
+            return cls(string(data, "store_host", MAX_HOST), integer(data, "store_port", 1, 65535))
+        if not isinstance(ring, list) or not 2 <= len(ring) <= MAX_RANKS:
+            raise ProtocolError(f"field 'ring' must list 2 to {MAX_RANKS} addresses")
+        return cls(ring=tuple(ring_address(entry) for entry in ring))
 
 
 @dataclass(frozen=True)
@@ -179,7 +189,36 @@ class Follow(Message):
         return cls(items, activations)
 
 
+# -- follower -> leader -----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Offer(Message):
+    """An MLX follower's answer to its leader's dial: the address its rank of the ring will listen on (a port it
+    holds until the ring has formed)."""
+
+    type: ClassVar[str] = "offer"
+    host: str
+    port: int
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> "Offer":
+        host, port = string(data, "host", MAX_HOST), integer(data, "port", 1, 65535)
+        ring_address(f"{host}:{port}")
+        return cls(host, port)
+
+
 # -- wire forms -------------------------------------------------------------------------------------------------
+
+def ring_address(value: Any) -> str:
+    """A ring member's "host:port" (MLX's ring splits it at the first colon: IPv4 addresses or host names)."""
+    if not isinstance(value, str) or len(value) > MAX_HOST + 6:
+        raise ProtocolError("a ring address must be a short string")
+    host, _, port = value.partition(":")
+    if not host or ":" in port or not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535 or \
+            any(c.isspace() for c in host):
+        raise ProtocolError(f"{value[:64]!r} is no ring address (host:port)")
+    return value
+
 
 def shard_to_wire(shard: Shard) -> dict[str, Any]:
     tp = None if shard.tp is None else [shard.tp.rank, shard.tp.size]

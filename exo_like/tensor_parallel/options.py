@@ -15,8 +15,10 @@ class WorkerOptions:
     """name: the group's name (its plan's; the control channel's proofs cover it); engine: torch or mlx; bind: this
     rank's address on the group's network; control: every rank's control-channel address (the leader dials the
     followers'; a follower listens on its own, or on `listen_fd`, a listening socket its node holds open for
-    every worker it starts); timeout: seconds a collective waits for a silent peer; fd: the worker's end of its
-    node's socketpair."""
+    every worker it starts); timeout: seconds a collective waits for a silent peer (torch; MLX's ring waits for
+    good); fd: the worker's end of its node's socketpair; cpus: the CPUs the worker's threads may run on (None:
+    any), set at its start. A rank of an MLX ring on a CPU of its own sums in ~0.1 ms; left to the scheduler on a
+    busy host, ~8 ms (the ring's threads wait to be woken)."""
 
     rank: int
     size: int
@@ -31,6 +33,8 @@ class WorkerOptions:
     fd: int = -1
     listen_fd: int = -1
     parent: int = 0  # the node's pid: the worker dies with it
+    node_id: str = ""  # the node's id, in the worker's log lines
+    cpus: list[int] | None = None
 
     def to_argv(self) -> list[str]:
         return ["--options", json.dumps(asdict(self))]

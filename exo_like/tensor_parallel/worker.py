@@ -143,7 +143,8 @@ def die_with(parent: int) -> None:
 def main(argv: list[str] | None = None) -> None:
     options = WorkerOptions.from_argv(argv if argv is not None else sys.argv[1:])
     die_with(options.parent)
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {options.rank} %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [{options.node_id or '-'} rank "
+                        f"{options.rank}] %(name)s: %(message)s")
     key = bytes.fromhex(os.environ.pop(KEY_VARIABLE))
     node = socket.socket(fileno=options.fd)
     engine = create_engine(options.engine, device=options.device, dtype=options.dtype)
