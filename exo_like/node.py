@@ -68,6 +68,7 @@ DEFAULT_CLUSTER_KEY = "exo-like-default-cluster-key"
 # a big model's prefill chunk on a slow CPU takes minutes, and a false alarm kills a healthy request.
 DEFAULT_STEP_TIMEOUT = 300.0
 STEP_WATCH_SECONDS = 1.0
+GROUP_WATCH_SECONDS = 0.2
 
 
 def default_home() -> Path:
@@ -189,6 +190,7 @@ class Node:
                                        self.cluster.plan_wait_seconds, self.metrics.request_replays.inc)
         self._spawn(show_progress(self.download_progress, self.node_id))
         self._spawn(self._watch_steps())
+        self._spawn(self._watch_group())
         mdns = None
         if self.options.mdns:
             mdns = MdnsDiscovery(self.node_id, port, cluster_key_digest(self.options.cluster_key), __version__,
@@ -321,6 +323,21 @@ class Node:
             await asyncio.sleep(STEP_WATCH_SECONDS)
             if isinstance(self.generator, RingGenerator):
                 self.generator.fail_stalled(self._step_seconds, self.options.step_timeout)
+
+    async def _watch_group(self) -> None:
+        """Re-form this node's tensor-parallel group when its worker exits while the plan stands (a crash, or the
+        group broke because another member's did): the others' workers exit too, and every member starts anew."""
+        handled: int | None = None  # the exited worker already acted on
+        while True:
+            await asyncio.sleep(GROUP_WATCH_SECONDS)
+            groups = self.shards.groups
+            worker = groups.worker if groups is not None else None
+            if worker is None or worker.pid == handled or not groups.broken() or self.cluster is None:
+                continue
+            handled = worker.pid
+            log.warning("node %s: the worker of its tensor-parallel rank (process %d) exited with code %s; the "
+                        "group forms anew", self.node_id, worker.pid, worker.process.returncode)
+            self.cluster.reload()
 
     def _step_seconds(self, node_id: str) -> float:
         """How long a member's engine has been inside its current step: ours now, a peer's as last announced."""

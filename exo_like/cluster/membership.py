@@ -223,6 +223,13 @@ class Cluster:
         announcement = self.announcements.get(node_id)
         return announcement.figures if announcement is not None else None
 
+    def reload(self) -> None:
+        """Hold the plan's shard again, announcing not ready until done: this node's group worker exited, and the
+        group forms anew (a plan that did not change would otherwise keep it as it was)."""
+        self.loaded_digest = None
+        self._start_loading()
+        self._announce_soon()
+
     def _start_loading(self) -> None:
         """Ask the node to hold this plan's shard; it reloads only if its range changed."""
         plan = self.plan
