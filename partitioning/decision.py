@@ -11,16 +11,19 @@ Each node decides from the announced figures alone (its own included, as announc
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from exo_like.models.footprint import ModelFootprint
 from partitioning import NodeCapacity, Placement, stage_times
 from partitioning.plan import Holder, Plan, fit_problems, make_plan, make_speed_plan, speed_nodes
 from partitioning.speed_figures import RTT_FLOOR_US, SpeedFigures
-from partitioning.tensor import tensor_stages
+from partitioning.tensor import allreduce_ns, group_layer_ns, tensor_stages
 
 PLAN_CACHE = 16  # speed plans kept by their inputs: re-plans with the same figures cost nothing
+# --parallel auto takes tensor-parallel groups only when they predict at least 10 % less time per token than the
+# pipeline: the figures are measurements with noise, and a re-plan restarts every request.
+TENSOR_GAIN = (9, 10)
 
 
 class Member(Protocol):
@@ -50,12 +53,14 @@ class PlacementReport:
     bottleneck: str | None = None  # node id of the slowest stage
     left_out: tuple[tuple[str, str], ...] = ()  # (node id, reason): members that hold no layers, and why
     measuring: tuple[str, ...] = ()  # members whose figures for the model are not in yet
+    predicted: dict[str, int] = field(default_factory=dict)  # time per token of the plans weighed: "pipeline", ...
 
     def to_json(self, names: dict[str, str]) -> dict[str, Any]:
         total = sum(self.stage_ns.values())
         return {"mode": self.mode, "why": self.why, "bottleneck": self.bottleneck,
                 "bottleneck_ms": _ms(self.stage_ns.get(self.bottleneck)) if self.bottleneck else None,
                 "time_per_token_ms": _ms(total) if self.stage_ns else None,
+                "predicted_ms": {kind: _ms(ns) for kind, ns in self.predicted.items()},
                 "left_out": [{"node_id": node_id, "name": names.get(node_id, node_id), "reason": reason}
                              for node_id, reason in self.left_out],
                 "measuring": list(self.measuring)}
@@ -135,11 +140,49 @@ class Placer:
                             None, PlacementReport("compute", "no split by speed fits every node's memory"))
         plan, placement = result
         waiting = tuple((n, "measuring its speed: it joins the ring once measured") for n in measuring)
-        report = PlacementReport("compute", placement.how, {s.node_id: t for s, t in zip(plan.stages,
-                                                                                          placement.stage_ns)},
+        predicted: dict[str, int] = {"pipeline": placement.total_ns}
+        if tensor_sizes and not any(f is not None and f.parallel == "pipeline" for f in figures.values()):
+            candidate = self._tensor_candidate(model, n_layers, footprint, placed, figures, holders, tensor_sizes,
+                                               layer_ns, hop)
+            if candidate is not None:
+                tensor_plan, tensor_ns = candidate
+                predicted["tensor"] = sum(tensor_ns)
+                if predicted["tensor"] * TENSOR_GAIN[1] < placement.total_ns * TENSOR_GAIN[0]:
+                    report = PlacementReport(
+                        "tensor", f"tensor parallel: {_ms(predicted['tensor'])} ms per token predicted against "
+                        f"{_ms(placement.total_ns)} ms for the pipeline", dict(zip(tensor_plan.node_ids, tensor_ns)),
+                        max(zip(tensor_ns, tensor_plan.node_ids))[1], waiting, measuring, predicted)
+                    return Decision(tensor_plan, None, None, report)
+        how = placement.how if "tensor" not in predicted else \
+            f"{placement.how} (a pipeline: {_ms(placement.total_ns)} ms per token predicted, tensor parallel " \
+            f"{_ms(predicted['tensor'])} ms)"
+        report = PlacementReport("compute", how, {s.node_id: t for s, t in zip(plan.stages, placement.stage_ns)},
                                  placement.bottleneck, tuple((x.node_id, x.reason) for x in placement.left_out)
-                                 + waiting, measuring)
+                                 + waiting, measuring, predicted)
         return Decision(plan, None, None, report)
+
+    def _tensor_candidate(self, model: str, n_layers: int, footprint: ModelFootprint, members: list[Member],
+                          figures: dict[str, SpeedFigures | None], holders: dict[str, Holder],
+                          sizes: tuple[int, ...], layer_ns: dict[str, int], hop: dict[tuple[str, str], int]
+                          ) -> tuple[Plan, tuple[int, ...]] | None:
+        """The plan with tensor-parallel groups (tensor.py) and each stage's predicted time per token; None when no
+        group forms, it does not fit, or a member has not measured its slice."""
+        capacities = [NodeCapacity(m.node_id, m.memory_bytes) for m in members]
+        stages = tensor_stages(n_layers, capacities, {m.node_id: m.engine for m in members}, sizes,
+                               footprint.layer_bytes)
+        plan = Plan(model, n_layers, tuple(stages), tuple(sorted((c.node_id, c.memory_bytes) for c in capacities)))
+        if not any(s.group for s in stages) or fit_problems(plan, footprint, holders):
+            return None
+        measured = {key: ns for f in figures.values() if f is not None for key, ns in f.allreduce_ns.items()}
+        slices = {node_id: f.slice_decode_ns for node_id, f in figures.items() if f is not None}
+        speeds = {n.node_id: n for n in speed_nodes(capacities, layer_ns, footprint, holders)}
+        for stage in (s for s in stages if s.group):
+            per_layer = group_layer_ns(stage.members, slices,
+                                       allreduce_ns(stage.members, measured, lambda a, b: link_us(figures, a, b)))
+            if per_layer is None:
+                return None
+            speeds[stage.node_id] = replace(speeds[stage.node_id], layer_ns=per_layer)
+        return plan, stage_times(n_layers, stages, list(speeds.values()), lambda a, b: hop_ns(hop, a, b))
 
     def _memory_reason(self, model: str, figures: dict[str, SpeedFigures | None], names: dict[str, str]
                        ) -> str | None:
@@ -203,6 +246,14 @@ class Placer:
         live = {m.node_id for m in members}
         return current is not None and current.model_id == model and self.me not in measuring and \
             all(s.node_id in live and s.node_id not in measuring for s in current.stages)
+
+
+def link_us(figures: dict[str, SpeedFigures | None], a: str, b: str) -> int:
+    """A link's finer round trip (SpeedFigures.link_us), the larger of the two ends' (RTT_FLOOR_US if neither
+    has measured it)."""
+    seen = [f.link_us[peer] for node, peer in ((a, b), (b, a))
+            if (f := figures.get(node)) is not None and peer in f.link_us]
+    return max(seen, default=RTT_FLOOR_US)
 
 
 def tensor_wanted(figures: dict[str, SpeedFigures | None]) -> bool:

@@ -10,6 +10,7 @@ PLACEMENTS = ("compute", "memory")
 PARALLEL_MODES = ("auto", "pipeline", "tensor")
 RTT_FLOOR_US = 2048  # round trips up to this count as this: a LAN's and a loopback's hops all look alike
 RTT_SAMPLES = 3  # round trips a link must have measured before its own figure replaces the floor
+LINK_FLOOR_US = 32  # the finer round trip (link_us) counts from here
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,13 @@ class SpeedFigures:
     # trip), rounded up to a power of two, so a plan does not follow every jitter (see speed.rtt_bucket_us).
     rtt_us: dict[str, int] = field(default_factory=dict)
     parallel: str = "auto"  # its --parallel
+    # Tensor parallelism: one layer's decode step on the largest rank slice of a group of N ("2": ns), measured
+    # like decode_ns; each link's round trip as rtt_us but finer (a collective waits for it twice per layer, so a
+    # LAN's 0.2 ms and a loopback's 0.05 ms matter); each group this node led, its measured all-reduce time (by the
+    # members' ids, comma-joined in rank order).
+    slice_decode_ns: dict[str, int] = field(default_factory=dict)
+    link_us: dict[str, int] = field(default_factory=dict)
+    allreduce_ns: dict[str, int] = field(default_factory=dict)
 
     def measured_for(self, model: str | None) -> bool:
         return model is not None and self.model == model and self.decode_ns is not None
@@ -48,5 +56,6 @@ class SpeedSource:
     def figures(self, model: str | None) -> SpeedFigures:
         return SpeedFigures(placement="memory")
 
-    def measure(self, model: str) -> None:
-        """Start measuring this node's speed on `model` unless done or under way (figures() says when done)."""
+    def measure(self, model: str, group_limit: int = 1) -> None:
+        """Start measuring this node's speed on `model` unless done or under way (figures() says when done); and
+        with `group_limit` > 1 (members of its engine), a rank's slice for tensor-parallel groups up to that size."""

@@ -10,7 +10,7 @@ Pure functions of what every node announced, so every node makes the same stages
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from partitioning.ring import NodeCapacity, Stage, plan_ring, ring_order
 
@@ -40,3 +40,32 @@ def tensor_stages(n_layers: int, members: Sequence[NodeCapacity], engines: dict[
     capacities = [NodeCapacity(leader, len(unit) * min(memory[n] for n in unit)) for leader, unit in units.items()]
     return [Stage(s.node_id, s.start_layer, s.end_layer, units[s.node_id][1:])
             for s in plan_ring(n_layers, capacities, layer_bytes)]
+
+
+# What one all-reduce of a decode step's hidden state costs before a group has measured its own: the collective
+# library's fixed cost (gloo on CPU: 0.25-0.45 ms between two processes on one host, measured here; it hands each
+# call between its threads) plus one link round trip per further rank (a ring all-reduce passes 2 (N - 1) messages,
+# each one way). A formed group's leader measures the real figure and announces it.
+ALLREDUCE_BASE_NS = 350_000
+
+
+def group_key(members: Sequence[str]) -> str:
+    """How a group's measured all-reduce time is announced: its members' ids in rank order."""
+    return ",".join(members)
+
+
+def allreduce_ns(members: Sequence[str], measured: dict[str, int], link_us: Callable[[str, str], int]) -> int:
+    """One all-reduce in the group `members`: as measured, else estimated (see ALLREDUCE_BASE_NS)."""
+    if group_key(members) in measured:
+        return measured[group_key(members)]
+    slowest = max((link_us(a, b) for a in members for b in members if a < b), default=0)
+    return ALLREDUCE_BASE_NS + (len(members) - 1) * slowest * 1000
+
+
+def group_layer_ns(members: Sequence[str], slice_ns: dict[str, dict[str, int]], allreduce: int) -> int | None:
+    """A group's time for one layer of a decode step: its slowest member's slice, then two all-reduces. None when
+    a member has not measured the slice."""
+    times = [slice_ns.get(m, {}).get(str(len(members))) for m in members]
+    if any(t is None for t in times):
+        return None
+    return max(t for t in times if t is not None) + 2 * allreduce

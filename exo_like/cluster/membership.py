@@ -183,7 +183,8 @@ class Cluster:
             return None, None
         except ExoLikeError as exc:
             return None, f"cannot serve {self.model_id}: {exc.message}"
-        self._speed.measure(self.model_id)  # a no-op once measured (or when placing by memory)
+        same_engine = sum(m.engine == self.me.engine for m in self.members())
+        self._speed.measure(self.model_id, same_engine)  # a no-op once measured (or when placing by memory)
         figures = {node_id: self.figures_of(node_id) for node_id in self.member_ids()}
         decision = self._placer.decide(self.model_id, description.n_layers, description.footprint, self.members(),
                                        figures, self.plan, description.tensor_sizes)

@@ -28,13 +28,15 @@ from exo_like.cluster.protocol_fields import MAX_COUNTS
 from exo_like.engines.base import Engine
 from exo_like.engines.layer_speed import LayerSpeed
 from exo_like.models.config import ModelArgs
-from partitioning.speed_figures import RTT_FLOOR_US, SpeedFigures, SpeedSource
+from exo_like.models.tensor_split import TensorSplit, group_sizes, rank_args
+from partitioning.speed_figures import LINK_FLOOR_US, RTT_FLOOR_US, SpeedFigures, SpeedSource
 
 log = logging.getLogger(__name__)
 
 CACHE_FILE = "layer_speed.json"
 HOST_LOCK = Path(tempfile.gettempdir()) / "exo-like-measure.lock"
 LOCK_WAIT_SECONDS = 30.0  # then measure anyway: a stuck peer process must not stop this node from planning
+MEASURED_GROUPS = 4  # slices are timed for groups up to this size (each a layer's measurement, about a second)
 
 
 @dataclass(frozen=True)
@@ -44,13 +46,13 @@ class Measured:
     cached: bool
 
 
-def rtt_bucket_us(seconds: float | None) -> int:
-    """A link's round trip as announced: microseconds rounded up to a power of two, at least RTT_FLOOR_US.
+def rtt_bucket_us(seconds: float | None, floor: int = RTT_FLOOR_US) -> int:
+    """A link's round trip as announced: microseconds rounded up to a power of two, at least `floor`.
     Coarse on purpose: plans are made from it, and a plan that followed every jitter would never settle."""
     if seconds is None:
-        return RTT_FLOOR_US
+        return floor
     micros = max(1, math.ceil(seconds * 1e6))
-    return max(RTT_FLOOR_US, 1 << (micros - 1).bit_length())
+    return max(floor, 1 << (micros - 1).bit_length())
 
 
 def speed_key(engine: Engine, model_dir: Path, args: ModelArgs) -> str:
@@ -79,28 +81,64 @@ class SpeedProbe(SpeedSource):
         self.cache_path = home / CACHE_FILE
         self.placement = placement
         self.parallel = parallel  # its --parallel, announced with the figures
+        self.allreduce_ns: dict[str, int] = {}  # by group (members' ids in rank order): as its leader measured
         self.remeasure = remeasure  # measure every model once in this run, whatever the cache holds
         self._locate = locate  # a model key -> its folder and config (the model is described already)
         self._round_trips = round_trips  # each link's lowest round trip so far, in seconds, by peer node id
         self._on_measured = on_measured
         self._results: dict[str, Measured | str] = {}  # by model key: figures, or why there are none
         self._tasks: dict[str, asyncio.Task] = {}
+        self._slices: dict[str, dict[int, int]] = {}  # by model key: group size -> a rank slice's decode ns
+        self._slice_tasks: dict[tuple[str, int], asyncio.Task] = {}
 
     def figures(self, model: str | None) -> SpeedFigures:
         # A frame holds at most MAX_COUNTS round trips; past that many peers, the other ends' figures count.
-        rtt_us = {peer: rtt_bucket_us(seconds) for peer, seconds in sorted(self._round_trips().items())[:MAX_COUNTS]}
+        trips = sorted(self._round_trips().items())[:MAX_COUNTS]
+        links = {"rtt_us": {peer: rtt_bucket_us(seconds) for peer, seconds in trips},
+                 "link_us": {peer: rtt_bucket_us(seconds, LINK_FLOOR_US) for peer, seconds in trips
+                             if seconds is not None},
+                 "parallel": self.parallel, "allreduce_ns": dict(self.allreduce_ns)}
         if self.placement == "memory" or model is None:
-            return SpeedFigures(self.placement, rtt_us=rtt_us, parallel=self.parallel)
+            return SpeedFigures(self.placement, **links)
         result = self._results.get(model)
         if isinstance(result, Measured):
             return SpeedFigures(self.placement, model, result.speed.decode_ns, result.speed.prefill_ns,
-                                round(result.seconds, 3), result.cached, None, rtt_us, self.parallel)
-        # failed, or still measuring
-        return SpeedFigures(self.placement, model, problem=result, rtt_us=rtt_us, parallel=self.parallel)
+                                round(result.seconds, 3), result.cached, None,
+                                slice_decode_ns={str(n): ns for n, ns in self._slices.get(model, {}).items()},
+                                **links)
+        return SpeedFigures(self.placement, model, problem=result, **links)  # failed, or still measuring
 
-    def measure(self, model: str) -> None:
+    def measure(self, model: str, group_limit: int = 1) -> None:
         if self.placement == "compute":
             self.result(model)
+            if self.parallel == "auto" and group_limit > 1:
+                self._measure_slices(model, min(group_limit, MEASURED_GROUPS))
+
+    def _measure_slices(self, model: str, limit: int) -> None:
+        """The planner weighs tensor-parallel groups of up to `limit` of this node's kind: time one rank's slice of
+        a layer for each group size it could form (after the whole layer; once per size)."""
+        for size in range(2, limit + 1):
+            if (model, size) not in self._slice_tasks:
+                self._slice_tasks[model, size] = asyncio.ensure_future(self._measure_slice(model, size))
+
+    async def _measure_slice(self, model: str, size: int) -> None:
+        while model not in self._results:  # the whole layer first: placement needs it before anything else
+            await asyncio.sleep(0.1)
+        try:
+            model_dir, args = self._locate(model)
+            if size not in group_sizes(args):
+                return
+            measured = await self._figure(model_dir, rank_args(args, TensorSplit(0, size)))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # no figure: the planner does not weigh groups of this size
+            log.warning("node %s: cannot time a rank's slice of %s for groups of %d: %r", self.node_id, model, size,
+                        exc)
+            return
+        self._slices.setdefault(model, {})[size] = measured.speed.decode_ns
+        log.info("node %s: a rank's slice of a layer of %s in a group of %d: decode %.3f ms", self.node_id,
+                 Path(model).name, size, measured.speed.decode_ns / 1e6)
+        self._on_measured()
 
     def result(self, model: str) -> Measured | str | None:
         """The figures for `model`, why there are none, or None while they are being measured (started here)."""
@@ -111,22 +149,15 @@ class SpeedProbe(SpeedSource):
         return None
 
     async def close(self) -> None:
-        for task in self._tasks.values():
+        for task in [*self._tasks.values(), *self._slice_tasks.values()]:
             task.cancel()
 
     async def _measure(self, model: str) -> None:
         try:
             model_dir, args = self._locate(model)
-            key = speed_key(self.engine, model_dir, args)
-            cached = None if self.remeasure else self._read_cache().get(key)
-            if cached is not None:
-                result: Measured | str = Measured(LayerSpeed(cached["decode_ns"], cached["prefill_ns"]),
-                                                  cached["seconds"], cached=True)
-            else:
-                loop = asyncio.get_running_loop()
-                result = await loop.run_in_executor(self.executor, self._measure_now, model_dir, args)
-                self._write_cache(key, result)
+            result: Measured | str = await self._figure(model_dir, args)
             self._log(model, result)
+
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # placement falls back to the memory split and says why
@@ -134,6 +165,17 @@ class SpeedProbe(SpeedSource):
             result = f"cannot measure its speed: {exc}"
         self._results[model] = result
         self._on_measured()
+
+    async def _figure(self, model_dir: Path, args: ModelArgs) -> Measured:
+        """The layer of `args`'s shape, read from the cache or measured (and cached)."""
+        key = speed_key(self.engine, model_dir, args)
+        cached = None if self.remeasure else self._read_cache().get(key)
+        if cached is not None:
+            return Measured(LayerSpeed(cached["decode_ns"], cached["prefill_ns"]), cached["seconds"], cached=True)
+        loop = asyncio.get_running_loop()
+        result = await loop.run_in_executor(self.executor, self._measure_now, model_dir, args)
+        self._write_cache(key, result)
+        return result
 
     def _measure_now(self, model_dir: Path, args: ModelArgs) -> Measured:
         """Engine thread: wait for this host's other nodes to finish measuring, then measure."""

@@ -38,7 +38,7 @@ class FakeSpeed(SpeedSource):
         return SpeedFigures(self.placement, model, self.decode_ns, None if self.decode_ns is None else 1000,
                             0.9, False, self.problem, {})
 
-    def measure(self, model: str) -> None:
+    def measure(self, model: str, group_limit: int = 1) -> None:
         self.asked.append(model)
 
 

@@ -64,7 +64,7 @@ EXAMPLES: list[Message] = [
 # refuses the frame.
 OPTIONAL = {"protocol@refused", "version@refused", "model@plan_state", "digest@plan_state", "problem@plan_state",
             "kv_blocks@plan_state", "load@plan_state", "figures@plan_state", "sample@items", "dtype@info",
-            "kv_window_blocks@plan_state", "window_blocks@items"}
+            "tp_port@info", "kv_window_blocks@plan_state", "window_blocks@items"}
 ALL_OPTIONAL = {"load", "download", "figures"}
 IGNORED = {"percent", "eta_seconds"}  # sent in a download, and worked out again by the receiver
 ODD = msgpack.ExtType(42, b"?")  # no field takes an extension type: ill-typed wherever it is put

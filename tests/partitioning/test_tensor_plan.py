@@ -75,3 +75,34 @@ def test_every_member_must_ask_for_tensor_parallelism():
     assert all(not s.group for s in decision.plan.stages) and decision.report.mode == "memory"
     decision = Placer("a").decide("m", 8, FOOTPRINT, members, {"a": tensor, "b": tensor}, None, ())
     assert "no group forms" in decision.report.why and len(decision.plan.stages) == 2
+
+
+def measured(layer_ms: float, slice_ms: float, link_us: int, peer: str, allreduce: dict[str, int] | None = None
+             ) -> SpeedFigures:
+    return SpeedFigures("compute", "m", int(layer_ms * 1e6), int(layer_ms * 1e5), 1.0, False,
+                        rtt_us={peer: max(2048, link_us)}, link_us={peer: link_us},
+                        slice_decode_ns={"2": int(slice_ms * 1e6)}, allreduce_ns=allreduce or {})
+
+
+def decide(link_us: int, allreduce: dict[str, int] | None = None):
+    members = [Member("a", "torch", 8 * GIB), Member("b", "torch", 8 * GIB)]
+    figures = {"a": measured(10, 5.5, link_us, "b", allreduce), "b": measured(10, 5.5, link_us, "a")}
+    return Placer("a").decide("m", 8, FOOTPRINT, members, figures, None, (2,))
+
+
+def test_auto_takes_a_group_where_the_link_is_fast_and_the_pipeline_where_it_is_slow():
+    fast = decide(link_us=64)  # a LAN: each layer 5.5 ms + 2 x (0.35 + 0.064) ms, against 10 ms
+    assert fast.plan.stages == (Stage("a", 0, 8, ("b",)),) and fast.report.mode == "tensor"
+    head = 2_500_000  # not split: the leader's, a quarter layer's bytes
+    assert fast.report.predicted["tensor"] == 8 * (5_500_000 + 2 * (350_000 + 64_000)) + head
+    slow = decide(link_us=16384)  # 5 ms each way added: every all-reduce waits a round trip
+    assert all(not s.group for s in slow.plan.stages) and slow.report.mode == "compute"
+    assert slow.report.predicted["tensor"] > slow.report.predicted["pipeline"]
+    assert "tensor parallel" in slow.report.why
+
+
+def test_a_groups_measured_all_reduce_replaces_the_estimate():
+    # the group formed and found its all-reduce at 2 ms: 8 x (5.5 + 4) ms is no 10 % gain over 8 x 10 ms + hops
+    decision = decide(link_us=64, allreduce={"a,b": 2_000_000})
+    assert all(not s.group for s in decision.plan.stages)
+    assert decision.report.predicted["tensor"] == 8 * (5_500_000 + 2 * 2_000_000) + 2_500_000
