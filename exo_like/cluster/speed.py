@@ -30,6 +30,7 @@ from exo_like.engines.layer_speed import LayerSpeed
 from exo_like.models.config import ModelArgs
 from exo_like.models.tensor_split import TensorSplit, group_sizes, rank_args
 from partitioning.speed_figures import LINK_FLOOR_US, RTT_FLOOR_US, SpeedFigures, SpeedSource
+from partitioning.tensor import ALLREDUCE_BASE_NS
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +125,9 @@ class SpeedProbe(SpeedSource):
     async def _measure_slice(self, model: str, size: int) -> None:
         while model not in self._results:  # the whole layer first: placement needs it before anything else
             await asyncio.sleep(0.1)
+        whole = self._results[model]
+        if not isinstance(whole, Measured) or whole.speed.decode_ns < 2 * ALLREDUCE_BASE_NS:
+            return  # a layer faster than a group's two all-reduces: no group of any size gains on it
         try:
             model_dir, args = self._locate(model)
             if size not in group_sizes(args):
