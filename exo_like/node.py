@@ -55,7 +55,9 @@ from exo_like.serving.scheduler import SchedulerLimits
 from exo_like.serving.shard_holder import ShardHolder
 from exo_like.serving.stage import StageWorker
 from exo_like.tensor_parallel import control as group_control
+from exo_like.tensor_parallel.messages import Ready
 from exo_like.tensor_parallel.supervisor import GroupSpec, GroupSupervisor
+from partitioning.tensor import group_key
 from partitioning.plan import Plan
 from partitioning.speed_figures import RTT_SAMPLES
 from exo_like.cluster.protocol import MemberAddress
@@ -217,8 +219,13 @@ class Node:
         self.info = replace(self.info, tp_port=listener.getsockname()[1])
         key = hashlib.sha256(b"exo-like tensor-parallel|" + self.options.cluster_key.encode()).digest()
         self.shards.groups = GroupSupervisor(self.node_id, key, self.info.host, listener, self.engine,
-                                             self.options.step_timeout)
+                                             self.options.step_timeout, self._group_formed)
         self.shards.group_spec = self._group_spec
+
+    def _group_formed(self, spec: GroupSpec, ready: Ready) -> None:
+        """A group's leader announces the group's measured all-reduce: the planner weighs it from then on."""
+        if spec.rank == 0 and self.speed is not None and ready.allreduce_ns > 0:
+            self.speed.allreduce_ns[group_key(spec.member_ids)] = ready.allreduce_ns
 
     def _group_spec(self, plan: Plan, shard: Shard) -> GroupSpec:
         """This node's rank of the plan's group that holds `shard`, with every member's control address."""

@@ -7,6 +7,8 @@ all ranks run the layers in lockstep, adding their partial outputs with `all_red
 
 from __future__ import annotations
 
+import statistics
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
@@ -27,3 +29,20 @@ class TensorGroup(ABC):
     @abstractmethod
     def share_step(self, items: Sequence[WorkItem], hidden: Activations) -> None:
         """Leader only: hand the followers the step it is about to run through the layers."""
+
+    def time_all_reduce(self, width: int, times: int) -> int:
+        """Nanoseconds one all-reduce of [1, width] takes, the median of `times` (every rank calls it at once)."""
+        samples = []
+        for _ in range(times + 3):  # the first few set up buffers and connections
+            tensor = self.zeros(width)
+            started = time.perf_counter_ns()
+            self.wait(self.all_reduce(tensor))
+            samples.append(time.perf_counter_ns() - started)
+        return int(statistics.median(samples[3:]))
+
+    def zeros(self, width: int) -> Any:
+        """A [1, width] float32 array of the group's framework."""
+        raise NotImplementedError
+
+    def wait(self, array: Any) -> None:
+        """Until `array` is computed (frameworks that compute lazily)."""

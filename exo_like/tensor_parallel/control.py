@@ -1,6 +1,7 @@
 """The control channel from a group's leader to each follower: one TCP connection per follower, opened by the
-leader's worker once the collective group has formed, both sides proving they hold the cluster key (an HMAC over
-both sides' fresh nonces, the group's name and the follower's rank) before any step crosses it.
+leader's worker first thing (the group's formation goes through it: where the rendezvous store listens, or MLX's
+ring addresses), both sides proving they hold the cluster key (an HMAC over both sides' fresh nonces, the group's
+name and the follower's rank) before anything else crosses it.
 
 The collective backends' own connections (gloo's store and pairs, MLX's ring) are not authenticated: see
 docs/tensor-parallel.md."""

@@ -112,6 +112,7 @@ class Ready(Message):
     device_name: str
     on_cpu: bool
     numerics: dict[str, str]
+    allreduce_ns: int = 0  # the median of the group's all-reduces timed right after forming
 
 
 @dataclass(frozen=True)

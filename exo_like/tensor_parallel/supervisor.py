@@ -7,9 +7,11 @@ from __future__ import annotations
 import hashlib
 import logging
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from exo_like.engines.base import Engine
+from exo_like.tensor_parallel.messages import Ready
 from exo_like.tensor_parallel.options import Address, WorkerOptions
 from exo_like.tensor_parallel.process import GroupBroken, GroupMemberEngine, WorkerProcess
 
@@ -34,6 +36,10 @@ class GroupSpec:
         return hashlib.sha256(body.encode()).hexdigest()[:16]
 
     @property
+    def member_ids(self) -> tuple[str, ...]:
+        return tuple(node for node, _, _ in self.members)
+
+    @property
     def control(self) -> list[Address]:
         return [(host, port) for _, host, port in self.members]
 
@@ -43,9 +49,11 @@ class GroupSupervisor:
     `local`: the node's own engine (its kind, device and dtype are the worker's; it measures layers)."""
 
     def __init__(self, node_id: str, key: bytes, bind: str, listener: socket.socket, local: Engine,
-                 timeout: float = 60.0):
+                 timeout: float = 60.0, on_formed: Callable[[GroupSpec, Ready], None] | None = None):
+        """on_formed: called with each group this node's worker formed (its all-reduce time, for the planner)."""
         self.node_id, self.key, self.bind, self.listener, self.local = node_id, key, bind, listener, local
         self.timeout = timeout
+        self.on_formed = on_formed
         self.spec: GroupSpec | None = None
         self.worker: WorkerProcess | None = None
         self.engine: GroupMemberEngine | None = None  # once the worker's group has formed
@@ -66,6 +74,10 @@ class GroupSupervisor:
         self.spec, self.worker = spec, worker
         self.formations += 1
         ready = worker.wait_ready()  # GroupBroken if the others never come, or stop() killed it
+        log.info("node %s: group %s formed; an all-reduce takes %.3f ms", self.node_id, spec.name,
+                 ready.allreduce_ns / 1e6)
+        if self.on_formed is not None:
+            self.on_formed(spec, ready)
         self.engine = GroupMemberEngine(worker, ready, self.local)
         return self.engine
 

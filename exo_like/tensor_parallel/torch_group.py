@@ -46,7 +46,7 @@ class TorchGroup(TensorGroup):
 
     def __init__(self, rank: int, size: int, store: dist.TCPStore, bind: str, key: bytes, name: str,
                  timeout: float, device: torch.device):
-        self.rank, self.size = rank, size
+        self.rank, self.size, self.device = rank, size, device
         self.followers: list[socket.socket] = []
         interface = interface_of(bind)
         if interface is not None:
@@ -63,6 +63,9 @@ class TorchGroup(TensorGroup):
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(tensor)
         return tensor
+
+    def zeros(self, width: int) -> torch.Tensor:
+        return torch.zeros(1, width, device=self.device)
 
     def share_step(self, items: Sequence[WorkItem], hidden: Activations) -> None:
         message = Follow(tuple(items), hidden)

@@ -15,37 +15,48 @@ import os
 import selectors
 import socket
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from exo_like.engines.base import Engine, create_engine
 from exo_like.errors import ExoLikeError
 from exo_like.tensor_parallel import control
-from exo_like.tensor_parallel.messages import (AllocateKV, Describe, Done, Failed, Follow, Formation, Load, Message,
-                                               Ready, Step, receive, send)
+from exo_like.tensor_parallel.messages import (AllocateKV, Describe, Done, Failed, Follow, Formation, Load, M, Message,
+                                               Offer, Ready, Step, receive, send)
 from exo_like.tensor_parallel.options import KEY_VARIABLE, WorkerOptions
 
 log = logging.getLogger("exo_like.tensor_parallel.worker")
 
+ALLREDUCE_WIDTH = 4096
+ALLREDUCE_TIMES = 50
+
 
 def form_group(options: WorkerOptions, key: bytes, device: Any) -> Any:
-    """Meet the other ranks: the leader opens its rendezvous store, dials every follower's control channel and
-    tells it where the store is; then all form the framework's group there."""
-    if options.engine != "torch":
-        raise ValueError(f"no tensor-parallel backend for the {options.engine} engine yet")
+    """Meet the other ranks: the leader dials every follower's control channel and tells it where the framework's
+    group forms (Formation); then all form it there. Returns the group and, on a follower, the leader's channel."""
+    if options.engine == "torch":
+        return form_torch_group(options, key, device)
+    if options.engine == "mlx":
+        return form_mlx_group(options, key)
+    raise ValueError(f"no tensor-parallel backend for the {options.engine} engine")
+
+
+def form_torch_group(options: WorkerOptions, key: bytes, device: Any) -> Any:
+    """The leader opens its rendezvous store on a free port and tells each follower where; all form the process
+    group there."""
     from exo_like.tensor_parallel import torch_group
     if options.rank == 0:
         store = torch_group.leader_store(options.bind, options.size, options.timeout)
-        followers = [control.dial_follower(address, key, options.name, rank)
-                     for rank, address in enumerate(options.control) if rank > 0]
+        followers = dial_followers(options, key)
         for follower in followers:
             send(follower, Formation(options.bind, store.port))
         leader_channel = None
     else:
         leader_channel = accept_leader(options, key)
-        formation = receive(leader_channel)
-        if not isinstance(formation, Formation):
-            raise SystemExit(f"the leader sent {formation.type} before formation")
+        formation = expect(leader_channel, Formation)
+        if formation.ring:
+            raise SystemExit("the leader formed an MLX ring; this worker runs torch")
         store = torch_group.follower_store((formation.store_host, formation.store_port), options.size,
                                            options.timeout)
         followers = []
@@ -53,6 +64,63 @@ def form_group(options: WorkerOptions, key: bytes, device: Any) -> Any:
                                    options.timeout, device)
     group.followers = followers
     return group, leader_channel
+
+
+def form_mlx_group(options: WorkerOptions, key: bytes) -> Any:
+    """Every rank holds a free port on its `bind` address (mlx_group.reserve_port) until the ring has formed; each
+    follower offers its own to the leader once the control channel is up (Offer); the leader sends every follower
+    the whole ring (Formation.ring) right before it joins the ring itself, and each follower joins on receipt.
+    (The last rank connects to the leader first, and a connection that finds no listener retries only a second
+    later.)"""
+    from exo_like.tensor_parallel import mlx_group
+    reservation = mlx_group.reserve_port(options.bind)
+    mine = f"{options.bind}:{reservation.getsockname()[1]}"
+    announce = None
+    try:
+        if options.rank == 0:
+            followers = dial_followers(options, key)
+            ring = [mine]
+            for follower in followers:
+                follower.settimeout(options.timeout)
+                offer = expect(follower, Offer)
+                follower.settimeout(None)
+                ring.append(f"{offer.host}:{offer.port}")
+            leader_channel = None
+            announce = partial(send_all, followers, Formation(ring=tuple(ring)))
+        else:
+            leader_channel = accept_leader(options, key)
+            send(leader_channel, Offer(options.bind, reservation.getsockname()[1]))
+            leader_channel.settimeout(options.timeout)
+            formation = expect(leader_channel, Formation)
+            leader_channel.settimeout(None)
+            ring = list(formation.ring)
+            if len(ring) != options.size or ring[options.rank] != mine:
+                raise SystemExit(f"the leader's ring {ring} does not hold rank {options.rank} of {options.size} at "
+                                 f"{mine}")
+            followers = []
+        group = mlx_group.MlxGroup(options.rank, options.size, ring, options.name, announce)
+    finally:
+        reservation.close()
+    group.followers = followers
+    return group, leader_channel
+
+
+def send_all(channels: list[socket.socket], message: Message) -> None:
+    for channel in channels:
+        send(channel, message)
+
+
+def dial_followers(options: WorkerOptions, key: bytes) -> list[socket.socket]:
+    return [control.dial_follower(address, key, options.name, rank)
+            for rank, address in enumerate(options.control) if rank > 0]
+
+
+def expect(channel: socket.socket, kind: type[M]) -> M:
+    """The next frame on a control channel during formation, which must be a `kind`."""
+    message = receive(channel)
+    if not isinstance(message, kind):
+        raise SystemExit(f"the other side sent {message.type}, not {kind.type}, during formation")
+    return message
 
 
 def accept_leader(options: WorkerOptions, key: bytes) -> socket.socket:
@@ -112,20 +180,25 @@ def follow(leader: socket.socket, engine: Engine) -> None:
 
 
 def serve(node: socket.socket, engine: Engine, leader_channel: socket.socket | None) -> None:
+    """Until the node, the leader or a follower closes its channel. A leader reads nothing from its followers:
+    their channels becoming readable means they closed (the follower's worker died), and the group with it."""
     selector = selectors.DefaultSelector()
-    selector.register(node, selectors.EVENT_READ)
+    selector.register(node, selectors.EVENT_READ, "node")
     if leader_channel is not None:
-        selector.register(leader_channel, selectors.EVENT_READ)
+        selector.register(leader_channel, selectors.EVENT_READ, "leader")
+    for follower in getattr(engine.group, "followers", []):
+        selector.register(follower, selectors.EVENT_READ, "a follower")
     while True:
         for key, _ in selector.select():
             try:
-                if key.fileobj is node:
+                if key.data == "node":
                     answer(node, engine, leader_channel is None)
-                else:
+                elif key.data == "leader":
                     follow(leader_channel, engine)  # type: ignore[arg-type]
+                else:
+                    raise EOFError
             except EOFError:
-                side = "node" if key.fileobj is node else "leader"
-                log.info("rank %d: the %s closed its channel; exiting", engine.group.rank, side)  # type: ignore
+                log.info("rank %d: %s closed its channel; exiting", engine.group.rank, key.data)  # type: ignore
                 return
 
 
@@ -140,19 +213,42 @@ def die_with(parent: int) -> None:
         raise SystemExit("the node that started this worker is gone")
 
 
+def pin(cpus: list[int]) -> None:
+    """Keep every thread of this process, and so every thread it starts later (the framework's), on `cpus`."""
+    if not hasattr(os, "sched_setaffinity"):
+        log.warning("this system cannot pin a process's threads to CPUs: cpus %s ignored", cpus)
+        return
+    try:
+        threads = [int(task) for task in os.listdir("/proc/self/task")]
+    except OSError:
+        threads = [0]
+    for thread in threads:
+        try:
+            os.sched_setaffinity(thread, cpus)
+        except ProcessLookupError:  # a thread that has ended since
+            pass
+    log.info("threads pinned to cpus %s", ",".join(map(str, sorted(cpus))))
+
+
 def main(argv: list[str] | None = None) -> None:
     options = WorkerOptions.from_argv(argv if argv is not None else sys.argv[1:])
     die_with(options.parent)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [{options.node_id or '-'} rank "
                         f"{options.rank}] %(name)s: %(message)s")
+    if options.cpus:
+        pin(options.cpus)
     key = bytes.fromhex(os.environ.pop(KEY_VARIABLE))
     node = socket.socket(fileno=options.fd)
     engine = create_engine(options.engine, device=options.device, dtype=options.dtype)
-    if options.threads:
+    if options.threads and options.engine == "torch":
         import torch
         torch.set_num_threads(options.threads)
     engine.group, leader_channel = form_group(options, key, getattr(engine, "device", None))
-    send(node, Ready(os.getpid(), engine.name, engine.device_name, engine.on_cpu, engine.numerics()))
+    # The group's all-reduce as the planner weighs it (every rank in step, right after forming): a decode step's
+    # hidden state of a typical width (the time hardly depends on it at these sizes).
+    allreduce_ns = engine.group.time_all_reduce(ALLREDUCE_WIDTH, ALLREDUCE_TIMES)
+    log.info("rank %d: an all-reduce of %d values takes %.3f ms", options.rank, ALLREDUCE_WIDTH, allreduce_ns / 1e6)
+    send(node, Ready(os.getpid(), engine.name, engine.device_name, engine.on_cpu, engine.numerics(), allreduce_ns))
     try:
         serve(node, engine, leader_channel)
     finally:

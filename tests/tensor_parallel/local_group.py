@@ -15,14 +15,16 @@ from tests.cluster_harness import free_ports
 KEY = os.urandom(32)
 
 
-def start_group(size: int, engine: str = "torch", dtype: str | None = "float32", threads: int = 1,
-                timeout: float = 30.0, key: bytes = KEY) -> list[GroupMemberEngine]:
-    """Ranks 0..size-1, each a worker process; returned once the group has formed (leader first)."""
+def start_group(size: int, engine: str = "torch", dtype: str | None = "float32", threads: int | None = 1,
+                timeout: float = 30.0, key: bytes = KEY, pin: bool = False) -> list[GroupMemberEngine]:
+    """Ranks 0..size-1, each a worker process; returned once the group has formed (leader first). `pin`: each rank
+    on a CPU of its own when this process may use enough of them (else left to the scheduler)."""
     ports = free_ports(size)
     name = f"test-{uuid.uuid4().hex[:8]}"
+    cpus = rank_cpus(size) if pin else None
     workers = [WorkerProcess(WorkerOptions(rank, size, name, engine, "127.0.0.1",
                                            [("127.0.0.1", port) for port in ports], timeout, "cpu", dtype,
-                                           threads), key)
+                                           threads, cpus=None if cpus is None else [cpus[rank]]), key)
                for rank in range(size)]
     try:
         with ThreadPoolExecutor(size) as pool:
@@ -33,6 +35,12 @@ def start_group(size: int, engine: str = "torch", dtype: str | None = "float32",
         raise
     return [GroupMemberEngine(worker, info, create_engine(engine, device="cpu", dtype=dtype))
             for worker, info in zip(workers, ready)]
+
+
+def rank_cpus(size: int) -> list[int] | None:
+    """A CPU for each of `size` ranks, distinct, from those this process may use; None when there are too few."""
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    return allowed[:size] if len(allowed) >= size else None
 
 
 def load_group(members: list[GroupMemberEngine], model_dir, args, shard_of, n_blocks: int) -> None:
