@@ -149,13 +149,14 @@ class Placer:
                 predicted["tensor"] = sum(tensor_ns)
                 if predicted["tensor"] * TENSOR_GAIN[1] < placement.total_ns * TENSOR_GAIN[0]:
                     report = PlacementReport(
-                        "tensor", f"tensor parallel: {_ms(predicted['tensor'])} ms per token predicted against "
-                        f"{_ms(placement.total_ns)} ms for the pipeline", dict(zip(tensor_plan.node_ids, tensor_ns)),
+                        "tensor", f"tensor parallel: {predicted['tensor'] / 1e6:.1f} ms per token predicted "
+                        f"against {placement.total_ns / 1e6:.1f} ms for the pipeline",
+                        dict(zip(tensor_plan.node_ids, tensor_ns)),
                         max(zip(tensor_ns, tensor_plan.node_ids))[1], waiting, measuring, predicted)
                     return Decision(tensor_plan, None, None, report)
         how = placement.how if "tensor" not in predicted else \
-            f"{placement.how} (a pipeline: {_ms(placement.total_ns)} ms per token predicted, tensor parallel " \
-            f"{_ms(predicted['tensor'])} ms)"
+            f"{placement.how} (a pipeline: {placement.total_ns / 1e6:.1f} ms per token predicted, tensor " \
+            f"parallel {predicted['tensor'] / 1e6:.1f} ms)"
         report = PlacementReport("compute", how, {s.node_id: t for s, t in zip(plan.stages, placement.stage_ns)},
                                  placement.bottleneck, tuple((x.node_id, x.reason) for x in placement.left_out)
                                  + waiting, measuring, predicted)

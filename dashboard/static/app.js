@@ -67,14 +67,27 @@ function render(picture) {
   renderNodeCards($("nodes"), picture);
   renderLayerBar($("layer-bar"), picture);
   $("ring-caption").textContent = ringCaption(picture);
-  $("layers-caption").textContent = picture.plan
-    ? `${plural(picture.plan.n_layers, "layer")} over ${plural(picture.plan.stages.length, "node")}` : "";
+  $("layers-caption").textContent = layersCaption(picture.plan);
   chat.setCluster(modelChanged);
 }
 
 function ringCaption(picture) {
   const count = picture.nodes.length;
+  const stages = picture.plan ? picture.plan.stages : [];
+  if (stages.some((stage) => stage.group)) {
+    return stages.length === 1 ? `${plural(count, "node")} in one stage`
+      : `${plural(count, "node")} in ${stages.length} stages, in pipeline order`;
+  }
   return count === 1 ? "a ring of one" : `${count} nodes in pipeline order`;
+}
+
+// A tensor-parallel group runs one stage on several nodes.
+function layersCaption(plan) {
+  if (!plan) return "";
+  const layers = plural(plan.n_layers, "layer");
+  if (!plan.stages.some((stage) => stage.group)) return `${layers} over ${plural(plan.stages.length, "node")}`;
+  const nodes = plan.stages.reduce((sum, stage) => sum + (stage.group ? stage.group.length : 1), 0);
+  return `${layers} over ${plural(plan.stages.length, "stage")} on ${plural(nodes, "node")}`;
 }
 
 // -- banners: the explicit empty and failure states ------------------------------------------------------
@@ -163,14 +176,46 @@ function modelKind(picture) {
     `${picture.architecture} · ${formatCount(params.total)} parameters${active}`);
 }
 
-// How the layers are split (by measured speed or by memory, and why), and a token's time around the ring.
+const MODES = { compute: "pipeline by speed", memory: "pipeline by memory", tensor: "tensor parallel" };
+
+// How the layers are split (a pipeline by measured speed or by memory, or with tensor-parallel groups) and why, and a
+// token's time around the ring: predicted (for the pipeline and for tensor parallelism, when both were weighed)
+// next to the measured one.
 function placementLine(placement) {
   if (!placement) return null;
-  const how = placement.why;
-  const time = placement.time_per_token_ms == null ? "" : ` · ${placement.time_per_token_ms.toFixed(1)} ms per token, `
-    + `slowest stage ${placement.bottleneck_ms.toFixed(1)} ms`;
-  return h("div", { class: "tile-placement", title: "how the layers were placed (--placement), and a token's time "
-    + "around the ring as the measured speeds predict it" }, how + time);
+  return h("div", { class: "tile-placement", title: "how the layers were placed (--placement, --parallel), and a "
+    + "token's time around the ring as the measured speeds predict it, and as the stages measure it (their recent "
+    + "median steps added; the hops between nodes are not in it)" },
+  h("div", { class: "placement-mode", "data-mode": placement.mode }, MODES[placement.mode] || placement.mode),
+  h("div", { class: "placement-why" }, placement.why),
+  placementTimes(placement));
+}
+
+function placementTimes(placement) {
+  const parts = [];
+  const predicted = placement.predicted_ms || {};
+  const chosen = placement.mode === "tensor" ? "tensor" : "pipeline";
+  if (predicted.pipeline != null && predicted.tensor != null) {
+    parts.push(h("span", { class: "placement-predicted" }, "predicted per token: ",
+      ["pipeline", "tensor"].flatMap((kind, i) => [i ? " · " : "",
+        h("span", { class: kind === chosen ? "chosen" : null, "data-kind": kind },
+          `${kind} ${formatMs(predicted[kind])}`)])));
+  } else if (placement.time_per_token_ms != null) {
+    parts.push(h("span", { class: "placement-predicted" },
+      `predicted ${formatMs(placement.time_per_token_ms)} per token`));
+  }
+  if (placement.bottleneck_ms != null) parts.push(`slowest stage ${formatMs(placement.bottleneck_ms)}`);
+  if (placement.measured_time_per_token_ms != null) {
+    parts.push(h("span", { class: "placement-measured" },
+      `measured ${formatMs(placement.measured_time_per_token_ms)} per token`));
+  }
+  if (!parts.length) return null;
+  return h("div", { class: "placement-times" }, parts.flatMap((part, i) => [i ? " · " : "", part]));
+}
+
+// Tenths of a millisecond; two significant digits below one (a small model's stage takes a fraction of one).
+function formatMs(ms) {
+  return ms >= 1 ? `${ms.toFixed(1)} ms` : `${ms.toPrecision(2)} ms`;
 }
 
 function ringState(picture) {

@@ -1,5 +1,7 @@
-// The ring: an SVG of the nodes in pipeline order with arrows the way tokens flow, the node cards beside it,
-// and the bar of all layers split between the nodes.
+// The ring: an SVG of the plan's stages in pipeline order with arrows the way tokens flow, the node cards beside it,
+// and the bar of all layers split between the stages. A stage is one node, or a tensor-parallel group: its members
+// run a slice of every layer of the stage in lockstep, drawn together (one band on the ring, one box of cards, one
+// segment of the bar); its leader (rank 0) is the stage's address on the ring.
 
 import { colourOf, formatBytes, formatLayers, formatRate, h, plural, replace, s } from "./util.js";
 
@@ -32,17 +34,41 @@ export function statusLabel(node, status) {
   return STATUS_LABELS[status] || status;
 }
 
-// Nodes in pipeline order (the plan's stages), then members the plan does not use yet.
-export function ringOrder(picture) {
-  const byId = new Map(picture.nodes.map((node) => [node.id, node]));
-  const stages = picture.plan ? picture.plan.stages : [];
-  const inRing = stages.map((stage) => byId.get(stage.node_id)).filter(Boolean);
-  const others = picture.nodes.filter((node) => !stages.some((stage) => stage.node_id === node.id));
-  return [...inRing, ...others];
+// The nodes running a stage, in rank order (a tensor-parallel group's leader first).
+export function membersOf(stage) {
+  return stage.group || [stage.node_id];
 }
 
+// The plan's stages in pipeline order, each with the member nodes that run it, then one slot for each member the
+// plan does not use (yet).
+export function stageSlots(picture) {
+  const byId = new Map(picture.nodes.map((node) => [node.id, node]));
+  const stages = picture.plan ? picture.plan.stages : [];
+  const slots = stages.map((stage, index) => ({ stage, index,
+    members: membersOf(stage).map((id) => byId.get(id)).filter(Boolean) })).filter((slot) => slot.members.length);
+  const used = new Set(stages.flatMap(membersOf));
+  const others = picture.nodes.filter((node) => !used.has(node.id))
+    .map((node) => ({ stage: null, index: null, members: [node] }));
+  return [...slots, ...others];
+}
+
+// Nodes in pipeline order (a group's members together, its leader first), then members the plan does not use yet.
+export function ringOrder(picture) {
+  return stageSlots(picture).flatMap((slot) => slot.members);
+}
+
+// The stage a node runs, alone or as a member of its group.
 export function stageOf(picture, nodeId) {
-  return picture.plan ? picture.plan.stages.find((stage) => stage.node_id === nodeId) || null : null;
+  return picture.plan ? picture.plan.stages.find((stage) => membersOf(stage).includes(nodeId)) || null : null;
+}
+
+// A member's rank in its stage's tensor-parallel group, as "rank r/N" (null: it runs its stage alone).
+export function rankText(stage, nodeId) {
+  return stage && stage.group ? `rank ${stage.group.indexOf(nodeId)}/${stage.group.length}` : null;
+}
+
+export function groupText(stage) {
+  return `tensor parallel · ${stage.group.length} ranks`;
 }
 
 // -- SVG ring ---------------------------------------------------------------------------------------------
@@ -53,40 +79,86 @@ const RADIUS = 108;
 const NODE_RADIUS = 34;
 const LABEL_DISTANCE = RADIUS + NODE_RADIUS + 12; // the "you" label sits outside the ring, clear of the arrows
 const SIDE = 26; // room beside the square for a label next to a node on the left or right
+// A tensor-parallel group's band: its members' smaller discs in rows (up to three a row) under a caption line, with
+// room under each disc for "you" in the band of the node serving the page.
+const MEMBER_RADIUS = 28;
+const MEMBER_GAP = 6;
+const BAND_PAD = 7;
+const BAND_CAPTION = 16;
+const YOU_ROW = 13;
+const CENTRE_TEXT = [62, 22]; // half the width and height of the rate and caption in the ring's centre
 
 export function renderRing(container, picture) {
-  const nodes = ringOrder(picture);
+  const slots = stageSlots(picture);
   const flowing = picture.requests_in_flight > 0;
-  const points = nodes.map((_, i) => angleAt(i, nodes.length));
-  const svg = s("svg", { viewBox: viewBox(nodes.length), role: "img", "aria-label": ringLabel(nodes) },
+  const places = slots.map((slot, i) => placeOf(slot, slots.length === 1 ? null : angleAt(i, slots.length),
+    picture.node_id));
+  const svg = s("svg", { viewBox: viewBox(places), role: "img", "aria-label": ringLabel(slots) },
     s("defs", {}, s("marker", { id: "arrow", viewBox: "0 0 10 10", refX: 7, refY: 5, markerWidth: 6,
       markerHeight: 6, orient: "auto-start-reverse" }, s("path", { d: "M0,0 L10,5 L0,10 z", class: "arrow-head" }))),
-    nodes.length === 1 ? loopArrow(flowing) : points.map((angle, i) =>
-      arcArrow(angle, points[(i + 1) % points.length], flowing)),
-    centreText(picture, nodes.length),
-    nodes.map((node, i) => nodeBubble(node, picture, nodes.length === 1 ? null : points[i])));
+    places.length === 1 ? loopArrow(places[0], flowing) : places.map((place, i) =>
+      arcArrow(place, places[(i + 1) % places.length], flowing)),
+    centreText(picture, places.length),
+    places.map((place) => place.band ? groupBand(place, picture)
+      : nodeBubble(place.slot.members[0], picture, place.x, place.y, place.angle)));
   replace(container, svg);
 }
 
-// Crop what the drawing leaves empty (a ring of three has nothing below its lowest arc).
-function viewBox(count) {
-  if (count === 1) {
-    const reach = NODE_RADIUS + 30; // the loop arrow around the single bubble
-    return `0 ${CENTRE - reach} ${SIZE} ${2 * reach}`;
+// Where a slot is drawn: its centre (on the ring, or the centre for a ring of one) and the half extents of what is
+// drawn there (a node's bubble, or a group's band). A band that would cover the centre's text moves out from the
+// ring as far as it must (the arrows still run along the ring, into its inner side).
+function placeOf(slot, angle, me) {
+  const [x, y] = angle === null ? [CENTRE, CENTRE] : pointAt(angle);
+  if (!slot.stage || !slot.stage.group) {
+    return { slot, angle, x, y, band: false, halfW: NODE_RADIUS, halfH: NODE_RADIUS };
   }
-  const ys = [CENTRE - RADIUS - 4, CENTRE + RADIUS + 4];
-  for (let i = 0; i < count; i += 1) {
-    const angle = angleAt(i, count);
-    const y = pointAt(angle)[1];
-    const labelY = pointAt(angle, LABEL_DISTANCE)[1];
-    ys.push(y - NODE_RADIUS - 4, y + NODE_RADIUS + 4, labelY - 8, labelY + 8);
-  }
-  const top = Math.floor(Math.min(...ys));
-  return `${-SIDE} ${top} ${SIZE + 2 * SIDE} ${Math.ceil(Math.max(...ys)) - top}`;
+  const count = slot.members.length;
+  const cols = count <= 3 ? count : Math.ceil(count / 2);
+  const rows = Math.ceil(count / cols);
+  const rowHeight = 2 * MEMBER_RADIUS + (slot.members.some((node) => node.id === me) ? YOU_ROW : 0);
+  const halfW = (cols * 2 * MEMBER_RADIUS + (cols - 1) * MEMBER_GAP + 2 * BAND_PAD) / 2;
+  const halfH = (BAND_CAPTION + rows * rowHeight + (rows - 1) * MEMBER_GAP + BAND_PAD) / 2;
+  const [cx, cy] = angle === null ? [x, y] : pointAt(angle, RADIUS + bandShift(angle, halfW, halfH));
+  return { slot, angle, x: cx, y: cy, band: true, cols, rowHeight, halfW, halfH };
 }
 
-function ringLabel(nodes) {
-  return `Ring of ${plural(nodes.length, "node")}: ${nodes.map((node) => node.name).join(" → ")}`;
+// How much further out than the ring a band's centre must sit to keep clear of the centre's text (at most its
+// half height: the ring still runs through the band).
+function bandShift(angle, halfW, halfH) {
+  const [cos, sin] = [Math.abs(Math.cos(angle)), Math.abs(Math.sin(angle))];
+  const across = cos > 0.01 ? (CENTRE_TEXT[0] + 6 + halfW) / cos : Infinity;
+  const along = sin > 0.01 ? (CENTRE_TEXT[1] + 6 + halfH) / sin : Infinity;
+  return Math.min(Math.max(0, Math.min(across, along) - RADIUS), halfH);
+}
+
+// Crop what the drawing leaves empty (a ring of three has nothing below its lowest arc); widen it for a group's band.
+function viewBox(places) {
+  if (places.length === 1) {
+    const [rx, ry] = loopRadii(places[0]);
+    const reach = ry + 8; // the loop arrow around the single bubble or band
+    const halfWidth = Math.max(CENTRE, rx + 8);
+    return `${CENTRE - halfWidth} ${CENTRE - reach} ${2 * halfWidth} ${2 * reach}`;
+  }
+  const xs = [-SIDE, SIZE + SIDE];
+  const margin = places.some((place) => place.band) ? 10 : 4; // an arrow's head may end at the ring's lowest point
+  const ys = [CENTRE - RADIUS - margin, CENTRE + RADIUS + margin];
+  for (const place of places) {
+    xs.push(place.x - place.halfW - 4, place.x + place.halfW + 4);
+    ys.push(place.y - place.halfH - 4, place.y + place.halfH + 4);
+    if (!place.band) {
+      const labelY = pointAt(place.angle, LABEL_DISTANCE)[1];
+      ys.push(labelY - 8, labelY + 8);
+    }
+  }
+  const [left, top] = [Math.floor(Math.min(...xs)), Math.floor(Math.min(...ys))];
+  return `${left} ${top} ${Math.ceil(Math.max(...xs)) - left} ${Math.ceil(Math.max(...ys)) - top}`;
+}
+
+function ringLabel(slots) {
+  const grouped = slots.some((slot) => slot.stage && slot.stage.group);
+  const names = slots.map((slot) => slot.members.map((node) => node.name).join(" + ")
+    + (slot.stage && slot.stage.group ? ` (${groupText(slot.stage)})` : ""));
+  return `Ring of ${plural(slots.length, grouped ? "stage" : "node")}: ${names.join(" → ")}`;
 }
 
 function angleAt(index, count) {
@@ -97,23 +169,42 @@ function pointAt(angle, radius = RADIUS) {
   return [CENTRE + radius * Math.cos(angle), CENTRE + radius * Math.sin(angle)];
 }
 
-// An arc along the ring from one node to the next, stopping short of both bubbles.
-function arcArrow(from, to, flowing) {
-  const gap = (NODE_RADIUS + 8) / RADIUS;
-  const end = to <= from ? to + 2 * Math.PI : to;
-  const [x1, y1] = pointAt(from + gap);
-  const [x2, y2] = pointAt(end - gap);
-  const large = end - from - 2 * gap > Math.PI ? 1 : 0;
+// An arc along the ring from one stage to the next, stopping short of both (a bubble or a band).
+function arcArrow(fromPlace, toPlace, flowing) {
+  const from = fromPlace.angle + clearance(fromPlace, 1);
+  const to = toPlace.angle <= fromPlace.angle ? toPlace.angle + 2 * Math.PI : toPlace.angle;
+  const end = to - clearance(toPlace, -1);
+  if (end - from < 0.05) return null; // two bands side by side: no room for an arrow between them
+  const [x1, y1] = pointAt(from);
+  const [x2, y2] = pointAt(end);
+  const large = end - from > Math.PI ? 1 : 0;
   const d = `M${x1.toFixed(1)},${y1.toFixed(1)} A${RADIUS},${RADIUS} 0 ${large} 1 ${x2.toFixed(1)},${y2.toFixed(1)}`;
   return s("path", { d, class: flowing ? "link flowing" : "link", "marker-end": "url(#arrow)" });
 }
 
-// A ring of one: the node feeds itself.
-function loopArrow(flowing) {
-  const r = NODE_RADIUS + 22;
-  const [x1, y1] = [CENTRE + r * Math.cos(-1.2), CENTRE + r * Math.sin(-1.2)];
-  const [x2, y2] = [CENTRE + r * Math.cos(-1.9), CENTRE + r * Math.sin(-1.9)];
-  const d = `M${x1.toFixed(1)},${y1.toFixed(1)} A${r},${r} 0 1 1 ${x2.toFixed(1)},${y2.toFixed(1)}`;
+// How far along the ring (radians, in `direction`) the arrow keeps clear of what is drawn at a place.
+function clearance(place, direction) {
+  if (!place.band) return (NODE_RADIUS + 8) / RADIUS;
+  for (let t = 0; t < Math.PI; t += 0.01) {
+    const [x, y] = pointAt(place.angle + direction * t);
+    if (Math.abs(x - place.x) > place.halfW + 8 || Math.abs(y - place.y) > place.halfH + 8) return t;
+  }
+  return Math.PI;
+}
+
+// The loop arrow's radii around a ring of one: a circle around a bubble, an ellipse around a band (clear of its
+// corners: they are on the ellipse of radii √2 times its half extents).
+function loopRadii(place) {
+  return place.band ? [place.halfW * Math.SQRT2 + 12, place.halfH * Math.SQRT2 + 12]
+    : [NODE_RADIUS + 22, NODE_RADIUS + 22];
+}
+
+// A ring of one: the node (or the group) feeds itself.
+function loopArrow(place, flowing) {
+  const [rx, ry] = loopRadii(place);
+  const [x1, y1] = [CENTRE + rx * Math.cos(-1.2), CENTRE + ry * Math.sin(-1.2)];
+  const [x2, y2] = [CENTRE + rx * Math.cos(-1.9), CENTRE + ry * Math.sin(-1.9)];
+  const d = `M${x1.toFixed(1)},${y1.toFixed(1)} A${rx},${ry} 0 1 1 ${x2.toFixed(1)},${y2.toFixed(1)}`;
   return s("path", { d, class: flowing ? "link flowing" : "link", "marker-end": "url(#arrow)" });
 }
 
@@ -124,8 +215,7 @@ function centreText(picture, count) {
     s("text", { x: CENTRE, y: CENTRE + 16, class: "centre-small" }, "tokens flow clockwise"));
 }
 
-function nodeBubble(node, picture, angle) {
-  const [x, y] = angle === null ? [CENTRE, CENTRE] : pointAt(angle);
+function nodeBubble(node, picture, x, y, angle) {
   const stage = stageOf(picture, node.id);
   const me = node.id === picture.node_id;
   const status = displayStatus(node);
@@ -138,6 +228,41 @@ function nodeBubble(node, picture, angle) {
       stage ? `L ${formatLayers(stage.start_layer, stage.end_layer)}` : "no layers"),
     me ? youLabel(x, y, angle) : null,
     s("title", {}, `${node.name} (${node.address})`));
+}
+
+// A tensor-parallel group: one band at the stage's place on the ring, its caption the group's size and the layers
+// its members share, and each member's disc with its name and rank.
+function groupBand(place, picture) {
+  const { slot, x, y, halfW, halfH, cols, rowHeight } = place;
+  const stage = slot.stage;
+  const layers = formatLayers(stage.start_layer, stage.end_layer);
+  const names = slot.members.map((node) => node.name).join(", ");
+  const top = y - halfH;
+  const members = slot.members.map((node, i) => {
+    const row = Math.floor(i / cols);
+    const inRow = Math.min(cols, slot.members.length - row * cols);
+    const mx = x + (i % cols - (inRow - 1) / 2) * (2 * MEMBER_RADIUS + MEMBER_GAP);
+    const my = top + BAND_CAPTION + MEMBER_RADIUS + row * (rowHeight + MEMBER_GAP);
+    return memberBubble(node, picture, stage, mx, my);
+  });
+  return s("g", { class: "tp-group", "data-stage": slot.index, "data-leader": stage.node_id },
+    s("rect", { x: x - halfW, y: top, width: 2 * halfW, height: 2 * halfH, rx: 12, class: "tp-band" }),
+    s("text", { x, y: top + 12, class: "tp-caption" }, `TP × ${stage.group.length} · L ${layers}`),
+    members,
+    s("title", {}, `${groupText(stage)}: ${names} run layers ${layers} together, each a slice of every layer`));
+}
+
+function memberBubble(node, picture, stage, x, y) {
+  const me = node.id === picture.node_id;
+  const status = displayStatus(node);
+  return s("g", { class: `bubble member status-${status}${me ? " me" : ""}`, "data-node-id": node.id,
+    style: `--node: ${colourOf(node.id)}` },
+    me ? s("circle", { cx: x, cy: y, r: MEMBER_RADIUS + 4, class: "halo" }) : null,
+    s("circle", { cx: x, cy: y, r: MEMBER_RADIUS, class: "disc" }),
+    s("text", { x, y: y - 1, class: "member-name" }, shorten(node.name, 8)),
+    s("text", { x, y: y + 12, class: "member-rank" }, rankText(stage, node.id)),
+    me ? s("text", { x, y: y + MEMBER_RADIUS + 12, class: "bubble-you" }, "you") : null,
+    s("title", {}, `${node.name} (${node.address}): ${rankText(stage, node.id)}`));
 }
 
 function youLabel(x, y, angle) {
@@ -157,19 +282,57 @@ function shorten(text, max) {
 // -- node cards -------------------------------------------------------------------------------------------
 
 export function renderNodeCards(list, picture) {
-  const cards = ringOrder(picture).map((node) => nodeCard(node, picture));
+  const cards = stageSlots(picture).map((slot) => slot.stage && slot.stage.group ? groupBox(slot, picture)
+    : nodeCard(slot.members[0], picture));
   const gone = picture.departed.map((node) => departedCard(node));
   replace(list, cards, gone);
+}
+
+// A tensor-parallel group's cards in one box, headed by what they share: the group's size, its layers, and its
+// stage's time per token, predicted and measured (the leader's step is the group's).
+function groupBox(slot, picture) {
+  const stage = slot.stage;
+  const leader = slot.members.find((node) => node.id === stage.node_id);
+  const nLayers = picture.plan.n_layers;
+  return h("li", { class: "stage-group", "data-stage": slot.index, "data-leader": stage.node_id,
+    "data-size": stage.group.length, style: `--node: ${colourOf(stage.node_id)}` },
+    h("div", { class: "group-head" },
+      h("span", { class: "group-kind" }, groupText(stage)),
+      h("span", { class: "group-layers" }, layersText(stage, nLayers))),
+    leader ? groupTimes(leader) : null,
+    h("ol", { class: "group-members", "aria-label": `members of the ${groupText(stage)} group, in rank order` },
+      slot.members.map((node) => nodeCard(node, picture))));
+}
+
+// The stage's time per token as placement predicted it and as its leader measured it, and its share of a token.
+export function groupTimesText(leader) {
+  const times = [];
+  if (leader.stage_ms != null) times.push(`predicted ${formatMs(leader.stage_ms)}`);
+  if (leader.decode_step_ms != null) times.push(`measured ${formatMs(leader.decode_step_ms)}`);
+  const parts = times.length ? [`${times.join(" · ")} per token`] : [];
+  if (leader.share != null) parts.push(`${Math.round(100 * leader.share)}% of each token`);
+  if (leader.bottleneck) parts.push("bottleneck");
+  return parts.length ? parts.join(" · ") : null;
+}
+
+function groupTimes(leader) {
+  const text = groupTimesText(leader);
+  if (!text) return null;
+  return h("div", { class: leader.bottleneck ? "group-times node-bottleneck" : "group-times",
+    title: "the group's stage: its time per generated token as placement predicted it (the slowest rank's slice "
+      + "of each layer, two all-reduces a layer, the hop to the next stage) and its leader's recent median step" },
+  text);
 }
 
 function nodeCard(node, picture) {
   const stage = stageOf(picture, node.id);
   const status = displayStatus(node);
   const nLayers = picture.plan ? picture.plan.n_layers : 0;
+  const rank = rankText(stage, node.id);
   return h("li", { class: `node status-${status}`, "data-node-id": node.id, "data-status": status,
     "data-start": stage ? stage.start_layer : null, "data-end": stage ? stage.end_layer : null,
-    style: `--node: ${colourOf(node.id)}` },
-    cardHead(node, status, node.id === picture.node_id),
+    "data-rank": rank ? stage.group.indexOf(node.id) : null, style: `--node: ${colourOf(node.id)}` },
+    cardHead(node, status, node.id === picture.node_id, rank && rankTag(stage, node.id)),
     h("div", { class: "node-sub" },
       h("span", { class: "node-device" }, deviceText(node)),
       h("span", { class: "node-speed" },
@@ -201,14 +364,16 @@ function stepText(node) {
 }
 
 // Placement by speed: this node's measured time for one layer, its stage's share of each token's time around the
-// ring, and whether it is the ring's bottleneck (the stage that sets the pace of the whole pipeline).
+// ring, and whether it is the ring's bottleneck (the stage that sets the pace of the whole pipeline). A follower in
+// a tensor-parallel group has no stage of its own: its rank instead of a share (its leader's card has the group's).
 export function speedText(node) {
   const speed = node.speed;
   if (!speed) return null;
   if (speed.problem) return speed.problem;
   if (speed.decode_ms_per_layer == null) return "measuring its speed…";
   const parts = [`${formatLayerMs(speed.decode_ms_per_layer)} per layer`];
-  if (node.share != null) parts.push(`${Math.round(100 * node.share)}% of each token`);
+  if (node.tp && node.tp.rank > 0) parts.push(`rank ${node.tp.rank}/${node.tp.size}: a slice of each layer`);
+  else if (node.share != null) parts.push(`${Math.round(100 * node.share)}% of each token`);
   if (node.bottleneck) parts.push("bottleneck");
   return parts.join(" · ");
 }
@@ -310,12 +475,21 @@ export function ago(seconds) {
   return seconds < 1 ? "just now" : `${Math.round(seconds)} s ago`;
 }
 
-function cardHead(node, status, me) {
+function cardHead(node, status, me, tag = null) {
   return h("div", { class: "node-head" },
     h("span", { class: "swatch", "aria-hidden": "true" }),
     h("span", { class: "node-name" }, node.name),
     me ? h("span", { class: "you", title: "the node serving this page" }, "you") : null,
+    tag,
     h("span", { class: `status-pill status-${status}` }, statusLabel(node, status)));
+}
+
+function rankTag(stage, nodeId) {
+  const leader = stage.node_id === nodeId;
+  return h("span", { class: "node-rank", title: leader ? "the group's leader: the stage's address on the ring; it "
+    + "runs rank 0's slice of every layer and hands each step to the other ranks"
+    : "a follower: it runs its slice of every layer of the stage in lockstep with the leader" },
+  `${rankText(stage, nodeId)}${leader ? " · leader" : ""}`);
 }
 
 const ENGINES = { torch: "PyTorch", mlx: "MLX" };
@@ -365,13 +539,20 @@ export function renderLayerBar(container, picture) {
   }
   const names = new Map(picture.nodes.map((node) => [node.id, node.name]));
   const n = picture.plan.n_layers;
-  const segments = picture.plan.stages.map((stage) => {
+  const segments = picture.plan.stages.map((stage, index) => {
     const count = stage.end_layer - stage.start_layer;
-    const name = names.get(stage.node_id) || stage.node_id;
-    return h("div", { class: "segment", style: `flex-grow: ${count}; --node: ${colourOf(stage.node_id)}`,
-      title: `${name}: layers ${formatLayers(stage.start_layer, stage.end_layer)}` },
+    const members = membersOf(stage);
+    const name = members.map((id) => names.get(id) || id).join(" + ");
+    const range = formatLayers(stage.start_layer, stage.end_layer);
+    return h("div", { class: stage.group ? "segment segment-group" : "segment", "data-stage": index,
+      style: `flex-grow: ${count}; --node: ${colourOf(stage.node_id)}`,
+      title: stage.group ? `${groupText(stage)}: ${name} run layers ${range}, each a slice of every layer`
+        : `${name}: layers ${range}` },
+      stage.group ? h("span", { class: "segment-swatches", "aria-hidden": "true" },
+        members.map((id) => h("span", { class: "swatch", style: `--node: ${colourOf(id)}` }))) : null,
       h("span", { class: "segment-name" }, name),
-      h("span", { class: "segment-range" }, formatLayers(stage.start_layer, stage.end_layer)));
+      h("span", { class: "segment-range" }, range),
+      stage.group ? h("span", { class: "segment-tp" }, `TP × ${stage.group.length}`) : null);
   });
   replace(container,
     h("div", { class: "segments" }, segments),

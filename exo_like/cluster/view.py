@@ -1,6 +1,7 @@
 """The cluster as GET /v1/cluster returns it and the dashboard draws it: members, plan, agreement, each member's
-announced load, and why the layers are placed as they are (measured speeds, each stage's share of the time per
-token, the bottleneck, nodes left out and why)."""
+announced load and part in the plan (its layers; its rank in a tensor-parallel group), and why the layers are placed
+as they are (measured speeds, each stage's share of the time per token, the bottleneck, nodes left out and why, the
+predicted time per token against the measured one)."""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ def cluster_picture(cluster: Cluster, now: float | None = None) -> dict[str, Any
         # This node's own view (unlike the rest): peers it knows of but could not link with, and why.
         "unlinked": cluster.peers.problems.to_json(),
         "plan": cluster.plan.to_json() if cluster.plan else None,
-        "placement": placement.to_json({m.node_id: m.name for m in members}) if cluster.placement else None,
+        "placement": {**placement.to_json({m.node_id: m.name for m in members}),
+                      "measured_time_per_token_ms": _measured_ms(cluster, nodes)} if cluster.placement else None,
         "agreed": cluster.agreed,
         "ready": cluster.ready,
         "problem": cluster.problem,
@@ -52,7 +54,32 @@ def _member_json(cluster: Cluster, member: NodeInfo, placement: PlacementReport)
             "used_bytes": _used_bytes(cluster, member), **load.to_json(),
             "download": load.download.to_json() if load.download is not None else None,
             "problem": announcement.problem if announcement else None,
-            **placement.node_json(member.node_id, cluster.figures_of(member.node_id), cluster.model_id)}
+            **placement.node_json(member.node_id, cluster.figures_of(member.node_id), cluster.model_id),
+            **_part_json(cluster, member.node_id)}
+
+
+def _part_json(cluster: Cluster, node_id: str) -> dict[str, Any]:
+    """The member's part in the plan: the stage it runs (its index in the pipeline), its layers, and in a
+    tensor-parallel stage its rank (a follower runs its slice of every layer of its leader's range; the stage's
+    predicted time (stage_ms) and its measured step (decode_step_ms) are on the leader's entry)."""
+    plan = cluster.plan
+    for index, stage in enumerate(plan.stages if plan else ()):
+        if node_id in stage.members:
+            tp = {"rank": stage.members.index(node_id), "size": len(stage.members), "leader": stage.node_id} \
+                if stage.group else None
+            return {"stage": index, "start_layer": stage.start_layer, "end_layer": stage.end_layer, "tp": tp}
+    return {"stage": None, "start_layer": None, "end_layer": None, "tp": None}
+
+
+def _measured_ms(cluster: Cluster, nodes: list[dict[str, Any]]) -> float | None:
+    """A token's measured time through the plan's layers: the stages' recent decode steps added (a tensor-parallel
+    stage's is its leader's). The hops between stages are not in it. None until every stage has one."""
+    steps = {node["id"]: node["decode_step_ms"] for node in nodes}
+    stage_steps = [steps.get(stage.node_id) for stage in cluster.plan.stages] if cluster.plan else []
+    known = [step for step in stage_steps if step is not None]
+    if not stage_steps or len(known) < len(stage_steps):
+        return None
+    return round(sum(known), 2)
 
 
 def _used_bytes(cluster: Cluster, member: NodeInfo) -> int:

@@ -2,26 +2,35 @@
 
 Three nodes on loopback (6, 3 and 1 GiB over a 7-layer checkpoint), the page opened on them: it must show what
 /v1/cluster says, follow a node's death without a reload, chat with the same greedy answer as the API, stop a
-request everywhere, look the same from every node, and come back by itself when its node restarts.
+request everywhere, look the same from every node, and come back by itself when its node restarts. A plan with a
+tensor-parallel group is drawn from the picture of an in-process cluster, served by the dashboard's own routes
+(no nodes: a group needs worker processes, and what is checked is the drawing).
 Screenshots go to artifacts/; any console error fails the test that caused it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import re
 import signal
+import threading
 from collections.abc import Callable, Iterator
 from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from aiohttp import web
 
+from dashboard import add_routes, page
+from exo_like.cluster.view import cluster_picture
 from tests.api_server import NodeProcess, start_node, stop_nodes, wait_for
 from tests.checkpoints import make_checkpoint
 from tests.cluster_harness import cluster_of, free_ports, start_cluster, wait_until_ready
+from tests.dashboard.test_dashboard_data import tensor_parallel_cluster
 
 CHROMIUM = Path("/usr/bin/chromium")
 pytestmark = [pytest.mark.browser,
@@ -449,3 +458,136 @@ def test_a_peer_that_cannot_be_linked_is_named_with_the_reason(tmp_path: Path, o
         dashboard.page.close()  # before its node stops, which would cut the page's event stream
     finally:
         node.stop()
+
+
+class PictureServer:
+    """The dashboard's routes (the page, its assets, /v1/events) on a loop of their own, streaming the picture of
+    an in-process cluster that `build` makes (on that loop: a Cluster schedules its announcements there)."""
+
+    def __init__(self, build: Callable[[], Any]):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.base_url = asyncio.run_coroutine_threadsafe(self._start(build), self.loop).result(timeout=30)
+
+    async def _start(self, build: Callable[[], Any]) -> str:
+        self.cluster = build()
+
+        async def index(request: web.Request) -> web.StreamResponse:
+            return page()
+
+        async def models(request: web.Request) -> web.Response:
+            return web.json_response({"object": "list", "data": [{"id": "m", "state": "serving"}]})
+
+        app = web.Application()
+        app.router.add_get("/", index)
+        app.router.add_get("/v1/models", models)
+        # What the node adds to the picture for its own page: the model's name.
+        add_routes(app, lambda: {**cluster_picture(self.cluster), "model_name": "m"}, asyncio.sleep)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        return f"http://127.0.0.1:{self.runner.addresses[0][1]}"
+
+    async def _stop(self) -> None:
+        await self.runner.cleanup()
+        await self.cluster.stop()
+        tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self._stop(), self.loop).result(timeout=30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=30)
+        self.loop.close()
+
+
+@pytest.fixture
+def tensor_parallel_server() -> Iterator[PictureServer]:
+    server = PictureServer(tensor_parallel_cluster)
+    yield server
+    server.close()
+
+
+def test_a_tensor_parallel_group_is_drawn_as_one_stage(tensor_parallel_server: PictureServer, open_page) -> None:
+    """d alone runs layers 0-2; b leads a (this node) and c through layers 3-6, a slice of each per rank: one band
+    on the ring, one box of cards, one segment of the bar; the Ring tile says tensor parallel, the predicted time per
+    token of the pipeline against the groups', and the measured one."""
+    dashboard = open_page(SimpleNamespace(base_url=tensor_parallel_server.base_url))
+    page = dashboard.page
+    dashboard.wait_for("() => document.querySelectorAll('#nodes .node').length === 4")
+    picture = cluster_picture(tensor_parallel_server.cluster)
+    # The ring: two stages, two arrows; the group's band holds its members' bubbles in rank order.
+    assert page.locator("#ring .bubble").count() == 4 and page.locator("#ring path.link").count() == 2
+    assert page.get_attribute("#ring .tp-group", "data-leader") == "b"
+    assert page.text_content("#ring .tp-caption") == "TP × 3 · L 3–6"
+    ranks = page.eval_on_selector_all("#ring .tp-group .bubble", "bubbles => bubbles.map(b => "
+                                      "[b.dataset.nodeId, b.querySelector('.member-rank').textContent])")
+    assert ranks == [["b", "rank 0/3"], ["a", "rank 1/3"], ["c", "rank 2/3"]]
+    assert page.get_attribute("#ring .tp-group .bubble.me", "data-node-id") == "a"
+    assert page.get_attribute("#ring svg", "aria-label") == (
+        "Ring of 2 stages: name-d → name-b + name-a + name-c (tensor parallel · 3 ranks)")
+    # Legible: the band clear of the lone bubble, the arrows ending outside both, "you" under its disc in the band.
+    shapes = page.evaluate("""() => {
+        const box = (el) => { const r = el.getBoundingClientRect(); return [r.left, r.top, r.right, r.bottom]; };
+        const ends = (path) => [0, path.getTotalLength()].map(at => { const p = path.getPointAtLength(at);
+                                                                         return [p.x, p.y]; });
+        const rect = document.querySelector('#ring .tp-band');
+        const disc = document.querySelector('#ring .bubble[data-node-id=d] .disc');
+        return {band: ['x', 'y', 'width', 'height'].map(a => Number(rect.getAttribute(a))),
+                lone: ['cx', 'cy', 'r'].map(a => Number(disc.getAttribute(a))),
+                ends: [...document.querySelectorAll('#ring path.link')].flatMap(ends),
+                bandBox: box(rect), you: box(document.querySelector('#ring .tp-group .bubble-you')),
+                discs: [...document.querySelectorAll('#ring .tp-group .disc')].map(box)};
+    }""")
+    (bx, by, bw, bh), (cx, cy, r) = shapes["band"], shapes["lone"]
+    assert by > cy + r or by + bh < cy - r or bx > cx + r or bx + bw < cx - r
+
+    def outside(point: list[float]) -> bool:
+        x, y = point
+        in_band = bx <= x <= bx + bw and by <= y <= by + bh
+        return not in_band and math.dist((x, y), (cx, cy)) > r
+
+    assert len(shapes["ends"]) == 4 and all(outside(end) for end in shapes["ends"])
+
+    def overlap(a: list[float], b: list[float]) -> bool:
+        return a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]
+
+    you, band = shapes["you"], shapes["bandBox"]
+    assert band[0] <= you[0] and you[2] <= band[2] and band[1] <= you[1] and you[3] <= band[3]
+    assert not any(overlap(you, disc) for disc in shapes["discs"])
+    # The cards: d's, then the group's box (what they share above its members' cards, in rank order).
+    assert page.eval_on_selector_all("#nodes > li", "items => items.map(i => i.className)") == [
+        "node status-ready", "stage-group"]
+    head = page.inner_text("#nodes .stage-group .group-head")
+    assert "tensor parallel · 3 ranks" in head and "layers 3–6 · 4 of 7" in head
+    assert page.inner_text("#nodes .stage-group .group-times") == (
+        "predicted 3.0 ms · measured 3.4 ms per token · 60% of each token · bottleneck")
+    cards = dashboard.cards()
+    assert [(c["id"], c["start"], c["end"], c["you"]) for c in cards] == [
+        ("d", 0, 3, False), ("b", 3, 7, False), ("a", 3, 7, True), ("c", 3, 7, False)]
+    text = {c["id"]: c["text"] for c in cards}
+    assert "rank 0/3 · leader" in text["b"] and "rank 1/3" in text["a"] and "rank 2/3" in text["c"]
+    assert "rank" not in text["d"] and "40% of each token" in text["d"]
+    assert "1.9 ms per token" in text["d"] and "3.4 ms per token" in text["b"]  # the measured steps
+    # A follower shows its rank instead of a share of the time per token; the leader has the group's share.
+    assert "1.1 ms per layer · rank 2/3: a slice of each layer" in text["c"] and "% of each token" not in text["c"]
+    assert "1.1 ms per layer · 60% of each token · bottleneck" in text["b"]
+    # The bar of layers: the group's range once.
+    segments = page.eval_on_selector_all("#layer-bar .segment", "segments => segments.map(s => s.textContent)")
+    assert segments == ["name-d0–2", "name-b + name-a + name-c3–6TP × 3"]
+    assert page.inner_text("#layers-caption") == "7 layers over 2 stages on 4 nodes"
+    assert page.inner_text("#ring-caption") == "4 nodes in 2 stages, in pipeline order"
+    # The Ring tile: the mode, why, the predicted time per token of both plans (the one taken marked) and the
+    # measured one.
+    tile = dashboard.tile("agreement")
+    assert page.inner_text(".placement-mode") == "tensor parallel"
+    assert picture["placement"]["why"] in tile
+    assert page.inner_text(".placement-times") == ("predicted per token: pipeline 7.5 ms · tensor 5.0 ms · slowest "
+                                                   "stage 3.0 ms · measured 5.3 ms per token")
+    assert page.inner_text(".placement-times .chosen") == "tensor 5.0 ms"
+    dashboard.screenshot("dashboard-tensor-parallel-1280x800.png", DESKTOP)
+    dashboard.screenshot("dashboard-tensor-parallel-390-full.png", PHONE, full_page=True)

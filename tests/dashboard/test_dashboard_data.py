@@ -1,4 +1,5 @@
-"""What the dashboard's picture is made of, without processes: rates, shared load, bytes per node, lost nodes."""
+"""What the dashboard's picture is made of, without processes: rates, shared load, bytes per node, lost nodes, each
+member's part in a plan with a tensor-parallel group."""
 
 from __future__ import annotations
 
@@ -19,7 +20,10 @@ from exo_like.cluster.view import cluster_picture
 from exo_like.meter import RateMeter, RecentMedian
 from exo_like.models.footprint import ModelDescription, ModelFootprint
 from exo_like.models.shard import Shard
+from partitioning import Stage
+from partitioning.decision import PlacementReport
 from partitioning.plan import Plan
+from partitioning.speed_figures import SpeedFigures
 
 GIB = 1 << 30
 # 7 layers of 10 bytes, 100 bytes of embeddings, 50 of final norm + head (untied).
@@ -133,6 +137,80 @@ async def test_picture_has_bytes_per_node_and_every_members_shared_load() -> Non
                                                  "preemptions": 0, "quantized_weights": {},
                                                  "dequantized_weights": {}, "numerics": {}, "replays": 0,
                                                  "recovering": {}}
+
+
+def tensor_parallel_cluster() -> Cluster:
+    """Four members (this node "a" among them) on a plan of two stages: d alone runs layers [0, 3), a
+    tensor-parallel group led by b (followers a and c) runs [3, 7); placed by the auto rule, which predicted the
+    groups 5 ms per token against the pipeline's 7.5 ms. The stages' leaders have measured decode steps (a
+    group's step is its leader's); the followers have none. Call it inside a running event loop."""
+    cluster, peers = make_cluster(NodeLoad())
+    for node_id, memory in (("b", 2 * GIB), ("c", 2 * GIB), ("d", 4 * GIB)):
+        peers.links[node_id] = FakeLink(info(node_id, memory))
+    cluster.links_changed()
+    cluster.set_model("m")
+    plan = Plan("m", 7, (Stage("d", 0, 3), Stage("b", 3, 7, ("a", "c"))),
+                (("a", 2 * GIB), ("b", 2 * GIB), ("c", 2 * GIB), ("d", 4 * GIB)))
+    steps = {"b": 3.4, "c": None, "d": 1.9}
+    for node_id, step in steps.items():
+        load = NodeLoad(decode_step_ms=step)
+        figures = SpeedFigures(model="m", decode_ns=700_000 if node_id == "d" else 1_100_000, measure_seconds=0.4)
+        cluster.receive(node_id, PlanState("m", cluster.clock, plan.digest, True, None, load.to_json(),
+                                           figures=figures.to_json(),
+                                           linked=tuple(sorted({"a", "b", "c", "d"} - {node_id}))))
+    # The plan and its report as the placer would give them (the fakes announce no speed figures to place by).
+    cluster.plan, cluster.problem, cluster.loaded_digest = plan, None, plan.digest
+    cluster.placement = PlacementReport(
+        "tensor", "tensor parallel: 5.0 ms per token predicted against 7.5 ms for the pipeline",
+        {"d": 2_000_000, "b": 3_000_000}, "b", predicted={"pipeline": 7_500_000, "tensor": 5_000_000})
+    return cluster
+
+
+async def test_picture_gives_every_member_its_part_in_a_plan_with_a_tensor_parallel_group() -> None:
+    cluster = tensor_parallel_cluster()
+    picture = cluster_picture(cluster)
+    assert picture["ready"] and picture["agreed"]
+    assert picture["plan"]["stages"] == [{"node_id": "d", "start_layer": 0, "end_layer": 3},
+                                         {"node_id": "b", "start_layer": 3, "end_layer": 7, "group": ["b", "a", "c"]}]
+    nodes = {n["id"]: n for n in picture["nodes"]}
+    parts = {node_id: (n["stage"], n["start_layer"], n["end_layer"], n["tp"]) for node_id, n in nodes.items()}
+    assert parts == {"d": (0, 0, 3, None),  # a stage alone
+                     "b": (1, 3, 7, {"rank": 0, "size": 3, "leader": "b"}),
+                     "a": (1, 3, 7, {"rank": 1, "size": 3, "leader": "b"}),  # followers: the leader's range
+                     "c": (1, 3, 7, {"rank": 2, "size": 3, "leader": "b"})}
+    # Every rank holds its slice of the group's 4 layers (40 bytes split 3 ways: 14), the leader of the last stage
+    # also the head; the first stage its 3 layers and the embeddings.
+    assert {node_id: n["used_bytes"] for node_id, n in nodes.items()} == {"d": 3 * 10 + 100, "b": 14 + 50, "a": 14,
+                                                                          "c": 14}
+    # The group's predicted stage time and its measured step are on its leader's entry; followers show their rank,
+    # not a share of the time per token.
+    assert (nodes["b"]["stage_ms"], nodes["b"]["share"], nodes["b"]["bottleneck"], nodes["b"]["decode_step_ms"]) \
+        == (3.0, 0.6, True, 3.4)
+    for follower in ("a", "c"):
+        assert (nodes[follower]["stage_ms"], nodes[follower]["share"], nodes[follower]["bottleneck"]) \
+            == (None, None, False)
+    assert (nodes["d"]["stage_ms"], nodes["d"]["share"], nodes["d"]["decode_step_ms"]) == (2.0, 0.4, 1.9)
+    placement = picture["placement"]
+    assert placement["mode"] == "tensor"
+    assert placement["predicted_ms"] == {"pipeline": 7.5, "tensor": 5.0}
+    assert placement["time_per_token_ms"] == 5.0 and placement["bottleneck_ms"] == 3.0
+    assert placement["measured_time_per_token_ms"] == 5.3  # the stages' measured steps: d's and b's for its group
+
+
+async def test_a_member_outside_the_plan_has_no_part_and_the_measured_time_waits_for_every_stage() -> None:
+    cluster, peers = make_cluster(NodeLoad(decode_step_ms=2.0))
+    peers.links["b"] = FakeLink(info("b", GIB))
+    cluster.links_changed()
+    cluster.set_model("m")
+    cluster.plan = Plan("m", 7, (Stage("a", 0, 7),), (("a", 2 * GIB), ("b", GIB)))
+    cluster.placement = PlacementReport("memory", "split by memory: this node runs with --placement memory",
+                                        {"a": 2_000_000}, "a")
+    picture = cluster_picture(cluster)
+    parts = {n["id"]: (n["stage"], n["start_layer"], n["end_layer"], n["tp"]) for n in picture["nodes"]}
+    assert parts == {"a": (0, 0, 7, None), "b": (None, None, None, None)}
+    assert picture["placement"]["measured_time_per_token_ms"] == 2.0
+    cluster.plan = Plan("m", 7, (Stage("a", 0, 4), Stage("b", 4, 7)), (("a", 2 * GIB), ("b", GIB)))
+    assert cluster_picture(cluster)["placement"]["measured_time_per_token_ms"] is None  # b has no step yet
 
 
 async def test_lost_member_is_listed_unreachable_for_a_while_then_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
