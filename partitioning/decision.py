@@ -105,12 +105,15 @@ class Placer:
 
     def decide(self, model: str, n_layers: int, footprint: ModelFootprint, members: list[Member],
                figures: dict[str, SpeedFigures | None], current: Plan | None,
-               tensor_sizes: tuple[int, ...] = ()) -> Decision:
-        """tensor_sizes: the tensor-parallel group sizes the model's layers split over."""
+               tensor_sizes: tuple[int, ...] = (), tensor_engines: tuple[str, ...] = ("torch", "mlx")) -> Decision:
+        """tensor_sizes: the tensor-parallel group sizes the model's layers split over; tensor_engines: the
+        engines whose nodes can form such groups for it."""
         names = {m.node_id: m.name for m in members}
         holders = {m.node_id: Holder(m.engine, m.dtype, m.device) for m in members}
+        # the kind of node each may form a group with: its engine, if that engine splits the model
+        grouping = {m.node_id: m.engine if m.engine in tensor_engines else f"alone:{m.node_id}" for m in members}
         if tensor_wanted(figures):
-            return self._tensor(model, n_layers, footprint, members, holders, tensor_sizes, names)
+            return self._tensor(model, n_layers, footprint, members, holders, tensor_sizes, grouping, names)
         memory_reason = self._memory_reason(model, figures, names)
         if memory_reason is not None:
             return self._memory(model, n_layers, footprint, members, figures, holders, memory_reason)
@@ -143,7 +146,7 @@ class Placer:
         predicted: dict[str, int] = {"pipeline": placement.total_ns}
         if tensor_sizes and not any(f is not None and f.parallel == "pipeline" for f in figures.values()):
             candidate = self._tensor_candidate(model, n_layers, footprint, placed, figures, holders, tensor_sizes,
-                                               layer_ns, hop)
+                                               grouping, layer_ns, hop)
             if candidate is not None:
                 tensor_plan, tensor_ns = candidate
                 predicted["tensor"] = sum(tensor_ns)
@@ -164,13 +167,12 @@ class Placer:
 
     def _tensor_candidate(self, model: str, n_layers: int, footprint: ModelFootprint, members: list[Member],
                           figures: dict[str, SpeedFigures | None], holders: dict[str, Holder],
-                          sizes: tuple[int, ...], layer_ns: dict[str, int], hop: dict[tuple[str, str], int]
-                          ) -> tuple[Plan, tuple[int, ...]] | None:
+                          sizes: tuple[int, ...], grouping: dict[str, str], layer_ns: dict[str, int],
+                          hop: dict[tuple[str, str], int]) -> tuple[Plan, tuple[int, ...]] | None:
         """The plan with tensor-parallel groups (tensor.py) and each stage's predicted time per token; None when no
         group forms, it does not fit, or a member has not measured its slice."""
         capacities = [NodeCapacity(m.node_id, m.memory_bytes) for m in members]
-        stages = tensor_stages(n_layers, capacities, {m.node_id: m.engine for m in members}, sizes,
-                               footprint.layer_bytes)
+        stages = tensor_stages(n_layers, capacities, grouping, sizes, footprint.layer_bytes)
         plan = Plan(model, n_layers, tuple(stages), tuple(sorted((c.node_id, c.memory_bytes) for c in capacities)))
         if not any(s.group for s in stages) or fit_problems(plan, footprint, holders):
             return None
@@ -220,11 +222,11 @@ class Placer:
         return Decision(plan, ("the model does not fit: " + "; ".join(problems)) if problems else None, None, report)
 
     def _tensor(self, model: str, n_layers: int, footprint: ModelFootprint, members: list[Member],
-                holders: dict[str, Holder], sizes: tuple[int, ...], names: dict[str, str]) -> Decision:
+                holders: dict[str, Holder], sizes: tuple[int, ...], grouping: dict[str, str],
+                names: dict[str, str]) -> Decision:
         """Every member asked for --parallel tensor: groups of same-engine nodes, split by memory."""
         capacities = [NodeCapacity(m.node_id, m.memory_bytes) for m in members]
-        stages = tensor_stages(n_layers, capacities, {m.node_id: m.engine for m in members}, sizes,
-                               footprint.layer_bytes)
+        stages = tensor_stages(n_layers, capacities, grouping, sizes, footprint.layer_bytes)
         plan = Plan(model, n_layers, tuple(stages), tuple(sorted((c.node_id, c.memory_bytes) for c in capacities)))
         problems = fit_problems(plan, footprint, holders)
         groups = [s for s in stages if s.group]

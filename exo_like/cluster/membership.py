@@ -187,7 +187,7 @@ class Cluster:
         self._speed.measure(self.model_id, same_engine)  # a no-op once measured (or when placing by memory)
         figures = {node_id: self.figures_of(node_id) for node_id in self.member_ids()}
         decision = self._placer.decide(self.model_id, description.n_layers, description.footprint, self.members(),
-                                       figures, self.plan, description.tensor_sizes)
+                                       figures, self.plan, description.tensor_sizes, description.tensor_engines)
         self.pending, self.placement = decision.pending, decision.report
         return decision.plan, decision.problem
 

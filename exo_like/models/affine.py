@@ -49,6 +49,19 @@ class AffineGroups:
         return AffineGroups(reorder(self.codes), reorder(self.scales), reorder(self.biases), self.bits,
                             self.group_size, self.source)
 
+    def take_rows(self, start: int, end: int) -> "AffineGroups":
+        """Outputs [start, end) (a column-parallel slice)."""
+        return self.map_rows(lambda t: np.ascontiguousarray(t[start:end]))
+
+    def take_inputs(self, start: int, end: int) -> "AffineGroups":
+        """Inputs [start, end) (a row-parallel slice): whole groups only, each keeping its scale and bias."""
+        if start % self.group_size or end % self.group_size:
+            raise ValueError(f"{self.source}: inputs [{start}, {end}) do not fall on groups of {self.group_size}")
+        first, last = start // self.group_size, end // self.group_size
+        return AffineGroups(np.ascontiguousarray(self.codes[:, start:end]),
+                            np.ascontiguousarray(self.scales[:, first:last]),
+                            np.ascontiguousarray(self.biases[:, first:last]), self.bits, self.group_size, self.source)
+
     def same_form(self, other: "AffineGroups") -> bool:
         return (self.bits, self.group_size) == (other.bits, other.group_size) and self.shape[1] == other.shape[1]
 

@@ -201,6 +201,7 @@ class ModelDescription:
     architecture: str | None = None  # the config's model_type
     parameters: dict[str, int] | None = None  # {"total", "active"}: see parameters.py
     tensor_sizes: tuple[int, ...] = ()  # tensor-parallel group sizes the layers split over (tensor_split.py)
+    tensor_engines: tuple[str, ...] = ("torch", "mlx")  # the engines whose nodes can form such groups
 
 
 def model_footprint(model_dir: Path, n_layers: int, tied: bool, quant: QuantSpec | None = None) -> ModelFootprint:

@@ -36,7 +36,7 @@ from exo_like.models.hub.repo import (
 from exo_like.models.name import ModelName, pinned_key
 from exo_like.models.parameters import count_parameters
 from exo_like.models.shard import Shard
-from exo_like.models.tensor_split import group_sizes
+from exo_like.models.tensor_split import GGUF_GROUP, group_sizes, split_align
 from exo_like.models.tokenizer import ModelTokenizer
 
 log = logging.getLogger(__name__)
@@ -66,10 +66,14 @@ class LoadedModel:
     @property
     def description(self) -> ModelDescription:
         """What planning needs."""
-        # Quantized matrices are not split yet: such a model runs as a pipeline.
-        sizes = group_sizes(self.args) if self.footprint.unpacked is None else ()
+        # A quantized checkpoint splits on its quantization groups, and on torch nodes only (MLX's packed words
+        # are not split yet).
+        quantized = self.footprint.unpacked is not None
+        quant = self.args.quant
+        align = split_align((quant.group_size if quant else GGUF_GROUP) if quantized else None)
         return ModelDescription(self.args.num_hidden_layers, self.footprint, self.args.model_type,
-                                count_parameters(self.args).to_json(), sizes)
+                                count_parameters(self.args).to_json(), group_sizes(self.args, align),
+                                ("torch",) if quantized else ("torch", "mlx"))
 
     def answers_to(self, name: str) -> bool:
         return name == self.model_id or name in self.aliases

@@ -28,10 +28,12 @@ T = TypeVar("T")
 @dataclass(frozen=True)
 class TensorSplit:
     """Rank `rank` of a tensor-parallel group of `size` ranks. Rank 0 (the leader) also holds what is not split:
-    the embedding, the final norm and the LM head of its stage, and the row-parallel biases."""
+    the embedding, the final norm and the LM head of its stage, and the row-parallel biases. `align`: every
+    row-parallel split falls on a multiple of it (a quantized checkpoint's group of inputs, see split_align)."""
 
     rank: int
     size: int
+    align: int = 1
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size or self.size < 2:
@@ -60,9 +62,27 @@ class RankSlice:
     shared_expert: tuple[int, int] | None
 
 
-def even_parts(total: int, parts: int) -> list[tuple[int, int]]:
+# Inputs per quantization group that every quantized checkpoint's groups divide (GGUF's K-quants become groups of
+# 16 or 32 inputs, Q4_0 and Q8_0 have 32; MLX-format ones say their own, 32 to 128).
+GGUF_GROUP = 32
+
+
+def split_align(group_size: int | None) -> int:
+    """The alignment of row-parallel splits for a checkpoint quantized in groups of `group_size` inputs (None: a
+    float checkpoint, 1; GGUF's quantized types: GGUF_GROUP). The same on every rank: the checkpoint's, whatever
+    form a node holds it in."""
+    return 1 if group_size is None else max(GGUF_GROUP, group_size)
+
+
+def even_parts(total: int, parts: int, align: int = 1) -> list[tuple[int, int]]:
     """[start, end) of `parts` consecutive ranges covering [0, total), sizes differing by at most one (the first
     ones larger)."""
+    if align > 1:
+        return [(a * align, b * align) for a, b in even_parts(total // align, parts)]
+    return _even(total, parts)
+
+
+def _even(total: int, parts: int) -> list[tuple[int, int]]:
     bounds = [0]
     for part in range(parts):
         bounds.append(bounds[-1] + total // parts + (1 if part < total % parts else 0))
@@ -81,8 +101,9 @@ def head_ranges(n_heads: int, n_kv_heads: int, size: int) -> list[tuple[int, int
     return ranges
 
 
-def split_refusal(args: ModelArgs, size: int) -> str | None:
-    """Why the model's layers cannot be split over `size` ranks, or None if they can."""
+def split_refusal(args: ModelArgs, size: int, align: int = 1) -> str | None:
+    """Why the model's layers cannot be split over `size` ranks (row-parallel splits on multiples of `align`), or
+    None if they can."""
     if size < 2:
         return "a tensor-parallel group has at least 2 ranks"
     if args.mla is not None:
@@ -95,32 +116,40 @@ def split_refusal(args: ModelArgs, size: int) -> str | None:
         else []
     if args.moe is not None:
         widths += [args.moe.expert_size] + ([args.moe.shared_expert_size] if args.moe.shared_expert_size else [])
-    if min(widths) < size:
+    if min(widths) < size * align:
         return f"an MLP {min(widths)} units wide cannot be split over {size} ranks"
+    if align > 1:
+        odd = [w for w in widths if w % align]
+        if odd:
+            return f"an MLP {odd[0]} units wide does not split on quantization groups of {align}"
+        bounds = {q * args.head_dim for _, q, _, _ in head_ranges(heads, args.num_key_value_heads, size)}
+        if any(b % align for b in bounds):
+            return (f"heads of {args.head_dim} values do not split on quantization groups of {align} over "
+                    f"{size} ranks")
     return None
 
 
 MAX_GROUP = 8  # the largest tensor-parallel group planned: beyond that, the all-reduces outweigh the split
 
 
-def group_sizes(args: ModelArgs) -> tuple[int, ...]:
+def group_sizes(args: ModelArgs, align: int = 1) -> tuple[int, ...]:
     """The group sizes the model's layers split over."""
-    return tuple(size for size in range(2, MAX_GROUP + 1) if split_refusal(args, size) is None)
+    return tuple(size for size in range(2, MAX_GROUP + 1) if split_refusal(args, size, align) is None)
 
 
 def rank_slice(args: ModelArgs, split: TensorSplit) -> RankSlice:
-    refusal = split_refusal(args, split.size)
+    refusal = split_refusal(args, split.size, split.align)
     if refusal is not None:
         raise ValueError(f"{args.model_type} over {split.size} ranks: {refusal}")
     q_start, q_end, kv_start, kv_end = head_ranges(args.num_attention_heads, args.num_key_value_heads,
                                                    split.size)[split.rank]
-    moe = args.moe
+    moe, size, align = args.moe, split.size, split.align
     return RankSlice(
         q_start, q_end, kv_start, kv_end,
-        mlp=even_parts(args.intermediate_size, split.size)[split.rank],
-        expert=None if moe is None else even_parts(moe.expert_size, split.size)[split.rank],
+        mlp=even_parts(args.intermediate_size, size, align)[split.rank],
+        expert=None if moe is None else even_parts(moe.expert_size, size, align)[split.rank],
         shared_expert=None if moe is None or not moe.shared_expert_size else
-        even_parts(moe.shared_expert_size, split.size)[split.rank])
+        even_parts(moe.shared_expert_size, size, align)[split.rank])
 
 
 def rank_args(args: ModelArgs, split: TensorSplit) -> ModelArgs:
@@ -205,7 +234,10 @@ def _leader_only(tensor: T, split: TensorSplit) -> T:
 
 
 def _take(tensor: Any, axis: int, start: int, end: int) -> Any:
-    """tensor[..., start:end] along `axis` (-1 or -2), a contiguous copy (a view would keep the whole alive)."""
+    """tensor[..., start:end] along `axis` (-1 or -2), a contiguous copy (a view would keep the whole alive);
+    a quantized matrix (AffineGroups) by whole groups of inputs."""
+    if hasattr(tensor, "take_inputs"):
+        return tensor.take_rows(start, end) if axis == -2 else tensor.take_inputs(start, end)
     index = (Ellipsis, slice(start, end)) if axis == -1 else (Ellipsis, slice(start, end), slice(None))
     part = tensor[index]
     for copy in ("contiguous", "copy"):  # torch, then numpy; MLX slices are copies already

@@ -81,11 +81,11 @@ def follow(engine: Engine, inbox: queue.Queue) -> None:
 class Group:
     """`size` engines holding the model's ranks; the leader's steps drive the followers' threads."""
 
-    def __init__(self, engine_name: str, model_dir: Path, args: ModelArgs, size: int):
+    def __init__(self, engine_name: str, model_dir: Path, args: ModelArgs, size: int, dtype: str | None = "float32"):
         shared = Shared(size)
         self.engines = []
         for rank in range(size):
-            engine = create_engine(engine_name, device="cpu", dtype="float32")
+            engine = create_engine(engine_name, device="cpu", dtype=dtype)
             engine.group = ThreadGroup(rank, size, shared)
             engine.load(model_dir, args, replace(Shard.whole(model_dir.name, args.num_hidden_layers),
                                                  tp=TensorSplit(rank, size)))
@@ -198,3 +198,81 @@ def test_an_mlx_rank_refuses_quantized_weights(model_dirs, tmp_path):
     with pytest.raises(ValueError, match="tensor parallelism of quantized MLX weights is not supported yet"):
         engine.load(quantized, args, replace(Shard.whole(quantized.name, args.num_hidden_layers),
                                              tp=TensorSplit(1, 2)))
+
+
+# Quantized checkpoints on torch ranks, kept quantized (4-bit groups on the int4 kernel where it takes them): every
+# row-parallel split falls on whole quantization groups (64 inputs for the MLX-format one, 32 for GGUF's K-quants).
+QUANTIZED_SHAPE = {"hidden_size": 256, "num_attention_heads": 8, "num_key_value_heads": 2, "intermediate_size": 512}
+
+
+@pytest.fixture(scope="module")
+def quantized_dirs(tmp_path_factory) -> dict[str, Path]:
+    pytest.importorskip("mlx_lm", reason="mlx-lm (converts the MLX-format checkpoint) is not installed")
+    from mlx_lm.convert import convert
+
+    from tests.gguf_checkpoints import write_gguf
+
+    root = tmp_path_factory.mktemp("tensor-split-quantized")
+    float_dir = make_checkpoint(root / "float", "llama", n_layers=3, seed=5, hub_style_config=True,
+                                **QUANTIZED_SHAPE)
+    convert(str(float_dir), mlx_path=str(root / "mlx-q4"), quantize=True, q_group_size=64, q_bits=4,
+            dtype="float32")
+    (root / "gguf").mkdir()
+    gguf = write_gguf(float_dir, root / "gguf" / "model-Q4_K.gguf", "Q4_K", "Q8_0")
+    return {"mlx-q4": root / "mlx-q4", "gguf-q4k": gguf}
+
+
+def quantized_args(path: Path) -> ModelArgs:
+    from exo_like.models.gguf.file import is_gguf, open_gguf
+
+    return ModelArgs.from_dict(open_gguf(path).config()) if is_gguf(path) else ModelArgs.from_dir(path)
+
+
+def forced(engines: list[Engine], tokens: list[int]) -> np.ndarray:
+    """Logits of the prompt and then of each of `tokens` fed in turn (every engine sees the same inputs)."""
+    driver, logits = Driver(engines, n_blocks=64), []
+    for inputs in [PROMPT, *(np.array([t], dtype=np.int64) for t in tokens[:-1])]:
+        logits.append(driver.forward("r", inputs))
+    return np.stack(logits)
+
+
+@pytest.mark.parametrize("name", ["mlx-q4", "gguf-q4k"])
+def test_torch_ranks_split_quantized_checkpoints_on_their_groups(quantized_dirs, name):
+    """The int4 kernel rounds every product to bfloat16, a rank's partial sum included, so a group differs from
+    one quantized engine, as that engine differs from exact arithmetic (the same weights dequantized to float32):
+    by no more, and greedy choices agree wherever the two best logits are further apart than that."""
+    path = quantized_dirs[name]
+    args = quantized_args(path)
+    engines = {kind: create_engine("torch", device="cpu", dtype=dtype) for kind, dtype in
+               (("whole", None), ("exact", "float32"))}
+    for engine in engines.values():
+        engine.load(path, args, Shard.whole(path.name, args.num_hidden_layers))
+    tokens, whole = greedy(Driver([engines["whole"]], n_blocks=64))
+    exact = forced([engines["exact"]], tokens)
+    group = Group("torch", path, args, 2, dtype=None)
+    try:
+        leader, follower = group.engines
+        # every layer matrix stays quantized on both ranks (what the whole model dequantizes, its vocabulary of 617
+        # rows for the int4 kernel, only the leader holds)
+        assert follower.weight_forms.quantized and not follower.weight_forms.dequantized
+        assert leader.weight_forms.dequantized == engines["whole"].weight_forms.dequantized
+        split = forced(group.engines[:1], tokens)
+    finally:
+        group.close()
+    kernel_error = np.abs(whole - exact).max(axis=1)
+    difference = np.abs(split - whole).max(axis=1)
+    assert difference.max() <= kernel_error.max(), (difference.max(), kernel_error.max())
+    top2 = np.sort(whole, axis=1)[:, -2:]
+    clear = top2[:, 1] - top2[:, 0] > 2 * difference
+    assert clear.sum() >= len(tokens) // 2
+    assert (split.argmax(axis=1) == whole.argmax(axis=1))[clear].all()
+
+
+def test_quantized_splits_refuse_what_falls_off_their_groups(quantized_dirs):
+    args = quantized_args(quantized_dirs["mlx-q4"])
+    assert split_refusal(args, 2, align=64) is None
+    assert split_refusal(args, 3, align=64) is None  # ranks hold 2, 2 and 4 heads: 64, 64 and 128 values
+    assert split_refusal(args, 3, align=128) == \
+        "heads of 32 values do not split on quantization groups of 128 over 3 ranks"
+    assert split_refusal(replace(args, intermediate_size=544), 2, align=64) == \
+        "an MLP 544 units wide does not split on quantization groups of 64"

@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -34,7 +35,7 @@ from exo_like.models.config import DTYPES, ModelArgs
 from exo_like.models.gguf.file import FLOAT_TYPES, is_gguf, open_gguf
 from exo_like.models.quantization import QuantSpec
 from exo_like.models.shard import Shard
-from exo_like.models.tensor_split import rank_args, split_tensor, unfused
+from exo_like.models.tensor_split import GGUF_GROUP, rank_args, split_align, split_tensor, unfused
 
 log = logging.getLogger(__name__)
 
@@ -193,6 +194,9 @@ class TorchEngine(Engine):
         keep_quantized = self._keeps_quantized(model_dir, args)
         self.dtype = pick_dtype(self.requested_dtype, args.torch_dtype, self.device, keep_quantized)
         log.info("loading %s from %s on %s as %s", shard, Path(model_dir).name, self.device, DTYPE_NAMES[self.dtype])
+        if shard.tp is not None:
+            # Row-parallel splits fall on the checkpoint's quantization groups, the same on every rank
+            shard = replace(shard, tp=replace(shard.tp, align=self._split_align(model_dir, args)))
         held_args = args if shard.tp is None else rank_args(args, shard.tp)
         with torch.device("meta"):  # no memory, no random init: every parameter is replaced by a loaded tensor
             model = ShardModel(held_args, shard.start_layer, shard.layer_count, shard.is_first, shard.is_last,
@@ -225,6 +229,12 @@ class TorchEngine(Engine):
         if group is None or shard.tp is None or (group.rank, group.size) != (shard.tp.rank, shard.tp.size):
             raise ValueError(f"{shard} needs this engine to be rank {shard.tp} of a tensor-parallel group")
         return group.all_reduce
+
+    @staticmethod
+    def _split_align(model_dir: Path, args: ModelArgs) -> int:
+        if args.quant is not None:
+            return split_align(args.quant.group_size)
+        return split_align(GGUF_GROUP) if is_gguf(model_dir) and open_gguf(model_dir).quantized else 1
 
     def _keeps_quantized(self, model_dir: Path, args: ModelArgs) -> bool:
         """A quantized checkpoint runs on quantized kernels unless a float --dtype asks for the dequantized
