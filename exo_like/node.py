@@ -181,7 +181,8 @@ class Node:
         self.speed = SpeedProbe(self.node_id, self.engine, self.executor, self.home, self.options.placement,
                                 self.options.remeasure, self.models.files,
                                 lambda: self.peers.lowest_round_trips(RTT_SAMPLES),
-                                lambda: self.cluster and self.cluster.replan(), self.options.parallel)
+                                lambda: self.cluster and self.cluster.replan(), self.options.parallel,
+                                self.peers.bandwidths)
         self.cluster = Cluster(self.info, self.peers, self.models.describe, self._load_shard, self._members_changed,
                                self.current_load, lambda: self.shards.serving.kv_size, self.speed)
         self.stage = StageWorker(self.node_id, self, self.executor, self.cluster.ring_resources, self.options.limits,

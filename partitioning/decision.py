@@ -83,9 +83,12 @@ class PlacementReport:
         if figures is not None and figures.model == model and model is not None:
             speed = {"decode_ms_per_layer": _ms(figures.decode_ns), "prefill_ms_per_token": _ms(figures.prefill_ns),
                      "measure_seconds": figures.measure_seconds, "cached": figures.cached,
-                     "problem": figures.problem}
+                     "problem": figures.problem,
+                     "slice_ms_per_layer": {size: _ms(ns) for size, ns in figures.slice_decode_ns.items()}}
+        links = {peer: {"round_trip_us": figures.link_us.get(peer), "mbit_s": figures.link_mbit.get(peer)}
+                 for peer in sorted({*figures.link_us, *figures.link_mbit})} if figures is not None else {}
         return {"speed": speed, "stage_ms": _ms(stage), "share": round(stage / total, 3) if stage and total else None,
-                "bottleneck": node_id == self.bottleneck}
+                "bottleneck": node_id == self.bottleneck, "links": links}
 
 
 @dataclass(frozen=True)

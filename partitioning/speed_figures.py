@@ -33,6 +33,7 @@ class SpeedFigures:
     slice_decode_ns: dict[str, int] = field(default_factory=dict)
     link_us: dict[str, int] = field(default_factory=dict)
     allreduce_ns: dict[str, int] = field(default_factory=dict)
+    link_mbit: dict[str, int] = field(default_factory=dict)  # each link's bandwidth, Mbit/s (a power of two)
 
     def measured_for(self, model: str | None) -> bool:
         return model is not None and self.model == model and self.decode_ns is not None

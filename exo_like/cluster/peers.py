@@ -60,6 +60,10 @@ RETIRE_GRACE_SECONDS = 5.0
 # every frame is refused (another build, a bug) must not flood the log at its message rate.
 REFUSALS_LOGGED_PER_LINK = 5
 PING_SECONDS = 2.0  # how often each link's round-trip time is measured
+# Every so many Pings one carries this many bytes: its round trip beyond a plain one is the link's transfer time
+# (what a prefill's activations cost to send), for an average of 32 KiB/s on the link.
+BULK_PING_EVERY = 4
+BULK_PING_BYTES = 256 * 1024
 _SET_UP = (Hello, Auth, Welcome, Info, Refused)  # link set-up messages: refused once the link is up
 
 
@@ -101,6 +105,8 @@ class PeerLink:
         self.rtt: float | None = None  # seconds of the last Ping's round trip (GET /metrics)
         self.min_rtt: float | None = None  # the lowest round trip seen: the link's own latency, without queueing
         self.rtt_samples = 0
+        self.bulk_sent: set[float] = set()  # clocks of padded Pings not answered yet
+        self.min_bulk_rtt: float | None = None  # the lowest round trip of a padded Ping
 
     @property
     def closed(self) -> bool:
@@ -355,13 +361,24 @@ class PeerNetwork:
 
     def _answer_ping(self, link: PeerLink, message: Ping) -> None:
         if isinstance(message, Pong):
-            link.rtt = max(0.0, time.monotonic() - message.sent)
+            rtt = max(0.0, time.monotonic() - message.sent)
+            if message.sent in link.bulk_sent:
+                link.bulk_sent.discard(message.sent)
+                link.min_bulk_rtt = rtt if link.min_bulk_rtt is None else min(link.min_bulk_rtt, rtt)
+                return
+            link.rtt = rtt
             link.min_rtt = link.rtt if link.min_rtt is None else min(link.min_rtt, link.rtt)
             link.rtt_samples += 1
         elif not link.retired:
             # Quietly: the link may be retired or closed while the Pong waits for its turn (the new link's pings
             # measure it afresh), and nothing awaits this task to hear of it.
             self._spawn(self._send_quietly(link, Pong(message.sent)))
+
+    def bandwidths(self) -> dict[str, float]:
+        """Bytes per second each open link carried its fastest padded Ping at, beyond its plain round trip."""
+        return {node_id: BULK_PING_BYTES / max(1e-6, link.min_bulk_rtt - link.min_rtt)
+                for node_id, link in self.links.items()
+                if not link.closed and link.min_bulk_rtt is not None and link.min_rtt is not None}
 
     def lowest_round_trips(self, samples: int = 1) -> dict[str, float | None]:
         """Each open link's lowest round trip so far (None before `samples` of them), by peer node id."""
@@ -370,9 +387,15 @@ class PeerNetwork:
 
     async def _ping_forever(self, link: PeerLink) -> None:
         """Measure the link's round-trip time every few seconds, for as long as it is this peer's link."""
+        pings = 0
         while self.links.get(link.remote.node_id) is link and not link.closed:
+            pings += 1
+            sent = time.monotonic()
+            bulk = pings % BULK_PING_EVERY == 0
+            if bulk:
+                link.bulk_sent = {sent}  # an older one unanswered is lost with its link, or late: not counted
             try:
-                await link.send(Ping(time.monotonic()))
+                await link.send(Ping(sent, b"\0" * BULK_PING_BYTES if bulk else b""))
             except (ConnectionError, OSError):
                 return
             await asyncio.sleep(PING_SECONDS)

@@ -49,6 +49,7 @@ PROTOCOL = 5
 # Entries in a list of members (addresses shared, linked peers announced): far above any real cluster, and a bound
 # on what one peer can make this node remember or dial.
 MAX_MEMBERS = 256
+MAX_PADDING = 1 << 20  # a Ping's padding (peers.BULK_PING_BYTES)
 
 # -- messages -----------------------------------------------------------------------------------------------
 
@@ -181,17 +182,20 @@ class Retire(Message):
 
 @dataclass(frozen=True)
 class Ping(Message):
-    """Asks the peer to echo `sent` (the sender's monotonic clock) at once: the link's round-trip time."""
+    """Asks the peer to echo `sent` (the sender's monotonic clock) at once: the link's round-trip time. `padding`:
+    bytes that only make the frame large, so its round trip also tells the link's bandwidth (echoed without it)."""
 
     type: ClassVar[str] = "ping"
     sent: float
+    padding: bytes = b""
 
     def to_wire(self) -> dict[str, Any]:
-        return {"sent": self.sent}
+        return {"sent": self.sent, **({"padding": self.padding} if self.padding else {})}
 
     @classmethod
     def from_wire(cls, data: dict[str, Any]) -> "Ping":
-        return cls(number(data, "sent", 0.0, 1e12))
+        padding = binary(data, "padding", MAX_PADDING) if "padding" in data else b""
+        return cls(number(data, "sent", 0.0, 1e12), padding)
 
 
 @dataclass(frozen=True)

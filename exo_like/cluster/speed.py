@@ -56,6 +56,13 @@ def rtt_bucket_us(seconds: float | None, floor: int = RTT_FLOOR_US) -> int:
     return max(floor, 1 << (micros - 1).bit_length())
 
 
+def mbit_bucket(bytes_per_second: float) -> int:
+    """A link's bandwidth as announced: Mbit/s rounded down to a power of two (at least 1), so that a plan does not
+    follow every jitter."""
+    mbit = max(1, int(bytes_per_second * 8 / 1e6))
+    return 1 << (mbit.bit_length() - 1)
+
+
 def speed_key(engine: Engine, model_dir: Path, args: ModelArgs) -> str:
     """What a measured figure depends on: the layer's shape, how the engine holds it, where it runs, with how
     many threads, and this version of exo-like."""
@@ -75,7 +82,7 @@ class SpeedProbe(SpeedSource):
     def __init__(self, node_id: str, engine: Engine, executor: ThreadPoolExecutor, home: Path, placement: str,
                  remeasure: bool, locate: Callable[[str], tuple[Path, ModelArgs]],
                  round_trips: Callable[[], dict[str, float | None]], on_measured: Callable[[], None],
-                 parallel: str = "auto"):
+                 parallel: str = "auto", bandwidths: Callable[[], dict[str, float]] = dict):
         self.node_id = node_id
         self.engine = engine
         self.executor = executor
@@ -86,6 +93,7 @@ class SpeedProbe(SpeedSource):
         self.remeasure = remeasure  # measure every model once in this run, whatever the cache holds
         self._locate = locate  # a model key -> its folder and config (the model is described already)
         self._round_trips = round_trips  # each link's lowest round trip so far, in seconds, by peer node id
+        self._bandwidths = bandwidths  # each link's bytes per second, by peer node id
         self._on_measured = on_measured
         self._results: dict[str, Measured | str] = {}  # by model key: figures, or why there are none
         self._tasks: dict[str, asyncio.Task] = {}
@@ -98,7 +106,9 @@ class SpeedProbe(SpeedSource):
         links = {"rtt_us": {peer: rtt_bucket_us(seconds) for peer, seconds in trips},
                  "link_us": {peer: rtt_bucket_us(seconds, LINK_FLOOR_US) for peer, seconds in trips
                              if seconds is not None},
-                 "parallel": self.parallel, "allreduce_ns": dict(self.allreduce_ns)}
+                 "parallel": self.parallel, "allreduce_ns": dict(self.allreduce_ns),
+                 "link_mbit": {peer: mbit_bucket(rate) for peer, rate in sorted(self._bandwidths().items())
+                               [:MAX_COUNTS]}}
         if self.placement == "memory" or model is None:
             return SpeedFigures(self.placement, **links)
         result = self._results.get(model)

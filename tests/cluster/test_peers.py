@@ -614,3 +614,18 @@ async def test_a_running_node_refuses_invalid_frames_and_goes_on_serving(checkpo
 def _announced_rate(node: NodeProcess, node_id: str) -> float | None:
     members = {member["id"]: member for member in node.get_json("/v1/cluster")["nodes"]}
     return members[node_id]["tokens_per_second"] if node_id in members else None
+
+
+async def test_links_measure_their_round_trip_and_bandwidth(peers, monkeypatch) -> None:
+    """Every few Pings one carries padding: its round trip beyond a plain one gives the link's bytes per second."""
+    import exo_like.cluster.peers as peers_module
+
+    monkeypatch.setattr(peers_module, "PING_SECONDS", 0.01)
+    monkeypatch.setattr(peers_module, "BULK_PING_EVERY", 2)
+    a, b = await peers("aaa"), await peers("bbb")
+    assert await a.net.dial("127.0.0.1", b.port) is not None
+    await wait_for(lambda: "bbb" in a.net.bandwidths() and a.net.lowest_round_trips(3).get("bbb") is not None)
+    link = a.net.links["bbb"]
+    assert link.min_bulk_rtt > link.min_rtt  # the padded frame took longer than a plain one
+    assert a.net.bandwidths()["bbb"] == peers_module.BULK_PING_BYTES / (link.min_bulk_rtt - link.min_rtt)
+    assert not [m for _, m in a.received + b.received if isinstance(m, Ping)]  # link control, not a message

@@ -56,7 +56,7 @@ EXAMPLES: list[Message] = [
     Refused("different exo-like versions", PROTOCOL, "0.1.0"), Retire(),
     PLAN, PlanState(None, (0, ""), None, False, "the model does not fit", {}),
     SUBMIT, FORWARD, SAMPLED, Tokens("d1g3st", (SampledToken("req-3", 5, False),)), RELEASE, ERROR,
-    Ping(12345.678), Pong(12345.678), ADDRESSES, PeerAddresses(()),
+    Ping(12345.678), Ping(12345.678, b"\0" * 64), Pong(12345.678), ADDRESSES, PeerAddresses(()),
 ]
 
 # Fields a frame may leave out (older peers, or nothing to say; a nullable field left out reads as None), and maps
@@ -64,7 +64,7 @@ EXAMPLES: list[Message] = [
 # refuses the frame.
 OPTIONAL = {"protocol@refused", "version@refused", "model@plan_state", "digest@plan_state", "problem@plan_state",
             "kv_blocks@plan_state", "load@plan_state", "figures@plan_state", "sample@items", "dtype@info",
-            "tp_port@info", "kv_window_blocks@plan_state", "window_blocks@items"}
+            "tp_port@info", "kv_window_blocks@plan_state", "window_blocks@items", "padding@ping"}
 ALL_OPTIONAL = {"load", "download", "figures"}
 IGNORED = {"percent", "eta_seconds"}  # sent in a download, and worked out again by the receiver
 ODD = msgpack.ExtType(42, b"?")  # no field takes an extension type: ill-typed wherever it is put
