@@ -183,9 +183,13 @@ class Cluster:
             return None, None
         except ExoLikeError as exc:
             return None, f"cannot serve {self.model_id}: {exc.message}"
-        same_engine = sum(m.engine == self.me.engine for m in self.members())
-        self._speed.measure(self.model_id, same_engine)  # a no-op once measured (or when placing by memory)
         figures = {node_id: self.figures_of(node_id) for node_id in self.member_ids()}
+        # Slices for tensor-parallel groups only once every member has its layer figure: nodes of one host measure
+        # one at a time, and the plan waits for those figures, not for the slices.
+        everyone = all(f is not None and f.measured_for(self.model_id) for f in figures.values())
+        same_engine = sum(m.engine == self.me.engine for m in self.members()) if everyone else 1
+        self._speed.measure(self.model_id, same_engine)  # a no-op once measured (or when placing by memory)
+        figures[self.me.node_id] = self.figures_of(self.me.node_id)
         decision = self._placer.decide(self.model_id, description.n_layers, description.footprint, self.members(),
                                        figures, self.plan, description.tensor_sizes, description.tensor_engines)
         self.pending, self.placement = decision.pending, decision.report
