@@ -35,10 +35,7 @@ from collections.abc import Callable, Sequence
 
 import mlx.core as mx
 
-from exo_like.engines.activations import Activations
-from exo_like.engines.tensor_group import TensorGroup
-from exo_like.engines.work import WorkItem
-from exo_like.tensor_parallel.messages import Follow, send
+from exo_like.tensor_parallel.steps import SharedSteps
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +79,7 @@ def join_ring(rank: int, ring: Sequence[str], announce: Callable[[], None] | Non
     return group
 
 
-class MlxGroup(TensorGroup):
+class MlxGroup(SharedSteps):
     """Rank `rank` of `size`, a member of the MLX ring `ring`. Formed once the ring has connected and a first sum
     has shown that every rank holds a distinct rank of the same ring. `announce`: see join_ring."""
 
@@ -111,11 +108,3 @@ class MlxGroup(TensorGroup):
     def wait(self, array: mx.array) -> None:
         mx.eval(array)
 
-    def share_step(self, items: Sequence[WorkItem], hidden: Activations) -> None:
-        message = Follow(tuple(items), hidden)
-        for follower in self.followers:
-            send(follower, message)
-
-    def close(self) -> None:
-        for follower in self.followers:
-            follower.close()

@@ -8,17 +8,13 @@ import hmac
 import logging
 import os
 import socket
-from collections.abc import Sequence
 from datetime import timedelta
 
 import psutil
 import torch
 import torch.distributed as dist
 
-from exo_like.engines.activations import Activations
-from exo_like.engines.tensor_group import TensorGroup
-from exo_like.engines.work import WorkItem
-from exo_like.tensor_parallel.messages import Follow, send
+from exo_like.tensor_parallel.steps import SharedSteps
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +36,7 @@ def follower_store(address: tuple[str, int], size: int, timeout: float) -> dist.
     return dist.TCPStore(address[0], address[1], size, False, timedelta(seconds=timeout))
 
 
-class TorchGroup(TensorGroup):
+class TorchGroup(SharedSteps):
     """Rank `rank` of `size`, formed on `store` (the leader's); `bind`: this host's address on the group's network;
     `timeout`: how long a collective waits for a silent peer (a dead one fails at once)."""
 
@@ -67,13 +63,7 @@ class TorchGroup(TensorGroup):
     def zeros(self, width: int) -> torch.Tensor:
         return torch.zeros(1, width, device=self.device)
 
-    def share_step(self, items: Sequence[WorkItem], hidden: Activations) -> None:
-        message = Follow(tuple(items), hidden)
-        for follower in self.followers:
-            send(follower, message)
-
     def close(self) -> None:
-        for follower in self.followers:
-            follower.close()
+        super().close()
         if dist.is_initialized():
             dist.destroy_process_group()
