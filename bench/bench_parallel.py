@@ -26,11 +26,14 @@ Printed too: the per-token time beyond the ceiling's, for TP and for one node, a
 all-reduce of a hidden-state row between the two hosts (a token makes 2 a layer), by gloo as the group's workers
 run it and by a direct exchange on one socket (each side sends its row, reads the other's, adds: one thread).
 
-Model: Qwen2.5-0.5B's layers (24 layers, hidden 896, 14 heads over 2 KV heads, MLP 4864, q/k/v biases, tied
-embeddings), random weights, but a 32,768-token vocabulary instead of 151,936 (--vocab): tensor parallelism does
-not split the LM head (the leader runs it), and at Qwen's vocabulary the head is 28 % of the weights a decode step
-reads, which would hold even a compute-bound ceiling to ~1.6x and make the comparison mostly about the head; at
-32k it is 7.6 %, about its share in a 7-8B model. float32 and bfloat16 are the same checkpoint (--dtype).
+Model (--shape): by default 12 of the 28 layers of Qwen2.5-1.5B (hidden 1536, 12 heads over 2 KV heads, MLP 8960,
+q/k/v biases, tied embeddings); --shape qwen2.5-0.5b: Qwen2.5-0.5B's 24 layers (hidden 896, MLP 4864). Random
+weights, and a 32,768-token vocabulary instead of 151,936 (--vocab): tensor parallelism does not split the LM head
+(the leader runs it), and at Qwen's vocabulary the head would be a quarter of the weights a 0.5B decode step reads,
+making the comparison mostly about the head; at 32k it is ~8 %, about its share in a 7-8B model. float32 and
+bfloat16 are the same checkpoint (--dtype). A layer's all-reduces cost the same whatever its size, so the smaller
+the layer the larger their share: on one-core hosts they cost ~0.45 ms each (gloo), a 0.5B layer's half ~4.4 ms of
+bfloat16 compute, a 1.5B layer's ~12 ms.
 
 Then the link gets slower: --delay-ms added one way, in each direction (so the round trip grows by twice that):
 tc netem on each host's veth leg when the kernel has it; otherwise (this project's VMs: no sch_netem) each host's
@@ -89,6 +92,13 @@ MEMORY_GB = "8"  # each node offers the same: the pipeline splits 12/12, the gro
 KV_CACHE_GB = "0.25"
 READY_TIMEOUT = 900.0  # several nodes load a 1.5 GB checkpoint on two shared cores
 HTTP_TIMEOUT = 900.0
+# Model geometries. The bigger a layer, the more compute an all-reduce pays for: the collectives' fixed cost a
+# token is 2 x layers x (one all-reduce), its compute layers x (a layer's half).
+SHAPES = {"qwen2.5-0.5b": QWEN25_05B,
+          "qwen2.5-1.5b-12": {**QWEN25_05B, "hidden_size": 1536, "intermediate_size": 8960, "num_attention_heads": 12,
+                              "num_key_value_heads": 2, "num_hidden_layers": 12}}
+SHAPE_NOTES = {"qwen2.5-0.5b": "24 layers of Qwen2.5-0.5B: hidden 896, MLP 4864",
+               "qwen2.5-1.5b-12": "12 of the 28 layers of Qwen2.5-1.5B: hidden 1536, MLP 8960"}
 PORTS = {"single": 52600, "pipeline": 52610, "tensor": 52620, "auto": 52630, "auto-delayed": 52640}
 
 
@@ -559,9 +569,12 @@ def allreduce_process(namespace: str, device: str, cpu: int, rank: int, store: t
 
     import torch
     import torch.distributed as dist
+
+    from exo_like.tensor_parallel.torch_group import GLOO_POLLING_THREAD, lower_priority
     torch.set_num_threads(1)
     tcp = dist.TCPStore(store[0], store[1], 2, rank == 0, timedelta(seconds=60))
     dist.init_process_group("gloo", store=tcp, rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    lower_priority(GLOO_POLLING_THREAD)  # as TorchGroup does
     tensor = torch.ones(1, width, dtype=getattr(torch, dtype))
     for _ in range(10):
         dist.all_reduce(tensor)
@@ -626,15 +639,15 @@ def allreduce_seconds(hosts: list[NetnsHost], devices: list[str], cpus: list[int
 
 # -- the model -------------------------------------------------------------------------------------------------
 
-def build_model(path: Path, vocab: int) -> Path:
-    """Qwen2.5-0.5B's layers with a `vocab`-token vocabulary, random peaky weights, saved in float32."""
+def build_model(path: Path, vocab: int, shape: dict[str, Any] = QWEN25_05B) -> Path:
+    """A Qwen2 model of `shape` with a `vocab`-token vocabulary, random peaky weights, saved in float32."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from exo_like.models.demo import build_tokenizer, write_tokenizer_files
 
     with torch.device("meta"):
-        model = Qwen2ForCausalLM(Qwen2Config(**{**QWEN25_05B, "vocab_size": vocab}))
+        model = Qwen2ForCausalLM(Qwen2Config(**{**shape, "vocab_size": vocab}))
     model.load_state_dict(peaky_state(model), strict=False, assign=True)
     model.tie_weights()
     model.save_pretrained(path)
@@ -787,7 +800,7 @@ def bench_kind(kind: str, root: Path, hosts: list[NetnsHost], devices: list[str]
         ceiling.close()
         ceiling = None
         result.rounds = opts.rounds
-        result.allreduce[False] = allreduce_seconds(hosts, devices, cpus, kind, QWEN25_05B["hidden_size"], 300,
+        result.allreduce[False] = allreduce_seconds(hosts, devices, cpus, kind, opts.shape_config["hidden_size"], 300,
                                                     29500)
         if not opts.no_auto:
             result.auto[False] = auto_pick(work, "auto", hosts, cpus, model_dir, kind, opts.auto_placement,
@@ -812,7 +825,7 @@ def bench_kind(kind: str, root: Path, hosts: list[NetnsHost], devices: list[str]
                              + ", ".join(f"{s.name} {result.rates[(s.name, True, opts.streams)][-1]:.2f}"
                                       for s in links)
                              + f" (load {loadavg()}; other processes {others:.0%} of the CPUs, stolen {stolen:.0%})")
-                result.allreduce[True] = allreduce_seconds(hosts, devices, cpus, kind, QWEN25_05B["hidden_size"],
+                result.allreduce[True] = allreduce_seconds(hosts, devices, cpus, kind, opts.shape_config["hidden_size"],
                                                            60, 29501)
                 if not opts.no_auto:
                     result.auto[True] = auto_pick(work, "auto-delayed", hosts, cpus, model_dir, kind,
@@ -867,7 +880,8 @@ def report(result: KindResult, opts: argparse.Namespace, layers: int) -> list[st
                  f"one node {single_ms:.1f} ms vs one process {one_ms:.1f} ms: +{single_ms - one_ms:.1f} ms")
     for delayed, (gloo, direct) in result.allreduce.items():
         where = f"+{opts.delay_ms:g} ms link" if delayed else "no delay"
-        lines.append(f"  all-reduce of a 1x{QWEN25_05B['hidden_size']} {result.kind} row host to host ({where}), "
+        width = opts.shape_config["hidden_size"]
+        lines.append(f"  all-reduce of a 1x{width} {result.kind} row host to host ({where}), "
                      f"median: gloo {gloo * 1e6:.0f} us -> x{2 * layers} a token: {2 * layers * gloo * 1e3:.1f} ms; "
                      f"a direct exchange on one socket {direct * 1e6:.0f} us -> {2 * layers * direct * 1e3:.1f} ms")
     if result.delay_how:
@@ -899,11 +913,14 @@ def main() -> None:
     parser.add_argument("--delay-tokens", type=int, default=8,
                         help="decode tokens measured a request (and a stream) with the delay")
     parser.add_argument("--vocab", type=int, default=32768)
+    parser.add_argument("--shape", default="qwen2.5-1.5b-12", choices=sorted(SHAPES),
+                        help="the model's layers (a random checkpoint of that geometry)")
     parser.add_argument("--auto-placement", default="compute", choices=("compute", "memory"),
                         help="--placement of the --parallel auto clusters")
     parser.add_argument("--no-delay", action="store_true", help="skip the slower link")
     parser.add_argument("--no-auto", action="store_true", help="skip the --parallel auto clusters")
     opts = parser.parse_args()
+    opts.shape_config = SHAPES[opts.shape]
     reason = netns_unavailable_reason()
     if reason:
         sys.exit(f"bench_parallel needs separate hosts: {reason}")
@@ -918,17 +935,18 @@ def main() -> None:
     results: list[KindResult] = []
     with tempfile.TemporaryDirectory(prefix="bench-parallel-") as tmp, netns_hosts(2, subnet=SUBNET) as hosts:
         root = Path(tmp)
-        model_dir = build_model(root / f"qwen2.5-0.5b-shape-v{opts.vocab // 1024}k", opts.vocab)
+        model_dir = build_model(root / f"{opts.shape}-shape-v{opts.vocab // 1024}k", opts.vocab, opts.shape_config)
         devices = [device_of(h) for h in hosts]
         for kind in opts.kinds.split(","):
             results.append(bench_kind(kind, root, hosts, devices, cpus, model_dir, opts))
-    print(f"\nQwen2.5-0.5B-shaped random model, vocabulary {opts.vocab}; two namespace hosts, one core each, one "
-          f"torch thread a node; batch 1: {opts.new_tokens} tokens a request, {opts.streams} streams: "
+    print(f"\n{opts.shape}-shaped random model ({SHAPE_NOTES[opts.shape]}), vocabulary {opts.vocab}; "
+          f"two namespace hosts, one core each, one torch thread a node; batch 1: {opts.new_tokens} tokens a request, "
+          f"{opts.streams} streams: "
           f"{opts.stream_tokens} tokens each (with the delay: {opts.delay_tokens} both); ceiling: "
           f"{opts.ceiling_steps} decode steps; "
           f"{time.monotonic() - started:.0f} s in all")
     for result in results:
-        print("\n".join(report(result, opts, QWEN25_05B["num_hidden_layers"])))
+        print("\n".join(report(result, opts, opts.shape_config["num_hidden_layers"])))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,12 @@
 """A torch rank's group: torch.distributed over gloo (CPU) or NCCL (CUDA), one process group per worker process,
-formed on a TCPStore the leader's worker hosts, fresh for every formation (a new worker, a new store)."""
+formed on a TCPStore the leader's worker hosts, fresh for every formation (a new worker, a new store).
+
+gloo's TCP transport reads the sockets on a thread of its own ("gloo_tcp_loop") that polls busily; where a host
+has fewer cores than busy threads (a one-core host: the engine's thread, gloo's run-loop thread and that one) it
+takes the core from the two that do the work: measured between two one-core namespace hosts, an all-reduce of a
+hidden-state row between layers took 2-3 ms (p90 4 ms, a scheduler tick) and a 0.5B model's token 190 ms against
+80 ms of compute. At the lowest priority (nice 19) it runs when they wait: ~0.5 ms, 115 ms a token. Where cores
+are free this changes nothing."""
 
 from __future__ import annotations
 
@@ -36,6 +43,29 @@ def follower_store(address: tuple[str, int], size: int, timeout: float) -> dist.
     return dist.TCPStore(address[0], address[1], size, False, timedelta(seconds=timeout))
 
 
+GLOO_POLLING_THREAD = "gloo_tcp_loop"
+LOWEST_PRIORITY = 19
+
+
+def lower_priority(thread_name: str) -> list[int]:
+    """Give this process's threads called `thread_name` the lowest priority; their ids."""
+    lowered: list[int] = []
+    if not os.path.isdir("/proc/self/task"):  # not Linux: left as it is
+        return lowered
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as comm:
+                if comm.read().strip() != thread_name:
+                    continue
+            os.setpriority(os.PRIO_PROCESS, int(tid), LOWEST_PRIORITY)
+            lowered.append(int(tid))
+        except (FileNotFoundError, ProcessLookupError):  # the thread ended meanwhile
+            continue
+    if not lowered:
+        log.warning("no %s thread found to lower: a one-core host loses time to it", thread_name)
+    return lowered
+
+
 class TorchGroup(SharedSteps):
     """Rank `rank` of `size`, formed on `store` (the leader's); `bind`: this host's address on the group's network;
     `timeout`: how long a collective waits for a silent peer (a dead one fails at once)."""
@@ -53,11 +83,16 @@ class TorchGroup(SharedSteps):
         dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=rank, world_size=size,
                                 timeout=timedelta(seconds=timeout))
         self._store = store  # the leader's hosts the store: it lives as long as the group
+        self._process_group = dist.group.WORLD
+        if backend == "gloo":
+            lower_priority(GLOO_POLLING_THREAD)
         log.info("tensor-parallel group %s: rank %d of %d formed over %s (%s)", name, rank, size, backend,
                  interface or "default interface")
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(tensor)
+        # The process group's own call (a sum by default): dist.all_reduce adds argument checks and a logging
+        # wrapper, ~17 us a call here, ~1 ms a token of a 24-layer model.
+        self._process_group.allreduce([tensor]).wait()
         return tensor
 
     def zeros(self, width: int) -> torch.Tensor:

@@ -20,6 +20,7 @@ from exo_like.models.config import ModelArgs
 from exo_like.models.shard import Shard
 from exo_like.models.tensor_split import TensorSplit
 from exo_like.tensor_parallel.process import GroupBroken
+from exo_like.tensor_parallel.torch_group import GLOO_POLLING_THREAD, LOWEST_PRIORITY
 from tests.checkpoints import make_checkpoint
 from tests.engine_driver import Driver
 from tests.tensor_parallel.local_group import close_group, load_group, start_group
@@ -56,6 +57,16 @@ def whole_model(model_dir) -> tuple[list[int], np.ndarray]:
     return greedy(Driver([engine], n_blocks=N_BLOCKS))
 
 
+def gloo_polling_priorities(pid: int) -> list[int]:
+    """The priority (nice) of each of gloo's polling threads in process `pid`."""
+    priorities = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/comm") as comm:
+            if comm.read().strip() == GLOO_POLLING_THREAD:
+                priorities.append(os.getpriority(os.PRIO_PROCESS, int(tid)))
+    return priorities
+
+
 def rank_shard(args: ModelArgs, name: str, size: int):
     return lambda rank: replace(Shard.whole(name, args.num_hidden_layers), tp=TensorSplit(rank, size))
 
@@ -64,6 +75,9 @@ def rank_shard(args: ModelArgs, name: str, size: int):
 def test_worker_groups_decode_what_one_engine_does(model_dirs, size):
     group = start_group(size)
     try:
+        for member in group:  # gloo's busily polling thread yields to the engine's on a host short of cores
+            priorities = gloo_polling_priorities(member.worker.pid)
+            assert priorities and set(priorities) == {LOWEST_PRIORITY}
         for name, model_dir in model_dirs.items():  # one group loads one model after another
             args = ModelArgs.from_dir(model_dir)
             load_group(group, model_dir, args, rank_shard(args, name, size), N_BLOCKS)
