@@ -6,13 +6,43 @@ from __future__ import annotations
 import os
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+
+import numpy as np
 
 from exo_like.engines.base import create_engine
+from exo_like.models.config import ModelArgs
+from exo_like.models.shard import Shard
+from exo_like.models.tensor_split import TensorSplit
 from exo_like.tensor_parallel.options import WorkerOptions
 from exo_like.tensor_parallel.process import GroupMemberEngine, WorkerProcess
 from tests.cluster_harness import free_ports
+from tests.engine_driver import Driver
 
 KEY = os.urandom(32)
+# What the worker-group tests of both engines decode, and on which models.
+N_TOKENS = 48
+PROMPT = np.array([3, 17, 29, 5, 11, 42, 7, 19, 23, 2, 31, 13], dtype=np.int64)
+N_BLOCKS = 32
+# dense with GQA, one KV head (replicated on every rank), a mixture of experts beside a dense layer
+CASES = {"llama": ("llama", {}), "qwen3-one-kv-head": ("qwen3", {"num_key_value_heads": 1}),
+         "qwen3_moe": ("qwen3_moe", {})}
+
+
+def greedy(driver: Driver, rid: str = "r") -> tuple[list[int], np.ndarray]:
+    """N_TOKENS greedy tokens after PROMPT, and the logits of each step."""
+    tokens, logits, inputs = [], [], PROMPT
+    for _ in range(N_TOKENS):
+        out = driver.forward(rid, inputs)
+        logits.append(out)
+        tokens.append(int(np.argmax(out)))
+        inputs = np.array([tokens[-1]], dtype=np.int64)
+    return tokens, np.stack(logits)
+
+
+def rank_shard(args: ModelArgs, name: str, size: int):
+    """Rank -> its shard of the whole model in a group of `size`."""
+    return lambda rank: replace(Shard.whole(name, args.num_hidden_layers), tp=TensorSplit(rank, size))
 
 
 def start_group(size: int, engine: str = "torch", dtype: str | None = "float32", threads: int | None = 1,

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-from dataclasses import replace
 
 import numpy as np
 import psutil
@@ -18,36 +17,18 @@ from exo_like.engines.torch.engine import TorchEngine
 from exo_like.errors import InvalidRequestError
 from exo_like.models.config import ModelArgs
 from exo_like.models.shard import Shard
-from exo_like.models.tensor_split import TensorSplit
 from exo_like.tensor_parallel.process import GroupBroken
 from exo_like.tensor_parallel.torch_group import GLOO_POLLING_THREAD, LOWEST_PRIORITY
 from tests.checkpoints import make_checkpoint
 from tests.engine_driver import Driver
-from tests.tensor_parallel.local_group import close_group, load_group, start_group
-
-N_TOKENS = 48
-PROMPT = np.array([3, 17, 29, 5, 11, 42, 7, 19, 23, 2, 31, 13], dtype=np.int64)
-N_BLOCKS = 32
-# dense with GQA, one KV head (replicated on every rank), a mixture of experts beside a dense layer
-CASES = {"llama": ("llama", {}), "qwen3-one-kv-head": ("qwen3", {"num_key_value_heads": 1}),
-         "qwen3_moe": ("qwen3_moe", {})}
-
+from tests.tensor_parallel.local_group import (CASES, N_BLOCKS, PROMPT, close_group, greedy, load_group, rank_shard,
+                                              start_group)
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp-workers")
     return {name: make_checkpoint(root / name, arch, n_layers=3, seed=5, **overrides)
             for name, (arch, overrides) in CASES.items()}
-
-
-def greedy(driver: Driver, rid: str = "r") -> tuple[list[int], np.ndarray]:
-    tokens, logits, inputs = [], [], PROMPT
-    for _ in range(N_TOKENS):
-        out = driver.forward(rid, inputs)
-        logits.append(out)
-        tokens.append(int(np.argmax(out)))
-        inputs = np.array([tokens[-1]], dtype=np.int64)
-    return tokens, np.stack(logits)
 
 
 def whole_model(model_dir) -> tuple[list[int], np.ndarray]:
@@ -65,10 +46,6 @@ def gloo_polling_priorities(pid: int) -> list[int]:
             if comm.read().strip() == GLOO_POLLING_THREAD:
                 priorities.append(os.getpriority(os.PRIO_PROCESS, int(tid)))
     return priorities
-
-
-def rank_shard(args: ModelArgs, name: str, size: int):
-    return lambda rank: replace(Shard.whole(name, args.num_hidden_layers), tp=TensorSplit(rank, size))
 
 
 @pytest.mark.parametrize("size", [2, 3])

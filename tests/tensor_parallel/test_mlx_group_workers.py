@@ -13,7 +13,6 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import msgpack
@@ -27,21 +26,13 @@ from exo_like.engines.mlx.engine import MLXEngine  # noqa: E402
 from exo_like.errors import InvalidRequestError  # noqa: E402
 from exo_like.models.config import ModelArgs  # noqa: E402
 from exo_like.models.shard import Shard  # noqa: E402
-from exo_like.models.tensor_split import TensorSplit  # noqa: E402
 from exo_like.tensor_parallel import mlx_group  # noqa: E402
 from exo_like.tensor_parallel.messages import Formation, Offer, ProtocolError, receive, send  # noqa: E402
 from exo_like.tensor_parallel.process import GroupBroken  # noqa: E402
 from tests.checkpoints import make_checkpoint  # noqa: E402
 from tests.engine_driver import Driver  # noqa: E402
-from tests.tensor_parallel.local_group import close_group, load_group, start_group  # noqa: E402
-
-N_TOKENS = 48
-PROMPT = np.array([3, 17, 29, 5, 11, 42, 7, 19, 23, 2, 31, 13], dtype=np.int64)
-N_BLOCKS = 32
-# dense with GQA, one KV head (replicated on every rank), a mixture of experts beside a dense layer
-CASES = {"llama": ("llama", {}), "qwen3-one-kv-head": ("qwen3", {"num_key_value_heads": 1}),
-         "qwen3_moe": ("qwen3_moe", {})}
-
+from tests.tensor_parallel.local_group import (CASES, N_BLOCKS, PROMPT, close_group, greedy, load_group,  # noqa: E402
+                                              rank_shard, start_group)
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
@@ -60,20 +51,6 @@ def expected(model_dirs):
         engine.load(model_dir, args, Shard.whole(model_dir.name, args.num_hidden_layers))
         results[name] = greedy(Driver([engine], n_blocks=N_BLOCKS))
     return results
-
-
-def greedy(driver: Driver, rid: str = "r") -> tuple[list[int], np.ndarray]:
-    tokens, logits, inputs = [], [], PROMPT
-    for _ in range(N_TOKENS):
-        out = driver.forward(rid, inputs)
-        logits.append(out)
-        tokens.append(int(np.argmax(out)))
-        inputs = np.array([tokens[-1]], dtype=np.int64)
-    return tokens, np.stack(logits)
-
-
-def rank_shard(args: ModelArgs, name: str, size: int):
-    return lambda rank: replace(Shard.whole(name, args.num_hidden_layers), tp=TensorSplit(rank, size))
 
 
 def mlx_group_of(size: int, timeout: float = 30.0):
