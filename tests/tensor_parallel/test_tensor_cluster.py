@@ -1,5 +1,5 @@
 """Tensor-parallel groups in a real cluster: `exo-like --parallel tensor` nodes on loopback form one group of
-workers over the model's layers; a request at any node streams the text one node alone gives. A rank's node
+workers over the model's layers; a request at any node answers the text one node alone gives. A rank's node
 killed mid-stream (leader or follower): the survivors form a smaller group and the request replays to the same
 text, and no worker outlives its node."""
 
@@ -38,21 +38,14 @@ def complete(node: NodeProcess, model: str, tokens: int = 48) -> str:
     return answer.choices[0].message.content
 
 
-def test_three_nodes_run_the_model_as_one_group(model_dir, tmp_path):
-    alone = start_node(tmp_path / "alone", str(model_dir), "--no-mdns", "--dtype", "float32")
+@pytest.fixture(scope="module")
+def alone_text(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """What one node alone answers."""
+    alone = start_node(tmp_path_factory.mktemp("alone"), str(model_dir), "--no-mdns", "--dtype", "float32")
     try:
-        expected = complete(alone, str(model_dir))
+        return complete(alone, str(model_dir))
     finally:
         stop_nodes([alone])
-    nodes = start_cluster(tmp_path, str(model_dir), [4, 4, 4], extra=TENSOR)
-    try:
-        wait_until_ready(nodes, members=3, timeout=120)
-        plan = cluster_of(nodes[0])["plan"]
-        assert len(plan["stages"]) == 1 and len(plan["stages"][0]["group"]) == 3, plan
-        for node in nodes:  # any node's API: the leader's and the followers'
-            assert complete(node, str(model_dir)) == expected
-    finally:
-        stop_nodes(nodes)
 
 
 def worker_pids(node: NodeProcess) -> set[int]:
@@ -61,11 +54,15 @@ def worker_pids(node: NodeProcess) -> set[int]:
 
 
 @pytest.mark.parametrize("lost", [1, 0], ids=["follower", "leader"])
-def test_a_rank_killed_mid_stream_costs_the_request_nothing(model_dir, tmp_path, lost):
+def test_a_rank_killed_mid_stream_costs_the_request_nothing(model_dir, alone_text, tmp_path, lost):
     nodes = start_cluster(tmp_path, str(model_dir), [4, 4, 4], extra=TENSOR)
     try:
         wait_until_ready(nodes, members=3, timeout=120)
-        stage = cluster_of(nodes[0])["plan"]["stages"][0]
+        plan = cluster_of(nodes[0])["plan"]
+        assert len(plan["stages"]) == 1 and len(plan["stages"][0]["group"]) == 3, plan
+        for node in nodes:  # any node's API, the leader's and the followers': one node's text
+            assert complete(node, str(model_dir)) == alone_text
+        stage = plan["stages"][0]
         by_id = {node.get_json("/health")["node_id"]: node for node in nodes}
         victim = by_id[stage["group"][lost]]
         origin = next(node for node in nodes if node is not victim)
