@@ -454,7 +454,7 @@ def ceiling_process(model_dir: str, dtype: str, cpu: int, rank: int | None, prom
 
     from exo_like.engines.tensor_group import TensorGroup
     from exo_like.engines.torch.engine import TorchEngine, tensor_to_activations
-    from exo_like.engines.work import SampleSpec, WorkItem, blocks_for
+    from exo_like.engines.work import SampleSpec, SamplingParams, WorkItem, blocks_for
     from exo_like.models.config import ModelArgs
     from exo_like.models.shard import Shard
     from exo_like.models.tensor_split import TensorSplit
@@ -496,7 +496,7 @@ def ceiling_process(model_dir: str, dtype: str, cpu: int, rank: int | None, prom
         blocks = tuple(range(blocks_for(prompt_tokens + steps + 1)))
         if engine.kv_blocks < len(blocks):
             engine.allocate_kv(len(blocks))
-        spec = SampleSpec(0.0, 1.0, 0, 0, steps + 1, (), prompt_tokens)
+        spec = SampleSpec(SamplingParams(0.0, seed=0), steps + 1, (), prompt_tokens)
         position, inputs = 0, prompt
         elapsed = 0.0
         for step in range(steps + 1):

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from exo_like.engines.torch.engine import TorchEngine
-from exo_like.engines.work import SampleSpec, WorkItem, blocks_for
+from exo_like.engines.work import SampleSpec, SamplingParams, WorkItem, blocks_for
 from exo_like.models.config import ModelArgs
 from exo_like.models.shard import Shard
 
@@ -136,7 +136,7 @@ def run_engine(engine: TorchEngine, prompt: np.ndarray, new_tokens: int) -> Run:
     blocks = tuple(range(blocks_for(len(prompt) + new_tokens)))
     if engine.kv_blocks < len(blocks):
         engine.allocate_kv(len(blocks))
-    spec = SampleSpec(0.0, 1.0, 0, 0, new_tokens, (), len(prompt))
+    spec = SampleSpec(SamplingParams(0.0, seed=0), new_tokens, (), len(prompt))
     times, tokens = [], []
     start = time.perf_counter()
     inputs, position = prompt, 0

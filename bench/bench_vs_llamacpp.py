@@ -64,6 +64,7 @@ from bench_torch_vs_hf import QWEN25_05B, build_checkpoint, peaky_state  # noqa:
 from exo_like.engines.torch.engine import TorchEngine  # noqa: E402
 from exo_like.engines.work import (  # noqa: E402
     SampleSpec,
+    SamplingParams,
     WorkItem,
     blocks_for,  # noqa: E402
 )
@@ -314,7 +315,7 @@ class ExoSide:
 
     def _step(self, start: int, ids: np.ndarray, sample: bool = True) -> np.ndarray:
         end = start + len(ids)
-        spec = SampleSpec(0.0, 1.0, 0, 0, 1 << 20, (), end) if sample else None
+        spec = SampleSpec(SamplingParams(0.0, seed=0), 1 << 20, (), end) if sample else None
         item = WorkItem("bench", "bench", start, len(ids), tuple(range(blocks_for(end))), spec)
         return self.engine.step([item], ids)
 

@@ -17,10 +17,10 @@ from exo_like.engines.base import Engine, create_engine
 from exo_like.models.config import ModelArgs
 from exo_like.models.gguf.file import open_gguf
 from exo_like.models.shard import Shard
-from exo_like.engines.work import BLOCK_SIZE, SampleSpec, WorkItem, blocks_for, window_start
+from exo_like.engines.work import BLOCK_SIZE, SampleSpec, SamplingParams, WorkItem, blocks_for, window_start
 from exo_like.serving.kv_blocks import BlockPool
 
-SPEC = SampleSpec(temperature=0.0, top_p=1.0, top_k=0, seed=0, max_tokens=1 << 20, eos=(), prompt_len=1)
+SPEC = SampleSpec(SamplingParams(temperature=0.0, seed=0), max_tokens=1 << 20, eos=(), prompt_len=1)
 
 Inputs = Union[np.ndarray, Activations]
 # One entry of a step: (request id, its new rows), optionally with False for "do not sample" (a prompt chunk

@@ -232,8 +232,8 @@ async def generate(origin: FakeNode, rid: str, prompt: list[int], max_tokens: in
                    sampling: SamplingParams = SamplingParams(temperature=0.0)) -> list[int]:
     tokens = []
     async with contextlib.aclosing(origin.origin.generate(rid, prompt, sampling, max_tokens, ())) as stream:
-        async for token in stream:
-            tokens.append(token)
+        async for choice in stream:
+            tokens.append(choice.token)
     return tokens
 
 

@@ -86,7 +86,8 @@ class TextGeneration:
         tokens = self.generator.generate(self.request_id, self.prompt_tokens, self.options.sampling,
                                          self.max_tokens, eos)
         async with aclosing(tokens):
-            async for token in tokens:
+            async for choice in tokens:
+                token = choice.token
                 self.completion_tokens += 1
                 self.token_times.append(time.monotonic())
                 if token in eos:  # the EOS token counts as generated but is not part of the text

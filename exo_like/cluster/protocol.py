@@ -32,7 +32,8 @@ from exo_like.cluster.protocol_fields import (  # noqa: F401  (ProtocolError is 
     string,
 )
 from exo_like.engines.activations import WIRE_DTYPES, Activations
-from exo_like.engines.work import BLOCK_SIZE, KVPoolSize, SampleSpec, WorkItem, blocks_for  # noqa: F401  (part of the protocol's interface)
+from exo_like.engines.work import (  # noqa: F401  (part of the protocol's interface)
+    BLOCK_SIZE, KVPoolSize, SampleSpec, SamplingParams, WorkItem, blocks_for)
 
 DEFAULT_MAX_FRAME_BYTES = 64 * 1024 * 1024
 
@@ -45,7 +46,9 @@ DEFAULT_MAX_FRAME_BYTES = 64 * 1024 * 1024
 #    linked peers, and plans are made only over a membership every member sees.
 # 5: a node says where its tensor-parallel workers take their leader's control channel (NodeInfo.tp_port); plan
 #    stages may be tensor-parallel groups; speed figures carry --parallel.
-PROTOCOL = 5
+# 6: a request's sampling carries min-p, penalties, logit bias and how many log-probabilities it wants (and its
+#    token history where the penalties need it); sampled tokens carry their log-probabilities.
+PROTOCOL = 6
 # Entries in a list of members (addresses shared, linked peers announced): far above any real cluster, and a bound
 # on what one peer can make this node remember or dial.
 MAX_MEMBERS = 256
@@ -291,16 +294,46 @@ class PlanState(Message):
 
 # The ring (ring.py, scheduler.py).
 
+MAX_LOGIT_BIAS = 300  # entries of a request's logit_bias (OpenAI's limit)
+MAX_LOGPROBS = 20  # the likeliest tokens a request may ask log-probabilities of (OpenAI's limit)
+MAX_BIAS = 100.0  # a bias's magnitude (OpenAI's limit)
+PENALTY = 1e6  # bounds of the penalties on the wire (the API checks its dialect's own)
+
+
 def sample_to_wire(spec: SampleSpec) -> dict[str, Any]:
-    return {"temperature": spec.temperature, "top_p": spec.top_p, "top_k": spec.top_k, "seed": spec.seed,
-            "max_tokens": spec.max_tokens, "eos": list(spec.eos), "prompt_len": spec.prompt_len}
+    p = spec.params
+    wire = {"temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k, "min_p": p.min_p, "seed": p.seed,
+            "presence_penalty": p.presence_penalty, "frequency_penalty": p.frequency_penalty,
+            "repetition_penalty": p.repetition_penalty, "logit_bias": [list(pair) for pair in p.logit_bias],
+            "logprobs": p.logprobs, "max_tokens": spec.max_tokens, "eos": list(spec.eos), "prompt_len": spec.prompt_len}
+    if spec.history is not None:
+        wire["history"] = list(spec.history)
+    return wire
 
 
 def sample_from_wire(data: Any) -> SampleSpec:
     data = mapping(data, "sample")
-    return SampleSpec(number(data, "temperature", 0.0, 1e6), number(data, "top_p", 0.0, 1.0),
-                      integer(data, "top_k", 0, INT64 - 1), integer(data, "seed", 0, INT64 - 1),
-                      integer(data, "max_tokens", 1, INT64 - 1), integers(data, "eos"), integer(data, "prompt_len", 1))
+    params = SamplingParams(
+        number(data, "temperature", 0.0, 1e6), number(data, "top_p", 0.0, 1.0), integer(data, "top_k", 0, INT64 - 1),
+        integer(data, "seed", 0, INT64 - 1), number(data, "min_p", 0.0, 1.0),
+        number(data, "presence_penalty", -PENALTY, PENALTY), number(data, "frequency_penalty", -PENALTY, PENALTY),
+        number(data, "repetition_penalty", 1 / PENALTY, PENALTY), _logit_bias(data),
+        integer(data, "logprobs", 0, MAX_LOGPROBS, optional=True))
+    spec = SampleSpec(params, integer(data, "max_tokens", 1, INT64 - 1), integers(data, "eos"),
+                      integer(data, "prompt_len", 1), integers(data, "history") if "history" in data else None)
+    if spec.history is not None and len(spec.history) < spec.prompt_len:
+        raise ProtocolError(f"field 'history': {len(spec.history)} tokens, fewer than the prompt's {spec.prompt_len}")
+    return spec
+
+
+def _logit_bias(data: dict[str, Any]) -> tuple[tuple[int, float], ...]:
+    pairs = array(data, "logit_bias")
+    if len(pairs) > MAX_LOGIT_BIAS:
+        raise ProtocolError(f"field 'logit_bias' must hold at most {MAX_LOGIT_BIAS} entries")
+    if not all(isinstance(pair, list) and len(pair) == 2 for pair in pairs):
+        raise ProtocolError("field 'logit_bias': each entry is [token, bias]")
+    return tuple((check_int(token, "logit_bias", 0, 2**31 - 1),
+                  number({"logit_bias": bias}, "logit_bias", -MAX_BIAS, MAX_BIAS)) for token, bias in pairs)
 
 
 def item_to_wire(item: WorkItem) -> dict[str, Any]:
@@ -407,20 +440,39 @@ def _activations(data: Any) -> Activations:
 
 @dataclass(frozen=True)
 class SampledToken:
+    """A token the last stage sampled; with its log-probability and the likeliest tokens' when the request asked."""
+
     rid: str
     token: int
     done: bool
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
 
     def to_wire(self) -> list[Any]:
-        return [self.rid, self.token, self.done]
+        if self.logprob is None:
+            return [self.rid, self.token, self.done]
+        return [self.rid, self.token, self.done, self.logprob, [list(pair) for pair in self.top_logprobs]]
 
     @classmethod
     def from_wire(cls, data: Any) -> "SampledToken":
-        if not isinstance(data, list) or len(data) != 3:
-            raise ProtocolError("field 'tokens': each sampled token is [rid, token, done]")
-        rid, token, done = data
-        return cls(string({"rid": rid}, "rid"), check_int(token, "token", 0, 2**31 - 1),
-                   boolean({"done": done}, "done"))
+        if not isinstance(data, list) or len(data) not in (3, 5):
+            raise ProtocolError("field 'tokens': each sampled token is [rid, token, done] or [rid, token, done, "
+                                "logprob, top_logprobs]")
+        rid, token, done = data[:3]
+        token_fields = (string({"rid": rid}, "rid"), check_int(token, "token", 0, 2**31 - 1),
+                        boolean({"done": done}, "done"))
+        if len(data) == 3:
+            return cls(*token_fields)
+        top = data[4]
+        if not isinstance(top, list) or len(top) > MAX_LOGPROBS or \
+                not all(isinstance(pair, list) and len(pair) == 2 for pair in top):
+            raise ProtocolError(f"field 'top_logprobs': at most {MAX_LOGPROBS} [token, logprob] pairs")
+        return cls(*token_fields, _logprob(data[3]),
+                   tuple((check_int(t, "top_logprobs", 0, 2**31 - 1), _logprob(lp)) for t, lp in top))
+
+
+def _logprob(value: Any) -> float:
+    return number({"logprob": value}, "logprob", -1e30, 0.0)
 
 
 @dataclass(frozen=True)

@@ -30,16 +30,41 @@ class KVPoolSize:
 
 
 @dataclass(frozen=True)
-class SampleSpec:
-    """How the last stage turns a request's logits into a token, and when the request is done."""
+class SamplingParams:
+    """How a request's tokens are chosen from the logits (serving/sampling.py applies them, in vLLM's order)."""
 
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = no top-k cut
+    seed: int | None = None
+    min_p: float = 0.0  # 0 = no min-p cut
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1 = none
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
+    logprobs: int | None = None  # None: no log-probabilities; n: the chosen token's and the n likeliest
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a request's earlier tokens change its logits (the last stage keeps its token history)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+
+@dataclass(frozen=True)
+class SampleSpec:
+    """How the last stage turns a request's logits into a token, and when the request is done. `history`: every
+    token of the request so far (prompt, then generated), sent with the first token the last stage samples for it
+    when the penalties need it; the last stage then adds each token it samples itself."""
+
+    params: SamplingParams  # its seed set (one is drawn for a request without): token n comes from (seed, n)
     max_tokens: int
     eos: tuple[int, ...]
     prompt_len: int  # the request's own prompt: tokens past it are generated ones
+    history: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The token-level generation loop, behind one small interface.
 
-`TokenGenerator.generate` turns prompt tokens into a stream of sampled token ids. The implementation is the
+`TokenGenerator.generate` turns prompt tokens into a stream of sampled tokens. The implementation is the
 ring of stages (exo_like.serving.ring.RingGenerator); a single node is a ring of one. The HTTP layer above only sees
 this interface.
 
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from exo_like.meter import RateMeter
-from exo_like.serving.sampling import SamplingParams
+from exo_like.serving.sampling import Choice, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +64,9 @@ class TokenGenerator(ABC):
 
     @abstractmethod
     def generate(self, request_id: str, prompt_tokens: list[int], sampling: SamplingParams, max_tokens: int,
-                 eos_ids: Collection[int]) -> AsyncIterator[int]:
-        """Yield up to max_tokens sampled ids; the last one is an eos id when generation ended on EOS."""
+                 eos_ids: Collection[int]) -> AsyncIterator[Choice]:
+        """Yield up to max_tokens sampled tokens (with their log-probabilities when `sampling` asks for them); the
+        last one is an eos id when generation ended on EOS."""
 
     @abstractmethod
     def active_kv_caches(self) -> int:

@@ -22,14 +22,14 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Awaitable, Callable
 
 from exo_like.cluster.protocol import Error, Message, Release, Submit, Tokens
 from exo_like.engines.work import SampleSpec
 from exo_like.errors import InvalidRequestError, ServiceUnavailableError, StageFailedError, StageStalledError
 from exo_like.serving.generation import RequestProgress, TokenGenerator
-from exo_like.serving.sampling import SamplingParams
+from exo_like.serving.sampling import Choice, SamplingParams
 from exo_like.serving.stage import Router, StageWorker
 from partitioning.plan import Plan
 
@@ -80,7 +80,7 @@ class RingGenerator(TokenGenerator):
         self._attempts: dict[str, _Attempt] = {}  # by wire id
 
     async def generate(self, request_id: str, prompt_tokens: list[int], sampling: SamplingParams, max_tokens: int,
-                       eos_ids: Collection[int]) -> AsyncIterator[int]:
+                       eos_ids: Collection[int]) -> AsyncIterator[Choice]:
         if not prompt_tokens:
             raise ValueError("generation needs at least one prompt token")
         if request_id in self.in_flight:
@@ -90,8 +90,8 @@ class RingGenerator(TokenGenerator):
         self.requests_total += 1
         # Without a seed, a random one: sampling is a function of (seed, token index), see sampling.py.
         seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
-        spec = SampleSpec(sampling.temperature, sampling.top_p, sampling.top_k, seed % 2**63, max_tokens,
-                          tuple(int(t) for t in eos_ids), len(prompt_tokens))
+        spec = SampleSpec(replace(sampling, seed=seed % 2**63), max_tokens, tuple(int(t) for t in eos_ids),
+                          len(prompt_tokens))
         tokens = [int(t) for t in prompt_tokens]  # the prompt, then every token generated so far
         try:
             for number in itertools.count():
@@ -100,13 +100,13 @@ class RingGenerator(TokenGenerator):
                 try:
                     await self._submit(attempt, tokens, spec)
                     while not finished:
-                        token, finished = await self._next(attempt)
-                        tokens.append(token)
+                        choice, finished = await self._next(attempt)
+                        tokens.append(choice.token)
                         progress.generated_tokens += 1
                         progress.recovering = None
                         self.tokens_generated_total += 1
                         self.throughput.add()
-                        yield token
+                        yield choice
                     return
                 except RingLost as exc:
                     lost = exc
@@ -131,7 +131,7 @@ class RingGenerator(TokenGenerator):
             raise RingLost(f"the first stage {self._name(first)} is unreachable: {exc}", (first,)) from exc
 
     @staticmethod
-    async def _next(attempt: _Attempt) -> tuple[int, bool]:
+    async def _next(attempt: _Attempt) -> tuple[Choice, bool]:
         """The attempt's next (token, last); raises what ended it."""
         item = await attempt.queue.get()
         if isinstance(item, Exception):
@@ -174,17 +174,19 @@ class RingGenerator(TokenGenerator):
         return plan
 
     async def _release(self, plan: Plan, wire_rid: str) -> None:
-        try:
-            await self.router.send(plan.stages[0].node_id, Release(wire_rid))
-        except (ConnectionError, OSError):
-            pass  # the first stage is gone, and the request's KV blocks with it
+        """The first stage frees the request's KV blocks; the last, its token history (penalties)."""
+        for node_id in dict.fromkeys((plan.stages[0].node_id, plan.stages[-1].node_id)):
+            try:
+                await self.router.send(node_id, Release(wire_rid))
+            except (ConnectionError, OSError):
+                pass  # the stage is gone, and what it held of the request with it
 
     def handle(self, message: Message) -> None:
         if isinstance(message, Tokens):
             for token in message.tokens:
                 attempt = self._attempts.get(token.rid)
                 if attempt is not None:
-                    attempt.queue.put_nowait((token.token, token.done))
+                    attempt.queue.put_nowait((Choice(token.token, token.logprob, token.top_logprobs), token.done))
         elif isinstance(message, Error):
             attempt = self._attempts.get(message.rid)
             if attempt is not None:

@@ -23,33 +23,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from exo_like.engines.work import SamplingParams
+
+__all__ = ["SamplingParams", "TokenHistory", "Choice", "LOGPROB_FLOOR", "choose", "sample", "sample_nth", "adjust"]
+
 # top-p looks at this many best tokens first; only if they hold less than top_p of the mass does it sort all.
 _NUCLEUS_CANDIDATES = 512
 # The log-probability reported for a token the distribution excludes (JSON has no -Infinity; vLLM reports the same).
 LOGPROB_FLOOR = -9999.0
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = no top-k cut
-    seed: int | None = None
-    min_p: float = 0.0  # 0 = no min-p cut
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0  # 1 = none
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
-    logprobs: int | None = None  # None: no log-probabilities; n: the chosen token's and the n likeliest
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    @property
-    def penalized(self) -> bool:
-        """Whether the request's earlier tokens change its logits (the last stage keeps a TokenHistory)."""
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
 
 class TokenHistory:
@@ -199,9 +180,10 @@ def _with_logprobs(token: int, candidates: np.ndarray, scaled: np.ndarray, adjus
     if wanted <= 0:
         return Choice(token, chosen)
     best = np.arange(logprobs.size)
-    if wanted < logprobs.size:  # the `wanted` likeliest without sorting the whole vocabulary
-        best = np.argpartition(-logprobs, wanted - 1)[:wanted]
-    best = best[np.lexsort((candidates[best], -logprobs[best]))]
+    if wanted < logprobs.size:  # the `wanted` likeliest without sorting the whole vocabulary; ties all kept
+        threshold = np.partition(logprobs, logprobs.size - wanted)[logprobs.size - wanted]
+        best = np.flatnonzero(logprobs >= threshold)
+    best = best[np.lexsort((candidates[best], -logprobs[best]))][:wanted]  # ties: the lower id first, as argmax
     top = [(int(candidates[i]), float(logprobs[i])) for i in best]
     if len(top) < wanted and candidates.size < adjusted.size:
         outside = np.ones(adjusted.size, dtype=bool)

@@ -68,6 +68,7 @@ class Sequence:
     window_first: int = 0  # which of the request's blocks window_blocks[0] is
     registered: int = 0  # leading blocks registered in the prefix cache
     parent_hash: bytes = ROOT_HASH  # hash of the last registered block
+    history_sent: bool = False  # the last stage has its token history (penalized requests; sent once, see _step)
     in_flight: bool = False  # a token is being sampled for it: it has nothing to compute until that arrives
     batch: int = -1  # the step whose token it awaits, while in flight
 
@@ -349,6 +350,7 @@ class Scheduler:
         """Free a running request's blocks and put it back first in line; it will be recomputed from its tokens."""
         self._finish(seq)
         seq.computed, seq.registered, seq.parent_hash = 0, 0, ROOT_HASH
+        seq.history_sent = False
         self.waiting.appendleft(seq)
         self.preemptions += 1
 
@@ -367,11 +369,20 @@ class Scheduler:
             seq.in_flight, seq.batch = sample, self._steps
             window = (tuple(seq.window_blocks), seq.window_first) if self.window is not None else (None, 0)
             items.append(WorkItem(seq.rid, seq.origin, start, count, tuple(seq.blocks),
-                                  seq.sample if sample else None, *window))
+                                  self._sample_spec(seq) if sample else None, *window))
             tokens.extend(seq.tokens[start:seq.computed])
             if self.limits.prefix_cache:
                 self._register_full_blocks(seq)
         return Step(items, np.asarray(tokens, dtype=np.int64))
+
+    @staticmethod
+    def _sample_spec(seq: Sequence) -> SampleSpec:
+        """How the request's next token is sampled: with its whole token history the first time (and after a
+        preemption) when its penalties need it at the last stage, which adds each token it samples itself."""
+        if not seq.sample.params.penalized or seq.history_sent:
+            return seq.sample
+        seq.history_sent = True
+        return replace(seq.sample, history=tuple(seq.tokens))
 
     def _register_full_blocks(self, seq: Sequence) -> None:
         """Blocks whose every position is now scheduled can serve later prompts: later steps' readers of them

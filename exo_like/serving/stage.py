@@ -25,13 +25,14 @@ from typing import Protocol
 import numpy as np
 
 from exo_like.cluster.membership import RingResources
-from exo_like.cluster.protocol import Error, Forward, Message, Release, Sampled, SampledToken, Submit, Tokens
+from exo_like.cluster.protocol import (Error, Forward, Message, Release, SampleSpec, Sampled, SampledToken, Submit,
+                                       Tokens)
 from exo_like.engines.activations import Activations
 from exo_like.engines.base import Engine
 from exo_like.engines.work import BLOCK_SIZE, WorkItem
 from exo_like.errors import ExoLikeError
 from exo_like.meter import RateMeter, RecentMedian
-from exo_like.serving.sampling import SamplingParams, sample_nth
+from exo_like.serving.sampling import TokenHistory, choose
 from exo_like.serving.scheduler import Scheduler, SchedulerLimits, Step
 from partitioning.plan import Plan
 
@@ -73,6 +74,7 @@ class StageWorker:
         self.scheduler: Scheduler | None = None  # the first stage's, once the ring's KV capacity is known
         self._submitted: list[Submit] = []  # arrived before the scheduler could be made
         self._inbox: deque[Forward] = deque()  # batches from the previous stage, not run yet
+        self.histories: dict[str, TokenHistory] = {}  # last stage: penalized requests' tokens so far, by wire id
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self._notices: set[asyncio.Task] = set()  # errors on their way to origins (strong references)
@@ -101,6 +103,7 @@ class StageWorker:
                          "re-planned: a node joined or left); retry once the ring is ready", "plan_changed")
         self._submitted.clear()
         self._inbox.clear()
+        self.histories.clear()  # the requests replay on the new plan, each bringing its history again
         self.scheduler, self.plan, self.engine = None, plan, engine
         self.kv_used = 0
         self.decode_step_seconds = RecentMedian()  # steps of another layer range would mislead
@@ -126,6 +129,7 @@ class StageWorker:
         elif isinstance(message, Sampled):
             self._on_sampled(message)
         elif isinstance(message, Release):
+            self.histories.pop(message.rid, None)
             if self.scheduler is not None:
                 self.scheduler.release(message.rid)
             self._submitted = [s for s in self._submitted if s.rid != message.rid]
@@ -277,16 +281,32 @@ class StageWorker:
             self.on_step(seconds, sum(item.count for item in work.items))
         return result
 
-    @staticmethod
-    def _sample(items: Sequence[WorkItem], logits: np.ndarray) -> list[tuple[WorkItem, SampledToken]]:
+    def _sample(self, items: Sequence[WorkItem], logits: np.ndarray) -> list[tuple[WorkItem, SampledToken]]:
         sampled = []
         for item, row in zip((item for item in items if item.sample is not None), logits):
             spec = item.sample
             index = item.end - spec.prompt_len  # generated tokens before this one
-            token = sample_nth(row, SamplingParams(spec.temperature, spec.top_p, spec.top_k), spec.seed, index)
-            done = token in spec.eos or index + 1 >= spec.max_tokens
-            sampled.append((item, SampledToken(item.rid, token, done)))
+            history = self._history(item.rid, spec)
+            choice = choose(row, spec.params, spec.params.seed or 0, index, history)
+            done = choice.token in spec.eos or index + 1 >= spec.max_tokens
+            if history is not None:
+                history.add(choice.token)
+            if done:
+                self.histories.pop(item.rid, None)
+            sampled.append((item, SampledToken(item.rid, choice.token, done, choice.logprob, choice.top_logprobs)))
         return sampled
+
+    def _history(self, rid: str, spec: SampleSpec) -> TokenHistory | None:
+        """The token history a penalized request's sampling reads (its first token brings it; None otherwise)."""
+        if not spec.params.penalized:
+            return None
+        if spec.history is not None:
+            self.histories[rid] = TokenHistory(spec.history[:spec.prompt_len], spec.history[spec.prompt_len:])
+        history = self.histories.get(rid)
+        if history is None:  # released while this step ran: its token goes nowhere
+            log.info("node %s: request %s has no token history here (released?); sampled without penalties",
+                     self.node_id, rid)
+        return history
 
     async def _deliver(self, plan: Plan, sampled: list[tuple[WorkItem, SampledToken]]) -> None:
         """The tokens go to the first stage first (the next step is on the critical path), then to each origin."""
@@ -319,6 +339,7 @@ class StageWorker:
             self._spawn(self._release(self.plan, rid))
 
     async def _release(self, plan: Plan, rid: str) -> None:
+        self.histories.pop(rid, None)
         try:
             await self.router.send(plan.stages[0].node_id, Release(rid))
         except (ConnectionError, OSError):

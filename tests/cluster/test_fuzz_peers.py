@@ -33,7 +33,7 @@ from exo_like.cluster.protocol import (
     _TYPES, PROTOCOL, Auth, Error, Forward, Hello, Info, MemberAddress, Message, PeerAddresses, Ping, PlanState,
     Pong, ProtocolError, Refused, Release, Retire, Sampled, SampledToken, Submit, Tokens, Welcome, decode, encode,
 )
-from exo_like.engines.work import SampleSpec, WorkItem
+from exo_like.engines.work import SampleSpec, SamplingParams, WorkItem
 from tests.api_server import NodeProcess, checkpoint, start_node, wait_for  # noqa: F401  (checkpoint: a fixture)
 from tests.cluster_harness import wait_until_ready
 
@@ -105,7 +105,7 @@ def msgpack_values() -> st.SearchStrategy[Any]:
 
 def prototypes(digest: str, hidden: int = 8) -> dict[str, Message]:
     """A valid message of every type, on this node's plan digest where it takes one."""
-    sample = SampleSpec(0.0, 1.0, 0, 1, 4, (0,), 3)
+    sample = SampleSpec(SamplingParams(0.0, seed=1), 4, (0,), 3)
     item = WorkItem("r1", FUZZER, 0, 1, (0,), sample)
     return {message.type: message for message in [
         Hello(b"n" * 16, PROTOCOL, "0"), Auth(b"n" * 16, PROTOCOL, "0", b"p" * 32),
@@ -170,8 +170,14 @@ def valid_messages(digest: str, hidden: int) -> st.SearchStrategy[Message]:
     digests = st.one_of(st.just(digest), st.text(max_size=16))
     token = st.one_of(st.integers(0, 100), st.integers(0, 2**31 - 1))
     big = st.one_of(st.integers(1, 8), st.integers(1, 2**63 - 1))
-    sample = st.builds(SampleSpec, st.floats(0, 1e6), st.floats(0, 1), st.integers(0, 2**63 - 1),
-                       st.integers(0, 2**63 - 1), big, st.lists(token, max_size=3).map(tuple), big)
+    penalty = st.one_of(st.just(0.0), st.floats(-2, 2))
+    params = st.builds(SamplingParams, st.floats(0, 1e6), st.floats(0, 1), st.integers(0, 2**63 - 1),
+                       st.integers(0, 2**63 - 1), st.floats(0, 1), penalty, penalty,
+                       st.one_of(st.just(1.0), st.floats(0.5, 2)),
+                       st.lists(st.tuples(token, st.floats(-100, 100)), max_size=3).map(tuple),
+                       st.none() | st.integers(0, 20))
+    history = st.none() | st.lists(token, min_size=8, max_size=12).map(tuple)
+    sample = st.builds(SampleSpec, params, big, st.lists(token, max_size=3).map(tuple), st.integers(1, 8), history)
     item = st.builds(WorkItem, rid, st.just(FUZZER), st.integers(0, 2**40), st.integers(1, 3),
                      st.lists(st.integers(0, 2**63 - 1), max_size=3).map(tuple), st.none() | sample)
     forward = st.lists(item, min_size=1, max_size=3).map(
@@ -179,7 +185,11 @@ def valid_messages(digest: str, hidden: int) -> st.SearchStrategy[Message]:
         lambda ir: st.builds(Forward, digests, st.just(tuple(ir[0])),
                              st.just(Activations("float32", (ir[1], hidden), bytes(4 * hidden * ir[1]))),
                              st.integers(0, 2**63 - 1)))
-    sampled = st.lists(st.builds(SampledToken, rid, token, st.booleans()), max_size=3).map(tuple)
+    logprob = st.floats(-50, 0)
+    sampled = st.lists(st.one_of(
+        st.builds(SampledToken, rid, token, st.booleans()),
+        st.builds(SampledToken, rid, token, st.booleans(), logprob,
+                  st.lists(st.tuples(token, logprob), max_size=3).map(tuple))), max_size=3).map(tuple)
     return st.one_of(
         st.builds(Submit, rid, st.just(FUZZER), digests, st.lists(token, min_size=1, max_size=8).map(tuple), sample),
         forward, st.builds(Sampled, digests, sampled), st.builds(Tokens, digests, sampled),

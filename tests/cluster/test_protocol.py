@@ -26,10 +26,13 @@ from exo_like.cluster.protocol import (
     PlanState, Pong, ProtocolError, Refused, Release, Retire, Sampled, SampledToken, Submit, Tokens, Welcome,
     decode, encode, handshake_protocol,
 )
-from exo_like.engines.work import SampleSpec, WorkItem
+from exo_like.engines.work import SampleSpec, SamplingParams, WorkItem
 
 INFO = NodeInfo("node-a", "studio", "10.0.0.5", 52415, "torch", "cpu", "x86_64", 16 << 30, "0.1.0", "float32")
-SAMPLE = SampleSpec(temperature=0.7, top_p=0.9, top_k=40, seed=1234, max_tokens=32, eos=(2, 151645), prompt_len=5)
+SAMPLE = SampleSpec(SamplingParams(temperature=0.7, top_p=0.9, top_k=40, seed=1234, min_p=0.05, presence_penalty=0.5,
+                                   frequency_penalty=-0.25, repetition_penalty=1.1, logit_bias=((3, -5.0), (17, 2.5)),
+                                   logprobs=3),
+                    max_tokens=32, eos=(2, 151645), prompt_len=5, history=(1, 2, 3, 4, 5, 9))
 HIDDEN = Activations("float32", (5, 4), np.arange(20, dtype=np.float32).tobytes())
 
 HELLO = Hello(b"n" * 16, PROTOCOL, "0.1.0")
@@ -45,7 +48,8 @@ SUBMIT = Submit("req-1", "node-a", "d1g3st", (1, 2, 3, 4, 5), SAMPLE)
 FORWARD = Forward("d1g3st", (WorkItem("req-1", "node-a", 0, 1, (0,)),
                              WorkItem("req-2", "node-b", 16, 2, (3, 7), SAMPLE),
                              WorkItem("req-3", "node-a", 40, 2, (1, 2, 4), None, (5, 6), 1)), HIDDEN, kv_used=9)
-SAMPLED = Sampled("d1g3st", (SampledToken("req-1", 17, False), SampledToken("req-2", 2, True)))
+SAMPLED = Sampled("d1g3st", (SampledToken("req-1", 17, False),
+                             SampledToken("req-2", 2, True, -0.25, ((2, -0.25), (40, -1.5)))))
 RELEASE = Release("req-1")
 ERROR = Error("req-1", "node b left the ring \u2603", "stage_failed")
 DOWNLOAD = DownloadStatus("org/model layers [0, 12)", "downloading", 10, 100, 1, 4, 6.0, "a file failed once")
@@ -64,7 +68,8 @@ EXAMPLES: list[Message] = [
 # refuses the frame.
 OPTIONAL = {"protocol@refused", "version@refused", "model@plan_state", "digest@plan_state", "problem@plan_state",
             "kv_blocks@plan_state", "load@plan_state", "figures@plan_state", "sample@items", "dtype@info",
-            "tp_port@info", "kv_window_blocks@plan_state", "window_blocks@items", "padding@ping"}
+            "tp_port@info", "kv_window_blocks@plan_state", "window_blocks@items", "padding@ping",
+            "logprobs@sample", "history@sample"}
 ALL_OPTIONAL = {"load", "download", "figures"}
 IGNORED = {"percent", "eta_seconds"}  # sent in a download, and worked out again by the receiver
 ODD = msgpack.ExtType(42, b"?")  # no field takes an extension type: ill-typed wherever it is put
@@ -145,6 +150,7 @@ def test_an_item_that_samples_before_its_prompt_ends_is_refused() -> None:
     """Found by test_fuzz_peers: the last stage's sampling index (end - prompt_len) went negative and failed its step
     (a Forward's item, or a Submit whose prompt is longer than its tokens, on a node that is the whole ring)."""
     wire = wire_of(FORWARD)
+    del wire["items"][1]["sample"]["history"]  # (which a prompt longer than it is refused for too)
     wire["items"][1]["sample"]["prompt_len"] = 19  # the item's positions are [16, 18)
     assert "field 'sample'" in refusal(wire)
     wire["items"][1]["sample"]["prompt_len"] = 18  # its last position is the prompt's last: it samples token 0

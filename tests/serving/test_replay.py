@@ -33,8 +33,8 @@ async def stream(origin: FakeNode, rid: str, prompt: list[int] = PROMPT, max_tok
     tokens = []
     generator = origin.origin.generate(rid, prompt, sampling, max_tokens, ())
     async with contextlib.aclosing(generator) as tokens_in:
-        async for token in tokens_in:
-            tokens.append(token)
+        async for choice in tokens_in:
+            tokens.append(choice.token)
             if len(tokens) == at and action is not None:
                 action()
     return tokens

@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 
 from exo_like.cluster.protocol import Submit
-from exo_like.engines.work import BLOCK_SIZE, SampleSpec
+from exo_like.engines.work import BLOCK_SIZE, SampleSpec, SamplingParams
 from exo_like.serving.kv_blocks import BlockPool
 from exo_like.serving.scheduler import Scheduler, SchedulerLimits
 
 
 def spec(prompt_len: int, max_tokens: int = 100) -> SampleSpec:
-    return SampleSpec(0.0, 1.0, 0, 7, max_tokens, (), prompt_len)
+    return SampleSpec(SamplingParams(0.0, seed=7), max_tokens, (), prompt_len)
 
 
 def submit(scheduler: Scheduler, rid: str, tokens: list[int], max_tokens: int = 100) -> None:

@@ -11,9 +11,8 @@ import pytest
 
 from exo_like.cluster.protocol import Error, Forward, Message, Release, Sampled, Submit, Tokens
 from exo_like.engines.activations import Activations
-from exo_like.engines.work import SampleSpec, WorkItem
+from exo_like.engines.work import SampleSpec, SamplingParams, WorkItem
 from exo_like.errors import ExoLikeError
-from exo_like.serving.sampling import SamplingParams
 from exo_like.serving.scheduler import SchedulerLimits
 from tests.fake_ring import VOCAB, FakeNetwork, FakeNode, generate, ring
 
@@ -176,6 +175,7 @@ async def test_a_request_for_another_plan_is_refused_at_once() -> None:
     async with ring() as net:
         got: list[Message] = []
         net.first.origin.handle = got.append  # type: ignore[method-assign]
-        net.first.stage.handle(Submit("x", "n0", "other-digest", (1, 2), SampleSpec(0.0, 1.0, 0, 1, 5, (), 2)))
+        spec = SampleSpec(SamplingParams(0.0, seed=1), 5, (), 2)
+        net.first.stage.handle(Submit("x", "n0", "other-digest", (1, 2), spec))
         await asyncio.sleep(0.05)
         assert [(m.rid, m.code) for m in got] == [("x", "plan_changed")]  # type: ignore[attr-defined]
