@@ -16,6 +16,7 @@ from exo_like.api.openai_requests import GenerationOptions
 from exo_like.errors import InvalidRequestError
 from exo_like.models.tokenizer import IncrementalDetokenizer, ModelTokenizer
 from exo_like.serving.generation import TokenGenerator
+from exo_like.serving.sampling import Choice
 from exo_like.serving.stop_strings import StopStringFilter
 
 
@@ -35,6 +36,23 @@ def completion_prompt_tokens(tokenizer: ModelTokenizer, prompt: str | list[int])
         raise InvalidRequestError(f"prompt token ids must be in [0, {vocab}); got {bad[0]}", param="prompt",
                                   code="invalid_value")
     return list(prompt)
+
+
+def check_token_ids(tokenizer: ModelTokenizer, options: GenerationOptions) -> None:
+    """Token ids a request names (logit_bias) must be the model's."""
+    vocab = tokenizer.vocab_size
+    bad = [token for token, _ in options.sampling.logit_bias if token >= vocab]
+    if bad:
+        raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab}); got {bad[0]}", param="logit_bias",
+                                  code="invalid_value")
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A text delta and the tokens it came from since the previous one (with log-probabilities when asked)."""
+
+    text: str
+    tokens: tuple[Choice, ...] = ()
 
 
 def resolve_max_tokens(prompt_length: int, requested: int | None, context_length: int, prompt_param: str) -> int:
@@ -78,8 +96,17 @@ class TextGeneration:
         return {"prompt_tokens": prompt, "completion_tokens": self.completion_tokens,
                 "total_tokens": prompt + self.completion_tokens}
 
-    async def deltas(self) -> AsyncIterator[str]:
-        """Non-empty text pieces. Iterate inside `aclosing` so an abandoned request frees its cache at once."""
+    async def deltas(self) -> AsyncIterator[Piece]:
+        """Pieces of text, non-empty unless they only bring tokens' log-probabilities (a token held back or cut by
+        a stop string). Iterate inside `aclosing` so an abandoned request frees its cache at once."""
+        consumed: list[Choice] = []  # tokens since the last piece
+
+        def piece(text: str) -> Piece:
+            taken = tuple(consumed)
+            consumed.clear()
+            return Piece(text, taken)
+
+        wants_logprobs = self.options.sampling.logprobs is not None
         detokenizer = IncrementalDetokenizer(self.tokenizer)
         stops = StopStringFilter(self.options.stop)
         eos = () if self.options.ignore_eos else self.eos_ids
@@ -93,11 +120,14 @@ class TextGeneration:
                 if token in eos:  # the EOS token counts as generated but is not part of the text
                     self.finish_reason = "stop"
                     break
+                consumed.append(choice)
                 text = stops.feed(detokenizer.add(token))
                 if text:
-                    yield text
+                    yield piece(text)
                 if stops.stopped:
                     self.finish_reason = "stop"
+                    if consumed and wants_logprobs:
+                        yield piece("")
                     return
         # Out of tokens (EOS or max_tokens): release what the detokenizer and the stop filter held back.
         tail = stops.feed(detokenizer.flush())
@@ -105,9 +135,11 @@ class TextGeneration:
         if stops.stopped:
             self.finish_reason = "stop"
         self.finish_reason = self.finish_reason or "length"
-        if tail:
-            yield tail
+        if tail or (consumed and wants_logprobs):
+            yield piece(tail)
 
-    async def text(self) -> str:
+    async def whole(self) -> Piece:
+        """All the text, and every token it came from."""
         async with aclosing(self.deltas()) as deltas:
-            return "".join([piece async for piece in deltas])
+            pieces = [piece async for piece in deltas]
+        return Piece("".join(p.text for p in pieces), tuple(t for p in pieces for t in p.tokens))

@@ -4,7 +4,8 @@ Every problem with a request becomes an InvalidRequestError naming the offending
 always a 400 with an OpenAI error body, never a 500. Unknown fields are ignored (clients send `user`,
 `metadata`, ...), but known features this server does not implement are rejected unless they carry their
 neutral value (e.g. presence_penalty=0), so a client never silently gets something other than it asked for.
-Two extensions, spelled as in vLLM: `top_k`, and `ignore_eos` (generate exactly max_tokens; for benchmarks).
+Extensions, spelled as in vLLM: `top_k`, `min_p`, `repetition_penalty`, `return_tokens_as_token_ids`, and
+`ignore_eos` (generate exactly max_tokens; for benchmarks).
 """
 
 from __future__ import annotations
@@ -17,16 +18,13 @@ from exo_like.errors import InvalidRequestError
 from exo_like.serving.sampling import SamplingParams
 
 MAX_STOP_STRINGS = 4
+MAX_LOGIT_BIAS = 300  # entries (OpenAI's limit)
+MAX_TOP_LOGPROBS = 20  # chat's top_logprobs (OpenAI's limit; the same for completions' logprobs, as vLLM allows)
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # as OpenAI's legacy completions endpoint
 
 # Known but unimplemented parameters, and the values that ask for nothing (so they are safe to accept).
 _NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "logit_bias": (None, {}),
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
     "tools": (None, []),
     "functions": (None, []),
     "tool_choice": (None, "none", "auto"),
@@ -51,6 +49,7 @@ class GenerationOptions:
     stream: bool
     include_usage: bool
     ignore_eos: bool
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: log-probabilities name tokens "token_id:N"
 
 
 @dataclass(frozen=True)
@@ -70,13 +69,13 @@ def parse_chat_request(body: Any) -> ChatRequest:
     max_tokens = _optional_int(body, "max_completion_tokens", minimum=1)
     if max_tokens is None:
         max_tokens = _optional_int(body, "max_tokens", minimum=1)
-    return ChatRequest(_options(body, max_tokens), _messages(body.get("messages")))
+    return ChatRequest(_options(body, max_tokens, chat=True), _messages(body.get("messages")))
 
 
 def parse_completion_request(body: Any) -> CompletionRequest:
     body = _require_object(body)
     max_tokens = _optional_int(body, "max_tokens", minimum=1)
-    options = _options(body, COMPLETIONS_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens)
+    options = _options(body, COMPLETIONS_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens, chat=False)
     return CompletionRequest(options, _prompt(body.get("prompt")))
 
 
@@ -86,7 +85,7 @@ def _require_object(body: Any) -> dict[str, Any]:
     return body
 
 
-def _options(body: dict[str, Any], max_tokens: int | None) -> GenerationOptions:
+def _options(body: dict[str, Any], max_tokens: int | None, chat: bool) -> GenerationOptions:
     _reject_unsupported(body)
     n = _optional_int(body, "n", minimum=1)
     if n not in (None, 1):
@@ -95,11 +94,12 @@ def _options(body: dict[str, Any], max_tokens: int | None) -> GenerationOptions:
     return GenerationOptions(
         model=_model(body),
         max_tokens=max_tokens,
-        sampling=_sampling(body),
+        sampling=_sampling(body, chat),
         stop=_stop(body.get("stop")),
         stream=stream,
         include_usage=_include_usage(body, stream),
         ignore_eos=_optional_bool(body, "ignore_eos") or False,
+        tokens_as_ids=_optional_bool(body, "return_tokens_as_token_ids") or False,
     )
 
 
@@ -113,20 +113,64 @@ def _model(body: dict[str, Any]) -> str:
     return model
 
 
-def _sampling(body: dict[str, Any]) -> SamplingParams:
+def _sampling(body: dict[str, Any], chat: bool) -> SamplingParams:
     temperature = _optional_float(body, "temperature", 0.0, 2.0)
     top_p = _optional_float(body, "top_p", 0.0, 1.0)
     if top_p is not None and top_p <= 0.0:
         raise InvalidRequestError("top_p must be greater than 0 and at most 1", param="top_p", code="invalid_value")
     top_k = _optional_int(body, "top_k", minimum=0)
     seed = _optional_int(body, "seed", minimum=-(2**63), maximum=2**64 - 1)
+    repetition = _optional_float(body, "repetition_penalty", 0.0, 100.0)
+    if repetition is not None and repetition <= 0.0:
+        raise InvalidRequestError("repetition_penalty must be greater than 0", param="repetition_penalty",
+                                  code="invalid_value")
     return SamplingParams(
         temperature=1.0 if temperature is None else temperature,
         top_p=1.0 if top_p is None else top_p,
         top_k=top_k or 0,
         # numpy seeds must be non-negative; map OpenAI's signed 64-bit seeds onto them one to one.
         seed=None if seed is None else seed % 2**64,
+        min_p=_optional_float(body, "min_p", 0.0, 1.0) or 0.0,
+        presence_penalty=_optional_float(body, "presence_penalty", -2.0, 2.0) or 0.0,
+        frequency_penalty=_optional_float(body, "frequency_penalty", -2.0, 2.0) or 0.0,
+        repetition_penalty=1.0 if repetition is None else repetition,
+        logit_bias=_logit_bias(body.get("logit_bias")),
+        logprobs=_chat_logprobs(body) if chat else _optional_int(body, "logprobs", 0, MAX_TOP_LOGPROBS),
     )
+
+
+def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """OpenAI's map of token ids (as strings) to biases in [-100, 100]; the ids are checked against the model's
+    vocabulary once it is known (completion.check_token_ids)."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise InvalidRequestError("logit_bias must be an object mapping token ids to biases", param="logit_bias",
+                                  code="invalid_type")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise InvalidRequestError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got {len(value)}",
+                                  param="logit_bias", code="invalid_value")
+    pairs = []
+    for key, bias in value.items():
+        if not key.isascii() or not key.isdigit():
+            raise InvalidRequestError(f"logit_bias keys must be token ids; got {key[:40]!r}", param="logit_bias",
+                                      code="invalid_value")
+        pairs.append((int(key), _optional_float({"logit_bias": bias}, "logit_bias", -100.0, 100.0)))
+    if any(bias is None for _, bias in pairs):
+        raise InvalidRequestError("logit_bias values must be numbers between -100 and 100", param="logit_bias",
+                                  code="invalid_type")
+    return tuple(pairs)  # type: ignore[arg-type]
+
+
+def _chat_logprobs(body: dict[str, Any]) -> int | None:
+    """Chat: `logprobs` (a boolean) asks for the chosen tokens' log-probabilities, `top_logprobs` for that many
+    likeliest tokens' beside them (only with logprobs)."""
+    wanted = _optional_bool(body, "logprobs")
+    top = _optional_int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if top is not None and not wanted:
+        raise InvalidRequestError("top_logprobs needs logprobs set to true", param="top_logprobs",
+                                  code="invalid_value")
+    return (top or 0) if wanted else None
 
 
 def _stop(value: Any) -> tuple[str, ...]:

@@ -1,10 +1,13 @@
-"""The JSON shapes of OpenAI responses: whole completions, streamed chunks, and errors."""
+"""The JSON shapes of OpenAI responses: whole completions, streamed chunks, log-probabilities, and errors."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from exo_like.serving.sampling import Choice
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
@@ -20,13 +23,15 @@ class ResponseFormat:
     model: str
     include_usage: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
+    token_text: Callable[[int], str] | None = None  # set when the request asked for log-probabilities
 
-    def whole(self, text: str, finish_reason: str, usage: dict[str, int]) -> dict[str, Any]:
+    def whole(self, text: str, finish_reason: str, usage: dict[str, int],
+              tokens: Sequence[Choice] = ()) -> dict[str, Any]:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": finish_reason}
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": self._logprobs(tokens), "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "text": text, "logprobs": self._logprobs(tokens), "finish_reason": finish_reason}
         return {**self._header("chat.completion" if self.chat else "text_completion"), "choices": [choice],
                 "usage": usage}
 
@@ -36,8 +41,8 @@ class ResponseFormat:
             return None
         return self._chunk({"role": "assistant", "content": ""}, None)
 
-    def text_chunk(self, text: str) -> dict[str, Any]:
-        return self._chunk({"content": text} if self.chat else text, None)
+    def text_chunk(self, text: str, tokens: Sequence[Choice] = ()) -> dict[str, Any]:
+        return self._chunk({"content": text} if self.chat else text, None, self._logprobs(tokens))
 
     def finish_chunk(self, finish_reason: str) -> dict[str, Any]:
         return self._chunk({} if self.chat else "", finish_reason)
@@ -49,11 +54,12 @@ class ResponseFormat:
     def _chunk_object(self) -> str:
         return "chat.completion.chunk" if self.chat else "text_completion"
 
-    def _chunk(self, delta: dict[str, str] | str, finish_reason: str | None) -> dict[str, Any]:
+    def _chunk(self, delta: dict[str, str] | str, finish_reason: str | None,
+               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         if self.chat:
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "text": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         chunk = {**self._header(self._chunk_object), "choices": [choice]}
         if self.include_usage:
             chunk["usage"] = None  # as OpenAI: every chunk carries usage, null until the final usage chunk
@@ -62,3 +68,23 @@ class ResponseFormat:
     def _header(self, obj: str) -> dict[str, Any]:
         return {"id": self.response_id, "object": obj, "created": self.created, "model": self.model,
                 "system_fingerprint": None}
+
+    def _logprobs(self, tokens: Sequence[Choice]) -> dict[str, Any] | None:
+        """OpenAI's log-probabilities of `tokens`: chat's list of entries, or completions' parallel lists (None when
+        the request did not ask for them)."""
+        if self.token_text is None:
+            return None
+        text = self.token_text
+        if self.chat:
+            return {"content": [{**_entry(text(t.token), t.logprob),
+                                 "top_logprobs": [_entry(text(token), logprob) for token, logprob in t.top_logprobs]}
+                                for t in tokens]}
+        strings = [text(t.token) for t in tokens]
+        offsets = [sum(len(s) for s in strings[:i]) for i in range(len(strings))]
+        return {"tokens": strings, "token_logprobs": [t.logprob for t in tokens],
+                "top_logprobs": [{text(token): logprob for token, logprob in t.top_logprobs} for t in tokens],
+                "text_offset": offsets}
+
+
+def _entry(token: str, logprob: float | None) -> dict[str, Any]:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}

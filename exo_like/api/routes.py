@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -22,6 +23,7 @@ import dashboard
 from exo_like.api.completion import (
     TextGeneration,
     chat_prompt_tokens,
+    check_token_ids,
     completion_prompt_tokens,
     resolve_max_tokens,
 )
@@ -135,7 +137,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     model, generator = await node.require_model(parsed.options.model)
     prompt = chat_prompt_tokens(model.tokenizer, parsed.messages)
     generation = _generation(model, generator, prompt, parsed.options, "messages")
-    fmt = ResponseFormat(True, f"chatcmpl-{generation.request_id}", model.model_id, parsed.options.include_usage)
+    fmt = ResponseFormat(True, f"chatcmpl-{generation.request_id}", model.model_id, parsed.options.include_usage,
+                         token_text=_token_text(model, parsed.options))
     return await _respond(request, generation, fmt, parsed.options.stream)
 
 
@@ -145,12 +148,23 @@ async def completions(request: web.Request) -> web.StreamResponse:
     model, generator = await node.require_model(parsed.options.model)
     prompt = completion_prompt_tokens(model.tokenizer, parsed.prompt)
     generation = _generation(model, generator, prompt, parsed.options, "prompt")
-    fmt = ResponseFormat(False, f"cmpl-{generation.request_id}", model.model_id, parsed.options.include_usage)
+    fmt = ResponseFormat(False, f"cmpl-{generation.request_id}", model.model_id, parsed.options.include_usage,
+                         token_text=_token_text(model, parsed.options))
     return await _respond(request, generation, fmt, parsed.options.stream)
+
+
+def _token_text(model: LoadedModel, options: GenerationOptions) -> Callable[[int], str] | None:
+    """How a token is shown beside its log-probability (each alone, as vLLM does), when they are asked for."""
+    if options.sampling.logprobs is None:
+        return None
+    if options.tokens_as_ids:
+        return lambda token: f"token_id:{token}"
+    return lambda token: model.tokenizer.decode([token], skip_special_tokens=False)
 
 
 def _generation(model: LoadedModel, generator: TokenGenerator, prompt: list[int], options: GenerationOptions,
                 prompt_param: str) -> TextGeneration:
+    check_token_ids(model.tokenizer, options)
     max_tokens = resolve_max_tokens(len(prompt), options.max_tokens, model.args.context_length, prompt_param)
     return TextGeneration(generator, model.tokenizer, prompt, options, max_tokens, model.args.eos_token_ids)
 
@@ -163,9 +177,10 @@ async def _respond(request: web.Request, generation: TextGeneration, fmt: Respon
     try:
         if stream:
             return await _stream(request, generation, fmt)
-        text = await generation.text()
+        whole = await generation.whole()
         _record(request.app[NODE_KEY], generation)
-        return web.json_response(fmt.whole(text, generation.finish_reason or "length", generation.usage()))
+        return web.json_response(fmt.whole(whole.text, generation.finish_reason or "length", generation.usage(),
+                                           whole.tokens))
     except asyncio.CancelledError:
         # The handler is cancelled when the client disconnects (or at shutdown); the generation is closed by now.
         reason = "the node is shutting down" if request.app[NODE_KEY].stopping else "client disconnected"
@@ -228,8 +243,8 @@ async def _stream_events(response: web.StreamResponse, generation: TextGeneratio
         if (first := fmt.first_chunk()) is not None:
             await _send(response, first)
         async with contextlib.aclosing(generation.deltas()) as deltas:
-            async for text in deltas:
-                await _send(response, fmt.text_chunk(text))
+            async for piece in deltas:
+                await _send(response, fmt.text_chunk(piece.text, piece.tokens))
         await _send(response, fmt.finish_chunk(generation.finish_reason or "length"))
         if fmt.include_usage:
             await _send(response, fmt.usage_chunk(generation.usage()))

@@ -39,8 +39,9 @@ METHODS = ["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS", "TRACE"]
 # before the app sees a request.
 NOT_HTTP = ["FUZZ", "CONNECT"]
 CHAT_FIELDS = ["model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
-               "stop", "stream", "stream_options", "n", "ignore_eos", "presence_penalty", "logprobs", "tools",
-               "response_format", "tool_choice", "user"]
+               "stop", "stream", "stream_options", "n", "ignore_eos", "presence_penalty", "frequency_penalty",
+               "repetition_penalty", "min_p", "logit_bias", "logprobs", "top_logprobs", "tools", "response_format",
+               "tool_choice", "user"]
 COMPLETION_FIELDS = [f for f in CHAT_FIELDS if f not in ("messages", "max_completion_tokens")] + \
     ["prompt", "echo", "best_of", "suffix"]
 # Raw JSON text spliced into bodies: numbers past float range or the int digit limit, NaN, lone surrogates, nesting
