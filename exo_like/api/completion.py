@@ -6,6 +6,7 @@ between streamed and non-streamed output is whether the deltas are sent as they 
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Collection
@@ -87,6 +88,7 @@ class TextGeneration:
     started: float = field(default_factory=time.monotonic)
     token_times: list[float] = field(default_factory=list)  # when each token arrived (monotonic), for /metrics
     recorded: bool = False  # counted in /metrics already
+    first_token: asyncio.Event = field(default_factory=asyncio.Event)  # set once a token arrived, or it ended
 
     def __post_init__(self) -> None:
         self.request_id = self.request_id or uuid.uuid4().hex
@@ -114,6 +116,7 @@ class TextGeneration:
                                          self.max_tokens, eos)
         async with aclosing(tokens):
             async for choice in tokens:
+                self.first_token.set()
                 token = choice.token
                 self.completion_tokens += 1
                 self.token_times.append(time.monotonic())

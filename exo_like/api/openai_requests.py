@@ -18,6 +18,7 @@ from exo_like.errors import InvalidRequestError
 from exo_like.serving.sampling import SamplingParams
 
 MAX_STOP_STRINGS = 4
+MAX_N = 16  # choices a request may ask for
 MAX_LOGIT_BIAS = 300  # entries (OpenAI's limit)
 MAX_TOP_LOGPROBS = 20  # chat's top_logprobs (OpenAI's limit; the same for completions' logprobs, as vLLM allows)
 CHAT_ROLES = ("system", "developer", "user", "assistant")
@@ -50,6 +51,7 @@ class GenerationOptions:
     include_usage: bool
     ignore_eos: bool
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: log-probabilities name tokens "token_id:N"
+    n: int = 1  # choices: generations of the one prompt
 
 
 @dataclass(frozen=True)
@@ -87,9 +89,7 @@ def _require_object(body: Any) -> dict[str, Any]:
 
 def _options(body: dict[str, Any], max_tokens: int | None, chat: bool) -> GenerationOptions:
     _reject_unsupported(body)
-    n = _optional_int(body, "n", minimum=1)
-    if n not in (None, 1):
-        raise InvalidRequestError("only n=1 is supported", param="n", code="unsupported_parameter")
+    n = _optional_int(body, "n", minimum=1, maximum=MAX_N)
     stream = _optional_bool(body, "stream") or False
     return GenerationOptions(
         model=_model(body),
@@ -100,6 +100,7 @@ def _options(body: dict[str, Any], max_tokens: int | None, chat: bool) -> Genera
         include_usage=_include_usage(body, stream),
         ignore_eos=_optional_bool(body, "ignore_eos") or False,
         tokens_as_ids=_optional_bool(body, "return_tokens_as_token_ids") or False,
+        n=n or 1,
     )
 
 

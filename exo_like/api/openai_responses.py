@@ -25,27 +25,28 @@ class ResponseFormat:
     created: int = field(default_factory=lambda: int(time.time()))
     token_text: Callable[[int], str] | None = None  # set when the request asked for log-probabilities
 
-    def whole(self, text: str, finish_reason: str, usage: dict[str, int],
-              tokens: Sequence[Choice] = ()) -> dict[str, Any]:
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": self._logprobs(tokens), "finish_reason": finish_reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": self._logprobs(tokens), "finish_reason": finish_reason}
-        return {**self._header("chat.completion" if self.chat else "text_completion"), "choices": [choice],
-                "usage": usage}
+    def whole(self, choices: Sequence[tuple[str, str, Sequence[Choice]]], usage: dict[str, int]) -> dict[str, Any]:
+        """The response to a request: each choice's (text, finish reason, tokens)."""
+        return {**self._header("chat.completion" if self.chat else "text_completion"),
+                "choices": [self._whole_choice(i, *choice) for i, choice in enumerate(choices)], "usage": usage}
 
-    def first_chunk(self) -> dict[str, Any] | None:
+    def _whole_choice(self, index: int, text: str, finish_reason: str, tokens: Sequence[Choice]) -> dict[str, Any]:
+        if self.chat:
+            return {"index": index, "message": {"role": "assistant", "content": text},
+                    "logprobs": self._logprobs(tokens), "finish_reason": finish_reason}
+        return {"index": index, "text": text, "logprobs": self._logprobs(tokens), "finish_reason": finish_reason}
+
+    def first_chunk(self, index: int = 0) -> dict[str, Any] | None:
         """Chat streams open with the assistant role; completion streams have no such chunk."""
         if not self.chat:
             return None
-        return self._chunk({"role": "assistant", "content": ""}, None)
+        return self._chunk(index, {"role": "assistant", "content": ""}, None)
 
-    def text_chunk(self, text: str, tokens: Sequence[Choice] = ()) -> dict[str, Any]:
-        return self._chunk({"content": text} if self.chat else text, None, self._logprobs(tokens))
+    def text_chunk(self, text: str, tokens: Sequence[Choice] = (), index: int = 0) -> dict[str, Any]:
+        return self._chunk(index, {"content": text} if self.chat else text, None, self._logprobs(tokens))
 
-    def finish_chunk(self, finish_reason: str) -> dict[str, Any]:
-        return self._chunk({} if self.chat else "", finish_reason)
+    def finish_chunk(self, finish_reason: str, index: int = 0) -> dict[str, Any]:
+        return self._chunk(index, {} if self.chat else "", finish_reason)
 
     def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
         return {**self._header(self._chunk_object), "choices": [], "usage": usage}
@@ -54,12 +55,12 @@ class ResponseFormat:
     def _chunk_object(self) -> str:
         return "chat.completion.chunk" if self.chat else "text_completion"
 
-    def _chunk(self, delta: dict[str, str] | str, finish_reason: str | None,
+    def _chunk(self, index: int, delta: dict[str, str] | str, finish_reason: str | None,
                logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         if self.chat:
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+            choice = {"index": index, "text": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         chunk = {**self._header(self._chunk_object), "choices": [choice]}
         if self.include_usage:
             chunk["usage"] = None  # as OpenAI: every chunk carries usage, null until the final usage chunk

@@ -14,6 +14,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
@@ -28,6 +29,7 @@ from exo_like.api.completion import (
     resolve_max_tokens,
 )
 from exo_like.api.openai_requests import GenerationOptions, parse_chat_request, parse_completion_request
+from exo_like.api.choices import ChoiceSet
 from exo_like.api.openai_responses import ResponseFormat, error_body
 from exo_like.cluster.peers import PEER_PATH
 from exo_like.errors import ExoLikeError, InvalidRequestError, ServiceUnavailableError
@@ -136,10 +138,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     parsed = parse_chat_request(await read_json(request))
     model, generator = await node.require_model(parsed.options.model)
     prompt = chat_prompt_tokens(model.tokenizer, parsed.messages)
-    generation = _generation(model, generator, prompt, parsed.options, "messages")
-    fmt = ResponseFormat(True, f"chatcmpl-{generation.request_id}", model.model_id, parsed.options.include_usage,
+    choices = _choices(model, generator, prompt, parsed.options, "messages")
+    fmt = ResponseFormat(True, f"chatcmpl-{choices.request_id}", model.model_id, parsed.options.include_usage,
                          token_text=_token_text(model, parsed.options))
-    return await _respond(request, generation, fmt, parsed.options.stream)
+    return await _respond(request, choices, fmt, parsed.options.stream)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -147,10 +149,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
     parsed = parse_completion_request(await read_json(request))
     model, generator = await node.require_model(parsed.options.model)
     prompt = completion_prompt_tokens(model.tokenizer, parsed.prompt)
-    generation = _generation(model, generator, prompt, parsed.options, "prompt")
-    fmt = ResponseFormat(False, f"cmpl-{generation.request_id}", model.model_id, parsed.options.include_usage,
+    choices = _choices(model, generator, prompt, parsed.options, "prompt")
+    fmt = ResponseFormat(False, f"cmpl-{choices.request_id}", model.model_id, parsed.options.include_usage,
                          token_text=_token_text(model, parsed.options))
-    return await _respond(request, generation, fmt, parsed.options.stream)
+    return await _respond(request, choices, fmt, parsed.options.stream)
 
 
 def _token_text(model: LoadedModel, options: GenerationOptions) -> Callable[[int], str] | None:
@@ -162,35 +164,50 @@ def _token_text(model: LoadedModel, options: GenerationOptions) -> Callable[[int
     return lambda token: model.tokenizer.decode([token], skip_special_tokens=False)
 
 
-def _generation(model: LoadedModel, generator: TokenGenerator, prompt: list[int], options: GenerationOptions,
-                prompt_param: str) -> TextGeneration:
+def _choices(model: LoadedModel, generator: TokenGenerator, prompt: list[int], options: GenerationOptions,
+             prompt_param: str) -> ChoiceSet:
+    """The request's n generations. With a seed, choice i samples with seed + i (reproducible, and the choices
+    differ); without, each draws its own."""
     check_token_ids(model.tokenizer, options)
     max_tokens = resolve_max_tokens(len(prompt), options.max_tokens, model.args.context_length, prompt_param)
-    return TextGeneration(generator, model.tokenizer, prompt, options, max_tokens, model.args.eos_token_ids)
+    seed = options.sampling.seed
+    return ChoiceSet([
+        TextGeneration(generator, model.tokenizer, prompt,
+                       options if i == 0 or seed is None else
+                       replace(options, sampling=replace(options.sampling, seed=(seed + i) % 2**64)),
+                       max_tokens, model.args.eos_token_ids)
+        for i in range(options.n)])
 
 
-async def _respond(request: web.Request, generation: TextGeneration, fmt: ResponseFormat,
+async def _respond(request: web.Request, choices: ChoiceSet, fmt: ResponseFormat,
                    stream: bool) -> web.StreamResponse:
     started = time.monotonic()
     task = asyncio.current_task()
     request.app[GENERATING_KEY].add(task)
+    node = request.app[NODE_KEY]
     try:
         if stream:
-            return await _stream(request, generation, fmt)
-        whole = await generation.whole()
-        _record(request.app[NODE_KEY], generation)
-        return web.json_response(fmt.whole(whole.text, generation.finish_reason or "length", generation.usage(),
-                                           whole.tokens))
+            return await _stream(request, choices, fmt)
+        wholes = await choices.wholes()
+        _record_all(node, choices)
+        return web.json_response(fmt.whole([(whole.text, generation.finish_reason or "length", whole.tokens)
+                                            for whole, generation in zip(wholes, choices.generations)],
+                                           choices.usage()))
     except asyncio.CancelledError:
         # The handler is cancelled when the client disconnects (or at shutdown); the generation is closed by now.
-        reason = "the node is shutting down" if request.app[NODE_KEY].stopping else "client disconnected"
+        reason = "the node is shutting down" if node.stopping else "client disconnected"
         log.info("request %s: %s after %d tokens; generation stopped", fmt.response_id, reason,
-                 generation.completion_tokens)
+                 choices.usage()["completion_tokens"])
         raise
     finally:
         request.app[GENERATING_KEY].discard(task)
-        _log_done(fmt.response_id, generation, time.monotonic() - started)
-        _record(request.app[NODE_KEY], generation)  # a request that failed or was cancelled
+        _log_done(fmt.response_id, choices, time.monotonic() - started)
+        _record_all(node, choices)  # a request that failed or was cancelled
+
+
+def _record_all(node: Node, choices: ChoiceSet) -> None:
+    for generation in choices.generations:
+        _record(node, generation)
 
 
 def _record(node: Node, generation: TextGeneration) -> None:
@@ -204,25 +221,26 @@ def _record(node: Node, generation: TextGeneration) -> None:
         generation.started, tuple(generation.token_times), time.monotonic()))
 
 
-def _log_done(response_id: str, generation: TextGeneration, seconds: float) -> None:
-    usage = generation.usage()
+def _log_done(response_id: str, choices: ChoiceSet, seconds: float) -> None:
+    usage = choices.usage()
+    finish = ",".join(g.finish_reason or "cancelled" for g in choices.generations)
     log.info("request %s: %d prompt + %d completion tokens, finish=%s, %.2fs (%.1f tok/s)", response_id,
-             usage["prompt_tokens"], usage["completion_tokens"], generation.finish_reason or "cancelled", seconds,
+             usage["prompt_tokens"], usage["completion_tokens"], finish, seconds,
              usage["completion_tokens"] / seconds if seconds > 0 else 0.0)
 
 
-async def _stream(request: web.Request, generation: TextGeneration, fmt: ResponseFormat) -> web.StreamResponse:
+async def _stream(request: web.Request, choices: ChoiceSet, fmt: ResponseFormat) -> web.StreamResponse:
     """Server-sent events: chunks as text arrives, a finish chunk, an optional usage chunk, then [DONE]."""
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Accel-Buffering": "no"})
     await response.prepare(request)
     try:
-        await _stream_events(response, generation, fmt)
-        _record(request.app[NODE_KEY], generation)
+        await _stream_events(response, choices, fmt)
+        _record_all(request.app[NODE_KEY], choices)
         await _end_stream(response)
     except ConnectionResetError:
         log.info("request %s: client disconnected after %d tokens; generation stopped", fmt.response_id,
-                 generation.completion_tokens)
+                 choices.usage()["completion_tokens"])
     except asyncio.CancelledError:
         if request.app[NODE_KEY].stopping:  # tell the client why its stream ends early
             with contextlib.suppress(ConnectionResetError):
@@ -238,16 +256,20 @@ async def _end_stream(response: web.StreamResponse) -> None:
     await response.write_eof()
 
 
-async def _stream_events(response: web.StreamResponse, generation: TextGeneration, fmt: ResponseFormat) -> None:
+async def _stream_events(response: web.StreamResponse, choices: ChoiceSet, fmt: ResponseFormat) -> None:
     try:
-        if (first := fmt.first_chunk()) is not None:
-            await _send(response, first)
-        async with contextlib.aclosing(generation.deltas()) as deltas:
-            async for piece in deltas:
-                await _send(response, fmt.text_chunk(piece.text, piece.tokens))
-        await _send(response, fmt.finish_chunk(generation.finish_reason or "length"))
+        for index in range(len(choices.generations)):
+            if (first := fmt.first_chunk(index)) is not None:
+                await _send(response, first)
+        async with contextlib.aclosing(choices.pieces()) as pieces:
+            async for index, piece in pieces:
+                if piece is None:
+                    await _send(response, fmt.finish_chunk(choices.generations[index].finish_reason or "length",
+                                                           index))
+                else:
+                    await _send(response, fmt.text_chunk(piece.text, piece.tokens, index))
         if fmt.include_usage:
-            await _send(response, fmt.usage_chunk(generation.usage()))
+            await _send(response, fmt.usage_chunk(choices.usage()))
     except ConnectionResetError:
         raise
     except ExoLikeError as e:

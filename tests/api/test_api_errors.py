@@ -105,7 +105,7 @@ CASES: list[tuple[str, str, str, Any, dict[str, str], int, str | None]] = [
     ("stream_options is a list", "POST", CHAT, chat(stream=True, stream_options=[]), JSON, 400, "stream_options"),
     ("include_usage is a string", "POST", CHAT, chat(stream=True, stream_options={"include_usage": "yes"}), JSON,
      400, "stream_options.include_usage"),
-    ("n is 2", "POST", CHAT, chat(n=2), JSON, 400, "n"),
+    ("n beyond 16", "POST", CHAT, chat(n=17), JSON, 400, "n"),
     ("n is 0", "POST", CHAT, chat(n=0), JSON, 400, "n"),
     ("presence_penalty beyond 2", "POST", CHAT, chat(presence_penalty=2.5), JSON, 400, "presence_penalty"),
     ("frequency_penalty is a string", "POST", CHAT, chat(frequency_penalty="x"), JSON, 400, "frequency_penalty"),

@@ -89,3 +89,39 @@ def test_chat_logprobs_come_in_openais_shape_streamed_and_not(node: NodeProcess,
     assert [(e.token, round(e.logprob, 5)) for e in streamed] == [(e.token, round(e.logprob, 5)) for e in content]
     plain = client.chat.completions.create(**{**request, "logprobs": False, "top_logprobs": None})
     assert plain.choices[0].logprobs is None
+
+
+def metric(node: NodeProcess, name: str) -> float:  # noqa: F811
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = node.request("GET", "/metrics")[2].decode()
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+
+
+def test_n_choices_reuse_the_prompts_keys_and_values(node: NodeProcess, checkpoint: Path) -> None:  # noqa: F811
+    """n=4: four choices, seeded one after another (seed + i), the prompt computed once: the other three find its
+    full blocks in the prefix cache."""
+    import openai
+
+    client = openai.OpenAI(base_url=node.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    prompt = list(range(3, 43))  # 40 tokens: two full blocks of 16
+    hits = metric(node, "exo_like:prefix_cache_hits_total")
+    request = dict(model=str(checkpoint), prompt=prompt, max_tokens=6, temperature=1.0, seed=3,
+                   extra_body={"ignore_eos": True})
+    answer = client.completions.create(n=4, **request)
+    assert [c.index for c in answer.choices] == [0, 1, 2, 3]
+    assert answer.usage.prompt_tokens == 40 and answer.usage.completion_tokens == 24
+    assert metric(node, "exo_like:prefix_cache_hits_total") - hits >= 3 * 32
+    texts = [c.text for c in answer.choices]
+    assert len(set(texts)) > 1  # each choice its own seed
+    for i, text in enumerate(texts):  # choice i samples as a request with seed 3 + i alone
+        alone = client.completions.create(**{**request, "seed": 3 + i})
+        assert alone.choices[0].text == text
+    streamed: dict[int, str] = {}
+    finished = set()
+    for chunk in client.completions.create(n=4, stream=True, **request):
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+            if choice.finish_reason:
+                finished.add(choice.index)
+    assert finished == {0, 1, 2, 3} and [streamed[i] for i in range(4)] == texts
