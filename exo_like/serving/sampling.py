@@ -65,12 +65,11 @@ def choose(logits: np.ndarray, params: SamplingParams, seed: int, index: int,
            history: TokenHistory | None = None) -> Choice:
     """The request's token number `index` from its logits, its penalties reading `history`."""
     adjusted = adjust(logits, params, history)
-    if params.greedy:
+    candidates, scaled = (None, adjusted) if params.greedy else _scaled_candidates(adjusted, params)
+    if candidates is None:  # greedy, or a temperature that overflows the logits (its limit is greedy)
         token = int(np.argmax(adjusted))
-        return _with_logprobs(token, np.arange(adjusted.size), adjusted, adjusted, params.logprobs)
-    candidates, scaled = _scaled_candidates(adjusted, params)
-    if candidates is None:  # the temperature overflows the logits: its limit is greedy
-        token = int(np.argmax(adjusted))
+        if params.logprobs is None:
+            return Choice(token)
         return _with_logprobs(token, np.arange(adjusted.size), adjusted, adjusted, params.logprobs)
     token = _draw(candidates, scaled, np.random.default_rng([seed, index]))
     return _with_logprobs(token, candidates, scaled, adjusted, params.logprobs)
