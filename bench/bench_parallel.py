@@ -82,6 +82,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_torch_vs_hf import QWEN25_05B, peaky_state  # noqa: E402
+from rates import Request, decode_rate, together  # noqa: E402
 
 from tests.api_server import exo_like_command  # noqa: E402
 from tests.netns import NetnsHost, netns_hosts, netns_unavailable_reason  # noqa: E402
@@ -322,31 +323,9 @@ def timed_chat(node: Node, model: str, max_tokens: int, prompt: str = PROMPT) ->
     return in_host(node.host, call)
 
 
-def together(node: Node, model: str, streams: int, max_tokens: int) -> float:
-    """Seconds until `streams` requests sent at once (distinct prompts) have all finished."""
-    errors: list[BaseException] = []
-
-    def one(i: int) -> None:
-        try:
-            timed_chat(node, model, max_tokens, f"{PROMPT} ({i})")
-        except BaseException as exc:  # noqa: BLE001 (raised below)
-            errors.append(exc)
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(streams)]
-    started = time.perf_counter()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise errors[0]
-    return time.perf_counter() - started
-
-
-def decode_rate(node: Node, model: str, streams: int, new_tokens: int) -> float:
-    if streams == 1:
-        return new_tokens / (timed_chat(node, model, 1 + new_tokens) - timed_chat(node, model, 1))
-    return streams * new_tokens / (together(node, model, streams, 1 + new_tokens) - together(node, model, streams, 1))
+def sender(node: Node, model: str) -> Request:
+    """The i-th of several requests to `node` (distinct prompts)."""
+    return lambda i, max_tokens: timed_chat(node, model, max_tokens, f"{PROMPT} ({i})")
 
 
 def pin_to(cpu: int) -> Callable[[], None]:
@@ -742,10 +721,11 @@ def measure_round(result: KindResult, setups: list[Setup], model: str, opts: arg
         (opts.new_tokens, opts.stream_tokens)
     for setup in setups:
         assert setup.entry is not None
-        result.add(setup.name, delayed, 1, decode_rate(setup.entry, model, 1, tokens))
+        result.add(setup.name, delayed, 1, decode_rate(sender(setup.entry, model), 1, tokens))
     for setup in setups:
         assert setup.entry is not None
-        result.add(setup.name, delayed, opts.streams, decode_rate(setup.entry, model, opts.streams, stream_tokens))
+        rate = decode_rate(sender(setup.entry, model), opts.streams, stream_tokens)
+        result.add(setup.name, delayed, opts.streams, rate)
 
 
 def bench_kind(kind: str, root: Path, hosts: list[NetnsHost], devices: list[str], cpus: list[int],
@@ -778,7 +758,7 @@ def bench_kind(kind: str, root: Path, hosts: list[NetnsHost], devices: list[str]
         for setup in setups:  # warm-up: allocator, kernels, prefix cache of the prompts
             assert setup.entry is not None
             timed_chat(setup.entry, model, 4)
-            together(setup.entry, model, opts.streams, 2)
+            together(sender(setup.entry, model), opts.streams, 2)
         ceiling.one(4)
         ceiling.two(4)
         for round_ in range(opts.rounds):

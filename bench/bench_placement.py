@@ -31,7 +31,6 @@ import argparse
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -42,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_cluster import PROMPT, timed_request  # noqa: E402
 from bench_torch_vs_hf import build_checkpoint  # noqa: E402
+from rates import Request, decode_rate, together  # noqa: E402
 
 from exo_like.models.demo import build_tokenizer, write_tokenizer_files  # noqa: E402
 from tests.api_server import NodeProcess  # noqa: E402
@@ -51,31 +51,9 @@ from tests.cpu_quota import CpuQuota  # noqa: E402
 NODE_IDS = ["node-a", "node-b", "node-c"]
 
 
-def together(node: NodeProcess, model: str, streams: int, max_tokens: int) -> float:
-    """Seconds until all of `streams` requests sent at once (distinct prompts) have finished."""
-    errors: list[BaseException] = []
-
-    def one(i: int) -> None:
-        try:
-            timed_request(node, model, max_tokens, f"{PROMPT} ({i})")
-        except BaseException as exc:  # noqa: BLE001 (reported below)
-            errors.append(exc)
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(streams)]
-    started = time.perf_counter()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise errors[0]
-    return time.perf_counter() - started
-
-
-def decode_rate(node: NodeProcess, model: str, streams: int, new_tokens: int) -> float:
-    if streams == 1:
-        return new_tokens / (timed_request(node, model, 1 + new_tokens) - timed_request(node, model, 1))
-    return streams * new_tokens / (together(node, model, streams, 1 + new_tokens) - together(node, model, streams, 1))
+def sender(node: NodeProcess, model: str) -> Request:
+    """The i-th of several requests to `node` (distinct prompts)."""
+    return lambda i, max_tokens: timed_request(node, model, max_tokens, f"{PROMPT} ({i})")
 
 
 def describe(view: dict[str, Any]) -> list[str]:
@@ -134,11 +112,11 @@ def main() -> None:
                 print(f"{mode} ring ready in {time.monotonic() - started:.0f} s", flush=True)
             for ring in rings.values():
                 timed_request(ring[0], model, args.new_tokens)  # warm-up
-                together(ring[0], model, args.streams, 4)
+                together(sender(ring[0], model), args.streams, 4)
             for round_ in range(args.repeats):
                 for mode, ring in rings.items():
                     for streams in results[mode]:
-                        results[mode][streams].append(decode_rate(ring[0], model, streams, args.new_tokens))
+                        results[mode][streams].append(decode_rate(sender(ring[0], model), streams, args.new_tokens))
                 print(f"round {round_ + 1}: " + "; ".join(
                     f"{mode} " + ", ".join(f"{s}: {r[-1]:.2f}" for s, r in results[mode].items())
                     for mode in results), flush=True)
