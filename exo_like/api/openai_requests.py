@@ -153,7 +153,7 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
                                   param="logit_bias", code="invalid_value")
     pairs = []
     for key, bias in value.items():
-        if not key.isascii() or not key.isdigit():
+        if not key.isascii() or not key.isdigit() or len(key) > 10:  # (int() refuses thousands of digits)
             raise InvalidRequestError(f"logit_bias keys must be token ids; got {key[:40]!r}", param="logit_bias",
                                       code="invalid_value")
         pairs.append((int(key), _optional_float({"logit_bias": bias}, "logit_bias", -100.0, 100.0)))

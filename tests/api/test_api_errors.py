@@ -114,6 +114,7 @@ CASES: list[tuple[str, str, str, Any, dict[str, str], int, str | None]] = [
     ("logit_bias is a list", "POST", CHAT, chat(logit_bias=[1]), JSON, 400, "logit_bias"),
     ("logit_bias key not a token id", "POST", CHAT, chat(logit_bias={"hello": 1}), JSON, 400, "logit_bias"),
     ("logit_bias beyond 100", "POST", CHAT, chat(logit_bias={"5": 101}), JSON, 400, "logit_bias"),
+    ("logit_bias key of 5000 digits", "POST", CHAT, chat(logit_bias={"1" * 5000: 1}), JSON, 400, "logit_bias"),
     ("logit_bias token outside the vocabulary", "POST", CHAT, chat(logit_bias={"99999999": 1}), JSON, 400,
      "logit_bias"),
     ("logprobs is a number (chat)", "POST", CHAT, chat(logprobs=3), JSON, 400, "logprobs"),
