@@ -39,9 +39,9 @@ def completion_prompt_tokens(tokenizer: ModelTokenizer, prompt: str | list[int])
     return list(prompt)
 
 
-def check_token_ids(tokenizer: ModelTokenizer, options: GenerationOptions) -> None:
-    """Token ids a request names (logit_bias) must be the model's."""
-    vocab = tokenizer.vocab_size
+def check_token_ids(vocab: int, options: GenerationOptions) -> None:
+    """Token ids a request names (logit_bias) must be the model's: below `vocab`, the smaller of the tokenizer's
+    and the model's logits (the sampler indexes the logits with them)."""
     bad = [token for token, _ in options.sampling.logit_bias if token >= vocab]
     if bad:
         raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab}); got {bad[0]}", param="logit_bias",

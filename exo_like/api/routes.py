@@ -168,7 +168,7 @@ def _choices(model: LoadedModel, generator: TokenGenerator, prompt: list[int], o
              prompt_param: str) -> ChoiceSet:
     """The request's n generations. With a seed, choice i samples with seed + i (reproducible, and the choices
     differ); without, each draws its own."""
-    check_token_ids(model.tokenizer, options)
+    check_token_ids(min(model.tokenizer.vocab_size, model.args.vocab_size), options)
     max_tokens = resolve_max_tokens(len(prompt), options.max_tokens, model.args.context_length, prompt_param)
     seed = options.sampling.seed
     return ChoiceSet([
