@@ -25,7 +25,7 @@ import numpy as np
 
 from exo_like.engines.work import SamplingParams
 
-__all__ = ["SamplingParams", "TokenHistory", "Choice", "LOGPROB_FLOOR", "choose", "sample", "sample_nth", "adjust"]
+__all__ = ["SamplingParams", "TokenHistory", "Choice", "LOGPROB_FLOOR", "choose", "sample_nth", "adjust"]
 
 # top-p looks at this many best tokens first; only if they hold less than top_p of the mass does it sort all.
 _NUCLEUS_CANDIDATES = 512
@@ -73,16 +73,6 @@ def choose(logits: np.ndarray, params: SamplingParams, seed: int, index: int,
         return _with_logprobs(token, np.arange(adjusted.size), adjusted, adjusted, params.logprobs)
     token = _draw(candidates, scaled, np.random.default_rng([seed, index]))
     return _with_logprobs(token, candidates, scaled, adjusted, params.logprobs)
-
-
-def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
-    """A token from `logits` drawn with `rng` (no bias, penalties or log-probabilities)."""
-    if params.greedy:
-        return int(np.argmax(logits))
-    candidates, scaled = _scaled_candidates(logits, params)
-    if candidates is None:
-        return int(np.argmax(logits))
-    return _draw(candidates, scaled, rng)
 
 
 def adjust(logits: np.ndarray, params: SamplingParams, history: TokenHistory | None) -> np.ndarray:

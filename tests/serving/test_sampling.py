@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from exo_like.serving.sampling import SamplingParams, sample, sample_nth
+from exo_like.serving.sampling import SamplingParams, sample_nth
 
 
 def draw_many(logits: np.ndarray, params: SamplingParams, n: int = 4000) -> np.ndarray:
@@ -84,7 +84,7 @@ def test_top_p_on_large_vocab_uses_whole_distribution_when_flat() -> None:
 )
 def test_sample_returns_a_token_allowed_by_top_k(logits, temperature, top_p, top_k, seed) -> None:
     array = np.array(logits, dtype=np.float32)
-    token = sample(array, SamplingParams(temperature, top_p, top_k, seed), np.random.default_rng(seed))
+    token = sample_nth(array, SamplingParams(temperature, top_p, top_k, seed), seed, 0)
     assert 0 <= token < array.size
     if 0 < top_k < array.size:
         assert array[token] >= np.sort(array)[-top_k]
@@ -94,4 +94,4 @@ def test_sample_returns_a_token_allowed_by_top_k(logits, temperature, top_p, top
 def test_greedy_large_vocab(vocab: int) -> None:
     logits = np.zeros(vocab, dtype=np.float32)
     logits[vocab // 3] = 1.0
-    assert sample(logits, SamplingParams(temperature=0.0), np.random.default_rng()) == vocab // 3
+    assert sample_nth(logits, SamplingParams(temperature=0.0), 0, 0) == vocab // 3
