@@ -53,6 +53,7 @@ from exo_like.serving.metrics import Metrics
 from exo_like.serving.ring import RingGenerator
 from exo_like.serving.scheduler import SchedulerLimits
 from exo_like.serving.shard_holder import ShardHolder
+from exo_like.serving.grammar import GrammarVocabularies, GrammarVocabulary
 from exo_like.serving.stage import StageWorker
 from exo_like.tensor_parallel import control as group_control
 from exo_like.tensor_parallel.messages import Ready
@@ -127,6 +128,7 @@ class Node:
         self.finder: PeerFinder | None = None
         self.speed: SpeedProbe | None = None
         self.metrics = Metrics(self.current_load, self._peer_rtts)
+        self.grammars = GrammarVocabularies()
 
     # -- models -------------------------------------------------------------------------------------------
 
@@ -145,6 +147,11 @@ class Node:
         if self.cluster is None or self.cluster.model_id is None:
             return None
         return self.models.known(self.cluster.model_id)
+
+    def grammar_vocabulary(self) -> GrammarVocabulary | None:
+        """The served model's tokens as the grammar engine sees them (built on first use: call it off the loop)."""
+        model = self.model
+        return None if model is None else self.grammars.get(model)
 
     async def require_model(self, name: str) -> tuple[LoadedModel, TokenGenerator]:
         """The served model a request names, with the generator that runs it; 404 for any other name.
@@ -186,7 +193,7 @@ class Node:
         self.cluster = Cluster(self.info, self.peers, self.models.describe, self._load_shard, self._members_changed,
                                self.current_load, lambda: self.shards.serving.kv_size, self.speed)
         self.stage = StageWorker(self.node_id, self, self.executor, self.cluster.ring_resources, self.options.limits,
-                                 self.metrics.observe_step)
+                                 self.metrics.observe_step, self.grammar_vocabulary)
         if self.options.request_wait is not None:
             self.cluster.plan_wait_seconds = self.options.request_wait
         self.generator = RingGenerator(self.node_id, self, self.cluster.wait_ready, self.stage, self.cluster.name_of,

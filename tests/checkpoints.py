@@ -143,10 +143,13 @@ def make_checkpoint(
     max_shard_size: str | None = None,
     seed: int = 0,
     hub_style_config: bool = False,
+    peaky: bool = True,
     **config_overrides,
 ) -> Path:
     """Write a complete HF model folder (weights, config, tokenizer, chat template, generation config).
 
+    peaky=False keeps transformers' own initialisation (small weights: nearly uniform next-token distributions, a
+    model that samples almost at random; peaky ones fall into loops).
     hub_style_config rewrites config.json the way checkpoints on the Hub have it (`rope_theta` and
     `rope_scaling` at the top level, `torch_dtype`) instead of transformers >= 5's `rope_parameters`.
     """
@@ -158,7 +161,8 @@ def make_checkpoint(
     config = hf_config(arch, n_layers, tokenizer.get_vocab_size(), token_ids, **config_overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    make_peaky(model, seed)
+    if peaky:
+        make_peaky(model, seed)
     model = model.to(dtype)
     save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **save_kwargs)

@@ -24,6 +24,7 @@ from exo_like.engines.base import Engine
 from exo_like.engines.batch import ItemLayout, layout
 from exo_like.engines.work import KVPoolSize, WorkItem, window_start
 from exo_like.errors import ServiceUnavailableError
+from exo_like.serving.grammar import GrammarVocabulary
 from exo_like.serving.ring import RingGenerator
 from exo_like.serving.sampling import SamplingParams
 from exo_like.serving.scheduler import SchedulerLimits
@@ -39,9 +40,9 @@ class FakeEngine(Engine):
     name = "fake"
 
     def __init__(self, stage_index: int, last: bool, n_blocks: int, delay: float = 0.0, window: int | None = None,
-                 n_window_blocks: int = 0, window_from_full: bool = False):
+                 n_window_blocks: int = 0, window_from_full: bool = False, vocab: int = VOCAB):
         super().__init__()
-        self.stage_index, self.last, self.delay = stage_index, last, delay
+        self.stage_index, self.last, self.delay, self.vocab = stage_index, last, delay, vocab
         self.store = np.zeros(n_blocks * 16, dtype=np.int64)
         self.n_blocks = n_blocks
         self.window, self.n_window_blocks = window, n_window_blocks
@@ -76,8 +77,8 @@ class FakeEngine(Engine):
         if not self.last:
             hidden = np.stack([out, np.zeros_like(out)], axis=1).astype(np.float32)
             return Activations("float32", hidden.shape, hidden.tobytes())
-        logits = np.zeros((len(batch.sample_rows), VOCAB), dtype=np.float32)
-        logits[np.arange(len(batch.sample_rows)), out[batch.sample_rows] % VOCAB] = 1.0
+        logits = np.zeros((len(batch.sample_rows), self.vocab), dtype=np.float32)
+        logits[np.arange(len(batch.sample_rows)), out[batch.sample_rows] % self.vocab] = 1.0
         return logits
 
     def _window_mix(self, item: ItemLayout, store: np.ndarray, position: int) -> int:
@@ -128,15 +129,18 @@ class FakeNode:
     """A stage worker and an origin, delivering messages the way exo_like.node.Node does."""
 
     def __init__(self, node_id: str, net: "FakeNetwork", limits: SchedulerLimits, kv_blocks: int, depth: int,
-                 delay: float, request_wait: float, window: int | None, window_blocks: int, window_from_full: bool):
+                 delay: float, request_wait: float, window: int | None, window_blocks: int, window_from_full: bool,
+                 vocab: int = VOCAB, grammar: GrammarVocabulary | None = None):
         self.node_id = node_id
+        self.vocab = vocab
         self.net = net
         self.kv_blocks, self.delay = kv_blocks, delay
         self.window, self.window_blocks, self.window_from_full = window, window_blocks, window_from_full
         self.engine: FakeEngine | None = None
         self.executor = ThreadPoolExecutor(1)
         resources = RingResources(kv_blocks, depth, window_blocks if window is not None else None)
-        self.stage = StageWorker(node_id, self, self.executor, lambda plan: resources, limits)
+        self.stage = StageWorker(node_id, self, self.executor, lambda plan: resources, limits,
+                                 grammar_vocabulary=lambda: grammar)
         self.origin = RingGenerator(node_id, self, net.wait_ready, self.stage, request_wait=request_wait)
 
     def serve(self, plan: Plan) -> None:
@@ -144,7 +148,7 @@ class FakeNode:
         index = plan.stage_index(self.node_id)
         self.engine = None if index is None else FakeEngine(
             index, index == len(plan.stages) - 1, self.kv_blocks, self.delay, self.window, self.window_blocks,
-            self.window_from_full)
+            self.window_from_full, self.vocab)
         self.stage.activate(plan, self.engine)
 
     async def send(self, node_id: str, message: Message) -> None:
@@ -172,12 +176,13 @@ class FakeNetwork:
 
     def __init__(self, n_stages: int, limits: SchedulerLimits = SchedulerLimits(256), kv_blocks: int = 256,
                  delays: Sequence[float] = (), depth: int = 1, spares: int = 0, request_wait: float = 5.0,
-                 window: int | None = None, window_blocks: int = 0, window_from_full: bool = False):
+                 window: int | None = None, window_blocks: int = 0, window_from_full: bool = False,
+                 vocab: int = VOCAB, grammar: GrammarVocabulary | None = None):
         ids = [f"n{i}" for i in range(n_stages + spares)]
         self.plan = make_plan(ids[:n_stages])
         self.nodes = {node_id: FakeNode(node_id, self, limits, kv_blocks, depth,
                                         delays[i] if i < len(delays) else 0.0, request_wait, window, window_blocks,
-                                        window_from_full)
+                                        window_from_full, vocab, grammar)
                       for i, node_id in enumerate(ids)}
         self.lost: dict[str, FakeNode] = {}
         self.problem: str | None = None  # why no plan can serve the model (as Cluster.problem)

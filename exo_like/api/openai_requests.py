@@ -30,7 +30,6 @@ _NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "functions": (None, []),
     "tool_choice": (None, "none", "auto"),
     "function_call": (None, "none", "auto"),
-    "response_format": (None, {"type": "text"}),
     "echo": (None, False),
     "best_of": (None, 1),
     "suffix": (None, ""),
@@ -52,6 +51,7 @@ class GenerationOptions:
     ignore_eos: bool
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: log-probabilities name tokens "token_id:N"
     n: int = 1  # choices: generations of the one prompt
+    json_schema: dict[str, Any] | None = None  # structured output: the text is JSON this schema accepts
 
 
 @dataclass(frozen=True)
@@ -101,6 +101,7 @@ def _options(body: dict[str, Any], max_tokens: int | None, chat: bool) -> Genera
         ignore_eos=_optional_bool(body, "ignore_eos") or False,
         tokens_as_ids=_optional_bool(body, "return_tokens_as_token_ids") or False,
         n=n or 1,
+        json_schema=_response_format(body.get("response_format")),
     )
 
 
@@ -138,6 +139,38 @@ def _sampling(body: dict[str, Any], chat: bool) -> SamplingParams:
         logit_bias=_logit_bias(body.get("logit_bias")),
         logprobs=_chat_logprobs(body) if chat else _optional_int(body, "logprobs", 0, MAX_TOP_LOGPROBS),
     )
+
+
+def _response_format(value: Any) -> dict[str, Any] | None:
+    """OpenAI's response_format: text (nothing to enforce), json_object (any JSON object) or json_schema (JSON its
+    schema accepts; enforced whether or not `strict` is set, as vLLM does). The schema itself is checked when the
+    grammar is built (api/constraints.py)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise InvalidRequestError("response_format must be an object", param="response_format", code="invalid_type")
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind != "json_schema":
+        raise InvalidRequestError(f"response_format.type must be one of text, json_object, json_schema; got "
+                                  f"{str(kind)[:40]!r}", param="response_format.type", code="invalid_value")
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise InvalidRequestError("response_format.json_schema must be an object with the schema's name and schema",
+                                  param="response_format.json_schema", code="invalid_type")
+    name = spec.get("name")
+    if not isinstance(name, str) or not 1 <= len(name) <= 64:
+        raise InvalidRequestError("response_format.json_schema.name must be a string of 1 to 64 characters",
+                                  param="response_format.json_schema.name", code="invalid_value")
+    _optional_bool(spec, "strict", param="response_format.json_schema.strict")
+    schema = spec.get("schema", {"type": "object"})
+    if not isinstance(schema, dict):
+        raise InvalidRequestError("response_format.json_schema.schema must be a JSON schema object",
+                                  param="response_format.json_schema.schema", code="invalid_type")
+    return schema
 
 
 def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:

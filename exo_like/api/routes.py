@@ -30,6 +30,7 @@ from exo_like.api.completion import (
 )
 from exo_like.api.openai_requests import GenerationOptions, parse_chat_request, parse_completion_request
 from exo_like.api.choices import ChoiceSet
+from exo_like.api.constraints import structured
 from exo_like.api.openai_responses import ResponseFormat, error_body
 from exo_like.cluster.peers import PEER_PATH
 from exo_like.errors import ExoLikeError, InvalidRequestError, ServiceUnavailableError
@@ -138,7 +139,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     parsed = parse_chat_request(await read_json(request))
     model, generator = await node.require_model(parsed.options.model)
     prompt = chat_prompt_tokens(model.tokenizer, parsed.messages)
-    choices = _choices(model, generator, prompt, parsed.options, "messages")
+    choices = _choices(model, generator, prompt, await structured(node, parsed.options), "messages")
     fmt = ResponseFormat(True, f"chatcmpl-{choices.request_id}", model.model_id, parsed.options.include_usage,
                          token_text=_token_text(model, parsed.options))
     return await _respond(request, choices, fmt, parsed.options.stream)
@@ -149,7 +150,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     parsed = parse_completion_request(await read_json(request))
     model, generator = await node.require_model(parsed.options.model)
     prompt = completion_prompt_tokens(model.tokenizer, parsed.prompt)
-    choices = _choices(model, generator, prompt, parsed.options, "prompt")
+    choices = _choices(model, generator, prompt, await structured(node, parsed.options), "prompt")
     fmt = ResponseFormat(False, f"cmpl-{choices.request_id}", model.model_id, parsed.options.include_usage,
                          token_text=_token_text(model, parsed.options))
     return await _respond(request, choices, fmt, parsed.options.stream)

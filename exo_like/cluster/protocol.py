@@ -48,7 +48,8 @@ DEFAULT_MAX_FRAME_BYTES = 64 * 1024 * 1024
 #    stages may be tensor-parallel groups; speed figures carry --parallel.
 # 6: a request's sampling carries min-p, penalties, logit bias and how many log-probabilities it wants (and its
 #    token history where the penalties need it); sampled tokens carry their log-probabilities.
-PROTOCOL = 6
+# 7: a request's sampling may carry a grammar (structured output, forced tool calls), sent with its history.
+PROTOCOL = 7
 # Entries in a list of members (addresses shared, linked peers announced): far above any real cluster, and a bound
 # on what one peer can make this node remember or dial.
 MAX_MEMBERS = 256
@@ -298,6 +299,7 @@ MAX_LOGIT_BIAS = 300  # entries of a request's logit_bias (OpenAI's limit)
 MAX_LOGPROBS = 20  # the likeliest tokens a request may ask log-probabilities of (OpenAI's limit)
 MAX_BIAS = 100.0  # a bias's magnitude (OpenAI's limit)
 PENALTY = 1e6  # bounds of the penalties on the wire (the API checks its dialect's own)
+MAX_GRAMMAR = 1 << 20  # characters of a request's grammar (a schema, or a forced call of any of many tools)
 
 
 def sample_to_wire(spec: SampleSpec) -> dict[str, Any]:
@@ -305,7 +307,8 @@ def sample_to_wire(spec: SampleSpec) -> dict[str, Any]:
     wire = {"temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k, "min_p": p.min_p, "seed": p.seed,
             "presence_penalty": p.presence_penalty, "frequency_penalty": p.frequency_penalty,
             "repetition_penalty": p.repetition_penalty, "logit_bias": [list(pair) for pair in p.logit_bias],
-            "logprobs": p.logprobs, "max_tokens": spec.max_tokens, "eos": list(spec.eos), "prompt_len": spec.prompt_len}
+            "logprobs": p.logprobs, "grammar": p.grammar, "max_tokens": spec.max_tokens, "eos": list(spec.eos),
+            "prompt_len": spec.prompt_len}
     if spec.history is not None:
         wire["history"] = list(spec.history)
     return wire
@@ -318,7 +321,7 @@ def sample_from_wire(data: Any) -> SampleSpec:
         integer(data, "seed", 0, INT64 - 1), number(data, "min_p", 0.0, 1.0),
         number(data, "presence_penalty", -PENALTY, PENALTY), number(data, "frequency_penalty", -PENALTY, PENALTY),
         number(data, "repetition_penalty", 1 / PENALTY, PENALTY), _logit_bias(data),
-        integer(data, "logprobs", 0, MAX_LOGPROBS, optional=True))
+        integer(data, "logprobs", 0, MAX_LOGPROBS, optional=True), string(data, "grammar", MAX_GRAMMAR, optional=True))
     spec = SampleSpec(params, integer(data, "max_tokens", 1, INT64 - 1), integers(data, "eos"),
                       integer(data, "prompt_len", 1), integers(data, "history") if "history" in data else None)
     if spec.history is not None and len(spec.history) < spec.prompt_len:

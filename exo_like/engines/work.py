@@ -43,6 +43,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # 1 = none
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
     logprobs: int | None = None  # None: no log-probabilities; n: the chosen token's and the n likeliest
+    grammar: str | None = None  # an llguidance grammar the output must match (structured output, forced tool calls)
 
     @property
     def greedy(self) -> bool:
@@ -53,12 +54,19 @@ class SamplingParams:
         """Whether a request's earlier tokens change its logits (the last stage keeps its token history)."""
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
+    @property
+    def needs_history(self) -> bool:
+        """Whether the last stage keeps state built from the request's tokens: the penalties count them, a grammar
+        is advanced through the generated ones."""
+        return self.penalized or self.grammar is not None
+
 
 @dataclass(frozen=True)
 class SampleSpec:
     """How the last stage turns a request's logits into a token, and when the request is done. `history`: every
     token of the request so far (prompt, then generated), sent with the first token the last stage samples for it
-    when the penalties need it; the last stage then adds each token it samples itself."""
+    when its state needs it (params.needs_history); the last stage then adds each token it samples itself. The
+    grammar travels only with the history: later specs carry params without it (the last stage keeps its matcher)."""
 
     params: SamplingParams  # its seed set (one is drawn for a request without): token n comes from (seed, n)
     max_tokens: int

@@ -6,7 +6,8 @@ draw for a request's n-th generated token comes from (seed, n) alone, not from a
 the token is the same whatever else shares the batch, and a request recomputed from its tokens (preempted, or
 moved to another ring) continues exactly as it would have.
 
-The order is vLLM's: the bias is added to the logits; the repetition penalty divides a positive logit (multiplies a
+The order is vLLM's: a grammar's mask first (tokens it does not allow are out, as if their logits were -inf); the
+bias is added to the logits; the repetition penalty divides a positive logit (multiplies a
 negative one) of every token in the prompt or the output; the frequency penalty subtracts itself once per
 occurrence of a token in the output, the presence penalty once if it occurs at all (OpenAI's definitions). Then the
 logits are divided by the temperature, min-p drops tokens less likely than min_p times the likeliest, top-k keeps
@@ -62,10 +63,11 @@ def sample_nth(logits: np.ndarray, params: SamplingParams, seed: int, index: int
 
 
 def choose(logits: np.ndarray, params: SamplingParams, seed: int, index: int,
-           history: TokenHistory | None = None) -> Choice:
-    """The request's token number `index` from its logits, its penalties reading `history`."""
-    adjusted = adjust(logits, params, history)
-    candidates, scaled = (None, adjusted) if params.greedy else _scaled_candidates(adjusted, params)
+           history: TokenHistory | None = None, allowed: np.ndarray | None = None) -> Choice:
+    """The request's token number `index` from its logits, its penalties reading `history`, among the tokens its
+    grammar `allowed` (a bool per logit; None: all)."""
+    adjusted = adjust(logits, params, history, allowed)
+    candidates, scaled = (None, adjusted) if params.greedy else _scaled_candidates(adjusted, params, allowed)
     if candidates is None:  # greedy, or a temperature that overflows the logits (its limit is greedy)
         token = int(np.argmax(adjusted))
         if params.logprobs is None:
@@ -75,15 +77,20 @@ def choose(logits: np.ndarray, params: SamplingParams, seed: int, index: int,
     return _with_logprobs(token, candidates, scaled, adjusted, params.logprobs)
 
 
-def adjust(logits: np.ndarray, params: SamplingParams, history: TokenHistory | None) -> np.ndarray:
-    """The logits after the bias and the penalties (the row itself when neither applies)."""
-    if not params.logit_bias and not (params.penalized and history is not None):
+def adjust(logits: np.ndarray, params: SamplingParams, history: TokenHistory | None,
+           allowed: np.ndarray | None = None) -> np.ndarray:
+    """The logits after the grammar's mask (-inf where not allowed), the bias and the penalties (the row itself when
+    none applies)."""
+    penalize = params.penalized and history is not None
+    if not params.logit_bias and not penalize and allowed is None:
         return logits
     out = logits.astype(np.float64)
+    if allowed is not None:
+        out[~allowed] = -np.inf
     if params.logit_bias:
         ids = np.fromiter((token for token, _ in params.logit_bias), dtype=np.int64)
         np.add.at(out, ids, np.fromiter((bias for _, bias in params.logit_bias), dtype=np.float64))
-    if history is None or not params.penalized:
+    if not penalize:
         return out
     generated = np.fromiter(history.counts, dtype=np.int64, count=len(history.counts))
     counts = np.fromiter(history.counts.values(), dtype=np.float64, count=len(history.counts))
@@ -96,7 +103,8 @@ def adjust(logits: np.ndarray, params: SamplingParams, history: TokenHistory | N
     return out
 
 
-def _scaled_candidates(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray | None, np.ndarray]:
+def _scaled_candidates(logits: np.ndarray, params: SamplingParams,
+                       allowed: np.ndarray | None) -> tuple[np.ndarray | None, np.ndarray]:
     """The tokens the draw is among and their logits over the temperature (None when the temperature overflows)."""
     with np.errstate(over="ignore"):
         scaled_all = logits.astype(np.float64) / params.temperature
@@ -107,6 +115,9 @@ def _scaled_candidates(logits: np.ndarray, params: SamplingParams) -> tuple[np.n
         return None, scaled_all
     if params.min_p > 0.0:  # p_i >= min_p p_max  <=>  s_i >= s_max + log(min_p)
         candidates = np.flatnonzero(scaled_all >= top + math.log(params.min_p))
+        scaled = scaled_all[candidates]
+    elif allowed is not None:  # the grammar's tokens only (the others' -inf would never be drawn, but be exact)
+        candidates = np.flatnonzero(allowed)
         scaled = scaled_all[candidates]
     else:
         candidates, scaled = np.arange(scaled_all.size), scaled_all
@@ -173,7 +184,7 @@ def _with_logprobs(token: int, candidates: np.ndarray, scaled: np.ndarray, adjus
         threshold = np.partition(logprobs, logprobs.size - wanted)[logprobs.size - wanted]
         best = np.flatnonzero(logprobs >= threshold)
     best = best[np.lexsort((candidates[best], -logprobs[best]))][:wanted]  # ties: the lower id first, as argmax
-    top = [(int(candidates[i]), float(logprobs[i])) for i in best]
+    top = [(int(candidates[i]), max(float(logprobs[i]), LOGPROB_FLOOR)) for i in best]  # (-inf: masked out)
     if len(top) < wanted and candidates.size < adjusted.size:
         outside = np.ones(adjusted.size, dtype=bool)
         outside[candidates] = False

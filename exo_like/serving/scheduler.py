@@ -68,7 +68,7 @@ class Sequence:
     window_first: int = 0  # which of the request's blocks window_blocks[0] is
     registered: int = 0  # leading blocks registered in the prefix cache
     parent_hash: bytes = ROOT_HASH  # hash of the last registered block
-    history_sent: bool = False  # the last stage has its token history (penalized requests; sent once, see _step)
+    history_sent: bool = False  # the last stage has its sampling state (sent once, see _sample_spec)
     in_flight: bool = False  # a token is being sampled for it: it has nothing to compute until that arrives
     batch: int = -1  # the step whose token it awaits, while in flight
 
@@ -377,10 +377,14 @@ class Scheduler:
 
     @staticmethod
     def _sample_spec(seq: Sequence) -> SampleSpec:
-        """How the request's next token is sampled: with its whole token history the first time (and after a
-        preemption) when its penalties need it at the last stage, which adds each token it samples itself."""
-        if not seq.sample.params.penalized or seq.history_sent:
+        """How the request's next token is sampled. A request with state at the last stage (penalties, a grammar)
+        sends its whole token history and its grammar the first time (and after a preemption); the last stage then
+        advances that state with each token it samples, and later specs leave the grammar out."""
+        params = seq.sample.params
+        if not params.needs_history:
             return seq.sample
+        if seq.history_sent:
+            return seq.sample if params.grammar is None else replace(seq.sample, params=replace(params, grammar=None))
         seq.history_sent = True
         return replace(seq.sample, history=tuple(seq.tokens))
 

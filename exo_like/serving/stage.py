@@ -32,6 +32,7 @@ from exo_like.engines.base import Engine
 from exo_like.engines.work import BLOCK_SIZE, WorkItem
 from exo_like.errors import ExoLikeError
 from exo_like.meter import RateMeter, RecentMedian
+from exo_like.serving.grammar import Constraint, GrammarVocabulary
 from exo_like.serving.sampling import TokenHistory, choose
 from exo_like.serving.scheduler import Scheduler, SchedulerLimits, Step
 from partitioning.plan import Plan
@@ -59,22 +60,32 @@ class _Work:
     inputs: np.ndarray | Activations
 
 
+@dataclass
+class SamplerState:
+    """A request's sampling state at the last stage: its tokens (for the penalties) and its grammar's matcher."""
+
+    history: TokenHistory | None
+    constraint: Constraint | None
+
+
 class StageWorker:
     def __init__(self, node_id: str, router: Router, executor: ThreadPoolExecutor,
                  resources: Callable[[Plan], RingResources | None], limits: SchedulerLimits = SchedulerLimits(),
-                 on_step: Callable[[float, int], None] | None = None):
+                 on_step: Callable[[float, int], None] | None = None,
+                 grammar_vocabulary: Callable[[], GrammarVocabulary | None] = lambda: None):
         self.node_id = node_id
         self.router = router
         self.executor = executor
         self.resources = resources
         self.limits = limits
         self.on_step = on_step  # (seconds, rows) of every step, for /metrics
+        self.grammar_vocabulary = grammar_vocabulary  # the served model's tokens, for constrained requests
         self.engine: Engine | None = None
         self.plan: Plan | None = None
         self.scheduler: Scheduler | None = None  # the first stage's, once the ring's KV capacity is known
         self._submitted: list[Submit] = []  # arrived before the scheduler could be made
         self._inbox: deque[Forward] = deque()  # batches from the previous stage, not run yet
-        self.histories: dict[str, TokenHistory] = {}  # last stage: penalized requests' tokens so far, by wire id
+        self.sampler_states: dict[str, SamplerState] = {}  # last stage: what stateful requests' sampling reads
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self._notices: set[asyncio.Task] = set()  # errors on their way to origins (strong references)
@@ -103,7 +114,7 @@ class StageWorker:
                          "re-planned: a node joined or left); retry once the ring is ready", "plan_changed")
         self._submitted.clear()
         self._inbox.clear()
-        self.histories.clear()  # the requests replay on the new plan, each bringing its history again
+        self.sampler_states.clear()  # the requests replay on the new plan, each bringing its history again
         self.scheduler, self.plan, self.engine = None, plan, engine
         self.kv_used = 0
         self.decode_step_seconds = RecentMedian()  # steps of another layer range would mislead
@@ -129,7 +140,7 @@ class StageWorker:
         elif isinstance(message, Sampled):
             self._on_sampled(message)
         elif isinstance(message, Release):
-            self.histories.pop(message.rid, None)
+            self.sampler_states.pop(message.rid, None)
             if self.scheduler is not None:
                 self.scheduler.release(message.rid)
             self._submitted = [s for s in self._submitted if s.rid != message.rid]
@@ -286,27 +297,43 @@ class StageWorker:
         for item, row in zip((item for item in items if item.sample is not None), logits):
             spec = item.sample
             index = item.end - spec.prompt_len  # generated tokens before this one
-            history = self._history(item.rid, spec)
-            choice = choose(row, spec.params, spec.params.seed or 0, index, history)
-            done = choice.token in spec.eos or index + 1 >= spec.max_tokens
-            if history is not None:
-                history.add(choice.token)
+            state = self._state(item.rid, spec)
+            constraint = state.constraint if state else None
+            choice = choose(row, spec.params, spec.params.seed or 0, index, state.history if state else None,
+                            constraint.allowed() if constraint else None)
+            if constraint is not None:
+                constraint.advance(choice.token)
+            if state is not None and state.history is not None:
+                state.history.add(choice.token)
+            done = (choice.token in spec.eos or index + 1 >= spec.max_tokens
+                    or (constraint is not None and constraint.finished and not spec.eos))
             if done:
-                self.histories.pop(item.rid, None)
+                self.sampler_states.pop(item.rid, None)
             sampled.append((item, SampledToken(item.rid, choice.token, done, choice.logprob, choice.top_logprobs)))
         return sampled
 
-    def _history(self, rid: str, spec: SampleSpec) -> TokenHistory | None:
-        """The token history a penalized request's sampling reads (its first token brings it; None otherwise)."""
-        if not spec.params.penalized:
-            return None
+    def _state(self, rid: str, spec: SampleSpec) -> SamplerState | None:
+        """What a stateful request's sampling reads here: its token history (penalties) and its grammar's matcher.
+        Its first token brings its tokens (and grammar); None for a request without state."""
         if spec.history is not None:
-            self.histories[rid] = TokenHistory(spec.history[:spec.prompt_len], spec.history[spec.prompt_len:])
-        history = self.histories.get(rid)
-        if history is None:  # released while this step ran: its token goes nowhere
+            self.sampler_states[rid] = self._new_state(spec)
+        state = self.sampler_states.get(rid)
+        if state is None and spec.params.penalized:  # released while this step ran: its token goes nowhere
             log.info("node %s: request %s has no token history here (released?); sampled without penalties",
                      self.node_id, rid)
-        return history
+        return state
+
+    def _new_state(self, spec: SampleSpec) -> SamplerState:
+        assert spec.history is not None
+        prompt, generated = spec.history[:spec.prompt_len], spec.history[spec.prompt_len:]
+        constraint = None
+        if spec.params.grammar is not None:
+            vocabulary = self.grammar_vocabulary()
+            if vocabulary is None:
+                raise RuntimeError("a constrained request reached a node that serves no model")
+            constraint = vocabulary.constraint(spec.params.grammar, generated)
+        history = TokenHistory(prompt, generated) if spec.params.penalized else None
+        return SamplerState(history, constraint)
 
     async def _deliver(self, plan: Plan, sampled: list[tuple[WorkItem, SampledToken]]) -> None:
         """The tokens go to the first stage first (the next step is on the critical path), then to each origin."""
@@ -339,7 +366,7 @@ class StageWorker:
             self._spawn(self._release(self.plan, rid))
 
     async def _release(self, plan: Plan, rid: str) -> None:
-        self.histories.pop(rid, None)
+        self.sampler_states.pop(rid, None)
         try:
             await self.router.send(plan.stages[0].node_id, Release(rid))
         except (ConnectionError, OSError):

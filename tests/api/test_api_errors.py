@@ -122,7 +122,11 @@ CASES: list[tuple[str, str, str, Any, dict[str, str], int, str | None]] = [
     ("top_logprobs beyond 20", "POST", CHAT, chat(logprobs=True, top_logprobs=21), JSON, 400, "top_logprobs"),
     ("completion logprobs is a boolean", "POST", COMPLETIONS, completion(logprobs=True), JSON, 400, "logprobs"),
     ("tools", "POST", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), JSON, 400, "tools"),
-    ("json mode", "POST", CHAT, chat(response_format={"type": "json_object"}), JSON, 400, "response_format"),
+    ("response_format of an unknown type", "POST", CHAT, chat(response_format={"type": "yaml"}), JSON, 400,
+     "response_format.type"),
+    ("response_format schema that does not compile", "POST", CHAT, chat(response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "(("}}}), JSON,
+     400, "response_format"),
     ("prompt longer than the context", "POST", CHAT,
      chat(messages=[{"role": "user", "content": "hello " * (CONTEXT_LENGTH + 100)}]), JSON, 400, "messages"),
     ("prompt plus max_tokens beyond the context", "POST", CHAT, chat(max_tokens=CONTEXT_LENGTH), JSON, 400,

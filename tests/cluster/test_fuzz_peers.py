@@ -175,7 +175,7 @@ def valid_messages(digest: str, hidden: int) -> st.SearchStrategy[Message]:
                        st.integers(0, 2**63 - 1), st.floats(0, 1), penalty, penalty,
                        st.one_of(st.just(1.0), st.floats(0.5, 2)),
                        st.lists(st.tuples(token, st.floats(-100, 100)), max_size=3).map(tuple),
-                       st.none() | st.integers(0, 20))
+                       st.none() | st.integers(0, 20), st.none() | st.text(max_size=40))
     history = st.none() | st.lists(token, min_size=8, max_size=12).map(tuple)
     sample = st.builds(SampleSpec, params, big, st.lists(token, max_size=3).map(tuple), st.integers(1, 8), history)
     item = st.builds(WorkItem, rid, st.just(FUZZER), st.integers(0, 2**40), st.integers(1, 3),

@@ -31,7 +31,7 @@ from exo_like.engines.work import SampleSpec, SamplingParams, WorkItem
 INFO = NodeInfo("node-a", "studio", "10.0.0.5", 52415, "torch", "cpu", "x86_64", 16 << 30, "0.1.0", "float32")
 SAMPLE = SampleSpec(SamplingParams(temperature=0.7, top_p=0.9, top_k=40, seed=1234, min_p=0.05, presence_penalty=0.5,
                                    frequency_penalty=-0.25, repetition_penalty=1.1, logit_bias=((3, -5.0), (17, 2.5)),
-                                   logprobs=3),
+                                   logprobs=3, grammar="start: \"yes\" | \"no\""),
                     max_tokens=32, eos=(2, 151645), prompt_len=5, history=(1, 2, 3, 4, 5, 9))
 HIDDEN = Activations("float32", (5, 4), np.arange(20, dtype=np.float32).tobytes())
 
@@ -69,7 +69,7 @@ EXAMPLES: list[Message] = [
 OPTIONAL = {"protocol@refused", "version@refused", "model@plan_state", "digest@plan_state", "problem@plan_state",
             "kv_blocks@plan_state", "load@plan_state", "figures@plan_state", "sample@items", "dtype@info",
             "tp_port@info", "kv_window_blocks@plan_state", "window_blocks@items", "padding@ping",
-            "logprobs@sample", "history@sample"}
+            "logprobs@sample", "history@sample", "grammar@sample"}
 ALL_OPTIONAL = {"load", "download", "figures"}
 IGNORED = {"percent", "eta_seconds"}  # sent in a download, and worked out again by the receiver
 ODD = msgpack.ExtType(42, b"?")  # no field takes an extension type: ill-typed wherever it is put

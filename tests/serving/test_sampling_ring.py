@@ -34,7 +34,7 @@ async def choices(origin: FakeNode, rid: str, sampling: SamplingParams, prompt: 
 async def alone(sampling: SamplingParams) -> list[Choice]:
     async with ring(3) as net:
         result = await choices(net.first, "a", sampling)
-        assert not any(node.stage.histories for node in net.nodes.values())
+        assert not any(node.stage.sampler_states for node in net.nodes.values())
         return result
 
 
@@ -62,7 +62,7 @@ async def test_batched_and_preempted_requests_sample_as_alone() -> None:
             assert await together(net, sampling) == expected
             assert net.first.stage.scheduler.preemptions > 0
             await asyncio.sleep(0.05)
-            assert not any(node.stage.histories for node in net.nodes.values())
+            assert not any(node.stage.sampler_states for node in net.nodes.values())
 
 
 async def test_a_request_replayed_on_a_new_ring_samples_as_alone() -> None:
@@ -80,7 +80,7 @@ async def test_a_cancelled_request_leaves_no_history_on_the_last_stage() -> None
     async with ring(3, delays=(0.0, 0.005, 0.0)) as net:
         async with contextlib.aclosing(net.first.origin.generate("gone", PROMPT, PENALIZED, TOKENS, ())) as s:
             async for _ in s:
-                assert net.nodes["n2"].stage.histories  # the last stage keeps it while the request runs
+                assert net.nodes["n2"].stage.sampler_states  # the last stage keeps it while the request runs
                 break  # the client goes away after the first token
         await asyncio.sleep(0.2)
-        assert not net.nodes["n2"].stage.histories
+        assert not net.nodes["n2"].stage.sampler_states
