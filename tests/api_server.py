@@ -163,6 +163,27 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def tools_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The API checkpoint with a chat template that renders tools (Hermes / Qwen2.5 style)."""
+    from tests.chat_templates import HERMES_TOOLS_TEMPLATE
+
+    path = tmp_path_factory.getbasetemp() / f"api-tools-checkpoint-{ARCH}"
+    if not (path / "config.json").exists():
+        make_checkpoint(path, ARCH, n_layers=2, chat_template=HERMES_TOOLS_TEMPLATE)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tools_node(tools_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
+    """A node serving tools_checkpoint (float32)."""
+    process = start_node(tmp_path_factory.mktemp("home"), str(tools_checkpoint), "--dtype", "float32")
+    yield process
+    returncode = process.stop()
+    assert returncode == 0, process.log()
+    assert "Traceback" not in process.log(), process.log()
+
+
+@pytest.fixture(scope="module")
 def node(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
     process = start_node(tmp_path_factory.mktemp("home"), str(checkpoint), "--dtype", "float32")
     yield process

@@ -144,6 +144,7 @@ def make_checkpoint(
     seed: int = 0,
     hub_style_config: bool = False,
     peaky: bool = True,
+    chat_template: str | None = None,
     **config_overrides,
 ) -> Path:
     """Write a complete HF model folder (weights, config, tokenizer, chat template, generation config).
@@ -158,6 +159,9 @@ def make_checkpoint(
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
     token_ids = write_tokenizer_files(path, tokenizer)
+    if chat_template is not None:  # e.g. one that renders tools (tests/chat_templates.py)
+        tokenizer_config = json.loads((path / "tokenizer_config.json").read_text())
+        (path / "tokenizer_config.json").write_text(json.dumps({**tokenizer_config, "chat_template": chat_template}))
     config = hf_config(arch, n_layers, tokenizer.get_vocab_size(), token_ids, **config_overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing, suppress
 from dataclasses import dataclass
 
-from exo_like.api.completion import Piece, TextGeneration
+from exo_like.api.completion import Piece, TextGeneration, joined
 
 
 @dataclass
@@ -60,7 +60,7 @@ class ChoiceSet:
             async for index, piece in pieces:
                 if piece is not None:
                     texts[index].append(piece)
-        return [Piece("".join(p.text for p in own), tuple(t for p in own for t in p.tokens)) for own in texts]
+        return [joined(own) for own in texts]
 
     async def _pump(self, index: int, queue: asyncio.Queue) -> None:
         try:

@@ -14,15 +14,12 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from exo_like.api.openai_requests import GenerationOptions
+from exo_like.api.tool_calls import ToolCall, ToolFormat
 from exo_like.errors import InvalidRequestError
 from exo_like.models.tokenizer import IncrementalDetokenizer, ModelTokenizer
 from exo_like.serving.generation import TokenGenerator
 from exo_like.serving.sampling import Choice
 from exo_like.serving.stop_strings import StopStringFilter
-
-
-def chat_prompt_tokens(tokenizer: ModelTokenizer, messages: list[dict[str, str]]) -> list[int]:
-    return tokenizer.encode_chat(messages)
 
 
 def completion_prompt_tokens(tokenizer: ModelTokenizer, prompt: str | list[int]) -> list[int]:
@@ -50,10 +47,12 @@ def check_token_ids(vocab: int, options: GenerationOptions) -> None:
 
 @dataclass(frozen=True)
 class Piece:
-    """A text delta and the tokens it came from since the previous one (with log-probabilities when asked)."""
+    """A text delta and the tokens it came from since the previous one (with log-probabilities when asked), and the
+    tool calls completed since (when the request's tools are parsed; the text is then the content around them)."""
 
     text: str
     tokens: tuple[Choice, ...] = ()
+    calls: tuple[ToolCall, ...] = ()
 
 
 def resolve_max_tokens(prompt_length: int, requested: int | None, context_length: int, prompt_param: str) -> int:
@@ -89,6 +88,8 @@ class TextGeneration:
     token_times: list[float] = field(default_factory=list)  # when each token arrived (monotonic), for /metrics
     recorded: bool = False  # counted in /metrics already
     first_token: asyncio.Event = field(default_factory=asyncio.Event)  # set once a token arrived, or it ended
+    tool_format: ToolFormat | None = None  # set when the output is read for tool calls
+    called: bool = False  # a tool call was made (finish_reason tool_calls)
 
     def __post_init__(self) -> None:
         self.request_id = self.request_id or uuid.uuid4().hex
@@ -99,8 +100,37 @@ class TextGeneration:
                 "total_tokens": prompt + self.completion_tokens}
 
     async def deltas(self) -> AsyncIterator[Piece]:
-        """Pieces of text, non-empty unless they only bring tokens' log-probabilities (a token held back or cut by
-        a stop string). Iterate inside `aclosing` so an abandoned request frees its cache at once."""
+        """Pieces of text (content and tool calls when the output is read for them), non-empty unless they only
+        bring tokens' log-probabilities. Iterate inside `aclosing` so an abandoned request frees its cache at once."""
+        if self.tool_format is None:
+            async with aclosing(self._text_deltas()) as pieces:
+                async for piece in pieces:
+                    yield piece
+            return
+        parser = self.tool_format.parser()
+        held: list[Choice] = []  # tokens of text the parser holds back (a possible call's beginning)
+        async with aclosing(self._text_deltas()) as pieces:
+            async for piece in pieces:
+                held.extend(piece.tokens)
+                if (out := self._parsed(parser.feed(piece.text), held)) is not None:
+                    yield out
+        if (out := self._parsed(parser.flush(), held)) is not None:
+            yield out
+        if self.called and self.finish_reason == "stop":
+            self.finish_reason = "tool_calls"
+
+    def _parsed(self, events: list[str | ToolCall], held: list[Choice]) -> Piece | None:
+        """One piece of what the parser gave back (None when it gave nothing), with the tokens held so far."""
+        text = "".join(e for e in events if isinstance(e, str))
+        calls = tuple(e for e in events if isinstance(e, ToolCall))
+        if not text and not calls and not (held and self.options.sampling.logprobs is not None):
+            return None
+        self.called = self.called or bool(calls)
+        tokens = tuple(held)
+        held.clear()
+        return Piece(text, tokens, calls)
+
+    async def _text_deltas(self) -> AsyncIterator[Piece]:
         consumed: list[Choice] = []  # tokens since the last piece
 
         def piece(text: str) -> Piece:
@@ -109,7 +139,8 @@ class TextGeneration:
             return Piece(text, taken)
 
         wants_logprobs = self.options.sampling.logprobs is not None
-        detokenizer = IncrementalDetokenizer(self.tokenizer)
+        keep_special = self.tool_format is not None and not self.tool_format.skip_special_tokens
+        detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=not keep_special)
         stops = StopStringFilter(self.options.stop)
         eos = () if self.options.ignore_eos else self.eos_ids
         tokens = self.generator.generate(self.request_id, self.prompt_tokens, self.options.sampling,
@@ -142,7 +173,11 @@ class TextGeneration:
             yield piece(tail)
 
     async def whole(self) -> Piece:
-        """All the text, and every token it came from."""
+        """All the text, every token it came from, and every call."""
         async with aclosing(self.deltas()) as deltas:
-            pieces = [piece async for piece in deltas]
-        return Piece("".join(p.text for p in pieces), tuple(t for p in pieces for t in p.tokens))
+            return joined([piece async for piece in deltas])
+
+
+def joined(pieces: list[Piece]) -> Piece:
+    return Piece("".join(p.text for p in pieces), tuple(t for p in pieces for t in p.tokens),
+                 tuple(c for p in pieces for c in p.calls))

@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from exo_like.api.tool_requests import ToolUse, link_tool_results, openai_tool_calls, openai_tool_use
 from exo_like.errors import InvalidRequestError
 from exo_like.serving.sampling import SamplingParams
 
@@ -21,14 +22,12 @@ MAX_STOP_STRINGS = 4
 MAX_N = 16  # choices a request may ask for
 MAX_LOGIT_BIAS = 300  # entries (OpenAI's limit)
 MAX_TOP_LOGPROBS = 20  # chat's top_logprobs (OpenAI's limit; the same for completions' logprobs, as vLLM allows)
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # as OpenAI's legacy completions endpoint
 
 # Known but unimplemented parameters, and the values that ask for nothing (so they are safe to accept).
 _NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []),
     "functions": (None, []),
-    "tool_choice": (None, "none", "auto"),
     "function_call": (None, "none", "auto"),
     "echo": (None, False),
     "best_of": (None, 1),
@@ -57,7 +56,8 @@ class GenerationOptions:
 @dataclass(frozen=True)
 class ChatRequest:
     options: GenerationOptions
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]  # in the chat-template convention (tool_requests.py)
+    tool_use: ToolUse | None = None
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
     max_tokens = _optional_int(body, "max_completion_tokens", minimum=1)
     if max_tokens is None:
         max_tokens = _optional_int(body, "max_tokens", minimum=1)
-    return ChatRequest(_options(body, max_tokens, chat=True), _messages(body.get("messages")))
+    return ChatRequest(_options(body, max_tokens, chat=True), _messages(body.get("messages")), openai_tool_use(body))
 
 
 def parse_completion_request(body: Any) -> CompletionRequest:
@@ -243,7 +243,7 @@ def _reject_unsupported(body: dict[str, Any]) -> None:
                                       param=name, code="unsupported_parameter")
 
 
-def _messages(value: Any) -> list[dict[str, str]]:
+def _messages(value: Any) -> list[dict[str, Any]]:
     if value is None:
         raise InvalidRequestError("messages is required", param="messages", code="missing_required_parameter")
     if not isinstance(value, list):
@@ -251,24 +251,36 @@ def _messages(value: Any) -> list[dict[str, str]]:
     if not value:
         raise InvalidRequestError("messages must contain at least one message", param="messages",
                                   code="invalid_value")
-    return [_message(m, f"messages[{i}]") for i, m in enumerate(value)]
+    return link_tool_results([_message(m, f"messages[{i}]") for i, m in enumerate(value)])
 
 
-def _message(value: Any, where: str) -> dict[str, str]:
+def _message(value: Any, where: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise InvalidRequestError(f"{where} must be an object", param=where, code="invalid_type")
     role = value.get("role")
-    if role in ("tool", "function"):
-        raise InvalidRequestError(f"{where}: role {role!r} is not supported (no tool calling)",
-                                  param=f"{where}.role", code="unsupported_parameter")
+    if role == "function":
+        raise InvalidRequestError(f"{where}: role 'function' (the deprecated function calling) is not supported; "
+                                  "use tools and role 'tool'", param=f"{where}.role", code="unsupported_parameter")
     if role not in CHAT_ROLES:
         raise InvalidRequestError(f"{where}.role must be one of {', '.join(CHAT_ROLES)}; got {role!r}",
                                   param=f"{where}.role", code="invalid_value")
-    if value.get("tool_calls"):
-        raise InvalidRequestError(f"{where}.tool_calls is not supported", param=f"{where}.tool_calls",
-                                  code="unsupported_parameter")
-    # `developer` is OpenAI's newer name for `system`; chat templates only know the latter.
-    message = {"role": "system" if role == "developer" else role, "content": _content(value, where)}
+    calls = value.get("tool_calls")
+    if calls is not None and role != "assistant":
+        raise InvalidRequestError(f"{where}.tool_calls is only allowed in assistant messages",
+                                  param=f"{where}.tool_calls", code="invalid_value")
+    # `developer` is OpenAI's newer name for `system`; chat templates only know the latter. An assistant message
+    # that only calls tools has no content: templates get "" (some trim it).
+    empty_ok = role == "assistant" and calls is not None
+    message: dict[str, Any] = {"role": "system" if role == "developer" else role,
+                               "content": "" if empty_ok and value.get("content") is None else _content(value, where)}
+    if calls is not None:
+        message["tool_calls"] = openai_tool_calls(calls, where)
+    if role == "tool":
+        call_id = value.get("tool_call_id")
+        if not isinstance(call_id, str) or not call_id:
+            raise InvalidRequestError(f"{where}.tool_call_id is required: the id of the call this result answers",
+                                      param=f"{where}.tool_call_id", code="missing_required_parameter")
+        message["tool_call_id"] = call_id
     name = value.get("name")
     if name is not None:
         if not isinstance(name, str):

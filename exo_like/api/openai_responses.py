@@ -7,6 +7,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from exo_like.api.completion import Piece
+from exo_like.api.tool_calls import ToolCall
 from exo_like.serving.sampling import Choice
 
 
@@ -25,16 +27,20 @@ class ResponseFormat:
     created: int = field(default_factory=lambda: int(time.time()))
     token_text: Callable[[int], str] | None = None  # set when the request asked for log-probabilities
 
-    def whole(self, choices: Sequence[tuple[str, str, Sequence[Choice]]], usage: dict[str, int]) -> dict[str, Any]:
-        """The response to a request: each choice's (text, finish reason, tokens)."""
+    def whole(self, choices: Sequence[tuple[Piece, str]], usage: dict[str, int]) -> dict[str, Any]:
+        """The response to a request: each choice's (whole piece, finish reason)."""
         return {**self._header("chat.completion" if self.chat else "text_completion"),
                 "choices": [self._whole_choice(i, *choice) for i, choice in enumerate(choices)], "usage": usage}
 
-    def _whole_choice(self, index: int, text: str, finish_reason: str, tokens: Sequence[Choice]) -> dict[str, Any]:
-        if self.chat:
-            return {"index": index, "message": {"role": "assistant", "content": text},
-                    "logprobs": self._logprobs(tokens), "finish_reason": finish_reason}
-        return {"index": index, "text": text, "logprobs": self._logprobs(tokens), "finish_reason": finish_reason}
+    def _whole_choice(self, index: int, whole: Piece, finish_reason: str) -> dict[str, Any]:
+        logprobs = self._logprobs(whole.tokens)
+        if not self.chat:
+            return {"index": index, "text": whole.text, "logprobs": logprobs, "finish_reason": finish_reason}
+        message: dict[str, Any] = {"role": "assistant", "content": whole.text}
+        if whole.calls:  # as OpenAI: content null when the model only called tools
+            message = {"role": "assistant", "content": whole.text or None,
+                       "tool_calls": [_call(call) for call in whole.calls]}
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def first_chunk(self, index: int = 0) -> dict[str, Any] | None:
         """Chat streams open with the assistant role; completion streams have no such chunk."""
@@ -44,6 +50,18 @@ class ResponseFormat:
 
     def text_chunk(self, text: str, tokens: Sequence[Choice] = (), index: int = 0) -> dict[str, Any]:
         return self._chunk(index, {"content": text} if self.chat else text, None, self._logprobs(tokens))
+
+    def piece_chunks(self, piece: Piece, index: int, calls_before: int) -> list[dict[str, Any]]:
+        """A piece's chunks: its text, then each call as OpenAI streams one (its id and name with empty arguments,
+        then the arguments), numbered after the choice's `calls_before` earlier calls."""
+        with_text = piece.text or (piece.tokens and self.token_text is not None)
+        chunks = [self.text_chunk(piece.text, piece.tokens, index)] if with_text else []
+        for number, call in enumerate(piece.calls, calls_before):
+            chunks.append(self._chunk(index, {"tool_calls": [{**_call(call, number), "function": {
+                "name": call.name, "arguments": ""}}]}, None))
+            chunks.append(self._chunk(index, {"tool_calls": [{"index": number, "function": {
+                "arguments": call.arguments}}]}, None))
+        return chunks
 
     def finish_chunk(self, finish_reason: str, index: int = 0) -> dict[str, Any]:
         return self._chunk(index, {} if self.chat else "", finish_reason)
@@ -55,7 +73,7 @@ class ResponseFormat:
     def _chunk_object(self) -> str:
         return "chat.completion.chunk" if self.chat else "text_completion"
 
-    def _chunk(self, index: int, delta: dict[str, str] | str, finish_reason: str | None,
+    def _chunk(self, index: int, delta: dict[str, Any] | str, finish_reason: str | None,
                logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         if self.chat:
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
@@ -85,6 +103,11 @@ class ResponseFormat:
         return {"tokens": strings, "token_logprobs": [t.logprob for t in tokens],
                 "top_logprobs": [{text(token): logprob for token, logprob in t.top_logprobs} for t in tokens],
                 "text_offset": offsets}
+
+
+def _call(call: ToolCall, index: int | None = None) -> dict[str, Any]:
+    shape: dict[str, Any] = {} if index is None else {"index": index}
+    return {**shape, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
 def _entry(token: str, logprob: float | None) -> dict[str, Any]:

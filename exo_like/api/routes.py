@@ -12,36 +12,25 @@ import asyncio
 import contextlib
 import json
 import logging
-import time
-from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
 import dashboard
-from exo_like.api.completion import (
-    TextGeneration,
-    chat_prompt_tokens,
-    check_token_ids,
-    completion_prompt_tokens,
-    resolve_max_tokens,
-)
-from exo_like.api.openai_requests import GenerationOptions, parse_chat_request, parse_completion_request
+from exo_like.api.chat import start_chat, start_completion
 from exo_like.api.choices import ChoiceSet
-from exo_like.api.constraints import structured
+from exo_like.api.lifecycle import (ERROR_SHAPES_KEY, GENERATING_KEY, NODE_KEY, error_shape, generating,
+                                    read_json, record)
+from exo_like.api.openai_requests import parse_chat_request, parse_completion_request
 from exo_like.api.openai_responses import ResponseFormat, error_body
 from exo_like.cluster.peers import PEER_PATH
-from exo_like.errors import ExoLikeError, InvalidRequestError, ServiceUnavailableError
-from exo_like.node import LoadedModel, Node
-from exo_like.serving.generation import TokenGenerator
-from exo_like.serving.metrics import CONTENT_TYPE, FinishedRequest
+from exo_like.errors import ExoLikeError, ServiceUnavailableError
+from exo_like.node import Node
+from exo_like.serving.metrics import CONTENT_TYPE
 
 log = logging.getLogger(__name__)
 
-NODE_KEY = web.AppKey("node", Node)
-GENERATING_KEY = web.AppKey("generating", set)  # handler tasks of requests that are generating
 MAX_BODY_BYTES = 32 * 1024 * 1024  # a full long-context prompt, JSON-escaped, fits comfortably
 SHUTDOWN_GRACE = 5.0  # seconds requests still generating get to finish on shutdown before they are cancelled
 
@@ -50,6 +39,7 @@ def create_app(node: Node) -> web.Application:
     app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
     app[NODE_KEY] = node
     app[GENERATING_KEY] = set()
+    app[ERROR_SHAPES_KEY] = []
     app.on_shutdown.append(finish_generations)  # if serving ends another way than serve()'s own shutdown
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
@@ -93,14 +83,23 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except ExoLikeError as e:
         # The path as sent (percent-encoded): decoded, a %0A in it would start a forged line of this log.
         log.info("%s %s -> %d %s", request.method, request.rel_url.raw_path, e.status, e.message)
-        return error_response(e.status, e.message, e.type, e.param, e.code)
+        return _error(request, e.status, e.message, e.type, e.param, e.code)
     except web.HTTPException as e:
         if e.status < 400:
             raise
         return _http_error(request, e)
     except Exception as e:
         log.exception("unexpected error handling %s %s", request.method, request.rel_url.raw_path)
-        return error_response(500, f"internal server error: {type(e).__name__}: {e}", "server_error")
+        return _error(request, 500, f"internal server error: {type(e).__name__}: {e}", "server_error")
+
+
+def _error(request: web.Request, status: int, message: str, type_: str, param: str | None = None,
+           code: str | None = None, headers: dict[str, str] | None = None) -> web.Response:
+    """An error in the shape of the dialect the path belongs to (OpenAI's by default)."""
+    shape = error_shape(request.app, request.path)
+    if shape is None:
+        return error_response(status, message, type_, param, code, headers)
+    return web.json_response(shape(status, message, type_, param, code), status=status, headers=headers)
 
 
 def _http_error(request: web.Request, e: web.HTTPException) -> web.Response:
@@ -114,120 +113,35 @@ def _http_error(request: web.Request, e: web.HTTPException) -> web.Response:
     else:
         message = e.text or e.reason
     code = e.reason.lower().replace(" ", "_")
-    return error_response(e.status, message, "invalid_request_error", None, code, headers)
-
-
-async def read_json(request: web.Request) -> Any:
-    """The body as JSON, whatever the Content-Type says (curl -d sends form encoding by default)."""
-    raw = await request.read()
-    if not raw.strip():
-        raise InvalidRequestError("the request body is empty; send a JSON object", code="invalid_json")
-    try:
-        return json.loads(raw, parse_constant=_reject_constant)
-    except (ValueError, RecursionError) as e:
-        raise InvalidRequestError(
-            f"the request body is not valid JSON ({e}); send a JSON object with Content-Type: application/json",
-            code="invalid_json") from None
-
-
-def _reject_constant(name: str) -> None:
-    raise ValueError(f"{name} is not valid JSON")
+    return _error(request, e.status, message, "invalid_request_error", None, code, headers)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    node = request.app[NODE_KEY]
     parsed = parse_chat_request(await read_json(request))
-    model, generator = await node.require_model(parsed.options.model)
-    prompt = chat_prompt_tokens(model.tokenizer, parsed.messages)
-    choices = _choices(model, generator, prompt, await structured(node, parsed.options), "messages")
-    fmt = ResponseFormat(True, f"chatcmpl-{choices.request_id}", model.model_id, parsed.options.include_usage,
-                         token_text=_token_text(model, parsed.options))
-    return await _respond(request, choices, fmt, parsed.options.stream)
+    started = await start_chat(request.app[NODE_KEY], parsed)
+    fmt = ResponseFormat(True, f"chatcmpl-{started.choices.request_id}", started.model.model_id,
+                         parsed.options.include_usage, token_text=started.token_text(parsed.options))
+    return await _respond(request, started.choices, fmt, parsed.options.stream)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    node = request.app[NODE_KEY]
     parsed = parse_completion_request(await read_json(request))
-    model, generator = await node.require_model(parsed.options.model)
-    prompt = completion_prompt_tokens(model.tokenizer, parsed.prompt)
-    choices = _choices(model, generator, prompt, await structured(node, parsed.options), "prompt")
-    fmt = ResponseFormat(False, f"cmpl-{choices.request_id}", model.model_id, parsed.options.include_usage,
-                         token_text=_token_text(model, parsed.options))
-    return await _respond(request, choices, fmt, parsed.options.stream)
-
-
-def _token_text(model: LoadedModel, options: GenerationOptions) -> Callable[[int], str] | None:
-    """How a token is shown beside its log-probability (each alone, as vLLM does), when they are asked for."""
-    if options.sampling.logprobs is None:
-        return None
-    if options.tokens_as_ids:
-        return lambda token: f"token_id:{token}"
-    return lambda token: model.tokenizer.decode([token], skip_special_tokens=False)
-
-
-def _choices(model: LoadedModel, generator: TokenGenerator, prompt: list[int], options: GenerationOptions,
-             prompt_param: str) -> ChoiceSet:
-    """The request's n generations. With a seed, choice i samples with seed + i (reproducible, and the choices
-    differ); without, each draws its own."""
-    check_token_ids(min(model.tokenizer.vocab_size, model.args.vocab_size), options)
-    max_tokens = resolve_max_tokens(len(prompt), options.max_tokens, model.args.context_length, prompt_param)
-    seed = options.sampling.seed
-    return ChoiceSet([
-        TextGeneration(generator, model.tokenizer, prompt,
-                       options if i == 0 or seed is None else
-                       replace(options, sampling=replace(options.sampling, seed=(seed + i) % 2**64)),
-                       max_tokens, model.args.eos_token_ids)
-        for i in range(options.n)])
+    started = await start_completion(request.app[NODE_KEY], parsed)
+    fmt = ResponseFormat(False, f"cmpl-{started.choices.request_id}", started.model.model_id,
+                         parsed.options.include_usage, token_text=started.token_text(parsed.options))
+    return await _respond(request, started.choices, fmt, parsed.options.stream)
 
 
 async def _respond(request: web.Request, choices: ChoiceSet, fmt: ResponseFormat,
                    stream: bool) -> web.StreamResponse:
-    started = time.monotonic()
-    task = asyncio.current_task()
-    request.app[GENERATING_KEY].add(task)
-    node = request.app[NODE_KEY]
-    try:
+    async with generating(request, choices, fmt.response_id):
         if stream:
             return await _stream(request, choices, fmt)
         wholes = await choices.wholes()
-        _record_all(node, choices)
-        return web.json_response(fmt.whole([(whole.text, generation.finish_reason or "length", whole.tokens)
+        record(request.app[NODE_KEY], choices)
+        return web.json_response(fmt.whole([(whole, generation.finish_reason or "length")
                                             for whole, generation in zip(wholes, choices.generations)],
                                            choices.usage()))
-    except asyncio.CancelledError:
-        # The handler is cancelled when the client disconnects (or at shutdown); the generation is closed by now.
-        reason = "the node is shutting down" if node.stopping else "client disconnected"
-        log.info("request %s: %s after %d tokens; generation stopped", fmt.response_id, reason,
-                 choices.usage()["completion_tokens"])
-        raise
-    finally:
-        request.app[GENERATING_KEY].discard(task)
-        _log_done(fmt.response_id, choices, time.monotonic() - started)
-        _record_all(node, choices)  # a request that failed or was cancelled
-
-
-def _record_all(node: Node, choices: ChoiceSet) -> None:
-    for generation in choices.generations:
-        _record(node, generation)
-
-
-def _record(node: Node, generation: TextGeneration) -> None:
-    """Count a request in /metrics once: as soon as its tokens are all out (before its response ends, so a
-    client that scrapes right after sees it), or when it ends otherwise."""
-    if generation.recorded:
-        return
-    generation.recorded = True
-    node.metrics.observe_request(FinishedRequest(
-        len(generation.prompt_tokens), generation.completion_tokens, generation.finish_reason or "abort",
-        generation.started, tuple(generation.token_times), time.monotonic()))
-
-
-def _log_done(response_id: str, choices: ChoiceSet, seconds: float) -> None:
-    usage = choices.usage()
-    finish = ",".join(g.finish_reason or "cancelled" for g in choices.generations)
-    log.info("request %s: %d prompt + %d completion tokens, finish=%s, %.2fs (%.1f tok/s)", response_id,
-             usage["prompt_tokens"], usage["completion_tokens"], finish, seconds,
-             usage["completion_tokens"] / seconds if seconds > 0 else 0.0)
 
 
 async def _stream(request: web.Request, choices: ChoiceSet, fmt: ResponseFormat) -> web.StreamResponse:
@@ -237,7 +151,7 @@ async def _stream(request: web.Request, choices: ChoiceSet, fmt: ResponseFormat)
     await response.prepare(request)
     try:
         await _stream_events(response, choices, fmt)
-        _record_all(request.app[NODE_KEY], choices)
+        record(request.app[NODE_KEY], choices)
         await _end_stream(response)
     except ConnectionResetError:
         log.info("request %s: client disconnected after %d tokens; generation stopped", fmt.response_id,
@@ -262,13 +176,16 @@ async def _stream_events(response: web.StreamResponse, choices: ChoiceSet, fmt: 
         for index in range(len(choices.generations)):
             if (first := fmt.first_chunk(index)) is not None:
                 await _send(response, first)
+        calls = [0] * len(choices.generations)  # tool calls streamed so far, per choice
         async with contextlib.aclosing(choices.pieces()) as pieces:
             async for index, piece in pieces:
                 if piece is None:
                     await _send(response, fmt.finish_chunk(choices.generations[index].finish_reason or "length",
                                                            index))
-                else:
-                    await _send(response, fmt.text_chunk(piece.text, piece.tokens, index))
+                    continue
+                for chunk in fmt.piece_chunks(piece, index, calls[index]):
+                    await _send(response, chunk)
+                calls[index] += len(piece.calls)
         if fmt.include_usage:
             await _send(response, fmt.usage_chunk(choices.usage()))
     except ConnectionResetError:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Iterable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -142,23 +143,30 @@ class ModelTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The prompt text for a conversation. A template's own complaints are the caller's fault: 400."""
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> str:
+        """The prompt text for a conversation (offering `tools`, HF's function-tool objects). A template's own
+        complaints are the caller's fault: 400."""
         if self._template is None:
             raise InvalidRequestError(
                 "this model has no chat template; use /v1/completions with a plain prompt", code="no_chat_template"
             )
         try:
             return self._template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt, tools=None, documents=None,
+                messages=messages, add_generation_prompt=add_generation_prompt, tools=tools, documents=None,
                 **self.special_tokens,
             )
         except jinja2.TemplateError as e:
             raise InvalidRequestError(f"the model's chat template rejected the messages: {e}",
                                       param="messages", code="chat_template_error") from e
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        return self.encode(self.render_chat(messages), add_special_tokens=False)
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        return self.encode(self.render_chat(messages, tools=tools), add_special_tokens=False)
+
+    def special_token_ids(self, texts: Iterable[str]) -> dict[str, int]:
+        """Those of `texts` that are special tokens of this vocabulary, with their ids."""
+        found = {text: self.tokenizer.token_to_id(text) for text in texts}
+        return {text: token for text, token in found.items() if token is not None and token in self.special_ids}
 
 
 class IncrementalDetokenizer:

@@ -26,8 +26,8 @@ from exo_like.models.resolver import LoadedModel
 
 log = logging.getLogger(__name__)
 
-# JSON as OpenAI's structured output writes it: no free whitespace (a model with free whitespace can pad forever
-# and never close the object), ", " and ": " between items.
+# Compact JSON (no whitespace between tokens): a model free to add whitespace can pad forever and never close the
+# object.
 JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}
 
 

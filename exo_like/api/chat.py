@@ -1,0 +1,90 @@
+"""The one core every dialect drives: from an internal request (a ChatRequest or a CompletionRequest, whichever
+dialect parsed it) to the running generations of its choices.
+
+A chat request is rendered through the model's own chat template (with its tools), its output constrained by a
+grammar when it asks for structured output or forces a tool call, and read back for tool calls in the model's own
+format. The dialects (OpenAI chat and completions, Responses, Anthropic, Ollama) only translate shapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from exo_like.api.choices import ChoiceSet
+from exo_like.api.completion import TextGeneration, check_token_ids, completion_prompt_tokens, resolve_max_tokens
+from exo_like.api.constraints import structured, with_grammar
+from exo_like.api.openai_requests import ChatRequest, CompletionRequest, GenerationOptions
+from exo_like.api.tool_calls import ToolFormat, detect
+from exo_like.api.tool_requests import ToolUse
+from exo_like.errors import InvalidRequestError
+from exo_like.node import LoadedModel, Node
+
+
+@dataclass(frozen=True)
+class Started:
+    """A request's model and the generations of its choices."""
+
+    model: LoadedModel
+    choices: ChoiceSet
+
+    def token_text(self, options: GenerationOptions) -> Callable[[int], str] | None:
+        """How a token is shown beside its log-probability (each alone, as vLLM does), when they are asked for."""
+        if options.sampling.logprobs is None:
+            return None
+        if options.tokens_as_ids:
+            return lambda token: f"token_id:{token}"
+        return lambda token: self.model.tokenizer.decode([token], skip_special_tokens=False)
+
+
+async def start_chat(node: Node, request: ChatRequest, tools_param: str = "tools",
+                     choice_param: str = "tool_choice") -> Started:
+    """Render, constrain and start a chat request; the params name the dialect's fields in errors."""
+    model, _ = await node.require_model(request.options.model)
+    tool_format = _tool_format(model, request.tool_use, tools_param)
+    tools = request.tool_use.as_template_tools() if request.tool_use else None
+    prompt = model.tokenizer.encode_chat(request.messages, tools=tools)
+    options = await structured(node, request.options)
+    use = request.tool_use
+    if use is not None and use.forced:
+        assert tool_format is not None
+        if options.sampling.grammar is not None:
+            raise InvalidRequestError(f"{choice_param} forces a tool call, which cannot be combined with a "
+                                      "response format", param=choice_param, code="invalid_value")
+        special = model.tokenizer.special_token_ids(tool_format.markers)
+        grammar = tool_format.forced_grammar(use.tools, use.name, use.parallel, special=special)
+        options = await with_grammar(node, options, grammar, tools_param)
+    parsed_format = tool_format if use is not None and use.parses else None
+    return await _start(node, model, prompt, options, "messages", parsed_format)
+
+
+async def start_completion(node: Node, request: CompletionRequest) -> Started:
+    model, _ = await node.require_model(request.options.model)
+    prompt = completion_prompt_tokens(model.tokenizer, request.prompt)
+    return await _start(node, model, prompt, await structured(node, request.options), "prompt", None)
+
+
+def _tool_format(model: LoadedModel, use: ToolUse | None, param: str) -> ToolFormat | None:
+    if use is None or not use.tools:
+        return None
+    found = detect(model.args.model_type, model.tokenizer.chat_template_source)
+    if found is None:
+        raise InvalidRequestError(f"{model.model_id} does not support tools: its chat template cannot show them to "
+                                  "the model", param=param, code="tools_unsupported")
+    return found
+
+
+async def _start(node: Node, model: LoadedModel, prompt: list[int], options: GenerationOptions, prompt_param: str,
+                 tool_format: ToolFormat | None) -> Started:
+    """The request's n generations. With a seed, choice i samples with seed + i (reproducible, and the choices
+    differ); without, each draws its own."""
+    _, generator = await node.require_model(options.model)
+    check_token_ids(min(model.tokenizer.vocab_size, model.args.vocab_size), options)
+    max_tokens = resolve_max_tokens(len(prompt), options.max_tokens, model.args.context_length, prompt_param)
+    seed = options.sampling.seed
+    return Started(model, ChoiceSet([
+        TextGeneration(generator, model.tokenizer, prompt,
+                       options if i == 0 or seed is None else
+                       replace(options, sampling=replace(options.sampling, seed=(seed + i) % 2**64)),
+                       max_tokens, model.args.eos_token_ids, tool_format=tool_format)
+        for i in range(options.n)]))

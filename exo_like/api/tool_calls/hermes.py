@@ -1,0 +1,107 @@
+"""Hermes-style tool calls (Hermes 2 Pro / 3, Qwen2.5, Qwen3): each call a JSON object in tags,
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+several calls one after the other, separated by a newline, text possibly before them. The tags are ordinary text
+(in Qwen's vocabulary they are added tokens that are not special), so skip_special_tokens can stay on.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from exo_like.api.tool_calls import Event, Tool
+from exo_like.api.tool_calls.common import EventSink, call_from_json, call_grammar, literal, marker, \
+    partial_marker_start
+
+CALL_START, CALL_END = "<tool_call>", "</tool_call>"
+_FIRST_VISIBLE = re.compile(r"\s*(\S)")
+
+
+class HermesParser:
+    def __init__(self) -> None:
+        self._sink = EventSink()
+        self._buffer = ""
+        self._in_call = False  # after a CALL_START, its body in _buffer
+        self._searched = 0  # the body holds no CALL_END before this (long arguments are not searched again)
+
+    def feed(self, text: str) -> list[Event]:
+        self._buffer += text
+        while self._step():
+            pass
+        return self._sink.take()
+
+    def flush(self) -> list[Event]:
+        if self._in_call:
+            # A call cut short of its end tag still counts when its JSON is whole (output ended by max_tokens or
+            # a stop token right after the object); otherwise it was never a call.
+            self._finish_call(self._buffer, closed=False)
+        else:
+            self._sink.content(self._buffer)
+        self._buffer, self._in_call = "", False
+        return self._sink.take()
+
+    def _step(self) -> bool:
+        """Consume what can be decided now; True when it may be worth looking again."""
+        if not self._in_call:
+            return self._scan_content()
+        first = _FIRST_VISIBLE.match(self._buffer)
+        if first and first.group(1) != "{":
+            # "<tool_call>" mentioned in prose: give the tag back as text and carry on after it.
+            self._sink.content(CALL_START)
+            self._in_call = False
+            return True
+        end = self._buffer.find(CALL_END, self._searched)
+        if end < 0:
+            self._searched = max(0, len(self._buffer) - len(CALL_END) + 1)
+            return False
+        self._finish_call(self._buffer[:end], closed=True)
+        self._buffer = self._buffer[end + len(CALL_END):]
+        self._in_call = False
+        return True
+
+    def _scan_content(self) -> bool:
+        start = self._buffer.find(CALL_START)
+        if start < 0:
+            keep = partial_marker_start(self._buffer, [CALL_START])
+            self._sink.content(self._buffer[:keep])
+            self._buffer = self._buffer[keep:]
+            return False
+        self._sink.content(self._buffer[:start])
+        self._buffer = self._buffer[start + len(CALL_START):]
+        self._in_call, self._searched = True, 0
+        return True
+
+    def _finish_call(self, body: str, closed: bool) -> None:
+        call = call_from_json(body)
+        if call is not None:
+            self._sink.call(call)
+        else:
+            self._sink.content(CALL_START + body + (CALL_END if closed else ""))
+
+
+@dataclass(frozen=True)
+class HermesFormat:
+    name: str = "hermes"
+    skip_special_tokens: bool = True
+    markers: tuple[str, ...] = (CALL_START, CALL_END)
+
+    def parser(self) -> HermesParser:
+        return HermesParser()
+
+    def forced_grammar(self, tools: Sequence[Tool], name: str | None, parallel: bool, *,
+                       special: Mapping[str, int] | None = None) -> str:
+        def call(tool: Tool, args: str) -> str:
+            head = literal('\n{"name": ' + literal(tool.name) + ', "arguments": ')
+            tail = literal("}\n")
+            return f"{marker(CALL_START, special)} {head} {args} {tail} {marker(CALL_END, special)}"
+
+        start = 'call ("\\n" call)*' if parallel else "call"
+        return call_grammar(tools, name, start, call, separators=(", ", ": "))
+
+
+HERMES = HermesFormat()
