@@ -1,9 +1,11 @@
 // The chat panel: streams from this node's own /v1/chat/completions, so every answer crosses the whole ring.
-// Stop aborts the fetch; the node sees the client go away and frees the request on every stage.
+// Stop aborts the fetch; the node sees the client go away and frees the request on every stage. On request, each
+// token is shown with its probability (and the likeliest alternatives on hover); tool calls show as they come.
 
 import { formatRate, formatSeconds, h, plural, replace } from "./util.js";
 
 const SETTINGS_KEY = "exo-like.chat.settings";
+const TOP_ALTERNATIVES = 5; // alternatives shown beside each token when probabilities are on
 
 // An error the node reported (in the HTTP status, or in-band once the stream had started): its own words.
 class ApiError extends Error {
@@ -24,6 +26,9 @@ export class Chat {
     this.temperature = root.querySelector("#chat-temperature");
     this.maxTokens = root.querySelector("#chat-max-tokens");
     this.ignoreEos = root.querySelector("#chat-ignore-eos");
+    this.logprobs = root.querySelector("#chat-logprobs");
+    this.tools = root.querySelector("#chat-tools");
+    this.toolChoice = root.querySelector("#chat-tool-choice");
     this.history = []; // finished turns, sent with every request
     this.conversation = 0; // bumped by Clear, so an answer that ends afterwards does not revive the old one
     this.controller = null;
@@ -46,7 +51,8 @@ export class Chat {
     });
     this.stopButton.addEventListener("click", () => this.controller && this.controller.abort());
     root.querySelector("#chat-clear").addEventListener("click", () => this.clear());
-    for (const field of [this.temperature, this.maxTokens, this.ignoreEos]) {
+    for (const field of [this.temperature, this.maxTokens, this.ignoreEos, this.logprobs, this.tools,
+      this.toolChoice]) {
       field.addEventListener("change", () => this.saveSettings());
     }
   }
@@ -86,6 +92,9 @@ export class Chat {
       this.temperature.value = saved.temperature ?? "";
       this.maxTokens.value = saved.maxTokens ?? "";
       this.ignoreEos.checked = Boolean(saved.ignoreEos);
+      this.logprobs.checked = Boolean(saved.logprobs);
+      this.tools.value = saved.tools ?? "";
+      this.toolChoice.value = saved.toolChoice ?? "auto";
     } catch (error) {
       localStorage.removeItem(SETTINGS_KEY);
     }
@@ -93,7 +102,8 @@ export class Chat {
 
   saveSettings() {
     localStorage.setItem(SETTINGS_KEY, JSON.stringify({
-      temperature: this.temperature.value, maxTokens: this.maxTokens.value, ignoreEos: this.ignoreEos.checked }));
+      temperature: this.temperature.value, maxTokens: this.maxTokens.value, ignoreEos: this.ignoreEos.checked,
+      logprobs: this.logprobs.checked, tools: this.tools.value, toolChoice: this.toolChoice.value }));
   }
 
   showEmpty() {
@@ -116,6 +126,11 @@ export class Chat {
     if (this.temperature.value !== "") body.temperature = Number(this.temperature.value);
     if (this.maxTokens.value !== "") body.max_tokens = Number.parseInt(this.maxTokens.value, 10);
     if (this.ignoreEos.checked) body.ignore_eos = true; // exo-like's extension (as in vLLM)
+    if (this.logprobs.checked) Object.assign(body, { logprobs: true, top_logprobs: TOP_ALTERNATIVES });
+    if (this.tools.value.trim()) {
+      body.tools = JSON.parse(this.tools.value); // a typo is reported as the answer's error
+      body.tool_choice = this.toolChoice.value;
+    }
     return body;
   }
 
@@ -131,11 +146,13 @@ export class Chat {
     const answer = new Answer(this.log);
     this.controller = new AbortController();
     this.setStreaming(true);
-    const outcome = await answer.stream(this.requestBody(messages), this.controller.signal);
+    const outcome = await answer.stream(() => this.requestBody(messages), this.controller.signal);
     this.controller = null;
     this.setStreaming(false);
-    if (outcome.text && conversation === this.conversation) {
-      this.history = [...messages, { role: "assistant", content: outcome.text }];
+    if ((outcome.text || outcome.calls.length) && conversation === this.conversation) {
+      const reply = { role: "assistant", content: outcome.text };
+      if (outcome.calls.length) reply.tool_calls = outcome.calls;
+      this.history = [...messages, reply];
     }
     this.input.focus();
   }
@@ -157,25 +174,32 @@ class Answer {
     this.scroll();
   }
 
-  async stream(body, signal) {
+  async stream(makeBody, signal) {
     const started = performance.now();
     const timing = { started, first: null, last: null, chunks: 0, usage: null };
     let content = "";
+    const calls = []; // tool calls as OpenAI streams them: by index, the arguments arriving in pieces
     try {
-      const response = await fetch("/v1/chat/completions", { method: "POST", signal, body: JSON.stringify(body),
+      const response = await fetch("/v1/chat/completions", { method: "POST", signal,
+        body: JSON.stringify(makeBody()),
         headers: { "Content-Type": "application/json", Accept: "text/event-stream" } });
       if (!response.ok) throw new ApiError(await errorText(response), response.status);
       for await (const chunk of sseChunks(response.body)) {
         if (chunk.error) throw new ApiError(chunk.error.message);
-        const delta = chunk.choices && chunk.choices[0] && chunk.choices[0].delta.content;
         if (chunk.usage) timing.usage = chunk.usage;
-        if (!delta) continue;
+        const choice = chunk.choices && chunk.choices[0];
+        if (!choice) continue;
+        const delta = choice.delta || {};
+        if (!delta.content && !delta.tool_calls) continue;
         const now = performance.now();
         timing.first = timing.first ?? now;
         timing.last = now;
         timing.chunks += 1;
-        content += delta;
-        this.text.textContent = content;
+        if (delta.content) {
+          content += delta.content;
+          this.addText(delta.content, choice.logprobs && choice.logprobs.content);
+        }
+        for (const call of delta.tool_calls || []) this.addCall(calls, call);
         this.meta.textContent = `streaming · ${summary(timing)}`;
         this.scroll();
       }
@@ -183,9 +207,41 @@ class Answer {
     } catch (error) {
       if (error.name === "AbortError") this.finish("stopped", `Stopped. ${summary(timing)}`);
       else this.finish("error", describeError(error));
-      if (error.name !== "AbortError") content = "";
+      if (error.name !== "AbortError") {
+        content = "";
+        calls.length = 0;
+      }
     }
-    return { text: content };
+    return { text: content, calls: calls.map((call) => call.message) };
+  }
+
+  // Text as it arrives; with probabilities, one span per token, its band by probability, alternatives on hover.
+  // When the delta is not its tokens' texts end to end (a character split across tokens, a stop string cut),
+  // the delta is one span with its least likely token's band.
+  addText(text, entries) {
+    if (!entries || !entries.length) {
+      this.text.append(text);
+      return;
+    }
+    if (entries.map((entry) => entry.token).join("") !== text) {
+      const least = entries.reduce((a, b) => (b.logprob < a.logprob ? b : a));
+      this.text.append(tokenSpan(text, least));
+      return;
+    }
+    for (const entry of entries) this.text.append(tokenSpan(entry.token, entry));
+  }
+
+  addCall(calls, delta) {
+    let call = calls[delta.index];
+    if (!call) {
+      call = calls[delta.index] = { message: { id: delta.id, type: "function",
+        function: { name: delta.function.name, arguments: "" } } };
+      call.args = h("span", { class: "tool-args" });
+      this.el.insertBefore(h("div", { class: "tool-call" }, "→ ",
+        h("span", { class: "tool-name" }, delta.function.name), "(", call.args, ")"), this.meta);
+    }
+    call.message.function.arguments += delta.function.arguments || "";
+    call.args.textContent = call.message.function.arguments;
   }
 
   finish(state, meta) {
@@ -219,6 +275,15 @@ async function* sseChunks(body) {
       }
     }
   }
+}
+
+function tokenSpan(text, entry) {
+  const probability = Math.exp(entry.logprob);
+  const band = probability >= 0.6 ? "high" : probability >= 0.2 ? "mid" : "low";
+  const others = (entry.top_logprobs || []).map((top) => `${JSON.stringify(top.token)} ` +
+    `${(Math.exp(top.logprob) * 100).toFixed(1)}%`).join("\n");
+  return h("span", { class: "tok", "data-band": band,
+    title: `${(probability * 100).toFixed(1)}%${others ? "\n" + others : ""}` }, text);
 }
 
 async function errorText(response) {

@@ -27,7 +27,8 @@ from aiohttp import web
 
 from dashboard import add_routes, page
 from exo_like.cluster.view import cluster_picture
-from tests.api_server import NodeProcess, start_node, stop_nodes, wait_for
+from tests.api.test_tools_openai import WEATHER
+from tests.api_server import NodeProcess, start_node, stop_nodes, tools_checkpoint, tools_node, wait_for  # noqa: F401
 from tests.checkpoints import make_checkpoint
 from tests.cluster_harness import cluster_of, free_ports, start_cluster, wait_until_ready
 from tests.dashboard.test_dashboard_data import tensor_parallel_cluster
@@ -591,3 +592,34 @@ def test_a_tensor_parallel_group_is_drawn_as_one_stage(tensor_parallel_server: P
     assert page.inner_text(".placement-times .chosen") == "tensor 5.0 ms"
     dashboard.screenshot("dashboard-tensor-parallel-1280x800.png", DESKTOP)
     dashboard.screenshot("dashboard-tensor-parallel-390-full.png", PHONE, full_page=True)
+
+
+def test_chat_shows_token_probabilities_and_tool_calls(tools_node: NodeProcess, tools_checkpoint: Path,  # noqa: F811
+                                                       open_page) -> None:
+    """With probabilities on, the answer is the API's greedy text, one span per token with its probability; with
+    tools and tool choice `required`, the call the model makes shows with its arguments."""
+    dashboard = open_page(tools_node)
+    wait_for_ready_cards(dashboard, 1)
+    page = dashboard.page
+    page.wait_for_selector("#chat-model option", state="attached")
+    open_settings(dashboard, temperature="0", max_tokens="8")
+    page.set_checked("#chat-logprobs", True)
+    page.fill("#chat-input", PROMPT)
+    page.press("#chat-input", "Enter")
+    page.wait_for_selector(".msg.assistant[data-state=done]", timeout=60_000)
+    answer = greedy_chat(tools_node, tools_checkpoint.name, PROMPT, 8)["choices"][0]["message"]["content"]
+    assert page.eval_on_selector(".msg.assistant .msg-text", "e => e.textContent") == answer
+    titles = page.eval_on_selector_all(".msg.assistant .tok", "spans => spans.map(s => s.title)")
+    assert titles and all("%" in title for title in titles)
+
+    page.click("#chat-clear")
+    page.set_checked("#chat-logprobs", False)
+    page.fill("#chat-tools", json.dumps([WEATHER]))
+    page.select_option("#chat-tool-choice", "required")
+    page.fill("#chat-max-tokens", "200")
+    page.fill("#chat-input", "Weather in Paris?")
+    page.press("#chat-input", "Enter")
+    page.wait_for_selector(".msg.assistant[data-state=done]", timeout=60_000)
+    assert page.inner_text(".tool-call .tool-name") == "get_weather"
+    arguments = json.loads(page.inner_text(".tool-call .tool-args"))
+    assert set(arguments) == {"city", "unit"}
