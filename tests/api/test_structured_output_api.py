@@ -45,6 +45,7 @@ def random_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Node
     assert process.stop() == 0, process.log()
 
 
+@pytest.mark.slow
 def test_two_hundred_schemas_at_temperature_one_always_parse_and_validate(
         random_node: tuple[NodeProcess, Path]) -> None:
     server, model = random_node

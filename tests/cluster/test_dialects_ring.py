@@ -41,6 +41,7 @@ def openai_client(node: NodeProcess):  # noqa: ANN201
     return openai.OpenAI(base_url=node.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
+@pytest.mark.slow
 def test_openai_tool_calls_structured_output_and_logprobs_on_a_ring(tools_ring: list[NodeProcess],
                                                                     tools_checkpoint: Path) -> None:  # noqa: F811
     api, model = openai_client(entry(tools_ring)), str(tools_checkpoint)
