@@ -90,6 +90,7 @@ class TextGeneration:
     first_token: asyncio.Event = field(default_factory=asyncio.Event)  # set once a token arrived, or it ended
     tool_format: ToolFormat | None = None  # set when the output is read for tool calls
     called: bool = False  # a tool call was made (finish_reason tool_calls)
+    stop_sequence: str | None = None  # the stop string that ended the text (finish_reason stop; None: EOS)
 
     def __post_init__(self) -> None:
         self.request_id = self.request_id or uuid.uuid4().hex
@@ -160,6 +161,7 @@ class TextGeneration:
                     yield piece(text)
                 if stops.stopped:
                     self.finish_reason = "stop"
+                    self.stop_sequence = stops.matched
                     if consumed and wants_logprobs:
                         yield piece("")
                     return
@@ -168,6 +170,7 @@ class TextGeneration:
         tail += stops.flush()
         if stops.stopped:
             self.finish_reason = "stop"
+            self.stop_sequence = stops.matched
         self.finish_reason = self.finish_reason or "length"
         if tail or (consumed and wants_logprobs):
             yield piece(tail)

@@ -15,6 +15,7 @@ class StopStringFilter:
             raise ValueError("stop strings must be non-empty")
         self.stop = tuple(stop)
         self.stopped = False
+        self.matched: str | None = None  # the stop string that stopped the text (Anthropic reports it)
         self._held = ""
 
     def feed(self, text: str) -> str:
@@ -22,8 +23,9 @@ class StopStringFilter:
         if self.stopped:
             return ""
         buffer = self._held + text
-        cut = self._first_match(buffer)
-        if cut is not None:
+        match = self._first_match(buffer)
+        if match is not None:
+            cut, self.matched = match
             self.stopped = True
             self._held = ""
             return buffer[:cut]
@@ -36,9 +38,10 @@ class StopStringFilter:
         held, self._held = self._held, ""
         return "" if self.stopped else held
 
-    def _first_match(self, buffer: str) -> int | None:
-        positions = [i for s in self.stop if (i := buffer.find(s)) >= 0]
-        return min(positions) if positions else None
+    def _first_match(self, buffer: str) -> tuple[int, str] | None:
+        """Where the earliest stop string in `buffer` begins, and which one it is."""
+        found = [(i, s) for s in self.stop if (i := buffer.find(s)) >= 0]
+        return min(found, key=lambda hit: hit[0]) if found else None
 
     def _partial_suffix_length(self, buffer: str) -> int:
         """Length of the longest end of `buffer` that is a proper beginning of some stop string."""

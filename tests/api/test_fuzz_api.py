@@ -1,5 +1,6 @@
-"""Generated requests against every route a real node serves: never a 5xx, every JSON error in the OpenAI shape,
-every stream that starts ends properly, and the node serves normally afterwards.
+"""Generated requests against every route a real node serves: never a 5xx, every JSON error in the shape of its
+route's dialect (OpenAI, Anthropic, Ollama), every stream that starts ends as its dialect ends streams, and the node
+serves normally afterwards.
 
 The routes come from the node's own aiohttp router (create_app), so a route added later is fuzzed too. Requests
 that could be valid keep max_tokens small, so the tiny test model answers them at once. EXO_LIKE_FUZZ_EXAMPLES
@@ -25,33 +26,23 @@ from aiohttp import web
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from exo_like.api.openai_requests import parse_chat_request, parse_completion_request
 from exo_like.api.routes import create_app
-from exo_like.errors import InvalidRequestError
-from tests.api.test_api_errors import CHAT, COMPLETIONS, JSON, assert_error_body, model_id  # noqa: F401  (model_id)
+from tests.api.fuzz_dialects import DIALECTS, ODD_TEXT, SHAPED_VALUES, Dialect, dialect_of, error_check
+from tests.api.test_api_errors import CHAT, JSON, model_id  # noqa: F401  (model_id)
 from tests.api_server import NodeProcess, checkpoint, node  # noqa: F401  (fixtures)
 
 EXAMPLES = int(os.environ.get("EXO_LIKE_FUZZ_EXAMPLES", "1000"))
 ENDLESS_STREAMS = {"/v1/events"}  # the dashboard's event stream never ends by itself: read its first event only
-SMALL_MAX_TOKENS = 4
 METHODS = ["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS", "TRACE"]
 # No method, and CONNECT (which takes host:port, not a path): aiohttp's HTTP parser answers them (plain text)
 # before the app sees a request.
 NOT_HTTP = ["FUZZ", "CONNECT"]
-CHAT_FIELDS = ["model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
-               "stop", "stream", "stream_options", "n", "ignore_eos", "presence_penalty", "frequency_penalty",
-               "repetition_penalty", "min_p", "logit_bias", "logprobs", "top_logprobs", "tools", "response_format",
-               "tool_choice", "user"]
-COMPLETION_FIELDS = [f for f in CHAT_FIELDS if f not in ("messages", "max_completion_tokens")] + \
-    ["prompt", "echo", "best_of", "suffix"]
 # Raw JSON text spliced into bodies: numbers past float range or the int digit limit, NaN, lone surrogates, nesting
 # past the parser's depth.
 RAW_VALUES = ['"\\ud800 hello"', '"x\\udfff"', "1e999", "-1e999", "1" + "0" * 5000, "-0", "0.0000000000000000000001",
               "9223372036854775808", "18446744073709551616", '"\\ud800"', '"\\udfff\\ud800x"', '"\\u0000"',
               '["\\ud83d"]', '{"\\ud800": 1}', "NaN", "Infinity", "[" * 5000 + "]" * 5000,
               '{"a":' * 3000 + "1" + "}" * 3000]
-ODD_TEXT = st.sampled_from(["", "\x00", "\u202e", "\ufeff", "\U0010ffff", "😀" * 50, "\r\n", "%", "..", "ab" * 500,
-                           "\ud800 hi", "x\udfff", "\udc80\ud800"])  # lone surrogates: JSON can escape them
 CONTENT_TYPES = [None, "application/json", "application/json; charset=utf-16", "text/plain",
                  "application/x-www-form-urlencoded", "multipart/form-data; boundary=zz", "application/msgpack",
                  "text/event-stream", "*/*", ";;;", "application/json; charset=\u00e9"]
@@ -92,57 +83,28 @@ def json_values() -> st.SearchStrategy[Any]:
                         max_leaves=20)
 
 
-def valid_chat(model: str) -> st.SearchStrategy[dict[str, Any]]:
-    content = st.one_of(st.text(max_size=30), ODD_TEXT)
-    messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant", "developer"]),
-                                               "content": content}), min_size=1, max_size=3)
-    return st.fixed_dictionaries({"model": st.just(model), "messages": messages,
-                                  "max_tokens": st.integers(1, SMALL_MAX_TOKENS),
-                                  "max_completion_tokens": st.integers(1, SMALL_MAX_TOKENS)},
-                                 optional={"temperature": st.floats(0, 2), "stream": st.booleans(),
-                                           "seed": st.integers(0, 2**32), "stop": st.just(["\n"])})
-
-
-def valid_completion(model: str) -> st.SearchStrategy[dict[str, Any]]:
-    prompt = st.one_of(st.text(max_size=30), ODD_TEXT, st.lists(st.integers(0, 50), min_size=1, max_size=8))
-    return st.fixed_dictionaries({"model": st.just(model), "prompt": prompt,
-                                  "max_tokens": st.integers(1, SMALL_MAX_TOKENS)},
-                                 optional={"temperature": st.floats(0, 2), "stream": st.booleans()})
-
-
 RAW = "\u0000raw\u0000"  # stands for raw JSON text in a generated body until it is encoded
 
 
 @st.composite
-def near_valid_body(draw: st.DrawFn, model: str, chat: bool) -> bytes:
-    """A valid body with one field (or a message's) replaced by a generated value, replaced by raw JSON text that
-    no Python value encodes to, or left out; or with a field added."""
-    body = draw(valid_chat(model) if chat else valid_completion(model))
-    fields = CHAT_FIELDS if chat else COMPLETION_FIELDS
-    target = body["messages"][0] if chat and draw(st.booleans()) else body
-    keys = ["role", "content", "name", "tool_calls"] if target is not body else fields
+def near_valid_body(draw: st.DrawFn, model: str, dialect: Dialect) -> bytes:
+    """A valid body with one field (or a message's) replaced by a generated value (a near-valid one for the structured
+    fields), replaced by raw JSON text that no Python value encodes to, or left out; or with a field added. A body
+    that asks for many tokens gets a few: the fuzz is about inputs, and a long generation would only slow it."""
+    body = draw(dialect.valid(model))
+    to_message = dialect.message_fields and isinstance(body.get("messages"), list) and draw(st.booleans())
+    target = body["messages"][0] if to_message else body
+    keys = dialect.message_fields if to_message else dialect.fields
     field = draw(st.one_of(st.sampled_from(keys), st.text(max_size=8)))
     how = draw(st.sampled_from(["value", "raw", "delete"]))
     if how == "delete":
         target.pop(field, None)
+    elif how == "raw":
+        target[field] = RAW
     else:
-        target[field] = draw(json_values()) if how == "value" else RAW
-    text = json.dumps(keep_small(body, chat))
+        target[field] = draw(json_values() | SHAPED_VALUES.get(field, st.nothing()))
+    text = json.dumps(dialect.cap(body))
     return text.replace(json.dumps(RAW), draw(st.sampled_from(RAW_VALUES))).encode()
-
-
-def keep_small(body: dict[str, Any], chat: bool) -> dict[str, Any]:
-    """A valid request that asks for many tokens (or as many as the context holds) gets a few: the fuzz is about
-    inputs, and a long generation would only slow the run down."""
-    try:
-        parsed = (parse_chat_request if chat else parse_completion_request)(body)
-    except InvalidRequestError:
-        return body
-    if parsed.options.max_tokens is None or parsed.options.max_tokens > SMALL_MAX_TOKENS:
-        body = {**body, "max_tokens": SMALL_MAX_TOKENS}
-        if chat:
-            body["max_completion_tokens"] = SMALL_MAX_TOKENS
-    return body
 
 
 @st.composite
@@ -155,7 +117,7 @@ def any_body(draw: st.DrawFn, model: str) -> bytes | None:
     if kind == "bytes":
         return draw(st.binary(max_size=200))
     if kind == "truncated":
-        whole = draw(near_valid_body(model, draw(st.booleans())))
+        whole = draw(near_valid_body(model, draw(st.sampled_from(DIALECTS))))
         return whole[:draw(st.integers(0, max(0, len(whole) - 1)))]
     if kind == "text":
         return draw(st.text(max_size=100)).encode("utf-8", "surrogatepass")
@@ -211,11 +173,10 @@ class FuzzRequest:
 
 @st.composite
 def generation_requests(draw: st.DrawFn, model: str) -> FuzzRequest:
-    chat = draw(st.booleans())
-    path = CHAT if chat else COMPLETIONS
-    body = draw(near_valid_body(model, chat))
+    dialect = draw(st.sampled_from(DIALECTS))
+    body = draw(near_valid_body(model, dialect))
     headers = draw(st.one_of(st.just(JSON), headers_for(body)))
-    return FuzzRequest(path, "POST", path, body, headers)
+    return FuzzRequest(dialect.path, "POST", dialect.path, body, headers)
 
 
 @st.composite
@@ -229,10 +190,10 @@ def route_requests(draw: st.DrawFn, model: str) -> FuzzRequest:
 
 @st.composite
 def cut_short_requests(draw: st.DrawFn, model: str) -> FuzzRequest:
-    chat = draw(st.booleans())
-    path = CHAT if chat else COMPLETIONS
-    whole = draw(near_valid_body(model, chat))
-    return FuzzRequest(path, "POST", path, whole[:draw(st.integers(0, len(whole) - 1))], JSON, cut_short=True)
+    dialect = draw(st.sampled_from(DIALECTS))
+    whole = draw(near_valid_body(model, dialect))
+    return FuzzRequest(dialect.path, "POST", dialect.path, whole[:draw(st.integers(0, len(whole) - 1))], JSON,
+                       cut_short=True)
 
 
 @st.composite
@@ -290,32 +251,25 @@ class _FakeSocket:
 
 
 def check(request: FuzzRequest, got: Exchange) -> None:
+    """No 5xx; an error body in the shape of the dialect the route belongs to; a stream that ends as its dialect's
+    streams end."""
     assert got.status < 500, (request, got)
     content_type = got.headers.get("Content-Type", "")
     if got.status >= 400 and request.method not in ["HEAD", *NOT_HTTP] and got.body:
         assert content_type.startswith("application/json"), (request, got)
-        assert_error_body(got.body)
-    if got.status == 200 and content_type.startswith("text/event-stream") and request.route not in ENDLESS_STREAMS:
-        assert_stream_ends(got.body)
-
-
-def assert_stream_ends(raw: bytes) -> None:
-    """Every event is JSON and the last one is [DONE]; a chunk with an error is in the OpenAI shape."""
-    events = [line[len(b"data: "):] for line in raw.split(b"\n\n") if line.startswith(b"data: ")]
-    assert events and events[-1] == b"[DONE]", raw
-    for event in events[:-1]:
-        payload = json.loads(event)
-        if "error" in payload:
-            assert_error_body(event)
-        else:
-            assert payload["choices"] or "usage" in payload, payload
+        error_check(request.route)(json.loads(got.body))
+    streamed = content_type.startswith(("text/event-stream", "application/x-ndjson"))
+    if got.status == 200 and streamed and request.route not in ENDLESS_STREAMS:
+        dialect = dialect_of(request.route)
+        assert dialect is not None, (request, got)  # only the generation endpoints stream
+        dialect.stream_ends(got.body)
 
 
 # -- the run ---------------------------------------------------------------------------------------------------
 
 def test_every_route_is_fuzzed_and_has_the_generation_endpoints() -> None:
     templates = {route.template for route in ROUTES}
-    assert {CHAT, COMPLETIONS, "/health", "/v1/models"} <= templates, templates
+    assert {dialect.path for dialect in DIALECTS} | {"/health", "/v1/models"} <= templates, templates
 
 
 @pytest.mark.slow
@@ -335,8 +289,8 @@ def test_generated_requests_get_no_5xx_and_openai_errors(node: NodeProcess, mode
 def test_node_serves_normally_after_the_fuzz(node: NodeProcess, model_id: str) -> None:  # noqa: F811
     assert sum(SENT.values()) >= EXAMPLES, SENT
     assert {route for route, _ in SENT} >= {route.template for route in ROUTES}, SENT  # every route had requests
-    for path in (CHAT, COMPLETIONS):  # near-valid bodies are sometimes valid, and mostly not
-        assert SENT[path, 200] >= 20 and SENT[path, 400] >= 100, SENT
+    for dialect in DIALECTS:  # near-valid bodies are sometimes valid, and mostly not
+        assert SENT[dialect.path, 200] >= 5 and SENT[dialect.path, 400] >= 25, (dialect.path, SENT)
     body = json.dumps({"model": model_id, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 4,
                        "temperature": 0}).encode()
     status, _, raw = node.request("POST", CHAT, body, JSON)
