@@ -11,24 +11,22 @@ silently dropped. (Earlier turns' thinking blocks are left out of the prompt, as
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
 from aiohttp import web
 
 from exo_like.api.chat import Started, start_chat
 from exo_like.api.completion import Piece, TextGeneration
-from exo_like.api.lifecycle import ERROR_SHAPES_KEY, NODE_KEY, generating, read_json, record
-# openai_requests' validators, private there; the same rules apply in this dialect.
-from exo_like.api.openai_requests import (MAX_STOP_STRINGS, ChatRequest, GenerationOptions, _model,
-                                          _optional_bool, _optional_float, _optional_int, _require_object, _unicode)
+from exo_like.api.lifecycle import ERROR_SHAPES_KEY, NODE_KEY, generating, read_json, record, sse, stream_out
+from exo_like.api.fields import checked_text, model_name, optional_bool, optional_float, optional_int, require_object
+from exo_like.api.openai_requests import MAX_STOP_STRINGS, ChatRequest, GenerationOptions
 from exo_like.api.tool_calls import Tool, ToolCall
 from exo_like.api.tool_requests import ToolUse, check_choice, check_tool, link_tool_results, template_call, unique_tools
-from exo_like.errors import ExoLikeError, InvalidRequestError
-from exo_like.node import Node
+from exo_like.errors import InvalidRequestError
 from exo_like.serving.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -43,7 +41,6 @@ SERVICE_TIERS = (None, "auto", "standard_only")  # every tier here is the standa
 # The core's finish_reason -> stop_reason ("stop" with a stop string is "stop_sequence", see _stop_reason).
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 SKIPPED_BLOCKS = ("thinking", "redacted_thinking")  # earlier turns' reasoning: Anthropic drops it from prompts too
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def add_routes(app: web.Application) -> None:
@@ -63,29 +60,30 @@ def error_shape(status: int, message: str, type_: str, param: str | None, code: 
 
 def parse_messages_request(body: Any, counting: bool = False) -> ChatRequest:
     """A Messages request as the core's ChatRequest; `counting`: a count_tokens request (no max_tokens)."""
-    body = _require_object(body)
+    body = require_object(body)
     return ChatRequest(_options(body, counting), _messages(body.get("system"), body.get("messages")),
                        _tool_use(body))
 
 
 def _options(body: dict[str, Any], counting: bool) -> GenerationOptions:
-    max_tokens = _optional_int(body, "max_tokens", minimum=1)
+    max_tokens = optional_int(body, "max_tokens", minimum=1)
     if max_tokens is None and not counting:
         raise InvalidRequestError("max_tokens is required: the most tokens the reply may have", param="max_tokens",
                                   code="missing_required_parameter")
     _reject_unsupported(body)
-    return GenerationOptions(model=_model(body), max_tokens=max_tokens, sampling=_sampling(body),
+    return GenerationOptions(model=model_name(body), max_tokens=max_tokens, sampling=_sampling(body),
                              stop=_stop_sequences(body.get("stop_sequences")),
-                             stream=_optional_bool(body, "stream") or False, include_usage=False, ignore_eos=False)
+                             stream=optional_bool(body, "stream") or False, include_usage=False, ignore_eos=False,
+                             max_tokens_is_cap=True)
 
 
 def _sampling(body: dict[str, Any]) -> SamplingParams:
-    temperature = _optional_float(body, "temperature", 0.0, 1.0)  # Anthropic's range
-    top_p = _optional_float(body, "top_p", 0.0, 1.0)
+    temperature = optional_float(body, "temperature", 0.0, 1.0)  # Anthropic's range
+    top_p = optional_float(body, "top_p", 0.0, 1.0)
     if top_p is not None and top_p <= 0.0:
         raise InvalidRequestError("top_p must be greater than 0 and at most 1", param="top_p", code="invalid_value")
     return SamplingParams(temperature=1.0 if temperature is None else temperature,
-                          top_p=1.0 if top_p is None else top_p, top_k=_optional_int(body, "top_k", minimum=0) or 0)
+                          top_p=1.0 if top_p is None else top_p, top_k=optional_int(body, "top_k", minimum=0) or 0)
 
 
 def _stop_sequences(value: Any) -> tuple[str, ...]:
@@ -121,7 +119,7 @@ def _messages(system: Any, turns: Any) -> list[dict[str, Any]]:
                                   code="missing_required_parameter" if turns is None else "invalid_value")
     conversation = _Conversation()
     if system is not None:
-        text = _unicode(system, "system") if isinstance(system, str) else _text_blocks(system, "system")
+        text = checked_text(system, "system") if isinstance(system, str) else _text_blocks(system, "system")
         conversation.messages.append({"role": "system", "content": text})
     for i, turn in enumerate(turns):
         conversation.add(turn, f"messages[{i}]")
@@ -143,7 +141,7 @@ class _Conversation:
                                       code="invalid_value")
         content = turn.get("content")
         if isinstance(content, str):
-            self.messages.append({"role": role, "content": _unicode(content, f"{where}.content")})
+            self.messages.append({"role": role, "content": checked_text(content, f"{where}.content")})
             return
         if not isinstance(content, list):
             raise InvalidRequestError(f"{where}.content must be a string or a list of content blocks",
@@ -191,10 +189,10 @@ class _Conversation:
             raise InvalidRequestError(
                 f"{where} is a tool_result for tool_use_id {str(call_id)[:80]!r}, but no earlier assistant message "
                 "has a tool_use block with that id", param=f"{where}.tool_use_id", code="invalid_value")
-        _optional_bool(block, "is_error", param=f"{where}.is_error")
+        optional_bool(block, "is_error", param=f"{where}.is_error")
         content = block.get("content")
         if content is None or isinstance(content, str):
-            text = _unicode(content or "", f"{where}.content")
+            text = checked_text(content or "", f"{where}.content")
         else:
             text = _text_blocks(content, f"{where}.content")
         return {"role": "tool", "tool_call_id": call_id, "content": text}
@@ -224,7 +222,7 @@ def _block_type(block: Any, where: str) -> str:
 def _text(block: dict[str, Any], where: str) -> str:
     if not isinstance(block.get("text"), str):
         raise InvalidRequestError(f"{where}.text must be a string", param=f"{where}.text", code="invalid_type")
-    return _unicode(block["text"], f"{where}.text")
+    return checked_text(block["text"], f"{where}.text")
 
 
 def _tool_call(block: dict[str, Any], where: str) -> dict[str, Any]:
@@ -279,7 +277,7 @@ def _tool_choice(value: Any) -> tuple[str, str | None, bool]:
     if kind == "tool" and not isinstance(name, str):
         raise InvalidRequestError('tool_choice {"type": "tool"} needs the name of the tool', param="tool_choice.name",
                                   code="missing_required_parameter")
-    disabled = _optional_bool(value, "disable_parallel_tool_use", param="tool_choice.disable_parallel_tool_use")
+    disabled = optional_bool(value, "disable_parallel_tool_use", param="tool_choice.disable_parallel_tool_use")
     return TOOL_CHOICES[kind], name if kind == "tool" else None, not disabled
 
 
@@ -372,52 +370,22 @@ def _event(kind: str, **fields: Any) -> dict[str, Any]:
 
 
 async def _stream(request: web.Request, started: Started, response_id: str) -> web.StreamResponse:
-    """Server-sent events, each `event: <type>` with its JSON; the lifecycle of routes._stream."""
-    node: Node = request.app[NODE_KEY]
-    response = web.StreamResponse(headers=SSE_HEADERS)
-    await response.prepare(request)
-    try:
-        await _stream_events(response, node, started, response_id)
-        await response.write_eof()
-    except ConnectionResetError:
-        log.info("request %s: client disconnected after %d tokens; generation stopped", response_id,
-                 started.choices.usage()["completion_tokens"])
-    except asyncio.CancelledError:
-        if node.stopping:  # tell the client why its stream ends early
-            with contextlib.suppress(ConnectionResetError):
-                await _send(response, error_shape(503, "the node is shutting down", "service_unavailable", None,
-                                                  "shutting_down"))
-                await response.write_eof()
-        raise
-    return response
+    """Server-sent events, each `event: <type>` with its JSON."""
+    return await stream_out(request, started.choices, response_id, _events(request, started, response_id),
+                            lambda payload: sse(payload, named=True), error_shape)
 
 
-async def _stream_events(response: web.StreamResponse, node: Node, started: Started, response_id: str) -> None:
+async def _events(request: web.Request, started: Started, response_id: str) -> AsyncIterator[dict[str, Any]]:
     choices = started.choices
-    try:
-        await _send(response, _event("message_start", message=_message(started, response_id, [])))
-        await _send(response, _event("ping"))
-        blocks = _StreamedBlocks()
-        async with contextlib.aclosing(choices.pieces()) as pieces:
-            async for _, piece in pieces:
-                for event in blocks.events(piece) if piece is not None else blocks.close():
-                    await _send(response, event)
-        record(node, choices)  # before the stream ends, so a client that scrapes /metrics at once sees it
-        stop_reason, stop_sequence = _stop_reason(choices.generations[0])
-        await _send(response, _event("message_delta", delta={"stop_reason": stop_reason,
-                                                             "stop_sequence": stop_sequence},
-                                     usage={"output_tokens": choices.generations[0].completion_tokens}))
-        await _send(response, _event("message_stop"))
-    except ConnectionResetError:
-        raise
-    except ExoLikeError as e:
-        # The status line is sent already: report the error in-band, as Anthropic does mid-stream.
-        await _send(response, error_shape(e.status, e.message, e.type, e.param, e.code))
-    except Exception as e:
-        log.exception("request %s failed while streaming", response_id)
-        await _send(response, error_shape(500, f"internal server error: {type(e).__name__}: {e}", "server_error",
-                                          None, None))
-
-
-async def _send(response: web.StreamResponse, payload: dict[str, Any]) -> None:
-    await response.write(f"event: {payload['type']}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n".encode())
+    yield _event("message_start", message=_message(started, response_id, []))
+    yield _event("ping")
+    blocks = _StreamedBlocks()
+    async with contextlib.aclosing(choices.pieces()) as pieces:
+        async for _, piece in pieces:
+            for event in blocks.events(piece) if piece is not None else blocks.close():
+                yield event
+    record(request.app[NODE_KEY], choices)  # before the stream ends, so a client that scrapes /metrics sees it
+    stop_reason, stop_sequence = _stop_reason(choices.generations[0])
+    yield _event("message_delta", delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                 usage={"output_tokens": choices.generations[0].completion_tokens})
+    yield _event("message_stop")

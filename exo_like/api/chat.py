@@ -80,7 +80,8 @@ async def _start(node: Node, model: LoadedModel, prompt: list[int], options: Gen
     differ); without, each draws its own."""
     _, generator = await node.require_model(options.model)
     check_token_ids(min(model.tokenizer.vocab_size, model.args.vocab_size), options)
-    max_tokens = resolve_max_tokens(len(prompt), options.max_tokens, model.args.context_length, prompt_param)
+    max_tokens = resolve_max_tokens(len(prompt), options.max_tokens, model.args.context_length, prompt_param,
+                                    options.max_tokens_is_cap)
     seed = options.sampling.seed
     return Started(model, ChoiceSet([
         TextGeneration(generator, model.tokenizer, prompt,

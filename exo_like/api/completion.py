@@ -55,15 +55,18 @@ class Piece:
     calls: tuple[ToolCall, ...] = ()
 
 
-def resolve_max_tokens(prompt_length: int, requested: int | None, context_length: int, prompt_param: str) -> int:
-    """How many tokens may be generated; the prompt plus the completion must fit in the context."""
+def resolve_max_tokens(prompt_length: int, requested: int | None, context_length: int, prompt_param: str,
+                       cap: bool = False) -> int:
+    """How many tokens may be generated; the prompt plus the completion must fit in the context (with `cap`, a
+    request for more gets what fits)."""
     if prompt_length >= context_length:
         raise InvalidRequestError(
             f"this model's maximum context length is {context_length} tokens, but the prompt has "
             f"{prompt_length} tokens", param=prompt_param, code="context_length_exceeded")
-    if requested is None:
-        return context_length - prompt_length
-    if prompt_length + requested > context_length:
+    room = context_length - prompt_length
+    if requested is None or (cap and requested > room):
+        return room
+    if requested > room:
         raise InvalidRequestError(
             f"this model's maximum context length is {context_length} tokens, but you requested "
             f"{prompt_length + requested} tokens ({prompt_length} in the prompt, {requested} for the completion); "

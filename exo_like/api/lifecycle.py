@@ -1,6 +1,6 @@
-"""What every dialect's handler shares around a generation: the app's keys, reading a JSON body, and the life of a
+"""What every dialect's handler shares around a generation: the app's keys, reading a JSON body, the life of a
 request (registered while it generates so shutdown can wait for it, logged once, counted in /metrics once, as soon
-as its tokens are all out), and each dialect's error shape, picked by path."""
+as its tokens are all out), streaming its events out (stream_out), and each dialect's error shape, picked by path."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager, suppress
 from typing import Any
 
 from aiohttp import web
 
 from exo_like.api.choices import ChoiceSet
 from exo_like.api.completion import TextGeneration
-from exo_like.errors import InvalidRequestError
+from exo_like.errors import ExoLikeError, InvalidRequestError
 from exo_like.node import Node
 from exo_like.serving.metrics import FinishedRequest
 
@@ -95,3 +95,53 @@ def _log_done(response_id: str, choices: ChoiceSet, seconds: float) -> None:
     log.info("request %s: %d prompt + %d completion tokens, finish=%s, %.2fs (%.1f tok/s)", response_id,
              usage["prompt_tokens"], usage["completion_tokens"], finish, seconds,
              usage["completion_tokens"] / seconds if seconds > 0 else 0.0)
+
+
+def sse(payload: dict[str, Any], named: bool = False) -> bytes:
+    """A server-sent event of `payload` (with an `event:` line of its type, for dialects that name events)."""
+    data = f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    return (f"event: {payload['type']}\n{data}" if named else data).encode()
+
+
+def ndjson(payload: dict[str, Any]) -> bytes:
+    return json.dumps(payload, ensure_ascii=False).encode() + b"\n"
+
+
+async def stream_out(request: web.Request, choices: ChoiceSet, response_id: str,
+                     events: AsyncIterator[dict[str, Any]], encode: Callable[[dict[str, Any]], bytes],
+                     error_event: ErrorShape, content_type: str = "text/event-stream",
+                     trailer: bytes = b"") -> web.StreamResponse:
+    """Stream a generation's events, as every dialect does: once the status line is out, an error is an event of the
+    dialect's error shape; a client that goes away stops the generation (its handler is cancelled: the events'
+    generator closes, and with it the generation); a node shutting down says so before the stream ends; `trailer`
+    (OpenAI's `data: [DONE]`) ends every stream that ends here."""
+    response = web.StreamResponse(headers={"Content-Type": content_type, "Cache-Control": "no-cache",
+                                           "X-Accel-Buffering": "no"})
+    await response.prepare(request)
+    try:
+        try:
+            async with aclosing(events) as each:
+                async for event in each:
+                    await response.write(encode(event))
+        except (ConnectionResetError, asyncio.CancelledError):
+            raise
+        except ExoLikeError as e:
+            await response.write(encode(error_event(e.status, e.message, e.type, e.param, e.code)))
+        except Exception as e:
+            log.exception("request %s failed while streaming", response_id)
+            await response.write(encode(error_event(500, f"internal server error: {type(e).__name__}: {e}",
+                                                    "server_error", None, None)))
+        await response.write(trailer)
+        await response.write_eof()
+    except ConnectionResetError:
+        log.info("request %s: client disconnected after %d tokens; generation stopped", response_id,
+                 choices.usage()["completion_tokens"])
+    except asyncio.CancelledError:
+        if request.app[NODE_KEY].stopping:  # tell the client why its stream ends early
+            with suppress(ConnectionResetError):
+                await response.write(encode(error_event(503, "the node is shutting down", "service_unavailable", None,
+                                                        "shutting_down")))
+                await response.write(trailer)
+                await response.write_eof()
+        raise
+    return response

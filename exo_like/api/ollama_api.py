@@ -14,13 +14,12 @@ or num_thread.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass, field, replace
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
@@ -29,12 +28,13 @@ from exo_like.api import ollama_models
 from exo_like.api.chat import Started, start_chat, start_completion
 from exo_like.api.choices import ChoiceSet
 from exo_like.api.completion import Piece, TextGeneration
-from exo_like.api.lifecycle import ERROR_SHAPES_KEY, NODE_KEY, generating, read_json, record
-from exo_like.api.ollama_models import flag, integer, invalid, number, require_object, text, timestamp
+from exo_like.api.lifecycle import ERROR_SHAPES_KEY, NODE_KEY, generating, ndjson, read_json, record, stream_out
+from exo_like.api.fields import optional_bool, require_object
+from exo_like.api.ollama_models import integer, invalid, number, text, timestamp
 from exo_like.api.openai_requests import ChatRequest, CompletionRequest, GenerationOptions
 from exo_like.api.tool_calls import Tool, ToolCall
 from exo_like.api.tool_requests import ToolUse, check_tool, link_tool_results, template_call, unique_tools
-from exo_like.errors import ExoLikeError, InvalidRequestError, ModelNotFoundError
+from exo_like.errors import InvalidRequestError, ModelNotFoundError
 from exo_like.serving.sampling import Choice, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     if not prompt:  # Ollama's "load the model" call
         return await _load(request, options.model, chat=False)
     node = request.app[NODE_KEY]
-    if flag(body, "raw"):  # the prompt goes to the model as is
+    if optional_bool(body, "raw"):  # the prompt goes to the model as is
         if system:
             raise invalid("system cannot be combined with raw: a raw prompt is sent as is", "system")
         started = await _start(lambda capped: start_completion(node, CompletionRequest(capped, prompt)), options)
@@ -94,16 +94,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
 
 
 async def _start(start: Callable[[GenerationOptions], Awaitable[Started]], options: GenerationOptions) -> Started:
-    """Start a generation with `options`. num_predict is a cap in Ollama, never an error: one past the end of the
-    context means "to the end of the context" (which the core takes as no limit; it can only tell once the prompt is
-    rendered, hence the second start)."""
+    """Start a generation with `options` (num_predict is a cap in Ollama, never an error: options say so)."""
     with ollama_errors(options.model):
-        try:
-            return await start(options)
-        except InvalidRequestError as e:
-            if e.code != "context_length_exceeded" or e.param != "max_tokens":
-                raise
-            return await start(replace(options, max_tokens=None))
+        return await start(options)
 
 
 @contextlib.contextmanager
@@ -142,10 +135,11 @@ def _options(body: dict[str, Any]) -> GenerationOptions:
     options = body.get("options") or {}
     if not isinstance(options, dict):
         raise invalid("options must be an object", "options", "invalid_type")
-    stream = flag(body, "stream")
+    stream = optional_bool(body, "stream")
     return GenerationOptions(model=model, max_tokens=_num_predict(options), sampling=_sampling(options, body),
                              stop=_stop(options.get("stop")), stream=True if stream is None else stream,
-                             include_usage=False, ignore_eos=False, json_schema=_format(body.get("format")))
+                             include_usage=False, ignore_eos=False, json_schema=_format(body.get("format")),
+                             max_tokens_is_cap=True)
 
 
 def _sampling(options: dict[str, Any], body: dict[str, Any]) -> SamplingParams:
@@ -174,7 +168,7 @@ def _num_predict(options: dict[str, Any]) -> int | None:
 
 def _logprobs(body: dict[str, Any]) -> int | None:
     """None: no log-probabilities; n: the chosen tokens' and the n likeliest beside each."""
-    wanted = flag(body, "logprobs")
+    wanted = optional_bool(body, "logprobs")
     top = integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, 0, where="top_logprobs")
     if top and not wanted:
         raise invalid("top_logprobs needs logprobs set to true", "top_logprobs")
@@ -352,44 +346,16 @@ async def _respond(request: web.Request, started: Started, replies: Replies, str
 
 async def _stream(request: web.Request, choices: ChoiceSet, replies: Replies) -> web.StreamResponse:
     """NDJSON: a line per piece, then the final line with the counts; an error after the status line is a line."""
-    response = web.StreamResponse(headers={"Content-Type": NDJSON, "Cache-Control": "no-cache",
-                                           "X-Accel-Buffering": "no"})
-    await response.prepare(request)
-    node = request.app[NODE_KEY]
-    try:
-        await _stream_lines(response, choices, replies, lambda: record(node, choices))
-        await response.write_eof()
-    except ConnectionResetError:
-        log.info("request ollama-%s: client disconnected after %d tokens; generation stopped", choices.request_id,
-                 choices.usage()["completion_tokens"])
-    except asyncio.CancelledError:
-        if node.stopping:  # tell the client why its stream ends early
-            with contextlib.suppress(ConnectionResetError):
-                await _send(response, {"error": "the node is shutting down"})
-                await response.write_eof()
-        raise
-    return response
+    return await stream_out(request, choices, f"ollama-{choices.request_id}", _lines(request, choices, replies),
+                            ndjson, error_shape, content_type=NDJSON)
 
 
-async def _stream_lines(response: web.StreamResponse, choices: ChoiceSet, replies: Replies,
-                        ended: Callable[[], None]) -> None:
-    try:
-        async with contextlib.aclosing(choices.pieces()) as pieces:
-            async for _, piece in pieces:
-                if piece is None:
-                    ended()  # counted before the last line: a client that scrapes /metrics next sees it
-                    await _send(response, replies.final(choices.generations[0]))
-                    continue
-                for line in replies.lines(piece):
-                    await _send(response, line)
-    except ConnectionResetError:
-        raise
-    except ExoLikeError as e:
-        await _send(response, {"error": e.message})
-    except Exception as e:
-        log.exception("request ollama-%s failed while streaming", choices.request_id)
-        await _send(response, {"error": f"internal server error: {type(e).__name__}: {e}"})
-
-
-async def _send(response: web.StreamResponse, line: dict[str, Any]) -> None:
-    await response.write(json.dumps(line, ensure_ascii=False).encode() + b"\n")
+async def _lines(request: web.Request, choices: ChoiceSet, replies: Replies) -> AsyncIterator[dict[str, Any]]:
+    async with contextlib.aclosing(choices.pieces()) as pieces:
+        async for _, piece in pieces:
+            if piece is None:
+                record(request.app[NODE_KEY], choices)  # before the last line: a client that scrapes /metrics next
+                yield replies.final(choices.generations[0])  # sees it
+                continue
+            for line in replies.lines(piece):
+                yield line

@@ -20,6 +20,7 @@ from typing import Any
 from aiohttp import web
 
 from exo_like import __version__
+from exo_like.api.fields import checked_text, json_type, require_object
 from exo_like.api.lifecycle import NODE_KEY, read_json
 from exo_like.api.tool_calls import detect
 from exo_like.errors import ExoLikeError, InvalidRequestError, ModelNotFoundError, UnsupportedModelError
@@ -203,18 +204,7 @@ def text(container: dict[str, Any], name: str, where: str | None = None) -> str:
         return ""
     if not isinstance(value, str):
         raise invalid(f"{where} must be a string, not {json_type(value)}", where, "invalid_type")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise invalid(f"{where} is not valid Unicode: a lone surrogate at character {e.start}", where) from None
-    return value
-
-
-def flag(body: dict[str, Any], name: str) -> bool | None:
-    value = body.get(name)
-    if value is not None and not isinstance(value, bool):
-        raise invalid(f"{name} must be a boolean, not {json_type(value)}", name, "invalid_type")
-    return value
+    return checked_text(value, where)
 
 
 def number(options: dict[str, Any], name: str, low: float, high: float, default: float) -> float:
@@ -239,18 +229,6 @@ def integer(options: dict[str, Any], name: str, low: int, high: int, default: in
     if not low <= value <= high:
         raise invalid(f"{where} must be between {low} and {high}; got {value}", where)
     return int(value)
-
-
-def require_object(body: Any) -> dict[str, Any]:
-    if not isinstance(body, dict):
-        raise InvalidRequestError(f"the request body must be a JSON object, not {json_type(body)}")
-    return body
-
-
-def json_type(value: Any) -> str:
-    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
-             dict: "an object", type(None): "null"}
-    return names.get(type(value), type(value).__name__)
 
 
 def timestamp(seconds: float | None = None) -> str:

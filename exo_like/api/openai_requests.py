@@ -10,11 +10,12 @@ Extensions, spelled as in vLLM: `top_k`, `min_p`, `repetition_penalty`, `return_
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 from exo_like.api.tool_requests import ToolUse, link_tool_results, openai_tool_calls, openai_tool_use
+from exo_like.api.fields import (checked_text, text_content, is_int, model_name, optional_bool, optional_float,
+                                  optional_int, require_object)
 from exo_like.errors import InvalidRequestError
 from exo_like.serving.sampling import SamplingParams
 
@@ -51,6 +52,9 @@ class GenerationOptions:
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: log-probabilities name tokens "token_id:N"
     n: int = 1  # choices: generations of the one prompt
     json_schema: dict[str, Any] | None = None  # structured output: the text is JSON this schema accepts
+    # max_tokens past the context's end means "to the end" (Anthropic's and Ollama's clients ask for more than small
+    # models hold: Claude Code sends 32000), not a 400 as in OpenAI's dialect
+    max_tokens_is_cap: bool = False
 
 
 @dataclass(frozen=True)
@@ -67,62 +71,46 @@ class CompletionRequest:
 
 
 def parse_chat_request(body: Any) -> ChatRequest:
-    body = _require_object(body)
-    max_tokens = _optional_int(body, "max_completion_tokens", minimum=1)
+    body = require_object(body)
+    max_tokens = optional_int(body, "max_completion_tokens", minimum=1)
     if max_tokens is None:
-        max_tokens = _optional_int(body, "max_tokens", minimum=1)
+        max_tokens = optional_int(body, "max_tokens", minimum=1)
     return ChatRequest(_options(body, max_tokens, chat=True), _messages(body.get("messages")), openai_tool_use(body))
 
 
 def parse_completion_request(body: Any) -> CompletionRequest:
-    body = _require_object(body)
-    max_tokens = _optional_int(body, "max_tokens", minimum=1)
+    body = require_object(body)
+    max_tokens = optional_int(body, "max_tokens", minimum=1)
     options = _options(body, COMPLETIONS_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens, chat=False)
     return CompletionRequest(options, _prompt(body.get("prompt")))
 
 
-def _require_object(body: Any) -> dict[str, Any]:
-    if not isinstance(body, dict):
-        raise InvalidRequestError(f"the request body must be a JSON object, not {_json_type(body)}")
-    return body
-
-
 def _options(body: dict[str, Any], max_tokens: int | None, chat: bool) -> GenerationOptions:
     _reject_unsupported(body)
-    n = _optional_int(body, "n", minimum=1, maximum=MAX_N)
-    stream = _optional_bool(body, "stream") or False
+    n = optional_int(body, "n", minimum=1, maximum=MAX_N)
+    stream = optional_bool(body, "stream") or False
     return GenerationOptions(
-        model=_model(body),
+        model=model_name(body),
         max_tokens=max_tokens,
         sampling=_sampling(body, chat),
         stop=_stop(body.get("stop")),
         stream=stream,
         include_usage=_include_usage(body, stream),
-        ignore_eos=_optional_bool(body, "ignore_eos") or False,
-        tokens_as_ids=_optional_bool(body, "return_tokens_as_token_ids") or False,
+        ignore_eos=optional_bool(body, "ignore_eos") or False,
+        tokens_as_ids=optional_bool(body, "return_tokens_as_token_ids") or False,
         n=n or 1,
         json_schema=_response_format(body.get("response_format")),
     )
 
 
-def _model(body: dict[str, Any]) -> str:
-    model = body.get("model")
-    if model is None:
-        raise InvalidRequestError("you must provide a model parameter", param="model",
-                                  code="missing_required_parameter")
-    if not isinstance(model, str) or not model:
-        raise InvalidRequestError("model must be a non-empty string", param="model", code="invalid_type")
-    return model
-
-
 def _sampling(body: dict[str, Any], chat: bool) -> SamplingParams:
-    temperature = _optional_float(body, "temperature", 0.0, 2.0)
-    top_p = _optional_float(body, "top_p", 0.0, 1.0)
+    temperature = optional_float(body, "temperature", 0.0, 2.0)
+    top_p = optional_float(body, "top_p", 0.0, 1.0)
     if top_p is not None and top_p <= 0.0:
         raise InvalidRequestError("top_p must be greater than 0 and at most 1", param="top_p", code="invalid_value")
-    top_k = _optional_int(body, "top_k", minimum=0)
-    seed = _optional_int(body, "seed", minimum=-(2**63), maximum=2**64 - 1)
-    repetition = _optional_float(body, "repetition_penalty", 0.0, 100.0)
+    top_k = optional_int(body, "top_k", minimum=0)
+    seed = optional_int(body, "seed", minimum=-(2**63), maximum=2**64 - 1)
+    repetition = optional_float(body, "repetition_penalty", 0.0, 100.0)
     if repetition is not None and repetition <= 0.0:
         raise InvalidRequestError("repetition_penalty must be greater than 0", param="repetition_penalty",
                                   code="invalid_value")
@@ -132,12 +120,12 @@ def _sampling(body: dict[str, Any], chat: bool) -> SamplingParams:
         top_k=top_k or 0,
         # numpy seeds must be non-negative; map OpenAI's signed 64-bit seeds onto them one to one.
         seed=None if seed is None else seed % 2**64,
-        min_p=_optional_float(body, "min_p", 0.0, 1.0) or 0.0,
-        presence_penalty=_optional_float(body, "presence_penalty", -2.0, 2.0) or 0.0,
-        frequency_penalty=_optional_float(body, "frequency_penalty", -2.0, 2.0) or 0.0,
+        min_p=optional_float(body, "min_p", 0.0, 1.0) or 0.0,
+        presence_penalty=optional_float(body, "presence_penalty", -2.0, 2.0) or 0.0,
+        frequency_penalty=optional_float(body, "frequency_penalty", -2.0, 2.0) or 0.0,
         repetition_penalty=1.0 if repetition is None else repetition,
         logit_bias=_logit_bias(body.get("logit_bias")),
-        logprobs=_chat_logprobs(body) if chat else _optional_int(body, "logprobs", 0, MAX_TOP_LOGPROBS),
+        logprobs=_chat_logprobs(body) if chat else optional_int(body, "logprobs", 0, MAX_TOP_LOGPROBS),
     )
 
 
@@ -165,7 +153,7 @@ def _response_format(value: Any) -> dict[str, Any] | None:
     if not isinstance(name, str) or not 1 <= len(name) <= 64:
         raise InvalidRequestError("response_format.json_schema.name must be a string of 1 to 64 characters",
                                   param="response_format.json_schema.name", code="invalid_value")
-    _optional_bool(spec, "strict", param="response_format.json_schema.strict")
+    optional_bool(spec, "strict", param="response_format.json_schema.strict")
     schema = spec.get("schema", {"type": "object"})
     if not isinstance(schema, dict):
         raise InvalidRequestError("response_format.json_schema.schema must be a JSON schema object",
@@ -189,7 +177,7 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
         if not key.isascii() or not key.isdigit() or len(key) > 10:  # (int() refuses thousands of digits)
             raise InvalidRequestError(f"logit_bias keys must be token ids; got {key[:40]!r}", param="logit_bias",
                                       code="invalid_value")
-        pairs.append((int(key), _optional_float({"logit_bias": bias}, "logit_bias", -100.0, 100.0)))
+        pairs.append((int(key), optional_float({"logit_bias": bias}, "logit_bias", -100.0, 100.0)))
     if any(bias is None for _, bias in pairs):
         raise InvalidRequestError("logit_bias values must be numbers between -100 and 100", param="logit_bias",
                                   code="invalid_type")
@@ -199,8 +187,8 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
 def _chat_logprobs(body: dict[str, Any]) -> int | None:
     """Chat: `logprobs` (a boolean) asks for the chosen tokens' log-probabilities, `top_logprobs` for that many
     likeliest tokens' beside them (only with logprobs)."""
-    wanted = _optional_bool(body, "logprobs")
-    top = _optional_int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    wanted = optional_bool(body, "logprobs")
+    top = optional_int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
     if top is not None and not wanted:
         raise InvalidRequestError("top_logprobs needs logprobs set to true", param="top_logprobs",
                                   code="invalid_value")
@@ -230,7 +218,7 @@ def _include_usage(body: dict[str, Any], stream: bool) -> bool:
     if not stream:
         raise InvalidRequestError("stream_options is only allowed when stream is true", param="stream_options",
                                   code="invalid_value")
-    return _optional_bool(options, "include_usage", param="stream_options.include_usage") or False
+    return optional_bool(options, "include_usage", param="stream_options.include_usage") or False
 
 
 def _reject_unsupported(body: dict[str, Any]) -> None:
@@ -272,7 +260,8 @@ def _message(value: Any, where: str) -> dict[str, Any]:
     # that only calls tools has no content: templates get "" (some trim it).
     empty_ok = role == "assistant" and calls is not None
     message: dict[str, Any] = {"role": "system" if role == "developer" else role,
-                               "content": "" if empty_ok and value.get("content") is None else _content(value, where)}
+                               "content": "" if empty_ok and value.get("content") is None
+                               else text_content(value.get("content"), f"{where}.content")}
     if calls is not None:
         message["tool_calls"] = openai_tool_calls(calls, where)
     if role == "tool":
@@ -285,34 +274,8 @@ def _message(value: Any, where: str) -> dict[str, Any]:
     if name is not None:
         if not isinstance(name, str):
             raise InvalidRequestError(f"{where}.name must be a string", param=f"{where}.name", code="invalid_type")
-        message["name"] = _unicode(name, f"{where}.name")
+        message["name"] = checked_text(name, f"{where}.name")
     return message
-
-
-def _content(message: dict[str, Any], where: str) -> str:
-    """Text content: a string, or a list of text parts (joined with newlines, as vLLM does)."""
-    content = message.get("content")
-    param = f"{where}.content"
-    if isinstance(content, str):
-        return _unicode(content, param)
-    if content is None:
-        raise InvalidRequestError(f"{param} is required", param=param, code="missing_required_parameter")
-    if not isinstance(content, list):
-        raise InvalidRequestError(f"{param} must be a string or a list of content parts", param=param,
-                                  code="invalid_type")
-    texts = []
-    for i, part in enumerate(content):
-        if not isinstance(part, dict):
-            raise InvalidRequestError(f"{param}[{i}] must be an object", param=f"{param}[{i}]", code="invalid_type")
-        kind = part.get("type")
-        if kind != "text":
-            raise InvalidRequestError(f"{param}[{i}]: content part type {kind!r} is not supported; this model "
-                                      f"accepts text only", param=f"{param}[{i}].type", code="unsupported_content")
-        if not isinstance(part.get("text"), str):
-            raise InvalidRequestError(f"{param}[{i}].text must be a string", param=f"{param}[{i}].text",
-                                      code="invalid_type")
-        texts.append(_unicode(part["text"], f"{param}[{i}].text"))
-    return "\n".join(texts)
 
 
 def _prompt(value: Any) -> str | list[int]:
@@ -320,80 +283,18 @@ def _prompt(value: Any) -> str | list[int]:
     if value is None:
         raise InvalidRequestError("prompt is required", param="prompt", code="missing_required_parameter")
     if isinstance(value, str):
-        return _unicode(value, "prompt")
+        return checked_text(value, "prompt")
     if not isinstance(value, list) or not value:
         raise InvalidRequestError("prompt must be a string, a list of one string, or a non-empty list of token "
                                   "ids", param="prompt", code="invalid_type")
-    if all(_is_int(v) for v in value):
+    if all(is_int(v) for v in value):
         return list(value)
     if len(value) > 1 and all(isinstance(v, (str, list)) for v in value):
         raise InvalidRequestError("batched prompts are not supported; send one prompt per request",
                                   param="prompt", code="unsupported_parameter")
     if len(value) == 1 and isinstance(value[0], str):
-        return _unicode(value[0], "prompt")
-    if len(value) == 1 and isinstance(value[0], list) and value[0] and all(_is_int(v) for v in value[0]):
+        return checked_text(value[0], "prompt")
+    if len(value) == 1 and isinstance(value[0], list) and value[0] and all(is_int(v) for v in value[0]):
         return list(value[0])
     raise InvalidRequestError("prompt must be a string, a list of one string, or a non-empty list of token ids",
                               param="prompt", code="invalid_type")
-
-
-def _unicode(text: str, param: str) -> str:
-    """Text that goes into the prompt. JSON's "\\ud800" escape decodes to a lone surrogate, which is no Unicode
-    character: the tokenizer cannot take it, so it is the client's error."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise InvalidRequestError(f"{param} is not valid Unicode: a lone surrogate {text[e.start]!r} at character "
-                                  f"{e.start}", param=param, code="invalid_value") from None
-    return text
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)  # JSON true is not the number 1
-
-
-def _optional_int(body: dict[str, Any], name: str, minimum: int | None = None,
-                  maximum: int | None = None) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if not _is_int(value):
-        raise InvalidRequestError(f"{name} must be an integer, not {_json_type(value)}", param=name,
-                                  code="invalid_type")
-    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
-        raise InvalidRequestError(f"{name} must be {_range_text(minimum, maximum)}; got {value}", param=name,
-                                  code="invalid_value")
-    return value
-
-
-def _optional_float(body: dict[str, Any], name: str, minimum: float, maximum: float) -> float | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InvalidRequestError(f"{name} must be a number, not {_json_type(value)}", param=name,
-                                  code="invalid_type")
-    if not math.isfinite(value) or not minimum <= value <= maximum:
-        raise InvalidRequestError(f"{name} must be between {minimum:g} and {maximum:g}; got {value}", param=name,
-                                  code="invalid_value")
-    return float(value)
-
-
-def _optional_bool(body: dict[str, Any], name: str, param: str | None = None) -> bool | None:
-    value = body.get(name)
-    if value is None or isinstance(value, bool):
-        return value
-    raise InvalidRequestError(f"{param or name} must be a boolean, not {_json_type(value)}", param=param or name,
-                              code="invalid_type")
-
-
-def _range_text(minimum: int | None, maximum: int | None) -> str:
-    if maximum is None:
-        return f"at least {minimum}"
-    return f"between {minimum} and {maximum}"
-
-
-def _json_type(value: Any) -> str:
-    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
-             dict: "an object", type(None): "null"}
-    return names.get(type(value), type(value).__name__)

@@ -16,9 +16,7 @@ has started, an `error` event ends it.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import json
 import logging
 import secrets
 import time
@@ -31,12 +29,13 @@ from aiohttp import web
 from exo_like.api.chat import start_chat
 from exo_like.api.choices import ChoiceSet
 from exo_like.api.completion import Piece
-from exo_like.api.lifecycle import NODE_KEY, generating, read_json, record
-from exo_like.api.openai_requests import ChatRequest, GenerationOptions, _unicode, parse_chat_request
+from exo_like.api.lifecycle import NODE_KEY, generating, read_json, record, sse, stream_out
+from exo_like.api.fields import checked_text, text_content
+from exo_like.api.openai_requests import ChatRequest, GenerationOptions, parse_chat_request
 from exo_like.api.tool_calls import Tool, ToolCall
 from exo_like.api.tool_requests import CHOICES, ToolUse, check_choice, check_tool, link_tool_results, template_call, \
     unique_tools
-from exo_like.errors import ExoLikeError, InvalidRequestError
+from exo_like.errors import InvalidRequestError
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +179,7 @@ class _Conversation:
                                       "item made that call: send the function_call item before its output",
                                       param=f"{where}.call_id", code="invalid_value")
         self.messages.append({"role": "tool", "tool_call_id": call_id,
-                              "content": _content(item.get("output"), f"{where}.output")})
+                              "content": text_content(item.get("output"), f"{where}.output", TEXT_PARTS)})
 
 
 def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
@@ -189,34 +188,14 @@ def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
         raise InvalidRequestError(f"{where}.role must be one of {', '.join(ROLES)}; got {str(role)[:40]!r}",
                                   param=f"{where}.role", code="invalid_value")
     # `developer` is OpenAI's newer name for `system`; chat templates only know the latter.
-    return {"role": "system" if role == "developer" else role, "content": _content(item.get("content"),
-                                                                                   f"{where}.content")}
-
-
-def _content(content: Any, param: str) -> str:
-    """A string, or text parts joined with newlines (as chat joins its parts)."""
-    if isinstance(content, str):
-        return _unicode(content, param)
-    if content is None:
-        raise InvalidRequestError(f"{param} is required", param=param, code="missing_required_parameter")
-    if not isinstance(content, list):
-        raise InvalidRequestError(f"{param} must be a string or a list of content parts", param=param,
-                                  code="invalid_type")
-    texts = []
-    for i, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in TEXT_PARTS:
-            raise InvalidRequestError(f"{param}[{i}]: content part type {str(kind)[:40]!r} is not supported; this "
-                                      "model accepts text only", param=f"{param}[{i}].type",
-                                      code="unsupported_content")
-        texts.append(_text(part.get("text"), f"{param}[{i}].text"))
-    return "\n".join(texts)
+    return {"role": "system" if role == "developer" else role,
+            "content": text_content(item.get("content"), f"{where}.content", TEXT_PARTS)}
 
 
 def _text(value: Any, param: str) -> str:
     if not isinstance(value, str):
         raise InvalidRequestError(f"{param} must be a string", param=param, code="invalid_type")
-    return _unicode(value, param)
+    return checked_text(value, param)
 
 
 def _call_id(item: dict[str, Any], where: str) -> str:
@@ -415,36 +394,7 @@ async def _every_event(request: web.Request, choices: ChoiceSet, events: Respons
 
 
 async def _stream(request: web.Request, choices: ChoiceSet, events: ResponseEvents) -> web.StreamResponse:
-    """Server-sent events, with chat's handling of disconnects, shutdown and errors (routes._stream)."""
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                           "X-Accel-Buffering": "no"})
-    await response.prepare(request)
-    try:
-        try:
-            async with contextlib.aclosing(_every_event(request, choices, events)) as every_event:
-                async for event in every_event:
-                    await _send(response, event)
-        except ExoLikeError as e:
-            # The status line is sent already: report the error in-band, as OpenAI does mid-stream.
-            await _send(response, events.error(e.message, e.code or e.type, e.param))
-        except ConnectionResetError:
-            raise
-        except Exception as e:
-            log.exception("request %s failed while streaming", events.response_id)
-            await _send(response, events.error(f"internal server error: {type(e).__name__}: {e}", "server_error"))
-        await response.write_eof()
-    except ConnectionResetError:
-        log.info("request %s: client disconnected after %d tokens; generation stopped", events.response_id,
-                 choices.usage()["completion_tokens"])
-    except asyncio.CancelledError:
-        if request.app[NODE_KEY].stopping:  # tell the client why its stream ends early
-            with contextlib.suppress(ConnectionResetError):
-                await _send(response, events.error("the node is shutting down", "shutting_down"))
-                await response.write_eof()
-        raise
-    return response
-
-
-async def _send(response: web.StreamResponse, event: Event) -> None:
-    data = json.dumps(event, ensure_ascii=False)
-    await response.write(f"event: {event['type']}\ndata: {data}\n\n".encode())
+    """Server-sent events, each `event: <type>` with its JSON, numbered."""
+    return await stream_out(request, choices, events.response_id, _every_event(request, choices, events),
+                            lambda event: sse(event, named=True),
+                            lambda status, message, type_, param, code: events.error(message, code or type_, param))

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
 from aiohttp import web
@@ -22,7 +22,7 @@ from exo_like.api import anthropic_api, ollama_api, responses_api
 from exo_like.api.chat import start_chat, start_completion
 from exo_like.api.choices import ChoiceSet
 from exo_like.api.lifecycle import (ERROR_SHAPES_KEY, GENERATING_KEY, NODE_KEY, error_shape, generating,
-                                    read_json, record)
+                                    read_json, record, sse, stream_out)
 from exo_like.api.openai_requests import parse_chat_request, parse_completion_request
 from exo_like.api.openai_responses import ResponseFormat, error_body
 from exo_like.cluster.peers import PEER_PATH
@@ -149,60 +149,27 @@ async def _respond(request: web.Request, choices: ChoiceSet, fmt: ResponseFormat
 
 async def _stream(request: web.Request, choices: ChoiceSet, fmt: ResponseFormat) -> web.StreamResponse:
     """Server-sent events: chunks as text arrives, a finish chunk, an optional usage chunk, then [DONE]."""
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                           "X-Accel-Buffering": "no"})
-    await response.prepare(request)
-    try:
-        await _stream_events(response, choices, fmt)
-        record(request.app[NODE_KEY], choices)
-        await _end_stream(response)
-    except ConnectionResetError:
-        log.info("request %s: client disconnected after %d tokens; generation stopped", fmt.response_id,
-                 choices.usage()["completion_tokens"])
-    except asyncio.CancelledError:
-        if request.app[NODE_KEY].stopping:  # tell the client why its stream ends early
-            with contextlib.suppress(ConnectionResetError):
-                await _send(response, error_body("the node is shutting down", "service_unavailable", None,
-                                                 "shutting_down"))
-                await _end_stream(response)
-        raise
-    return response
+    return await stream_out(request, choices, fmt.response_id, _chunks(request, choices, fmt), sse,
+                            lambda status, message, type_, param, code: error_body(message, type_, param, code),
+                            trailer=b"data: [DONE]\n\n")
 
 
-async def _end_stream(response: web.StreamResponse) -> None:
-    await response.write(b"data: [DONE]\n\n")
-    await response.write_eof()
-
-
-async def _stream_events(response: web.StreamResponse, choices: ChoiceSet, fmt: ResponseFormat) -> None:
-    try:
-        for index in range(len(choices.generations)):
-            if (first := fmt.first_chunk(index)) is not None:
-                await _send(response, first)
-        calls = [0] * len(choices.generations)  # tool calls streamed so far, per choice
-        async with contextlib.aclosing(choices.pieces()) as pieces:
-            async for index, piece in pieces:
-                if piece is None:
-                    await _send(response, fmt.finish_chunk(choices.generations[index].finish_reason or "length",
-                                                           index))
-                    continue
-                for chunk in fmt.piece_chunks(piece, index, calls[index]):
-                    await _send(response, chunk)
-                calls[index] += len(piece.calls)
-        if fmt.include_usage:
-            await _send(response, fmt.usage_chunk(choices.usage()))
-    except ConnectionResetError:
-        raise
-    except ExoLikeError as e:
-        # The status line is sent already: report the error in-band, as OpenAI does mid-stream.
-        await _send(response, error_body(e.message, e.type, e.param, e.code))
-    except Exception as e:
-        log.exception("request %s failed while streaming", fmt.response_id)
-        await _send(response, error_body(f"internal server error: {type(e).__name__}: {e}", "server_error"))
-
-
-async def _send(response: web.StreamResponse, payload: dict[str, Any]) -> None:
-    await response.write(f"data: {json.dumps(payload, ensure_ascii=False)}\n\n".encode())
+async def _chunks(request: web.Request, choices: ChoiceSet, fmt: ResponseFormat) -> AsyncIterator[dict[str, Any]]:
+    for index in range(len(choices.generations)):
+        if (first := fmt.first_chunk(index)) is not None:
+            yield first
+    calls = [0] * len(choices.generations)  # tool calls streamed so far, per choice
+    async with contextlib.aclosing(choices.pieces()) as pieces:
+        async for index, piece in pieces:
+            if piece is None:
+                yield fmt.finish_chunk(choices.generations[index].finish_reason or "length", index)
+                continue
+            for chunk in fmt.piece_chunks(piece, index, calls[index]):
+                yield chunk
+            calls[index] += len(piece.calls)
+    record(request.app[NODE_KEY], choices)  # before the stream ends, so a client that scrapes /metrics sees it
+    if fmt.include_usage:
+        yield fmt.usage_chunk(choices.usage())
 
 
 async def list_models(request: web.Request) -> web.Response:

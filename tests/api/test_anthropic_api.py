@@ -247,37 +247,3 @@ def test_route_and_model_errors_are_in_anthropic_shape(tools_node: NodeProcess, 
         body = caught.value.body
         assert body["type"] == "error" and body["error"]["type"] == kind and set(body["error"]) == {"type", "message"}
     assert wrong_method.value.status_code == 405 and wrong_method.value.response.headers["Allow"] == "POST"
-
-
-@pytest.fixture(scope="module")
-def three_layers_with_tools(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """tools_checkpoint's model with a layer more: one layer for each node of a ring of three."""
-    from tests.chat_templates import HERMES_TOOLS_TEMPLATE
-    from tests.checkpoints import make_checkpoint
-
-    return make_checkpoint(tmp_path_factory.mktemp("ring") / "tools3", "qwen2", n_layers=3,
-                           chat_template=HERMES_TOOLS_TEMPLATE)
-
-
-@pytest.mark.slow
-def test_a_streamed_tool_round_trip_through_a_ring_of_three(three_layers_with_tools: Path, tmp_path: Path) -> None:
-    from tests.cluster_harness import cluster_of, start_cluster, wait_until_ready
-
-    nodes = start_cluster(tmp_path, str(three_layers_with_tools), [1, 1, 1])  # about 25 s on 2 cores
-    try:
-        wait_until_ready(nodes, members=3)
-        assert len(cluster_of(nodes[0])["plan"]["stages"]) == 3
-        api = client(nodes[1])
-        with api.messages.stream(model=three_layers_with_tools.name, max_tokens=200, messages=ASK, tools=TOOLS,
-                                 tool_choice=FORCE_WEATHER) as stream:
-            first = stream.get_final_message()
-        check_calls(first, {"get_weather"})
-        results = [{"type": "tool_result", "tool_use_id": call.id, "content": "21 C"} for call in tool_uses(first)]
-        with api.messages.stream(model=three_layers_with_tools.name, max_tokens=8, tools=TOOLS,
-                                 messages=[*ASK, first.to_param(), {"role": "user", "content": results}]) as stream:
-            second = stream.get_final_message()
-        assert second.stop_reason in ("end_turn", "max_tokens", "tool_use")
-        assert second.usage.input_tokens > first.usage.input_tokens + 10
-    finally:
-        exit_codes = stop_nodes(nodes)
-    assert exit_codes == [0, 0, 0] and not any("Traceback" in node.log() for node in nodes)

@@ -23,7 +23,6 @@ from exo_like.errors import InvalidRequestError
 from tests.api.test_tools_openai import TOOLS
 from tests.api_server import NodeProcess, stop_nodes, tools_checkpoint, tools_node  # noqa: F401  (fixtures)
 from tests.chat_templates import HERMES_TOOLS_TEMPLATE
-from tests.cluster_harness import start_cluster, wait_until_ready
 
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 GREEDY = {"temperature": 0, "num_predict": 12}
@@ -210,26 +209,3 @@ def test_errors_come_in_ollamas_shape(tools_node: NodeProcess, tools_checkpoint:
     for method, path, status in (("POST", "/api/pull", 404), ("GET", "/api/chat", 405)):
         got, _, raw = tools_node.request(method, path)
         assert got == status and set(json.loads(raw)) == {"error"}, raw
-
-
-@pytest.fixture(scope="module")
-def tools_ring(tools_checkpoint: Path,  # noqa: F811
-               tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[NodeProcess]]:
-    nodes = start_cluster(tmp_path_factory.mktemp("ring"), str(tools_checkpoint), [3, 2, 1])
-    wait_until_ready(nodes, members=3)
-    yield nodes
-    stop_nodes(nodes)
-
-
-@pytest.mark.slow
-def test_a_ring_streams_a_chat_and_holds_it_to_a_schema(tools_ring: list[NodeProcess],
-                                                        tools_checkpoint: Path) -> None:  # noqa: F811
-    """Asked at a node that is not the last stage: the tokens, masked by the schema there, come back over the ring."""
-    last = tools_ring[0].get_json("/v1/cluster")["plan"]["stages"][-1]["node_id"]
-    entry = next(node for node in tools_ring if node.get_json("/health")["node_id"] != last)
-    api, model = client(entry), str(tools_checkpoint)
-    lines = list(api.chat(model=model, messages=ASK, options=GREEDY, stream=True))
-    assert lines[-1].done and "".join(line.message.content for line in lines)
-    streamed = api.chat(model=model, messages=[{"role": "user", "content": "A record, please."}], format=RECORD,
-                        stream=True, options={"temperature": 1, "seed": 5, "num_predict": 200})
-    jsonschema.validate(json.loads("".join(line.message.content for line in streamed)), RECORD)

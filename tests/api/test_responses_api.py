@@ -8,7 +8,6 @@ call round trip through a three-node ring. The client's pydantic types validate 
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import jsonschema
@@ -16,9 +15,6 @@ import pydantic
 import pytest
 
 from tests.api_server import ARCH, NodeProcess, stop_nodes, tools_checkpoint, tools_node  # noqa: F401  (fixtures)
-from tests.chat_templates import HERMES_TOOLS_TEMPLATE
-from tests.checkpoints import make_checkpoint
-from tests.cluster_harness import cluster_of, start_cluster, wait_until_ready
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city.", "strict": True,
            "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
@@ -244,32 +240,3 @@ async def test_a_failure_mid_stream_is_an_error_event(tools_checkpoint: Path, tm
     assert response.status == 200 and events[2]["type"] == "response.output_item.added"
     assert events[-1]["type"] == "error" and "simulated device failure" in events[-1]["message"]
     assert events[-1]["code"] == "stage_failed" and events[-1]["sequence_number"] == len(events) - 1
-
-
-@pytest.mark.slow
-def test_a_streamed_call_round_trip_through_a_three_node_ring(tmp_path: Path) -> None:
-    """tools_checkpoint's template on three layers, one per node, the requests entering at the last node."""
-    model = make_checkpoint(tmp_path / "tools3", ARCH, n_layers=3, chat_template=HERMES_TOOLS_TEMPLATE)
-    started = time.monotonic()
-    nodes = start_cluster(tmp_path, str(model), [1, 1, 1], extra=("--placement", "memory"))
-    try:
-        wait_until_ready(nodes, members=3)
-        print(f"ring ready in {time.monotonic() - started:.1f}s")
-        assert len(cluster_of(nodes[0])["plan"]["stages"]) == 3
-        api = client(nodes[2])
-        with api.responses.stream(model=str(model), input=ASK, tools=TOOLS, max_output_tokens=300,
-                                  tool_choice={"type": "function", "name": "get_weather"}) as stream:
-            kinds = [event.type for event in stream]
-            first = stream.get_final_response()
-        assert "response.function_call_arguments.delta" in kinds and kinds[-1] == "response.completed"
-        call = first.output[0]
-        check_call(call.name, call.arguments)
-        conversation = [*ASK, *(item.model_dump(exclude_none=True) for item in first.output),
-                        {"type": "function_call_output", "call_id": call.call_id, "output": '{"temperature": 21}'}]
-        with api.responses.stream(model=str(model), input=conversation, tools=TOOLS, tool_choice="none",
-                                  max_output_tokens=8, temperature=0.0) as stream:
-            events = list(stream)
-        assert events[-1].type in ("response.completed", "response.incomplete") and events[-1].response.output_text
-        assert events[-1].response.usage.input_tokens > first.usage.input_tokens + 10
-    finally:
-        stop_nodes(nodes)

@@ -51,6 +51,33 @@ def test_smollm2_greedy_tokens_match_transformers(smollm2) -> None:
     assert "Paris" in tokenizer.decode(ours)
 
 
+def answers_in_every_dialect(node) -> None:  # noqa: ANN001
+    """The same question through the other dialects' official clients, and as JSON held to a schema."""
+    import anthropic
+    import jsonschema
+    import ollama
+    import openai
+
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    schema = {"type": "object", "properties": {"capital": {"type": "string", "maxLength": 20}},
+              "required": ["capital"], "additionalProperties": False}
+    shaped = openai.OpenAI(base_url=node.base_url + "/v1", api_key="x", max_retries=0).chat.completions.create(
+        model="smollm2-135m", messages=question, max_tokens=40, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
+    reply = json.loads(shaped.choices[0].message.content)
+    jsonschema.validate(reply, schema)
+    assert "Paris" in reply["capital"], reply
+    message = anthropic.Anthropic(base_url=node.base_url, api_key="x", max_retries=0).messages.create(
+        model="smollm2-135m", messages=question, max_tokens=20, extra_body={"temperature": 0})
+    assert "Paris" in message.content[0].text, message
+    chat = ollama.Client(host=node.base_url).chat(model="smollm2-135m", messages=question,
+                                                   options={"temperature": 0, "num_predict": 20})
+    assert "Paris" in chat.message.content, chat
+    response = openai.OpenAI(base_url=node.base_url + "/v1", api_key="x", max_retries=0).responses.create(
+        model="smollm2-135m", input="What is the capital of France?", max_output_tokens=20, temperature=0)
+    assert "Paris" in response.output_text, response
+
+
 def test_smollm2_is_served_by_its_catalog_name_and_answers(smollm2, tmp_path) -> None:
     from tests.api_server import start_node
     from tests.cluster_harness import wait_until_ready
@@ -65,6 +92,7 @@ def test_smollm2_is_served_by_its_catalog_name_and_answers(smollm2, tmp_path) ->
         assert status == 200, raw
         answer = json.loads(raw)
         assert "Paris" in answer["choices"][0]["message"]["content"], json.dumps(answer)
+        answers_in_every_dialect(node)
         # Every matrix runs on a quantized kernel (the embedding and tied head are one Q8_0 matrix).
         weights = node.get_json("/health")["weights"]
         assert weights["dequantized"] == {} and weights["quantized"]["Q8_0"] == 1, weights

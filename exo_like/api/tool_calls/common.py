@@ -1,10 +1,12 @@
-"""What the tool-call formats share: the event sink every parser emits through (with its whitespace rule), marker
-hold-back, finding where a JSON value ends in a stream, turning parsed JSON into a ToolCall, and the pieces of a
-forced grammar (literals, special-token markers, JSON-schema arguments, the choice among tools)."""
+"""What the tool-call formats share: the event sink every parser emits through (with its whitespace rule), the
+streaming loop and marker hold-back every parser runs on, finding where a JSON value ends in a stream, turning
+parsed JSON into a ToolCall, and the pieces of a forced grammar (literals, special-token markers, JSON-schema
+arguments, the choice among tools)."""
 
 from __future__ import annotations
 
 import json
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -54,10 +56,67 @@ def partial_marker_start(text: str, markers: Iterable[str]) -> int:
     return len(text)
 
 
+def first_marker(text: str, markers: Iterable[str]) -> tuple[int, str] | None:
+    """The earliest of `markers` in `text`, as (index, marker); None when none is there."""
+    found = [(index, m) for m in markers if (index := text.find(m)) >= 0]
+    return min(found) if found else None
+
+
+class StreamingParser(ABC):
+    """The loop every format's parser runs: deltas gather in `_buffer`, and `_step` consumes from its front what can
+    be decided now, emitting through `_sink`, until it has to wait for more text. A format writes `_step` and
+    `_end_of_output`; `feed` and `flush` are the ToolCallParser protocol."""
+
+    def __init__(self) -> None:
+        self._sink = EventSink()
+        self._buffer = ""
+
+    def feed(self, text: str) -> list[Event]:
+        self._buffer += text
+        while self._step():
+            pass
+        return self._sink.take()
+
+    def flush(self) -> list[Event]:
+        self._end_of_output()
+        self._buffer = ""
+        return self._sink.take()
+
+    @abstractmethod
+    def _step(self) -> bool:
+        """Consume what can be decided now; True when another look may decide more, False to wait for text."""
+
+    @abstractmethod
+    def _end_of_output(self) -> None:
+        """The output is over: emit what the buffer still holds (as content if it never became a call) and reset
+        the format's own state (the buffer is emptied after)."""
+
+    def _take_until(self, markers: Sequence[str], *, whole: bool = False) -> tuple[str, str | None]:
+        """Cut the buffer's front up to the first of `markers`, consuming the marker: (the text before it, the
+        marker). With no marker in it yet: (the text that cannot be part of one, None), the tail that may be a
+        marker's beginning staying for the next delta to complete; or, when `whole` (text wanted in one piece,
+        such as a call's body), ("", None) with the buffer left as it is."""
+        found = first_marker(self._buffer, markers)
+        if found is None:
+            cut = 0 if whole else partial_marker_start(self._buffer, markers)
+            text, self._buffer = self._buffer[:cut], self._buffer[cut:]
+            return text, None
+        index, hit = found
+        text, self._buffer = self._buffer[:index], self._buffer[index + len(hit):]
+        return text, hit
+
+    def _content_until(self, markers: Sequence[str]) -> str | None:
+        """Emit the buffer as content up to the first of `markers`, consuming and returning the marker; None while
+        none has come (content streams as it arrives, only a possible marker's beginning is held)."""
+        text, hit = self._take_until(markers)
+        self._sink.content(text)
+        return hit
+
+
 class JsonEnd:
     """Where the object or array that opens a growing text ends. Each character is read once however the text
     arrives (a held answer can be long); brackets are counted outside strings only, validity is json.loads' business
-    afterwards. One instance per JSON value."""
+    afterwards. Once it has found a value's end it starts over, for the next value."""
 
     def __init__(self) -> None:
         self._read = 0
@@ -66,8 +125,8 @@ class JsonEnd:
         self._escaped = False
 
     def find(self, text: str) -> int | None:
-        """The index just past the value, or None while it is not closed yet. `text` must be the text of the last
-        call with more appended."""
+        """The index just past the value, or None while it is not closed yet. Until it is, `text` must be the text
+        of the last call with more appended."""
         for index in range(self._read, len(text)):
             char = text[index]
             if self._in_string:
@@ -84,6 +143,7 @@ class JsonEnd:
             elif char in "}]":
                 self._depth -= 1
                 if self._depth == 0:
+                    self._read = 0  # depth 0, outside strings: as new
                     return index + 1
         self._read = len(text)
         return None

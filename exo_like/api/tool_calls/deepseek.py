@@ -19,9 +19,8 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from exo_like.api.tool_calls import Event, Tool, ToolCall
-from exo_like.api.tool_calls.common import EventSink, call_from_parts, call_grammar, literal, marker, \
-    partial_marker_start
+from exo_like.api.tool_calls import Tool, ToolCall
+from exo_like.api.tool_calls.common import StreamingParser, call_from_parts, call_grammar, literal, marker
 
 CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CALL_BEGIN, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
@@ -29,53 +28,39 @@ FENCE_OPEN, FENCE_CLOSE = "\n```json\n", "\n```"  # around V3's arguments
 _FENCED = re.compile(r"\s*(\S+)\s*\n```(?:json)?[ \t]*\n?(.*?)\n?```\s*", re.DOTALL)
 
 
-class DeepSeekParser:
+class DeepSeekParser(StreamingParser):
     def __init__(self) -> None:
-        self._sink = EventSink()
-        self._buffer = ""
+        super().__init__()
         self._mode = "content"  # content, section (between calls), call (a call's body in _buffer)
         # The section's markers and whitespace read so far: given back as text unless the section holds a call.
         self._structure = ""
         self._calls_in_section = 0
 
-    def feed(self, text: str) -> list[Event]:
-        self._buffer += text
-        while self._step():
-            pass
-        return self._sink.take()
-
-    def flush(self) -> list[Event]:
+    def _end_of_output(self) -> None:
         if self._mode == "call":
             self._finish_call(self._buffer, CALL_BEGIN, "")
         elif self._mode == "section":
             self._end_section(self._buffer)
         else:
             self._sink.content(self._buffer)
-        self._buffer, self._mode = "", "content"
-        return self._sink.take()
+        self._mode = "content"
 
     def _step(self) -> bool:
         if self._mode == "content":
             return self._scan_content()
         if self._mode == "section":
             return self._scan_section()
-        end = self._buffer.find(CALL_END)
-        if end < 0:
+        body, end = self._take_until((CALL_END,), whole=True)
+        if end is None:
             return False
-        self._finish_call(self._buffer[:end], CALL_BEGIN, CALL_END)
-        self._buffer, self._mode = self._buffer[end + len(CALL_END):], "section"
+        self._finish_call(body, CALL_BEGIN, CALL_END)
+        self._mode = "section"
         return True
 
     def _scan_content(self) -> bool:
-        starts = [(index, m) for m in (CALLS_BEGIN, CALL_BEGIN) if (index := self._buffer.find(m)) >= 0]
-        if not starts:
-            keep = partial_marker_start(self._buffer, [CALLS_BEGIN, CALL_BEGIN])
-            self._sink.content(self._buffer[:keep])
-            self._buffer = self._buffer[keep:]
+        found = self._content_until((CALLS_BEGIN, CALL_BEGIN))
+        if found is None:
             return False
-        start, found = min(starts)
-        self._sink.content(self._buffer[:start])
-        self._buffer = self._buffer[start + len(found):]
         # A call without the section marker (seen when the begin marker was left out) opens the section itself.
         self._structure, self._calls_in_section = (CALLS_BEGIN if found == CALLS_BEGIN else ""), 0
         self._mode = "section" if found == CALLS_BEGIN else "call"

@@ -22,9 +22,9 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from exo_like.api.tool_calls import Event, Tool
-from exo_like.api.tool_calls.common import EventSink, call_from_parts, call_grammar, literal, marker, \
-    partial_marker_start
+from exo_like.api.tool_calls import Tool
+from exo_like.api.tool_calls.common import StreamingParser, call_from_parts, call_grammar, first_marker, literal, \
+    marker
 
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
 END, CALL, RETURN = "<|end|>", "<|call|>", "<|return|>"
@@ -35,29 +35,21 @@ _CHANNEL_NAME = re.compile(re.escape(CHANNEL) + r"\s*([^\s<]+)")
 FUNCTIONS = "functions."
 
 
-class HarmonyParser:
+class HarmonyParser(StreamingParser):
     def __init__(self) -> None:
-        self._sink = EventSink()
-        self._buffer = ""
+        super().__init__()
         self._mode = "start"  # start (undecided), plain (not harmony), header, body, between (messages)
         self._channel = ""
         self._function: str | None = None  # the body is a call of this function
 
-    def feed(self, text: str) -> list[Event]:
-        self._buffer += text
-        while self._step():
-            pass
-        return self._sink.take()
-
-    def flush(self) -> list[Event]:
+    def _end_of_output(self) -> None:
         if self._mode in ("start", "plain") or (self._mode == "body" and self._channel == "final"):
             self._sink.content(self._buffer)
         elif self._mode == "body" and self._function is not None:
             self._finish_call(self._buffer)  # its <|call|> was the stop token, not in the text
         elif self._mode == "between":
             self._stray_text(self._buffer)
-        self._buffer, self._mode = "", "plain"
-        return self._sink.take()
+        self._mode = "plain"
 
     def _step(self) -> bool:
         if self._mode == "start":
@@ -95,30 +87,26 @@ class HarmonyParser:
         return True
 
     def _read_body(self) -> bool:
-        ends = [(index, end) for end in _ENDS if (index := self._buffer.find(end)) >= 0]
-        if not ends:
-            if self._function is None:  # final text goes out as it comes; other text (analysis...) is dropped
-                keep = partial_marker_start(self._buffer, _ENDS)
-                if self._channel == "final":
-                    self._sink.content(self._buffer[:keep])
-                self._buffer = self._buffer[keep:]
-            return False
-        index, end = min(ends)
-        body, self._buffer = self._buffer[:index], self._buffer[index + len(end):]
-        if self._function is not None:
-            self._finish_call(body)
-        elif self._channel == "final":
+        # A call's arguments are parsed whole at their end; final text goes out as it comes; other text (analysis,
+        # preambles) is dropped.
+        calling = self._function is not None
+        body, end = self._take_until(_ENDS, whole=calling)
+        if self._channel == "final" and not calling:
             self._sink.content(body)
+        if end is None:
+            return False
+        if calling:
+            self._finish_call(body)
         self._mode = "between"
         return True
 
     def _between(self) -> bool:
         """After a message: the next header starts at <|start|> (or straight at <|channel|>). Text before it
         belongs to no message: whitespace there is dropped, anything else kept as content."""
-        starts = [(index, start) for start in (START, CHANNEL) if (index := self._buffer.find(start)) >= 0]
-        if not starts:
+        found = first_marker(self._buffer, (START, CHANNEL))
+        if found is None:
             return False
-        index, _ = min(starts)
+        index = found[0]
         self._stray_text(self._buffer[:index])
         self._buffer, self._mode = self._buffer[index:], "header"
         return True

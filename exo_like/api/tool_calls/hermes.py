@@ -14,41 +14,34 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from exo_like.api.tool_calls import Event, Tool
-from exo_like.api.tool_calls.common import EventSink, call_from_json, call_grammar, literal, marker, \
-    partial_marker_start
+from exo_like.api.tool_calls import Tool
+from exo_like.api.tool_calls.common import StreamingParser, call_from_json, call_grammar, literal, marker
 
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
 _FIRST_VISIBLE = re.compile(r"\s*(\S)")
 
 
-class HermesParser:
+class HermesParser(StreamingParser):
     def __init__(self) -> None:
-        self._sink = EventSink()
-        self._buffer = ""
+        super().__init__()
         self._in_call = False  # after a CALL_START, its body in _buffer
         self._searched = 0  # the body holds no CALL_END before this (long arguments are not searched again)
 
-    def feed(self, text: str) -> list[Event]:
-        self._buffer += text
-        while self._step():
-            pass
-        return self._sink.take()
-
-    def flush(self) -> list[Event]:
+    def _end_of_output(self) -> None:
         if self._in_call:
             # A call cut short of its end tag still counts when its JSON is whole (output ended by max_tokens or
             # a stop token right after the object); otherwise it was never a call.
             self._finish_call(self._buffer, closed=False)
         else:
             self._sink.content(self._buffer)
-        self._buffer, self._in_call = "", False
-        return self._sink.take()
+        self._in_call = False
 
     def _step(self) -> bool:
-        """Consume what can be decided now; True when it may be worth looking again."""
         if not self._in_call:
-            return self._scan_content()
+            if self._content_until((CALL_START,)) is None:
+                return False
+            self._in_call, self._searched = True, 0
+            return True
         first = _FIRST_VISIBLE.match(self._buffer)
         if first and first.group(1) != "{":
             # "<tool_call>" mentioned in prose: give the tag back as text and carry on after it.
@@ -62,18 +55,6 @@ class HermesParser:
         self._finish_call(self._buffer[:end], closed=True)
         self._buffer = self._buffer[end + len(CALL_END):]
         self._in_call = False
-        return True
-
-    def _scan_content(self) -> bool:
-        start = self._buffer.find(CALL_START)
-        if start < 0:
-            keep = partial_marker_start(self._buffer, [CALL_START])
-            self._sink.content(self._buffer[:keep])
-            self._buffer = self._buffer[keep:]
-            return False
-        self._sink.content(self._buffer[:start])
-        self._buffer = self._buffer[start + len(CALL_START):]
-        self._in_call, self._searched = True, 0
         return True
 
     def _finish_call(self, body: str, closed: bool) -> None:

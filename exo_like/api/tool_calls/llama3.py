@@ -13,34 +13,25 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from exo_like.api.tool_calls import Event, Tool
-from exo_like.api.tool_calls.common import EventSink, JsonEnd, call_from_json, call_grammar, literal, \
-    partial_marker_start
+from exo_like.api.tool_calls import Tool
+from exo_like.api.tool_calls.common import JsonEnd, StreamingParser, call_from_json, call_grammar, literal
 
 PYTHON_TAG = "<|python_tag|>"
 
 
-class Llama3Parser:
+class Llama3Parser(StreamingParser):
     def __init__(self) -> None:
-        self._sink = EventSink()
-        self._buffer = ""
+        super().__init__()
         self._mode = "start"  # start (undecided), content, object (a call's JSON expected), separator (";" or end)
         self._opening = ""  # what led to the object expected (the tag, ";"): text again if no call comes of it
         self._json_end = JsonEnd()
 
-    def feed(self, text: str) -> list[Event]:
-        self._buffer += text
-        while self._step():
-            pass
-        return self._sink.take()
-
-    def flush(self) -> list[Event]:
+    def _end_of_output(self) -> None:
         if self._mode == "object" and (self._buffer.strip() or not self._sink.called):
             self._give_up(len(self._buffer))  # (a ";" after the last call, with nothing after it, is dropped)
         elif self._mode in ("start", "content"):
             self._sink.content(self._buffer)
-        self._buffer, self._mode, self._json_end = "", "content", JsonEnd()
-        return self._sink.take()
+        self._mode, self._json_end = "content", JsonEnd()
 
     def _step(self) -> bool:
         if self._mode == "start":
@@ -65,15 +56,10 @@ class Llama3Parser:
         return True
 
     def _scan_content(self) -> bool:
-        tag = self._buffer.find(PYTHON_TAG)
-        if tag < 0:
-            keep = partial_marker_start(self._buffer, [PYTHON_TAG])
-            self._sink.content(self._buffer[:keep])
-            self._buffer = self._buffer[keep:]
+        tag = self._content_until((PYTHON_TAG,))
+        if tag is None:
             return False
-        self._sink.content(self._buffer[:tag])
-        self._buffer = self._buffer[tag:]
-        self._enter_calls(len(PYTHON_TAG))
+        self._opening, self._mode = tag, "object"  # the tag opens the calls (cut off already, as _enter_calls does)
         return True
 
     def _enter_calls(self, opening: int) -> None:
@@ -92,7 +78,6 @@ class Llama3Parser:
         end = self._json_end.find(stripped)
         if end is None:
             return False
-        self._json_end = JsonEnd()
         call = call_from_json(stripped[:end])
         if call is None:
             self._give_up(len(self._buffer) - len(stripped) + end)

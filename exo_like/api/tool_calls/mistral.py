@@ -17,36 +17,29 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from exo_like.api.tool_calls import Event, Tool, ToolCall
-from exo_like.api.tool_calls.common import EventSink, JsonEnd, call_from_object, call_from_parts, call_grammar, \
-    literal, marker, partial_marker_start
+from exo_like.api.tool_calls import Tool, ToolCall
+from exo_like.api.tool_calls.common import JsonEnd, StreamingParser, call_from_object, call_from_parts, call_grammar, \
+    literal, marker
 
 TOOL_CALLS, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 _HEADER = re.compile(r"([A-Za-z0-9_.\-]+)(?:\[CALL_ID\][A-Za-z0-9]*)?(?:\[ARGS\])?\s*")
 _HEADER_SO_FAR = re.compile(r"[A-Za-z0-9_.\-\[\]]*\s*")  # what may come of a name-form header before its JSON
 
 
-class MistralParser:
+class MistralParser(StreamingParser):
     def __init__(self) -> None:
-        self._sink = EventSink()
-        self._buffer = ""
+        super().__init__()
         self._after_marker = False  # _buffer follows a [TOOL_CALLS]
         self._json_end = JsonEnd()
 
-    def feed(self, text: str) -> list[Event]:
-        self._buffer += text
-        while self._step():
-            pass
-        return self._sink.take()
-
-    def flush(self) -> list[Event]:
+    def _end_of_output(self) -> None:
         self._sink.content((TOOL_CALLS if self._after_marker else "") + self._buffer)
-        self._buffer, self._after_marker, self._json_end = "", False, JsonEnd()
-        return self._sink.take()
+        self._after_marker, self._json_end = False, JsonEnd()
 
     def _step(self) -> bool:
         if not self._after_marker:
-            return self._scan_content()
+            self._after_marker = self._content_until((TOOL_CALLS,)) is not None
+            return self._after_marker
         stripped = self._buffer.lstrip()
         if not stripped:
             return False
@@ -54,23 +47,10 @@ class MistralParser:
             return self._read_json(stripped)
         return self._read_named(stripped)
 
-    def _scan_content(self) -> bool:
-        start = self._buffer.find(TOOL_CALLS)
-        if start < 0:
-            keep = partial_marker_start(self._buffer, [TOOL_CALLS])
-            self._sink.content(self._buffer[:keep])
-            self._buffer = self._buffer[keep:]
-            return False
-        self._sink.content(self._buffer[:start])
-        self._buffer = self._buffer[start + len(TOOL_CALLS):]
-        self._after_marker = True
-        return True
-
     def _read_json(self, text: str) -> bool:
         end = self._json_end.find(text)
         if end is None:
             return False
-        self._json_end = JsonEnd()
         calls = _calls_from_list(text[:end])
         if calls is None:
             self._sink.content(TOOL_CALLS + self._buffer[:len(self._buffer) - len(text) + end])
@@ -90,7 +70,6 @@ class MistralParser:
         end = self._json_end.find(text[brace:])
         if end is None:
             return False
-        self._json_end = JsonEnd()
         end += brace
         call = call_from_parts(header.group(1), text[brace:end])
         if call is None:
