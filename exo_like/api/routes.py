@@ -1,9 +1,11 @@
-"""The OpenAI-compatible HTTP API every node serves (aiohttp).
+"""The HTTP app every node serves (aiohttp): the OpenAI routes, and the other dialects' (responses_api,
+anthropic_api, ollama_api) mounted beside them.
 
-Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{id}], GET /health,
+Routes here: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{id}], GET /health,
 GET /v1/debug/requests, GET /v1/cluster, GET /metrics, and the dashboard (GET /, its assets, GET /v1/events).
-Every error, including unknown routes and wrong methods, is an OpenAI error body;
-bad input is always a 4xx. Generation stops and frees its KV cache as soon as the client goes away.
+Every error, including unknown routes and wrong methods, is an error body in the shape of the dialect its path
+belongs to (OpenAI's by default); bad input is always a 4xx. Generation stops and frees its KV cache as soon as the
+client goes away.
 """
 
 from __future__ import annotations
@@ -217,4 +219,5 @@ async def index(request: web.Request) -> web.StreamResponse:
         return dashboard.page()
     node = request.app[NODE_KEY]
     return web.json_response({"name": "exo-like", "node_id": node.node_id,
-                              "api": ["/v1/chat/completions", "/v1/completions", "/v1/models", "/health"]})
+                              "api": ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
+                                      "/api/chat", "/api/generate", "/v1/models", "/health"]})
