@@ -201,7 +201,9 @@ def test_errors_come_in_ollamas_shape(tools_node: NodeProcess, tools_checkpoint:
                         (lambda: api.chat(model=model, messages=ASK, options={"temperature": "hot"}),
                          "options.temperature must be a number"),
                         (lambda: api.generate(model=model, prompt="x", options={"top_k": 1.5}), "options.top_k"),
-                        (lambda: api.generate(model=model, prompt="x", suffix="y"), "suffix")):
+                        (lambda: api.generate(model=model, prompt="x", suffix="y"), "suffix"),
+                        (lambda: api.chat(model=model, messages=ASK, format={"type": "string", "pattern": "(("}),
+                         "format")):
         error = ollama_error(call)
         assert error.status_code == 400 and words in error.error, error
     status, _, raw = post_json(tools_node, "/api/chat", {"model": model, "messages": ASK, "format": "xml"})

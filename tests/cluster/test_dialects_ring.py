@@ -1,7 +1,8 @@
 """Every dialect through one 3-node ring of processes on this host (three layers, one per node: the last stage
 samples, so masks, calls and log-probabilities all happen there), asked at a node that is not the last stage, with
 the official clients: OpenAI tool calls streamed and round-tripped, structured output and log-probabilities; an
-Anthropic streamed tool round trip; a Responses streamed function call round trip; an Ollama stream and a schema."""
+Anthropic streamed tool round trip; a Responses streamed function call round trip; Ollama's chat stream held to a
+schema, generate, list, show and ps."""
 
 from __future__ import annotations
 
@@ -109,8 +110,13 @@ def test_responses_streamed_function_call_round_trip(entry: NodeProcess, model: 
     assert events[-1].response.usage.input_tokens > first.usage.input_tokens + 10
 
 
-def test_ollama_streams_a_chat_and_holds_it_to_a_schema(entry: NodeProcess, model: Path) -> None:
+def test_ollama_chat_generate_and_the_model_endpoints(entry: NodeProcess, model: Path) -> None:
     api = ollama_case.client(entry)
+    assert [listed.model for listed in api.list().models][0] == str(model)
+    assert api.show(str(model)).capabilities == ["completion", "tools"]
+    assert [running.model for running in api.ps().models] == [str(model)]
+    generated = api.generate(model=str(model), prompt="Hello", options=ollama_case.GREEDY)
+    assert generated.done and generated.response
     lines = list(api.chat(model=str(model), messages=ollama_case.ASK, options=ollama_case.GREEDY, stream=True))
     assert lines[-1].done and "".join(line.message.content for line in lines)
     streamed = api.chat(model=str(model), messages=[{"role": "user", "content": "A record, please."}], format=RECORD,
