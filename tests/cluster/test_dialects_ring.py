@@ -112,9 +112,9 @@ def test_responses_streamed_function_call_round_trip(entry: NodeProcess, model: 
 
 def test_ollama_chat_generate_and_the_model_endpoints(entry: NodeProcess, model: Path) -> None:
     api = ollama_case.client(entry)
-    assert [listed.model for listed in api.list().models][0] == str(model)
+    assert [listed.model for listed in api.list().models][0] == model.name  # the served model first, by its id
     assert api.show(str(model)).capabilities == ["completion", "tools"]
-    assert [running.model for running in api.ps().models] == [str(model)]
+    assert [running.model for running in api.ps().models] == [model.name]
     generated = api.generate(model=str(model), prompt="Hello", options=ollama_case.GREEDY)
     assert generated.done and generated.response
     lines = list(api.chat(model=str(model), messages=ollama_case.ASK, options=ollama_case.GREEDY, stream=True))
