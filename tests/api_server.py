@@ -162,7 +162,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tools_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The API checkpoint with a chat template that renders tools (Hermes / Qwen2.5 style)."""
     from tests.chat_templates import HERMES_TOOLS_TEMPLATE
@@ -173,9 +173,9 @@ def tools_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tools_node(tools_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
-    """A node serving tools_checkpoint (float32)."""
+    """A node serving tools_checkpoint (float32), shared by the dialect tests of a worker (they only ask it)."""
     process = start_node(tmp_path_factory.mktemp("home"), str(tools_checkpoint), "--dtype", "float32")
     yield process
     returncode = process.stop()

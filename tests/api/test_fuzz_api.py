@@ -273,7 +273,7 @@ def test_every_route_is_fuzzed_and_has_the_generation_endpoints() -> None:
 
 
 @pytest.mark.slow
-def test_generated_requests_get_no_5xx_and_openai_errors(node: NodeProcess, model_id: str) -> None:  # noqa: F811
+def test_generated_requests_get_no_5xx_and_errors_in_their_dialects_shape(node: NodeProcess, model_id: str) -> None:  # noqa: F811
     @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                      HealthCheck.filter_too_much])

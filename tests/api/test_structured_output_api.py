@@ -15,7 +15,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from tests.api_server import NodeProcess, checkpoint, node, start_node  # noqa: F401  (fixtures)
+from tests.api_server import NodeProcess, start_node, tools_checkpoint, tools_node  # noqa: F401  (fixtures)
 from tests.checkpoints import make_checkpoint
 from tests.json_schemas import random_schema
 
@@ -58,10 +58,10 @@ def test_two_hundred_schemas_at_temperature_one_always_parse_and_validate(
         jsonschema.validate(json.loads(text), schema)
 
 
-def test_a_streamed_json_object_is_an_object(node: NodeProcess, checkpoint: Path) -> None:  # noqa: F811
-    stream = client(node).chat.completions.create(
-        model=str(checkpoint), messages=[{"role": "user", "content": "JSON please"}], temperature=0.0, stream=True,
-        max_tokens=64, response_format={"type": "json_object"})
+def test_a_streamed_json_object_is_an_object(tools_node: NodeProcess, tools_checkpoint: Path) -> None:  # noqa: F811
+    stream = client(tools_node).chat.completions.create(
+        model=str(tools_checkpoint), messages=[{"role": "user", "content": "JSON please"}], temperature=0.0,
+        stream=True, max_tokens=64, response_format={"type": "json_object"})
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
@@ -80,12 +80,13 @@ def test_a_streamed_json_object_is_an_object(node: NodeProcess, checkpoint: Path
     ({"type": "xml"}, "type"),
     ("json", "object"),
 ])
-def test_schemas_that_cannot_be_enforced_are_a_400(node: NodeProcess, checkpoint: Path,  # noqa: F811
+def test_schemas_that_cannot_be_enforced_are_a_400(tools_node: NodeProcess, tools_checkpoint: Path,  # noqa: F811
                                                    response_format: object, words: str) -> None:
     import openai
 
     with pytest.raises(openai.BadRequestError) as raised:
-        client(node).chat.completions.create(model=str(checkpoint), messages=[{"role": "user", "content": "hi"}],
-                                             max_tokens=4, response_format=response_format)
+        client(tools_node).chat.completions.create(model=str(tools_checkpoint), max_tokens=4,
+                                                   messages=[{"role": "user", "content": "hi"}],
+                                                   response_format=response_format)
     error = raised.value.body
     assert error["param"].startswith("response_format") and words in error["message"]
