@@ -176,15 +176,16 @@ def tools_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tools_node(tools_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
     """A node serving tools_checkpoint (float32), shared by the dialect tests of a worker (they only ask it)."""
-    process = start_node(tmp_path_factory.mktemp("home"), str(tools_checkpoint), "--dtype", "float32")
-    yield process
-    returncode = process.stop()
-    assert returncode == 0, process.log()
-    assert "Traceback" not in process.log(), process.log()
+    yield from serving(tools_checkpoint, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def node(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
+    yield from serving(checkpoint, tmp_path_factory)
+
+
+def serving(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
+    """A float32 node on `checkpoint` while the fixture lives; it must stop cleanly, with no traceback logged."""
     process = start_node(tmp_path_factory.mktemp("home"), str(checkpoint), "--dtype", "float32")
     yield process
     returncode = process.stop()
