@@ -19,6 +19,7 @@ from exo_like.api.tool_calls import ToolFormat, detect
 from exo_like.api.tool_requests import ToolUse
 from exo_like.errors import InvalidRequestError
 from exo_like.node import LoadedModel, Node
+from exo_like.serving.generation import TokenGenerator
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class Started:
 async def start_chat(node: Node, request: ChatRequest, tools_param: str = "tools",
                      choice_param: str = "tool_choice") -> Started:
     """Render, constrain and start a chat request; the params name the dialect's fields in errors."""
-    model, _ = await node.require_model(request.options.model)
+    model, generator = await node.require_model(request.options.model)
     tool_format = _tool_format(model, request.tool_use, tools_param)
     tools = request.tool_use.as_template_tools() if request.tool_use else None
     prompt = model.tokenizer.encode_chat(request.messages, tools=tools)
@@ -55,13 +56,13 @@ async def start_chat(node: Node, request: ChatRequest, tools_param: str = "tools
         grammar = tool_format.forced_grammar(use.tools, use.name, use.parallel, special=special)
         options = await with_grammar(node, options, grammar, tools_param)
     parsed_format = tool_format if use is not None and use.parses else None
-    return await _start(node, model, prompt, options, "messages", parsed_format)
+    return _start(model, generator, prompt, options, "messages", parsed_format)
 
 
 async def start_completion(node: Node, request: CompletionRequest) -> Started:
-    model, _ = await node.require_model(request.options.model)
+    model, generator = await node.require_model(request.options.model)
     prompt = completion_prompt_tokens(model.tokenizer, request.prompt)
-    return await _start(node, model, prompt, await structured(node, request.options), "prompt", None)
+    return _start(model, generator, prompt, await structured(node, request.options), "prompt", None)
 
 
 def _tool_format(model: LoadedModel, use: ToolUse | None, param: str) -> ToolFormat | None:
@@ -74,11 +75,10 @@ def _tool_format(model: LoadedModel, use: ToolUse | None, param: str) -> ToolFor
     return found
 
 
-async def _start(node: Node, model: LoadedModel, prompt: list[int], options: GenerationOptions, prompt_param: str,
-                 tool_format: ToolFormat | None) -> Started:
+def _start(model: LoadedModel, generator: TokenGenerator, prompt: list[int], options: GenerationOptions,
+           prompt_param: str, tool_format: ToolFormat | None) -> Started:
     """The request's n generations. With a seed, choice i samples with seed + i (reproducible, and the choices
     differ); without, each draws its own."""
-    _, generator = await node.require_model(options.model)
     check_token_ids(min(model.tokenizer.vocab_size, model.args.vocab_size), options)
     max_tokens = resolve_max_tokens(len(prompt), options.max_tokens, model.args.context_length, prompt_param,
                                     options.max_tokens_is_cap)
