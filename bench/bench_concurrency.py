@@ -32,7 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_torch_vs_hf import QWEN25_05B, peaky_state  # noqa: E402
+from rates import Stream, streamed_chat  # noqa: E402
 
 from exo_like.models.demo import build_tokenizer, write_tokenizer_files  # noqa: E402
 from tests.api_server import NodeProcess, start_node  # noqa: E402
@@ -102,40 +103,12 @@ def _text_tokens(tokenizer, vocab_size: int) -> np.ndarray:  # noqa: ANN001
 # -- one load level -------------------------------------------------------------------------------------------
 
 
-@dataclass
-class Stream:
-    started: float
-    times: list[float] = field(default_factory=list)
-    tokens: int = 0
-
-    @property
-    def ttft(self) -> float:
-        return self.times[0] - self.started
-
-    @property
-    def gaps(self) -> list[float]:
-        return [b - a for a, b in zip(self.times, self.times[1:])]
-
-
 async def stream_chat(session, url: str, model: str, content: str, max_tokens: int,  # noqa: ANN001
                       system: str | None = None) -> Stream:
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": content}]
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
-    result = Stream(time.perf_counter())
-    async with session.post(f"{url}/v1/chat/completions", json=body) as response:
-        assert response.status == 200, await response.text()
-        async for line in response.content:
-            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(chunk["error"])
-            if chunk.get("usage"):
-                result.tokens = chunk["usage"]["completion_tokens"]
-            if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
-                result.times.append(time.perf_counter())
-    return result
+    return await streamed_chat(session, url, body)
 
 
 @dataclass

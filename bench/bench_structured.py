@@ -15,15 +15,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from rates import streamed_chat  # noqa: E402
 from tests.api_server import start_node  # noqa: E402
 
 STREAMS = 8
@@ -54,20 +54,8 @@ async def one_stream(session, url: str, model: str, i: int, constrained: bool,  
                                    "json_schema": {"name": "records", "schema": schema(text_field, number_field)}}
     else:
         body["ignore_eos"] = True
-    times, tokens = [], 0
-    async with session.post(f"{url}/v1/chat/completions", json=body) as response:
-        assert response.status == 200, await response.text()
-        async for line in response.content:
-            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(chunk["error"])
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-            if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
-                times.append(time.perf_counter())
-    return tokens, times[-1] - times[0]
+    stream = await streamed_chat(session, url, body)
+    return stream.tokens, stream.times[-1] - stream.times[0]
 
 
 async def round_(url: str, model: str, constrained: bool, lengths: list[int]) -> tuple[float, list[int]]:
