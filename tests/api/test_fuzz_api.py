@@ -289,8 +289,10 @@ def test_generated_requests_get_no_5xx_and_errors_in_their_dialects_shape(node: 
 def test_node_serves_normally_after_the_fuzz(node: NodeProcess, model_id: str) -> None:  # noqa: F811
     assert sum(SENT.values()) >= EXAMPLES, SENT
     assert {route for route, _ in SENT} >= {route.template for route in ROUTES}, SENT  # every route had requests
-    for dialect in DIALECTS:  # near-valid bodies are sometimes valid, and mostly not
-        assert SENT[dialect.path, 200] >= 5 and SENT[dialect.path, 400] >= 25, (dialect.path, SENT)
+    # Near-valid bodies are sometimes valid, and mostly not. (The bars are the two OpenAI endpoints' earlier 20 and
+    # 100, shared now among three times as many endpoints.)
+    for dialect in DIALECTS:
+        assert SENT[dialect.path, 200] >= 7 and SENT[dialect.path, 400] >= 33, (dialect.path, SENT)
     body = json.dumps({"model": model_id, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 4,
                        "temperature": 0}).encode()
     status, _, raw = node.request("POST", CHAT, body, JSON)
