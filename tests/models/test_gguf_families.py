@@ -24,6 +24,7 @@ from tests.checkpoints import (  # noqa: E402
 from tests.engine_driver import engine_greedy  # noqa: E402
 from tests.gguf_checkpoints import write_gguf  # noqa: E402
 from tests.oracle import Oracle, gguf_dequantized_greedy  # noqa: E402
+from tests.native_kernels import NATIVE  # noqa: E402
 
 HAS_MLX = importlib.util.find_spec("mlx") is not None
 CHAINS = {"torch": ["torch"], "mlx": ["mlx"], "torch+mlx+torch": ["torch", "mlx", "torch"]}
@@ -187,5 +188,5 @@ def test_the_footprint_counts_what_each_engine_holds_of_a_quantized_file(folders
     for engine_name, dtype in [("torch", None), ("torch", "float32"), *([("mlx", None)] if HAS_MLX else [])]:
         engine = create_engine(engine_name, device="cpu", dtype=dtype)
         engine.load(path, args, shard)
-        assert footprint.held_by(engine_name, dtype, "cpu").shard_bytes(shard) == engine.parameter_bytes(), \
+        assert footprint.held_by(engine_name, dtype, "cpu", NATIVE).shard_bytes(shard) == engine.parameter_bytes(), \
             (engine_name, dtype)

@@ -26,7 +26,7 @@ from exo_like.engines.torch.attention import KVPool, step_index
 from exo_like.engines.torch.linear import bound_onednn_caches
 from exo_like.engines.torch.model import ShardModel, fuse_checkpoint_weights, load_state
 from exo_like.engines.torch.openmp import pin_openmp_team
-from exo_like.engines.torch.quant import Installer, Matrix, cpu_numerics, int4_kernel_available
+from exo_like.engines.torch.quant import Installer, Matrix, cpu_numerics, int4_kernel_available, native_kernels
 from exo_like.engines.work import KVPoolSize, WorkItem
 from exo_like.errors import InvalidRequestError
 from exo_like.models.affine import AffineGroups, from_mlx, from_mlx_mxfp4
@@ -119,7 +119,7 @@ def read_planned_tensors(
             else:
                 groups = from_mlx(part(packed).view(torch.int32).numpy().view(np.uint32),
                                   part(scales).float().numpy(), part(biases).float().numpy(), spec.bits,
-                                  spec.group_size)
+                                  spec.group_size, scales.dtype in (torch.float16, torch.bfloat16))
             held[f"{prefix}.weight" if index is None else expert_name(prefix, index)] = groups if keep_quantized \
                 else torch.from_numpy(groups.dequantize()).to(device=device, dtype=dtype)
     held.update((name, tensor.to(device=device, dtype=dtype)) for name, tensor in weights.items())
@@ -201,7 +201,8 @@ class TorchEngine(Engine):
         with torch.device("meta"):  # no memory, no random init: every parameter is replaced by a loaded tensor
             model = ShardModel(held_args, shard.start_layer, shard.layer_count, shard.is_first, shard.is_last,
                                None if shard.tp is None else self._group_reduce(shard))
-        installer = Installer(self.dtype, self.device, int4_kernel_available(self.device))
+        installer = Installer(self.dtype, self.device, int4_kernel_available(self.device),
+                              native_kernels(self.device) if keep_quantized else None)
         weights = self._read_weights(Path(model_dir), args, shard, keep_quantized, installer, cancel)
         if shard.tp is not None:
             weights = {name: split_tensor(name, tensor, args, shard.tp)

@@ -12,7 +12,7 @@ import torch
 from exo_like.engines.layer_speed import LayerRunner, measure_items, measured_layer
 from exo_like.engines.torch.attention import step_index
 from exo_like.engines.torch.model import ShardModel, fuse_checkpoint_weights, load_state
-from exo_like.engines.torch.quant import Installer, Matrix, int4_kernel_available
+from exo_like.engines.torch.quant import Installer, Matrix, int4_kernel_available, native_kernels
 from exo_like.engines.work import WorkItem
 from exo_like.models.affine import AffineGroups
 from exo_like.models.config import ModelArgs
@@ -105,9 +105,10 @@ def random_groups(shape: tuple[int, ...], quant: QuantSpec, rng: np.random.Gener
     out, inputs = shape
     codes = rng.integers(0, 2**quant.bits, size=(out, inputs), dtype=np.uint8)
     groups = (out, inputs // quant.group_size)
-    scales = np.full(groups, WEIGHT_SCALE / 2**quant.bits, dtype=np.float32)
-    return AffineGroups(codes, scales, np.full(groups, -WEIGHT_SCALE / 2, dtype=np.float32), quant.bits,
-                        quant.group_size, f"{quant.bits}-bit (measured)")
+    # float16 values, as a checkpoint's "half" form stores them: the kernels a load picks for it run here too
+    scales = np.full(groups, WEIGHT_SCALE / 2**quant.bits, dtype=np.float16).astype(np.float32)
+    biases = np.full(groups, -WEIGHT_SCALE / 2, dtype=np.float16).astype(np.float32)
+    return AffineGroups(codes, scales, biases, quant.bits, quant.group_size, f"mlx {quant.bits}-bit")
 
 
 def layer_runner(args: ModelArgs, device: torch.device, dtype: torch.dtype, quant: QuantSpec | None) -> LayerRunner:
@@ -125,7 +126,8 @@ def layer_runner(args: ModelArgs, device: torch.device, dtype: torch.dtype, quan
             weights[name] = random_tensor(shape, generator).to(device=device, dtype=dtype)
     with torch.device("meta"):
         model = ShardModel(args, layer, 1, False, False)
-    installer = Installer(dtype, device, int4_kernel_available(device))
+    installer = Installer(dtype, device, int4_kernel_available(device),
+                          native_kernels(device) if quant is not None else None)
     state = fuse_checkpoint_weights(weights, args, False, False)
     installer.install(model, state)
     load_state(model, state)

@@ -23,7 +23,10 @@ from exo_like.engines.torch.linear import PACK_BATCH, Linear, native_matvec, one
 from exo_like.engines.torch.mla import LatentAttention
 from exo_like.engines.torch.mlp import MLP, SparseMoe
 from exo_like.engines.torch.norm import RMSNorm
-from exo_like.engines.torch.quant import CastEmbedding, Matrix, QuantEmbedding, QuantLinear, stack_rows
+from exo_like.engines.torch.native.decode import NativeDecode
+from exo_like.engines.torch.native.decode import supported as native_decode_refusal
+from exo_like.engines.torch.quant import native_kernels
+from exo_like.engines.torch.quant import CastEmbedding, Matrix, NativeEmbedding, QuantEmbedding, QuantLinear, stack_rows
 from exo_like.models.config import ModelArgs
 
 
@@ -37,6 +40,7 @@ class TransformerBlock(nn.Module):
         # A tensor-parallel rank's attention and MLP give partial sums, which the group adds up (an all-reduce);
         # they stand for the whole outputs from there on (residual, sandwich norms).
         self.reduce = reduce or _whole
+        self.tensor_parallel = reduce is not None
         self.self_attn = LatentAttention(args, layer) if args.mla is not None else Attention(args, layer)
         self.mlp = SparseMoe(args.hidden_size, args.moe) if args.is_sparse_layer(layer) else \
             MLP(args.hidden_size, args.intermediate_size, args.mlp_bias, args.hidden_act)
@@ -94,6 +98,7 @@ class ShardModel(nn.Module):
         self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False) if is_last else None
         self.ropes: dict[str, RotaryTable] = {}
         self.native_matvec = False
+        self.native_decode: NativeDecode | None = None
 
     def prepare(self) -> None:
         """After loading weights: tie the head to the embedding, pick weight layouts, build the rotary table."""
@@ -102,8 +107,11 @@ class ShardModel(nn.Module):
             # One tensor when the shard holds both the embedding and the tied LM head (quantized ones share packs).
             self.lm_head.weight = self.embed_tokens.weight
         weight = self.norm_weight
+        kernels = native_kernels(weight.device)
+        # The native decode step reads plain weights: float32 ones stay unpacked for it (prefill runs them on oneDNN).
+        native_step = kernels is not None and native_decode_refusal(self) is None
         pack_batch = PACK_BATCH.get(weight.dtype)
-        pack = pack_batch is not None and onednn_usable(weight, pack_batch)
+        pack = pack_batch is not None and onednn_usable(weight, pack_batch) and not native_step
         # bfloat16 plain weights (the LM head) go faster through F.linear: natively for one row, see native_matvec.
         onednn = weight.dtype == torch.float32 and onednn_usable(weight, None)
         for module in list(self.modules()):  # (LatentAttention.prepare replaces a module)
@@ -117,6 +125,7 @@ class ShardModel(nn.Module):
                 packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.data, pack_batch)
                 module.weight, module.packed = nn.Parameter(packed, requires_grad=False), True
         self.native_matvec = weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+        self.native_decode = NativeDecode.build(self, kernels) if native_step else None
         self.ropes = rope_tables(self.args, {layer.rope_key for layer in self.layers}, weight.device, weight.dtype)
 
     @property
@@ -128,7 +137,7 @@ class ShardModel(nn.Module):
         """Every tensor the shard holds, each once (a tied head shares the embedding's)."""
         held = {id(t): t for t in self.parameters()}
         for module in self.modules():
-            if isinstance(module, (QuantLinear, QuantEmbedding, CastEmbedding)):
+            if isinstance(module, (QuantLinear, QuantEmbedding, NativeEmbedding, CastEmbedding)):
                 held.update((id(t), t) for t in module.tensors())
         return list(held.values())
 
@@ -154,6 +163,8 @@ class ShardModel(nn.Module):
 
     def run_layers(self, h: torch.Tensor, pool: KVPool, index: StepIndex) -> torch.Tensor:
         ropes = {key: table.get(index.layout.positions) for key, table in self.ropes.items()}
+        if self.native_decode is not None and NativeDecode.handles(index.layout, h):
+            return self.native_decode.run(h, pool, index.layout, *ropes["global"])
         with native_matvec(self.native_matvec and h.shape[0] == 1):
             # Layers call their parts through .forward, not nn.Module's call machinery: that machinery (hook
             # checks, for hooks this model never has) runs ~9 times per layer, a noticeable share of a small

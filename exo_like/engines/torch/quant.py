@@ -1,4 +1,7 @@
-"""Quantized matrices on the PyTorch engine: weight-only int4 kernels, no dequantized copy.
+"""Quantized matrices on the PyTorch engine, held quantized (no dequantized copy).
+
+On CPU they run on the engine's native kernels (native/: codes at their own width, int8 activation blocks, as
+llama.cpp runs them) where those could be built; otherwise, and as described below, on PyTorch's int4 kernel.
 
 PyTorch's CPU kernel `_weight_int4pack_mm_for_cpu` multiplies bfloat16 activations by 4-bit codes with a
 bfloat16 scale and zero per group of inputs: w = (q - 8) * scale + zero. An AffineGroups matrix (w = s*q + b)
@@ -28,6 +31,7 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass
+from types import ModuleType
 
 import numpy as np
 import torch
@@ -36,12 +40,20 @@ from torch import nn
 
 from exo_like.engines.base import WeightForms
 from exo_like.models.affine import AffineGroups
+from exo_like.engines.torch.native.build import kernels
+from exo_like.engines.torch.native.matrix import NativeMatrix
+from exo_like.engines.torch.native.matrix import refusal as native_refusal
 from exo_like.models.footprint import int4_refusal
 
 log = logging.getLogger(__name__)
 
 KERNEL_DTYPE = torch.bfloat16  # the only activation dtype the CPU kernel runs fast (others take a slow path)
 PACK_ROWS = 4096  # rows packed per call, a multiple of the kernel's 64-row blocks: bounds the int32 copy it takes
+
+
+def native_kernels(device: torch.device) -> ModuleType | None:
+    """The native quantized kernels where they run (CPU) and could be built (else None: torch's int4 kernel)."""
+    return kernels() if device.type == "cpu" else None
 
 
 def int4_kernel_available(device: torch.device) -> bool:
@@ -190,7 +202,10 @@ def cpu_numerics() -> dict[str, str]:
     the CPU multiplies bfloat16 natively (oneDNN then runs bfloat16 products on it; without it they are
     widened to float32)."""
     layout = pack_layout() if hasattr(torch, "_convert_weight_to_int4pack_for_cpu") else None
-    return {"aten_capability": torch.backends.cpu.get_cpu_capability(),
+    native = kernels()
+    return {"quantized_kernel": "torch int4 (no native kernels)" if native is None else
+            f"native ({native.kernel_name()})",
+            "aten_capability": torch.backends.cpu.get_cpu_capability(),
             "int4_pack_layout": "unknown (a copy of the codes for lookups)" if layout is None else
             f"{layout.name} ({layout.block}-row blocks)",
             "bfloat16": _bfloat16_support()}
@@ -202,26 +217,37 @@ def _bfloat16_support() -> str:
     return f"native ({', '.join(native)})" if native else "widened to float32 (no AVX512-BF16 or AMX)"
 
 
-class QuantLinear(nn.Module):
-    """x @ w.T (+ bias) with w held as int4 packs; activations are cast to bfloat16 for the kernel and the
-    result back to the input's dtype. `pieces` stack along the outputs, so a fused projection may mix packed
-    and (dequantized) dense matrices, as GGUF files mixing types per tensor need."""
+Piece = list[Int4Pack] | NativeMatrix | torch.Tensor
 
-    def __init__(self, pieces: list[list[Int4Pack] | torch.Tensor], bias: torch.Tensor | None):
+
+class QuantLinear(nn.Module):
+    """x @ w.T (+ bias) with w held quantized: a native matrix (float32 activations), or int4 packs (activations
+    cast to bfloat16 for the kernel, the result back to the input's dtype). `pieces` stack along the outputs,
+    so a fused projection may mix quantized and (dequantized) dense matrices, as GGUF files mixing types per
+    tensor need."""
+
+    def __init__(self, pieces: list[Piece], bias: torch.Tensor | None):
         super().__init__()
         self.pieces = pieces
         self.bias = bias
+        self.native = len(pieces) == 1 and isinstance(pieces[0], NativeMatrix)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x16 = x.to(KERNEL_DTYPE)
+        if self.native:  # the common case, without the per-piece dispatch below
+            out = self.pieces[0].matmul(x.float()).to(x.dtype)
+            return out if self.bias is None else out + self.bias
+        x16 = x.to(KERNEL_DTYPE) if any(isinstance(p, list) or p.dtype == KERNEL_DTYPE for p in self.pieces
+                                        if not isinstance(p, NativeMatrix)) else None
         outputs = [self._piece(x, x16, piece) for piece in self.pieces]
         out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
         return out if self.bias is None else out + self.bias
 
     @staticmethod
-    def _piece(x: torch.Tensor, x16: torch.Tensor, piece: list[Int4Pack] | torch.Tensor) -> torch.Tensor:
+    def _piece(x: torch.Tensor, x16: torch.Tensor | None, piece: Piece) -> torch.Tensor:
+        if isinstance(piece, NativeMatrix):
+            return piece.matmul(x.float()).to(x.dtype)
         if isinstance(piece, torch.Tensor):
-            return F.linear(x16 if piece.dtype == x16.dtype else x.to(piece.dtype), piece).to(x.dtype)
+            return F.linear(x16 if piece.dtype == KERNEL_DTYPE else x.to(piece.dtype), piece).to(x.dtype)
         out = piece[0].matmul(x16).to(x.dtype)
         for pack in piece[1:]:
             out += pack.matmul(x16).to(x.dtype)
@@ -231,7 +257,8 @@ class QuantLinear(nn.Module):
         """Everything this layer holds (for counting its memory)."""
         held = [] if self.bias is None else [self.bias]
         for piece in self.pieces:
-            held += [piece] if isinstance(piece, torch.Tensor) else [t for pack in piece for t in pack.tensors()]
+            held += [piece] if isinstance(piece, torch.Tensor) else piece.tensors() \
+                if isinstance(piece, NativeMatrix) else [t for pack in piece for t in pack.tensors()]
         return held
 
 
@@ -256,6 +283,20 @@ class QuantEmbedding(nn.Module):
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for pack in self.packs for t in pack.tensors()] + [c.packed for c in self.copies or []]
+
+
+class NativeEmbedding(nn.Module):
+    """Rows of a natively packed embedding, dequantized on lookup (to float32, then the model's dtype)."""
+
+    def __init__(self, matrix: NativeMatrix, dtype: torch.dtype):
+        super().__init__()
+        self.matrix, self.dtype = matrix, dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.matrix.rows(ids).to(self.dtype)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return self.matrix.tensors()
 
 
 class CastEmbedding(nn.Module):
@@ -299,12 +340,14 @@ class Installer:
     """Puts quantized modules into a ShardModel built on the meta device, from its state dict's quantized
     entries (AffineGroups, or lists of pieces), and counts what ran on the kernel and what was dequantized."""
 
-    def __init__(self, dtype: torch.dtype, device: torch.device, use_kernel: bool):
-        self.dtype, self.device, self.use_kernel = dtype, device, use_kernel
+    def __init__(self, dtype: torch.dtype, device: torch.device, use_kernel: bool, native: ModuleType | None = None):
+        """use_kernel: torch's int4 kernel runs on this device; native: the native kernels (CPU), which then
+        take every matrix they can."""
+        self.dtype, self.device, self.use_kernel, self.native = dtype, device, use_kernel, native
         # On CPU the activations are float32, but a dequantized matrix is held in bfloat16 (half the bytes).
         self.dense_dtype = KERNEL_DTYPE if use_kernel else dtype
         self.forms = WeightForms()
-        self._pieces: dict[int, list[Int4Pack] | torch.Tensor] = {}  # by id(AffineGroups)
+        self._pieces: dict[int, Piece] = {}  # by id(AffineGroups)
 
     def dense(self, values: np.ndarray, why: str) -> Dense:
         """A dequantized matrix (`why`: its type and the reason it has no kernel, for the counts)."""
@@ -321,13 +364,14 @@ class Installer:
                 continue
             if isinstance(module, nn.Embedding):
                 replacement: nn.Module = CastEmbedding(pieces[0], self.dtype) if isinstance(pieces[0], torch.Tensor) \
+                    else NativeEmbedding(pieces[0], self.dtype) if isinstance(pieces[0], NativeMatrix) \
                     else self._embedding(value, pieces[0])
             else:
                 replacement = QuantLinear(pieces, state.pop(f"{path}.bias", None))
             parent, _, child = path.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, child, replacement)
 
-    def _piece(self, matrix: Matrix) -> list[Int4Pack] | torch.Tensor:
+    def _piece(self, matrix: Matrix) -> Piece:
         if isinstance(matrix, torch.Tensor):
             return matrix
         if isinstance(matrix, Dense):
@@ -336,7 +380,10 @@ class Installer:
             self._pieces[id(matrix)] = self._convert(matrix)
         return self._pieces[id(matrix)]
 
-    def _convert(self, matrix: AffineGroups) -> list[Int4Pack] | torch.Tensor:
+    def _convert(self, matrix: AffineGroups) -> Piece:
+        if self.native is not None and native_refusal(matrix) is None:
+            self.forms.add_quantized(matrix.source)
+            return NativeMatrix.pack(matrix, self.native)
         refusal = "no int4 kernel on this device" if not self.use_kernel else \
             int4_refusal(matrix.bits, matrix.group_size, matrix.shape[0])
         if refusal is not None:

@@ -1,0 +1,302 @@
+// A stage's decode step in one call: every layer of a Llama-family shard (RMSNorm, fused q/k/v with optional
+// biases and Qwen3's per-head q/k norms, rotary embedding from the engine's tables, the new keys and values
+// written to the pool, attention over each row's slots, output projection, SwiGLU MLP, residuals), float32
+// activations, one new position per row. The same arithmetic as the Python layers (model.py), with no Python and
+// no per-op dispatch between the kernels: the norms, the rotation and the residuals round as transformers'
+// float32 ops do (built with -ffp-contract=off); the products and the attention sum in another order.
+// Products run on the native quantized kernel (quant.cpp) or, for float32 weights, a matrix-vector kernel here.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <optional>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define EXO_X86 1
+#endif
+
+namespace exo {
+
+at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& low, const at::Tensor& high, const at::Tensor& scales,
+                        const at::Tensor& biases, int64_t layout, double zero, int64_t group);
+
+namespace {
+
+#ifdef EXO_X86
+bool avx2() {
+  static const bool present = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return present;
+}
+
+__attribute__((target("avx2,fma"))) float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+__attribute__((target("avx2,fma"))) float dot_avx2(const float* a, const float* b, int64_t n) {
+  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+  }
+  float total = hsum8(_mm256_add_ps(s0, s1));
+  for (; i < n; ++i) total += a[i] * b[i];
+  return total;
+}
+
+__attribute__((target("avx2,fma"))) void axpy_avx2(float p, const float* v, float* out, int64_t n) {
+  const __m256 pv = _mm256_set1_ps(p);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + i), _mm256_loadu_ps(out + i)));
+  for (; i < n; ++i) out[i] += p * v[i];
+}
+#endif
+
+float dot(const float* a, const float* b, int64_t n) {
+#ifdef EXO_X86
+  if (avx2()) return dot_avx2(a, b, n);
+#endif
+  float total = 0.0f;
+  for (int64_t i = 0; i < n; ++i) total += a[i] * b[i];
+  return total;
+}
+
+void axpy(float p, const float* v, float* out, int64_t n) {
+#ifdef EXO_X86
+  if (avx2()) return axpy_avx2(p, v, out, n);
+#endif
+  for (int64_t i = 0; i < n; ++i) out[i] += p * v[i];
+}
+
+// A projection: a natively packed quantized matrix or a plain float32 weight [out, in], and an optional bias.
+struct Projection {
+  bool native = false;
+  at::Tensor low, high, scales, biases, weight;
+  int64_t layout = 0, group = 0;
+  double zero = 0.0;
+  std::optional<at::Tensor> bias;
+
+  at::Tensor apply(const at::Tensor& x) const {
+    at::Tensor out;
+    if (native) {
+      out = quant_matmul(x, low, high, scales, biases, layout, zero, group);
+    } else if (x.size(0) <= 4) {
+      out = matvec(x);
+    } else {
+      out = at::linear(x, weight);
+    }
+    if (bias.has_value()) out.add_(*bias);
+    return out;
+  }
+
+  // Few rows: each output a dot product streaming the weight once (no GEMM set-up).
+  at::Tensor matvec(const at::Tensor& x) const {
+    const int64_t rows = x.size(0), in = x.size(1), outputs = weight.size(0);
+    at::Tensor out = at::empty({rows, outputs}, x.options());
+    const float* xs = x.data_ptr<float>();
+    const float* w = weight.data_ptr<float>();
+    float* o = out.data_ptr<float>();
+    at::parallel_for(0, outputs, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t n = begin; n < end; ++n) {
+        for (int64_t r = 0; r < rows; ++r) o[r * outputs + n] = dot(xs + r * in, w + n * in, in);
+      }
+    });
+    return out;
+  }
+};
+
+Projection native_projection(at::Tensor low, at::Tensor high, at::Tensor scales, at::Tensor biases, int64_t layout,
+                             double zero, int64_t group, std::optional<at::Tensor> bias) {
+  Projection p;
+  p.native = true;
+  p.low = low, p.high = high, p.scales = scales, p.biases = biases;
+  p.layout = layout, p.zero = zero, p.group = group, p.bias = bias;
+  return p;
+}
+
+Projection dense_projection(at::Tensor weight, std::optional<at::Tensor> bias) {
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.layout() == at::kStrided,
+              "a dense projection takes a plain contiguous float32 weight");
+  Projection p;
+  p.weight = weight, p.bias = bias;
+  return p;
+}
+
+struct Layer {
+  at::Tensor input_norm, post_norm;
+  std::optional<at::Tensor> q_norm, k_norm;
+  Projection qkv, o, gate_up, down;
+  at::Tensor keys, values;  // [kv_heads, slots, head_dim]
+};
+
+// x * rsqrt(mean(x^2) + eps) * w per row, in transformers' float32 order: the mean of squares first, then the
+// normalised value, then the weight. `width` values per row, rows of `stride`.
+void rms_norm(const float* x, const float* w, float* out, int64_t rows, int64_t width, int64_t stride, float eps) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* v = x + r * stride;
+    double sum = 0.0;  // ATen reduces in float32 with its own order; the result differs in the last bit at most
+    for (int64_t i = 0; i < width; ++i) sum += static_cast<double>(v[i]) * v[i];
+    const float inverse = 1.0f / std::sqrt(static_cast<float>(sum / width) + eps);
+    for (int64_t i = 0; i < width; ++i) out[r * stride + i] = w[i] * (v[i] * inverse);
+  }
+}
+
+class DecodeStack {
+ public:
+  DecodeStack(int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t inner, double eps, double scale)
+      : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), inner_(inner), eps_(eps), scale_(scale) {}
+
+  void add_layer(at::Tensor input_norm, at::Tensor post_norm, std::optional<at::Tensor> q_norm,
+                 std::optional<at::Tensor> k_norm, Projection qkv, Projection o, Projection gate_up, Projection down) {
+    layers_.push_back(Layer{input_norm, post_norm, q_norm, k_norm, qkv, o, gate_up, down, {}, {}});
+  }
+
+  void set_pool(int64_t layer, at::Tensor keys, at::Tensor values) {
+    TORCH_CHECK(keys.is_contiguous() && values.is_contiguous() && keys.scalar_type() == at::kFloat,
+                "the pool must be contiguous float32");
+    layers_.at(layer).keys = keys;
+    layers_.at(layer).values = values;
+  }
+
+  // h [rows, hidden] float32; cos/sin [rows, head_dim] (sin carrying rotate-half's sign); write_slots [rows];
+  // row r attends to slots[offsets[r] : offsets[r + 1]] (its own new one included). Returns the new h.
+  at::Tensor step(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& write_slots,
+                  const at::Tensor& offsets, const at::Tensor& slots) {
+    h = h.contiguous().clone();
+    const at::Tensor cc = cos.contiguous(), sc = sin.contiguous();
+    const at::Tensor ws = write_slots.contiguous(), off = offsets.contiguous(), sl = slots.contiguous();
+    for (const Layer& layer : layers_) run_layer(layer, h, cc, sc, ws, off, sl);
+    return h;
+  }
+
+ private:
+  void run_layer(const Layer& layer, at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin,
+                 const at::Tensor& write_slots, const at::Tensor& offsets, const at::Tensor& slots) const {
+    const int64_t rows = h.size(0), hidden = h.size(1), dim = head_dim_;
+    at::Tensor normed = at::empty_like(h);
+    rms_norm(h.data_ptr<float>(), layer.input_norm.data_ptr<float>(), normed.data_ptr<float>(), rows, hidden, hidden,
+             eps_);
+    at::Tensor qkv = layer.qkv.apply(normed);  // [rows, (heads + 2 kv heads) * dim]
+    const int64_t width = qkv.size(1);
+    float* q = qkv.data_ptr<float>();
+    if (layer.q_norm.has_value()) {
+      for (int64_t r = 0; r < rows; ++r) {
+        float* base = q + r * width;
+        rms_norm(base, layer.q_norm->data_ptr<float>(), base, heads_, dim, dim, eps_);
+        rms_norm(base + heads_ * dim, layer.k_norm->data_ptr<float>(), base + heads_ * dim, kv_heads_, dim, dim, eps_);
+      }
+    }
+    rotate(q, cos.data_ptr<float>(), sin.data_ptr<float>(), rows, width);
+    write_pool(layer, q, write_slots.data_ptr<int64_t>(), rows, width);
+    at::Tensor attended = at::empty({rows, heads_ * dim}, h.options());
+    attend(layer, q, width, attended.data_ptr<float>(), offsets.data_ptr<int64_t>(), slots.data_ptr<int64_t>(), rows);
+    h.add_(layer.o.apply(attended));
+    rms_norm(h.data_ptr<float>(), layer.post_norm.data_ptr<float>(), normed.data_ptr<float>(), rows, hidden, hidden,
+             eps_);
+    at::Tensor gate_up = layer.gate_up.apply(normed);  // [rows, 2 inner]
+    at::Tensor inner = at::empty({rows, inner_}, h.options());
+    const float* gu = gate_up.data_ptr<float>();
+    float* in = inner.data_ptr<float>();
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t i = 0; i < inner_; ++i) {
+        const float g = gu[r * 2 * inner_ + i];
+        const float silu = g / (1.0f + std::exp(-g));
+        in[r * inner_ + i] = silu * gu[r * 2 * inner_ + inner_ + i];
+      }
+    }
+    h.add_(layer.down.apply(inner));
+  }
+
+  // x * cos + swap_halves(x) * sin on every query and key head, in place.
+  void rotate(float* qkv, const float* cos, const float* sin, int64_t rows, int64_t width) const {
+    const int64_t dim = head_dim_, half = dim / 2;
+    std::vector<float> head(dim);
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t hd = 0; hd < heads_ + kv_heads_; ++hd) {
+        float* x = qkv + r * width + hd * dim;
+        std::copy(x, x + dim, head.begin());
+        for (int64_t i = 0; i < dim; ++i) {
+          const float a = head[i] * cos[r * dim + i];
+          const float b = head[(i + half) % dim] * sin[r * dim + i];
+          x[i] = a + b;
+        }
+      }
+    }
+  }
+
+  void write_pool(const Layer& layer, const float* qkv, const int64_t* write_slots, int64_t rows, int64_t width) const {
+    const int64_t dim = head_dim_, slots = layer.keys.size(1);
+    float* keys = layer.keys.data_ptr<float>();
+    float* values = layer.values.data_ptr<float>();
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t slot = write_slots[r];
+      TORCH_CHECK(slot >= 0 && slot < slots, "a write slot lies outside the pool");
+      for (int64_t kh = 0; kh < kv_heads_; ++kh) {
+        const float* k = qkv + r * width + (heads_ + kh) * dim;
+        const float* v = qkv + r * width + (heads_ + kv_heads_ + kh) * dim;
+        std::copy(k, k + dim, keys + (kh * slots + slot) * dim);
+        std::copy(v, v + dim, values + (kh * slots + slot) * dim);
+      }
+    }
+  }
+
+  // Each row's query heads against its slots: softmax(q k * scale) v, float32, one task per (row, head).
+  void attend(const Layer& layer, const float* qkv, int64_t width, float* out, const int64_t* offsets,
+              const int64_t* slots, int64_t rows) const {
+    const int64_t dim = head_dim_, group = heads_ / kv_heads_, pool_slots = layer.keys.size(1);
+    const float* keys = layer.keys.data_ptr<float>();
+    const float* values = layer.values.data_ptr<float>();
+    const float scale = static_cast<float>(scale_);
+    at::parallel_for(0, rows * heads_, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores;
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t r = task / heads_, hd = task % heads_, kh = hd / group;
+        const int64_t first = offsets[r], count = offsets[r + 1] - first;
+        const float* q = qkv + r * width + hd * dim;
+        scores.resize(count);
+        float highest = -INFINITY;
+        for (int64_t j = 0; j < count; ++j) {
+          const int64_t slot = slots[first + j];
+          scores[j] = dot(q, keys + (kh * pool_slots + slot) * dim, dim) * scale;
+          highest = std::max(highest, scores[j]);
+        }
+        float total = 0.0f;
+        for (int64_t j = 0; j < count; ++j) {
+          scores[j] = std::exp(scores[j] - highest);
+          total += scores[j];
+        }
+        float* o = out + r * heads_ * dim + hd * dim;
+        std::fill(o, o + dim, 0.0f);
+        for (int64_t j = 0; j < count; ++j) {
+          axpy(scores[j] / total, values + (kh * pool_slots + slots[first + j]) * dim, o, dim);
+        }
+      }
+    });
+  }
+
+  int64_t heads_, kv_heads_, head_dim_, inner_;
+  float eps_;
+  double scale_;
+  std::vector<Layer> layers_;
+};
+
+}  // namespace
+
+void register_decode(pybind11::module& module) {
+  pybind11::class_<Projection>(module, "Projection");
+  module.def("native_projection", &native_projection);
+  module.def("dense_projection", &dense_projection);
+  pybind11::class_<DecodeStack>(module, "DecodeStack")
+      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, double, double>())
+      .def("add_layer", &DecodeStack::add_layer)
+      .def("set_pool", &DecodeStack::set_pool)
+      .def("step", &DecodeStack::step);
+}
+
+}  // namespace exo

@@ -1,0 +1,105 @@
+"""A shard's decode step as one native call (decode.cpp): every layer of a Llama-family shard with float32
+activations, for steps where each request adds one position, with no Python and no per-op dispatch between the
+kernels. Other shards and steps (prefill, mixtures, sliding windows, Gemma's norms, tensor-parallel ranks,
+bfloat16 activations) run the Python layers; both compute the same function, in another summation order."""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from exo_like.engines.batch import BatchLayout
+from exo_like.engines.torch.attention import item_slots
+from exo_like.engines.torch.linear import Linear
+from exo_like.engines.torch.native.matrix import NativeMatrix
+
+if TYPE_CHECKING:
+    from exo_like.engines.torch.attention import KVPool
+    from exo_like.engines.torch.model import ShardModel, TransformerBlock
+
+
+def _projection(module: Any, kernels: ModuleType) -> Any | None:
+    """The native form of a projection, or None where it has none (a packed or non-float32 weight)."""
+    if isinstance(module, Linear):
+        weight = module.weight
+        if module.packed or weight.dtype != torch.float32 or weight.layout != torch.strided:
+            return None
+        return kernels.dense_projection(weight.detach().contiguous(), None if module.bias is None else module.bias)
+    if getattr(module, "native", False):  # a QuantLinear of one NativeMatrix
+        matrix: NativeMatrix = module.pieces[0]
+        return kernels.native_projection(*matrix.kernel_args(), module.bias)
+    return None
+
+
+def supported(model: ShardModel) -> str | None:
+    """Why this shard's layers cannot run as one native step (None if they can)."""
+    args = model.args
+    checks = (
+        (args.mla is not None, "latent attention"), (args.sandwich_norms, "sandwich norms"),
+        (args.norm_offset, "offset norms"), (args.hidden_act != "silu", f"{args.hidden_act} MLP"),
+        (args.attn_softcap is not None or args.attn_sinks, "capped or sunk attention"),
+        (args.rope_dim != args.head_dim, "partial rotary"),
+        (any(args.window(layer) is not None for layer in model.layer_ids), "sliding windows"),
+        (any(args.is_sparse_layer(layer) for layer in model.layer_ids), "mixture of experts"),
+        (model.norm_weight.dtype != torch.float32 or model.norm_weight.device.type != "cpu", "not float32 on CPU"),
+        (any(layer.tensor_parallel for layer in model.layers), "tensor-parallel rank"),
+    )
+    return next((why for failed, why in checks if failed), None)
+
+
+class NativeDecode:
+    """The shard's layers registered once with the native step; `run` takes a step's rows."""
+
+    def __init__(self, model: ShardModel, kernels: ModuleType, stack: Any):
+        self.model, self.kernels, self.stack = model, kernels, stack
+        self._pool: KVPool | None = None
+
+    @classmethod
+    def build(cls, model: ShardModel, kernels: ModuleType | None) -> "NativeDecode | None":
+        """The native step for this shard, or None where it does not apply (see `supported`)."""
+        if kernels is None or supported(model) is not None:
+            return None
+        args = model.args
+        stack = kernels.DecodeStack(args.num_attention_heads, args.num_key_value_heads, args.head_dim,
+                                    args.intermediate_size, args.rms_norm_eps, args.attn_scale or args.head_dim**-0.5)
+        for layer in model.layers:
+            parts = _layer_parts(layer, kernels)
+            if parts is None:
+                return None
+            stack.add_layer(*parts)
+        return cls(model, kernels, stack)
+
+    @staticmethod
+    def handles(layout: BatchLayout, h: torch.Tensor) -> bool:
+        """Whether a step is one the native step runs: every request adds one position, float32 rows."""
+        return h.dtype == torch.float32 and all(item.count == 1 for item in layout.items)
+
+    def run(self, h: torch.Tensor, pool: KVPool, layout: BatchLayout, cos: torch.Tensor,
+            sin: torch.Tensor) -> torch.Tensor:
+        if pool is not self._pool:
+            for i in range(len(self.model.layers)):
+                keys, values = pool.layer(i)
+                self.stack.set_pool(i, keys, values)
+            self._pool = pool
+        seen = [item_slots(item) for item in layout.items]  # positions [0, end): no windows here
+        offsets = np.zeros(len(seen) + 1, dtype=np.int64)
+        np.cumsum([len(s) for s in seen], out=offsets[1:])
+        rows = h.shape[0]
+        return self.stack.step(h, cos.reshape(rows, -1), sin.reshape(rows, -1),
+                               torch.from_numpy(layout.write_slots), torch.from_numpy(offsets),
+                               torch.from_numpy(np.concatenate(seen).astype(np.int64, copy=False)))
+
+
+def _layer_parts(layer: TransformerBlock, kernels: ModuleType) -> tuple | None:
+    attention, mlp = layer.self_attn, layer.mlp
+    projections = [_projection(m, kernels) for m in (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj,
+                                                     mlp.down_proj)]
+    if any(p is None for p in projections):
+        return None
+    qk = attention.qk_norm
+    return (layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
+            None if qk is None else qk.q_norm.weight.detach(), None if qk is None else qk.k_norm.weight.detach(),
+            *projections)

@@ -1,0 +1,397 @@
+// Quantized matrix products on CPU from affine groups' stored codes (w = scale * q + bias per group of inputs),
+// in the manner of llama.cpp's quantized types: the activations are quantized per block of 32 inputs (one float
+// scale a block), each block's integer dot product with the codes is exact, and it is scaled once per block in
+// float32. Activations are quantized to 16 bits, not llama.cpp's 8: SmolLM2's hidden states carry outliers of
+// 20-30 times their RMS, and with 8 bits the rest of such a block keeps 3-4 bits, which cost 2 % of perplexity
+// here; 16 bits cost nothing measurable, and the same number of multiplies (two 16-bit multiply-adds a block
+// instead of an 8-bit one and its widening).
+//
+// Code layouts (per row, per block of 32 inputs; see matrix.py, which packs them):
+//   NIBBLES (codes of up to 4 bits): 16 bytes, byte j = q[j] | q[j + 16] << 4.
+//   HIGH2 (5 or 6 bits): the low nibbles as above, plus 8 bytes of the codes' top two bits,
+//     byte j = h[j] | h[j + 8] << 2 | h[j + 16] << 4 | h[j + 24] << 6.
+//   BYTES (7 or 8 bits): 32 bytes, one code each.
+// Scales (and biases) per group are float32, float16 or bfloat16, as the checkpoint stores them; a symmetric
+// type (Q4_0, Q8_0, MXFP4: bias = -zero * scale) keeps no biases.
+//
+// Each output is the float32 sum over groups g of scale_g * sum_blocks(d_b * isum_b) + bias_g * xsum_g, where
+// isum_b is the block's exact integer dot product, d_b the activations' block scale and xsum_g the float32
+// sum of the group's activations. Rows of a batch do not interact: a row's result is the same in any batch.
+//
+// ISA: an AVX2 + FMA + F16C kernel chosen at run time where the CPU has them, a portable one otherwise; both
+// compute the same integer sums, their float32 accumulation order differs.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define EXO_X86 1
+#endif
+
+namespace {
+
+constexpr int64_t BLOCK = 32;
+constexpr int64_t ROW_TILE = 4;      // activation rows per pass over a weight row
+constexpr int64_t BATCH_TILE = 64;   // activation rows kept hot in cache while a thread walks its weight rows
+constexpr float CODE_MAX = 32767.0f; // activations' codes: int16
+
+enum Layout : int64_t { NIBBLES = 0, HIGH2 = 1, BYTES = 2 };
+enum ScaleType : int { F32 = 0, F16 = 1, BF16 = 2 };
+
+// The activations quantized: int16 codes and a scale per block of 32, and per group the float32 sum of the values
+// (for the biases). Pointers into thread-local scratch, valid until the thread's next product.
+struct Activations {
+  const int16_t* q;
+  const float *d, *gsum;
+  int64_t rows, inputs, blocks, groups;
+};
+
+float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
+
+float bfloat_to_float(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float value;
+  std::memcpy(&value, &bits, 4);
+  return value;
+}
+
+Activations quantize(const at::Tensor& x, int64_t group) {
+  Activations a;
+  a.rows = x.size(0);
+  a.inputs = x.size(1);
+  a.blocks = a.inputs / BLOCK;
+  a.groups = a.inputs / group;
+  thread_local std::vector<int16_t> q_buffer;
+  thread_local std::vector<float> float_buffer;
+  q_buffer.resize(a.rows * a.inputs);
+  float_buffer.resize(a.rows * (a.blocks + a.groups));
+  const float* xs = x.data_ptr<float>();
+  int16_t* q = q_buffer.data();
+  float* d = float_buffer.data();
+  float* gsum = d + a.rows * a.blocks;
+  a.q = q;
+  a.d = d;
+  a.gsum = gsum;
+  at::parallel_for(0, a.rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t b = 0; b < a.blocks; ++b) {
+        const float* v = xs + r * a.inputs + b * BLOCK;
+        float amax = 0.0f;
+        for (int64_t i = 0; i < BLOCK; ++i) amax = std::max(amax, std::fabs(v[i]));
+        const float scale = amax / CODE_MAX;
+        const float inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
+        for (int64_t i = 0; i < BLOCK; ++i) {
+          q[r * a.inputs + b * BLOCK + i] = static_cast<int16_t>(std::nearbyint(v[i] * inverse));
+        }
+        d[r * a.blocks + b] = scale;
+      }
+      for (int64_t g = 0; g < a.groups; ++g) {
+        const float* v = xs + r * a.inputs + g * group;
+        float sum = 0.0f;
+        for (int64_t i = 0; i < group; ++i) sum += v[i];
+        gsum[r * a.groups + g] = sum;
+      }
+    }
+  });
+  return a;
+}
+
+// One matrix in its packed form.
+struct Matrix {
+  const uint8_t* low;    // NIBBLES/HIGH2: [out, in / 2]; BYTES: [out, in]
+  const uint8_t* high;   // HIGH2: [out, in / 4]
+  const void* scales;    // [out, groups]
+  const void* biases;    // [out, groups], or null: bias = -zero * scale
+  int scale_type;
+  float zero;
+  int64_t layout, group, inputs, groups;
+
+  float load(const void* p, int64_t i) const {
+    if (scale_type == F16) return half_to_float(static_cast<const uint16_t*>(p)[i]);
+    if (scale_type == BF16) return bfloat_to_float(static_cast<const uint16_t*>(p)[i]);
+    return static_cast<const float*>(p)[i];
+  }
+  float scale(int64_t row, int64_t g) const { return load(scales, row * groups + g); }
+  float bias(int64_t row, int64_t g) const { return biases ? load(biases, row * groups + g) : -zero * scale(row, g); }
+  int64_t low_stride() const { return layout == BYTES ? inputs : inputs / 2; }
+};
+
+// The code of input k of a row (portable path and dequantization).
+inline int32_t code_at(const Matrix& m, int64_t row, int64_t k) {
+  if (m.layout == BYTES) return m.low[row * m.inputs + k];
+  const int64_t b = k / BLOCK, j = k % BLOCK;
+  const uint8_t byte = m.low[row * (m.inputs / 2) + b * 16 + (j % 16)];
+  int32_t q = j < 16 ? (byte & 0x0F) : (byte >> 4);
+  if (m.layout == HIGH2) {
+    const uint8_t h = m.high[row * (m.inputs / 4) + b * 8 + (j % 8)];
+    q |= ((h >> (2 * (j / 8))) & 0x03) << 4;
+  }
+  return q;
+}
+
+void rows_portable(const Matrix& m, const Activations& a, int64_t row, int64_t r0, int64_t count, float* out,
+                   int64_t out_stride) {
+  for (int64_t r = r0; r < r0 + count; ++r) {
+    const int16_t* xq = a.q + r * a.inputs;
+    const float* d = a.d + r * a.blocks;
+    const float* gsum = a.gsum + r * a.groups;
+    float total = 0.0f;
+    for (int64_t b = 0; b < a.blocks; ++b) {
+      int32_t halves[2] = {0, 0};
+      for (int64_t j = 0; j < BLOCK; ++j) halves[j / 16] += code_at(m, row, b * BLOCK + j) * xq[b * BLOCK + j];
+      for (int64_t half = 0; half < 2; ++half) {
+        total += m.scale(row, (b * BLOCK + half * 16) / m.group) * d[b] * static_cast<float>(halves[half]);
+      }
+    }
+    for (int64_t g = 0; g < m.groups; ++g) total += m.bias(row, g) * gsum[g];
+    out[r * out_stride + row] = total;
+  }
+}
+
+#ifdef EXO_X86
+__attribute__((target("avx2,fma,f16c"))) inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// A block's 32 codes as unsigned bytes.
+template <int64_t L>
+__attribute__((target("avx2,fma,f16c"), always_inline)) inline __m256i block_codes(const uint8_t* low,
+                                                                                     const uint8_t* high) {
+  if constexpr (L == BYTES) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(low));
+  } else {
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(low));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    __m256i codes = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), mask), _mm_and_si128(packed, mask));
+    if constexpr (L == HIGH2) {
+      int64_t bits;
+      std::memcpy(&bits, high, 8);
+      __m256i h = _mm256_srlv_epi64(_mm256_set1_epi64x(bits), _mm256_set_epi64x(6, 4, 2, 0));
+      h = _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi8(0x03)), 4);
+      codes = _mm256_or_si256(codes, h);
+    }
+    return codes;
+  }
+}
+
+__attribute__((target("avx2,fma,f16c"), always_inline)) inline float load_scale(const Matrix& m, const void* p,
+                                                                                  int64_t i) {
+  if (m.scale_type == F16) return _cvtsh_ss(static_cast<const uint16_t*>(p)[i]);
+  if (m.scale_type == BF16) return bfloat_to_float(static_cast<const uint16_t*>(p)[i]);
+  return static_cast<const float*>(p)[i];
+}
+
+// sum_g p[g] * v[g] over a row's groups (p: the row's scales or biases).
+__attribute__((target("avx2,fma,f16c"))) float dot_groups(const Matrix& m, const void* p, int64_t first,
+                                                          const float* v) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t g = 0;
+  for (; g + 8 <= m.groups; g += 8) {
+    __m256 w;
+    if (m.scale_type == F32) {
+      w = _mm256_loadu_ps(static_cast<const float*>(p) + first + g);
+    } else {
+      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + first + g));
+      w = m.scale_type == F16 ? _mm256_cvtph_ps(h)
+                              : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    acc = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + g), acc);
+  }
+  float total = hsum(acc);
+  for (; g < m.groups; ++g) total += load_scale(m, p, first + g) * v[g];
+  return total;
+}
+
+// Block b of a weight row against C activation rows, into their accumulators (indices known at compile time, so
+// they stay in registers). Groups of 16 (HALVES) scale each half block on its own.
+template <int64_t L, int C, bool HALVES>
+__attribute__((target("avx2,fma,f16c"), always_inline)) inline void block_step(
+    const uint8_t* low, const uint8_t* high, const int16_t* xq, const float* d, int64_t inputs, int64_t blocks,
+    int64_t b, float scale_lo, float scale_hi, __m256* acc) {
+  const __m256i codes = block_codes<L>(low + b * (L == BYTES ? 32 : 16), L == HIGH2 ? high + b * 8 : nullptr);
+  const __m256i lo = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(codes));
+  const __m256i hi = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(codes, 1));
+#pragma GCC unroll 4
+  for (int t = 0; t < C; ++t) {
+    const int16_t* x = xq + t * inputs + b * BLOCK;
+    const __m256i p0 = _mm256_madd_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+    const __m256i p1 = _mm256_madd_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16)));
+    const float db = d[t * blocks + b];
+    if constexpr (HALVES) {
+      acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(scale_lo * db), _mm256_cvtepi32_ps(p0), acc[t]);
+      acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(scale_hi * db), _mm256_cvtepi32_ps(p1), acc[t]);
+    } else {
+      acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(scale_lo * db), _mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)), acc[t]);
+    }
+  }
+}
+
+template <int64_t L, int C, bool HALVES>
+__attribute__((target("avx2,fma,f16c"))) void rows_avx2_tile(const Matrix& m, const Activations& a, int64_t row,
+                                                               int64_t r0, float* out, int64_t out_stride) {
+  const uint8_t* low = m.low + row * m.low_stride();
+  const uint8_t* high = L == HIGH2 ? m.high + row * (m.inputs / 4) : nullptr;
+  const int64_t inputs = a.inputs, blocks = a.blocks, groups = m.groups;
+  const int16_t* xq = a.q + r0 * inputs;
+  const float* d = a.d + r0 * blocks;
+  __m256 acc[C], odd[C];  // even and odd blocks: two chains of dependent multiply-adds instead of one
+#pragma GCC unroll 4
+  for (int t = 0; t < C; ++t) acc[t] = odd[t] = _mm256_setzero_ps();
+  const int64_t first = row * groups;
+  const int shift = HALVES ? 0 : __builtin_ctzll(m.group / BLOCK);  // log2 of blocks per group
+  int64_t b = 0;
+  for (; b + 1 < blocks; b += 2) {
+    const float s0 = load_scale(m, m.scales, first + (HALVES ? 2 * b : b >> shift)), s1 = load_scale(m, m.scales, first + (HALVES ? 2 * (b + 1) : (b + 1) >> shift));
+    const float h0 = HALVES ? load_scale(m, m.scales, first + 2 * b + 1) : s0;
+    const float h1 = HALVES ? load_scale(m, m.scales, first + 2 * b + 3) : s1;
+    block_step<L, C, HALVES>(low, high, xq, d, inputs, blocks, b, s0, h0, acc);
+    block_step<L, C, HALVES>(low, high, xq, d, inputs, blocks, b + 1, s1, h1, odd);
+  }
+  if (b < blocks) {
+    const float s0 = load_scale(m, m.scales, first + (HALVES ? 2 * b : b >> shift));
+    block_step<L, C, HALVES>(low, high, xq, d, inputs, blocks, b, s0,
+                             HALVES ? load_scale(m, m.scales, first + 2 * b + 1) : s0, acc);
+  }
+  const float* gsum = a.gsum + r0 * groups;
+  for (int t = 0; t < C; ++t) {
+    float total = hsum(_mm256_add_ps(acc[t], odd[t]));
+    total += m.biases ? dot_groups(m, m.biases, first, gsum + t * groups)
+                      : -m.zero * dot_groups(m, m.scales, first, gsum + t * groups);
+    out[(r0 + t) * out_stride + row] = total;
+  }
+}
+
+template <int64_t L, bool HALVES>
+__attribute__((target("avx2,fma,f16c"))) void rows_avx2(const Matrix& m, const Activations& a, int64_t row,
+                                                          int64_t r0, int64_t count, float* out,
+                                                          int64_t out_stride) {
+  switch (count) {
+    case 1: return rows_avx2_tile<L, 1, HALVES>(m, a, row, r0, out, out_stride);
+    case 2: return rows_avx2_tile<L, 2, HALVES>(m, a, row, r0, out, out_stride);
+    case 3: return rows_avx2_tile<L, 3, HALVES>(m, a, row, r0, out, out_stride);
+    default: return rows_avx2_tile<L, 4, HALVES>(m, a, row, r0, out, out_stride);
+  }
+}
+
+bool has_avx2() {
+  static const bool present = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                              __builtin_cpu_supports("f16c");
+  return present;
+}
+#endif
+
+using RowKernel = void (*)(const Matrix&, const Activations&, int64_t, int64_t, int64_t, float*, int64_t);
+
+RowKernel pick_kernel(int64_t layout, bool halves) {
+#ifdef EXO_X86
+  if (has_avx2()) {
+    if (halves) return layout == NIBBLES ? rows_avx2<NIBBLES, true> : rows_avx2<HIGH2, true>;
+    if (layout == NIBBLES) return rows_avx2<NIBBLES, false>;
+    if (layout == HIGH2) return rows_avx2<HIGH2, false>;
+    return rows_avx2<BYTES, false>;
+  }
+#endif
+  return rows_portable;
+}
+
+Matrix view(const at::Tensor& low, const at::Tensor& high, const at::Tensor& scales, const at::Tensor& biases,
+            int64_t layout, double zero, int64_t group) {
+  TORCH_CHECK(low.is_contiguous() && scales.is_contiguous() && biases.is_contiguous(), "packed tensors must be contiguous");
+  TORCH_CHECK(biases.numel() == 0 || scales.scalar_type() == biases.scalar_type(), "scales and biases differ in type");
+  TORCH_CHECK(group == 16 ? layout != BYTES : (group >= BLOCK && (group & (group - 1)) == 0),
+              "groups must be 16 (codes of up to 6 bits) or a power of two from 32");
+  Matrix m;
+  m.low = low.data_ptr<uint8_t>();
+  m.high = layout == HIGH2 ? high.data_ptr<uint8_t>() : nullptr;
+  m.scales = scales.data_ptr();
+  m.biases = biases.numel() ? biases.data_ptr() : nullptr;
+  const auto type = scales.scalar_type();
+  TORCH_CHECK(type == at::kFloat || type == at::kHalf || type == at::kBFloat16, "scales must be float32/16 or bfloat16");
+  m.scale_type = type == at::kHalf ? F16 : type == at::kBFloat16 ? BF16 : F32;
+  m.zero = static_cast<float>(zero);
+  m.layout = layout;
+  m.group = group;
+  m.groups = scales.size(1);
+  m.inputs = m.groups * group;
+  return m;
+}
+
+// x [rows, in] float32 times the matrix's transpose -> [rows, out] float32.
+at::Tensor matmul(const at::Tensor& x, const at::Tensor& low, const at::Tensor& high, const at::Tensor& scales,
+                  const at::Tensor& biases, int64_t layout, double zero, int64_t group) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "activations must be float32 [rows, in]");
+  const Matrix m = view(low, high, scales, biases, layout, zero, group);
+  TORCH_CHECK(x.size(1) == m.inputs && m.inputs % BLOCK == 0, "activations' width does not match the matrix");
+  const at::Tensor xc = x.contiguous();
+  const Activations a = quantize(xc, group);
+  const int64_t outputs = scales.size(0);
+  at::Tensor out = at::empty({a.rows, outputs}, x.options());
+  float* o = out.data_ptr<float>();
+  const RowKernel kernel = pick_kernel(layout, group < BLOCK);
+  for (int64_t tile = 0; tile < a.rows; tile += BATCH_TILE) {
+    const int64_t tile_end = std::min(a.rows, tile + BATCH_TILE);
+    at::parallel_for(0, outputs, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t row = begin; row < end; ++row) {
+        for (int64_t r = tile; r < tile_end; r += ROW_TILE) {
+          kernel(m, a, row, r, std::min(ROW_TILE, tile_end - r), o, outputs);
+        }
+      }
+    });
+  }
+  return out;
+}
+
+// Rows `ids` of the matrix, dequantized to float32 [n, in]: scale * q + bias, rounded as numpy's
+// AffineGroups.dequantize does (a product, then a sum; built with -ffp-contract=off, so never fused).
+at::Tensor rows(const at::Tensor& ids, const at::Tensor& low, const at::Tensor& high, const at::Tensor& scales,
+                const at::Tensor& biases, int64_t layout, double zero, int64_t group) {
+  const Matrix m = view(low, high, scales, biases, layout, zero, group);
+  const at::Tensor idc = ids.contiguous().to(at::kLong);
+  const int64_t n = idc.numel(), outputs = scales.size(0);
+  const int64_t* id = idc.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(id[i] >= 0 && id[i] < outputs, "row id out of range");
+  at::Tensor out = at::empty({n, m.inputs}, scales.options().dtype(at::kFloat));
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      for (int64_t k = 0; k < m.inputs; ++k) {
+        const float product = m.scale(id[i], k / group) * static_cast<float>(code_at(m, id[i], k));
+        o[i * m.inputs + k] = product + m.bias(id[i], k / group);
+      }
+    }
+  });
+  return out;
+}
+
+std::string kernel_name() {
+#ifdef EXO_X86
+  if (has_avx2()) return "avx2";
+#endif
+  return "portable";
+}
+
+}  // namespace
+
+namespace exo {
+at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& low, const at::Tensor& high, const at::Tensor& scales,
+                        const at::Tensor& biases, int64_t layout, double zero, int64_t group) {
+  return matmul(x, low, high, scales, biases, layout, zero, group);
+}
+void register_decode(pybind11::module& module);  // decode.cpp
+}  // namespace exo
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
+  exo::register_decode(module);
+  module.def("matmul", &matmul, "x @ w.T for a packed affine-groups matrix (int16 activation blocks)");
+  module.def("rows", &rows, "rows of a packed affine-groups matrix, dequantized");
+  module.def("kernel_name", &kernel_name, "which kernel this CPU runs");
+}

@@ -1,0 +1,127 @@
+"""The torch engine's native CPU kernels (engines/torch/native): the quantized product against a float64
+statement of the same arithmetic, dequantized rows against AffineGroups, batch invariance, the one-call decode
+step against the Python layers, and the fallback without them. Skipped where no C++ compiler built them: the
+engine then runs torch's kernels, which the rest of the suite covers alike."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from exo_like.engines.torch.engine import TorchEngine
+from exo_like.engines.torch.native import build
+from exo_like.engines.torch.native.matrix import NativeMatrix, form_of, layout_of, reference_matmul
+from exo_like.models.affine import AffineGroups
+from exo_like.models.config import ModelArgs
+from exo_like.models.footprint import native_bytes
+from exo_like.models.shard import Shard
+from tests.checkpoints import make_checkpoint
+from tests.engine_driver import Driver
+
+KERNELS = build.kernels()
+pytestmark = pytest.mark.skipif(KERNELS is None, reason="no native kernels here (no C++ compiler)")
+
+# (bits, group size, source): every code layout, groups of 16 to 128, float16 and bfloat16 scales, with biases
+# and symmetric (Q4_0, Q5_0, Q8_0, MXFP4: bias = -zero * scale).
+FORMS = [(4, 32, "Q4_0"), (4, 32, "Q4_1"), (5, 32, "Q5_0"), (5, 32, "Q5_1"), (8, 32, "Q8_0"), (5, 32, "mxfp4"),
+         (4, 64, "mlx 4-bit"), (4, 128, "mlx 4-bit"), (6, 16, "mlx 6-bit"), (8, 64, "mlx 8-bit"),
+         (3, 16, "mlx 3-bit"), (2, 32, "mlx 2-bit")]
+ZEROS = {"Q4_0": 8, "Q5_0": 16, "Q8_0": 128, "mxfp4": 12}
+
+
+def random_groups(bits: int, group: int, source: str, out: int = 40, inputs: int = 256, seed: int = 0) -> AffineGroups:
+    """Codes, and scales and biases of the 16-bit type such a checkpoint stores them in."""
+    rng = np.random.default_rng(seed)
+    codes = rng.integers(0, 2**bits, (out, inputs), dtype=np.uint8)
+    stored = torch.float16 if source.startswith("Q") or bits == 3 else torch.bfloat16
+    scales = torch.from_numpy(rng.random((out, inputs // group), dtype=np.float32) * 0.02).to(stored).float().numpy()
+    biases = torch.from_numpy(-rng.random((out, inputs // group), dtype=np.float32) * 0.1).to(stored).float().numpy()
+    if source in ZEROS:
+        biases = np.float32(-ZEROS[source]) * scales
+    return AffineGroups(codes, scales, biases, bits, group, source)
+
+
+@pytest.mark.parametrize("bits,group,source", FORMS)
+def test_the_product_is_the_exact_integer_sums_scaled_once_per_block(bits, group, source) -> None:
+    groups = random_groups(bits, group, source)
+    matrix = NativeMatrix.pack(groups, KERNELS)
+    x = np.random.default_rng(1).standard_normal((5, 256)).astype(np.float32)
+    x[2, :32] = 0.0  # an all-zero activation block (its scale is 0)
+    got = matrix.matmul(torch.from_numpy(x)).numpy()
+    expected = reference_matmul(x, groups)
+    # float32 accumulation of exact integer sums: within a few float32 roundings of the outputs' magnitude
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5 * np.abs(expected).max())
+    exact = x.astype(np.float64) @ groups.dequantize().astype(np.float64).T  # 16-bit activations: nearly exact
+    np.testing.assert_allclose(got, exact, rtol=0, atol=1e-4 * np.abs(exact).max())
+    held = sum(t.numel() * t.element_size() for t in matrix.tensors())
+    assert held == native_bytes(bits, group, *groups.shape, form_of(groups))  # what planning counts
+    assert (matrix.biases.numel() == 0) == (source in ZEROS)
+
+
+@pytest.mark.parametrize("bits,group,source", FORMS)
+def test_rows_dequantize_exactly_as_affine_groups_do(bits, group, source) -> None:
+    groups = random_groups(bits, group, source)
+    ids = torch.tensor([7, 0, 39, 7])
+    rows = NativeMatrix.pack(groups, KERNELS).rows(ids).numpy()
+    np.testing.assert_array_equal(rows, groups.dequantize()[ids.numpy()])
+
+
+def test_a_row_gets_the_same_result_in_any_batch() -> None:
+    matrix = NativeMatrix.pack(random_groups(4, 32, "Q4_1", out=96, inputs=512), KERNELS)
+    x = torch.randn(70, 512)  # more rows than one tile of rows (64), in tiles of 4 and a remainder
+    together = matrix.matmul(x)
+    for row in (0, 5, 63, 64, 69):
+        assert torch.equal(matrix.matmul(x[row : row + 1])[0], together[row])
+
+
+def test_codes_of_every_layout_round_trip_through_the_packing() -> None:
+    for bits, group, source in FORMS:
+        groups = random_groups(bits, group, source)
+        matrix = NativeMatrix.pack(groups, KERNELS)
+        assert matrix.shape == groups.shape and layout_of(bits) in (0, 1, 2)
+        np.testing.assert_array_equal(matrix.rows(torch.arange(groups.shape[0])).numpy(), groups.dequantize())
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    """Per-head q/k norms and a grouped-query attention: the most the native step takes of a layer."""
+    return make_checkpoint(tmp_path_factory.mktemp("qwen3"), "qwen3", n_layers=3, seed=3, peaky=True)
+
+
+def _decode_logits(engine: TorchEngine, prompt: np.ndarray, n: int) -> tuple[list[int], np.ndarray]:
+    """n greedy tokens (the prompt in one step, then one step a token) and each step's logits."""
+    driver, tokens, logits, x = Driver([engine]), [], [], prompt
+    for _ in range(n):
+        logits.append(driver.forward("r", x))
+        tokens.append(int(np.argmax(logits[-1])))
+        x = np.array([tokens[-1]], dtype=np.int64)
+    return tokens, np.stack(logits)
+
+
+def test_the_native_decode_step_computes_what_the_python_layers_do(qwen3_dir) -> None:
+    args = ModelArgs.from_dir(qwen3_dir)
+    engine = TorchEngine(device="cpu", dtype="float32")
+    engine.load(qwen3_dir, args, Shard.whole("t", args.num_hidden_layers))
+    assert engine.model.native_decode is not None
+    prompt = np.arange(3, 40, dtype=np.int64)
+    native_tokens, native_logits = _decode_logits(engine, prompt, 12)
+    engine.model.native_decode = None  # the Python layers, the same weights
+    python_tokens, python_logits = _decode_logits(engine, prompt, 12)
+    assert native_tokens == python_tokens and len(set(native_tokens)) > 2
+    np.testing.assert_allclose(native_logits, python_logits, rtol=1e-5, atol=1e-4)  # as chunked vs one-shot
+
+
+def test_without_native_kernels_the_engine_says_so_once_and_runs_torch_s(monkeypatch, caplog) -> None:
+    monkeypatch.setenv(build.DISABLE, "0")
+    build.kernels.cache_clear()
+    try:
+        with caplog.at_level(logging.INFO, logger=build.__name__):
+            assert build.kernels() is None and build.kernels() is None
+        assert sum("native CPU kernels turned off" in r.message for r in caplog.records) == 1
+    finally:
+        build.kernels.cache_clear()
+        monkeypatch.delenv(build.DISABLE)
+        assert build.kernels() is not None
