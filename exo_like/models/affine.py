@@ -17,6 +17,55 @@ import numpy as np
 
 
 @dataclass(frozen=True)
+class GroupFactors:
+    """Scales (and biases) as GGUF's K-quants store them: a small integer per group times a float per run of
+    `per_super` groups (its super-block): scales = scale_codes * super_scales, biases = bias_codes * super_biases,
+    or, without bias codes, biases = -zero * scales (Q6_K). The products are the AffineGroups' float32 values
+    exactly (they are how its decoder computed them); kernels that read this form hold a byte a group, not a
+    float."""
+
+    scale_codes: np.ndarray  # uint8 or int8 [out, groups]
+    super_scales: np.ndarray  # float32 [out, groups // per_super]
+    bias_codes: np.ndarray | None  # uint8 [out, groups]
+    super_biases: np.ndarray | None  # float32 [out, groups // per_super]
+    zero: int  # without bias codes
+    per_super: int
+
+    def arrays(self) -> tuple[np.ndarray | None, ...]:
+        return self.scale_codes, self.super_scales, self.bias_codes, self.super_biases
+
+    def map(self, transform: Callable[[np.ndarray], np.ndarray], per_group: Callable[[np.ndarray], np.ndarray]
+            | None = None, per_super: Callable[[np.ndarray], np.ndarray] | None = None) -> "GroupFactors":
+        """The factors with `transform` applied to every array, or `per_group` / `per_super` to each kind."""
+        groups, supers = per_group or transform, per_super or transform
+        return GroupFactors(groups(self.scale_codes), supers(self.super_scales),
+                            None if self.bias_codes is None else groups(self.bias_codes),
+                            None if self.super_biases is None else supers(self.super_biases), self.zero,
+                            self.per_super)
+
+    def take_groups(self, first: int, last: int) -> "GroupFactors | None":
+        """Groups [first, last), when they fall on whole super-blocks (else None: the plain scales remain)."""
+        if first % self.per_super or last % self.per_super:
+            return None
+        return self.map(np.ascontiguousarray, lambda t: np.ascontiguousarray(t[:, first:last]),
+                        lambda t: np.ascontiguousarray(t[:, first // self.per_super:last // self.per_super]))
+
+    def same_form(self, other: "GroupFactors") -> bool:
+        return (self.per_super, self.zero, self.scale_codes.dtype, self.bias_codes is None) == \
+            (other.per_super, other.zero, other.scale_codes.dtype, other.bias_codes is None)
+
+    @staticmethod
+    def stack(parts: Sequence["GroupFactors | None"]) -> "GroupFactors | None":
+        """Factors of matrices stacked along their outputs (None unless every part has them, in one form)."""
+        first = parts[0]
+        if first is None or not all(p is not None and first.same_form(p) for p in parts):
+            return None
+        joined = [np.concatenate([getattr(p, name) for p in parts]) if getattr(first, name) is not None else None
+                  for name in ("scale_codes", "super_scales", "bias_codes", "super_biases")]
+        return GroupFactors(*joined, first.zero, first.per_super)
+
+
+@dataclass(frozen=True)
 class AffineGroups:
     """A quantized [out, in] matrix: codes in [0, 2**bits), one scale and bias per `group_size` inputs."""
 
@@ -29,6 +78,7 @@ class AffineGroups:
     # Whether the file stores the scales (and biases) as 16-bit numbers (an MLX checkpoint stores its dtype's):
     # kernels that keep them so need to know, as planning does from the file's header.
     sixteen_bit_scales: bool = True
+    factors: GroupFactors | None = None  # the scales' and biases' stored form (K-quants)
 
     def __post_init__(self) -> None:
         out, inputs = self.codes.shape
@@ -50,7 +100,8 @@ class AffineGroups:
     def map_rows(self, reorder: Callable[[np.ndarray], np.ndarray]) -> "AffineGroups":
         """The same matrix with its rows rearranged by `reorder` (applied alike to codes, scales and biases)."""
         return AffineGroups(reorder(self.codes), reorder(self.scales), reorder(self.biases), self.bits,
-                            self.group_size, self.source, self.sixteen_bit_scales)
+                            self.group_size, self.source, self.sixteen_bit_scales,
+                            None if self.factors is None else self.factors.map(reorder))
 
     def take_rows(self, start: int, end: int) -> "AffineGroups":
         """Outputs [start, end) (a column-parallel slice)."""
@@ -61,10 +112,11 @@ class AffineGroups:
         if start % self.group_size or end % self.group_size:
             raise ValueError(f"{self.source}: inputs [{start}, {end}) do not fall on groups of {self.group_size}")
         first, last = start // self.group_size, end // self.group_size
+        factors = None if self.factors is None else self.factors.take_groups(first, last)
         return AffineGroups(np.ascontiguousarray(self.codes[:, start:end]),
                             np.ascontiguousarray(self.scales[:, first:last]),
                             np.ascontiguousarray(self.biases[:, first:last]), self.bits, self.group_size, self.source,
-                            self.sixteen_bit_scales)
+                            self.sixteen_bit_scales, factors)
 
     def same_form(self, other: "AffineGroups") -> bool:
         return (self.bits, self.group_size) == (other.bits, other.group_size) and self.shape[1] == other.shape[1]
@@ -78,7 +130,7 @@ class AffineGroups:
         source = "+".join(dict.fromkeys(p.source for p in parts))
         return AffineGroups(np.concatenate([p.codes for p in parts]), np.concatenate([p.scales for p in parts]),
                             np.concatenate([p.biases for p in parts]), first.bits, first.group_size, source,
-                            all(p.sixteen_bit_scales for p in parts))
+                            all(p.sixteen_bit_scales for p in parts), GroupFactors.stack([p.factors for p in parts]))
 
 
 def unpack_words(packed: np.ndarray, bits: int) -> np.ndarray:

@@ -20,6 +20,7 @@ from typing import Any
 
 from exo_like.models.checkpoint import local_tensor_name, safetensors_header, weight_map
 from exo_like.models.gguf.blocks import BITS as GGUF_BITS
+from exo_like.models.gguf.blocks import group_size as gguf_group_size
 from exo_like.models.quantization import QUANTIZED_SUFFIXES, QuantSpec
 from exo_like.models.shard import Shard
 
@@ -30,6 +31,7 @@ TORCH_CPU_FLOAT_BYTES = 4  # and on torch's CPU path, where activations are floa
 TORCH_CPU_DEQUANTIZED_BYTES = 2  # quantized matrices without a kernel there: bfloat16
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 MLX_BITS = (2, 3, 4, 5, 6, 8)
+MLX_GROUP_SIZES = (32, 64, 128)  # MLX's quantized matmul's (GGUF's Q6_K groups of 16 are dequantized there)
 MXFP4_BLOCKS, MXFP4_SCALES = "_blocks", "_scales"  # the Hub's MXFP4 tensors (gpt-oss experts)
 _FUSED = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
 
@@ -80,21 +82,32 @@ class Matrix:
         return None
 
 
-# Types whose scales (and biases) are 16-bit numbers, as the native kernels keep them; symmetric ones (bias =
-# -zero * scale) keep no biases. K-quants' scales are products of two (a float16 and a 6-bit code) and stay on
-# torch's int4 packs until the kernels read them in that form.
+# How the native kernels keep each type's scales (and biases): 16-bit numbers ("half"), or as K-quants store them,
+# a byte a group and a float32 a super-block of 256 values ("k"); symmetric types (bias = -zero * scale) keep no
+# biases.
 HALF_SYMMETRIC = frozenset({"Q4_0", "Q5_0", "Q8_0", "MXFP4", "mxfp4"})
 HALF = frozenset({"Q4_1", "Q5_1"})
+K_FORMS = {"Q4_K": "k", "Q5_K": "k", "Q6_K": "k-symmetric"}
+K_SUPER = 256  # values per K-quant super-block
 
 
 def native_form(source: str, bits: int) -> str:
     """How the native kernels hold a matrix of this type (AffineGroups.source: a GGUF type, "mlx N-bit",
-    "mxfp4"): "half-symmetric", "half", or "" (not at all)."""
+    "mxfp4"): "half-symmetric", "half", "k", "k-symmetric", or "" (not at all)."""
     if source in HALF_SYMMETRIC:
         return "half-symmetric"
     if source in HALF or source == f"mlx {bits}-bit":
         return "half"
-    return ""
+    return K_FORMS.get(source, "")
+
+
+def stacked_form(forms: list[str]) -> str:
+    """The native form of matrices stacked into one (q, k, v): the parts' if they share it, else "half" for 16-bit
+    parts of which some keep biases, else none (a stack keeps one form of scales)."""
+    kinds = set(forms)
+    if len(kinds) == 1:
+        return forms[0]
+    return "half" if kinds <= {"half", "half-symmetric"} else ""
 
 
 def native_refusal(bits: int, group_size: int, inputs: int, form: str) -> str | None:
@@ -111,10 +124,14 @@ def native_refusal(bits: int, group_size: int, inputs: int, form: str) -> str | 
 
 
 def native_bytes(bits: int, group_size: int, out: int, inputs: int, form: str) -> int:
-    """Bytes of a matrix packed for the native kernels: 4, 6 or 8 bits a code; a 16-bit scale (and bias) a group."""
+    """Bytes of a matrix packed for the native kernels: 4, 6 or 8 bits a code; a 16-bit scale (and bias) a group,
+    or for K-quants a byte (and a byte) a group and a float32 (and another) a super-block."""
     code_bits = 4 if bits <= 4 else 6 if bits <= 6 else 8
-    per_group = 2 if form == "half-symmetric" else 4
-    return out * inputs * code_bits // 8 + out * (inputs // group_size) * per_group
+    codes = out * inputs * code_bits // 8
+    factors = 1 if form.endswith("symmetric") else 2  # scales, and biases unless symmetric
+    if form.startswith("k"):
+        return codes + factors * out * (inputs // group_size + 4 * (inputs // K_SUPER))
+    return codes + factors * out * (inputs // group_size) * 2
 
 
 def int4_bytes(bits: int, group_size: int, out: int, inputs: int) -> int:
@@ -153,8 +170,7 @@ def _torch_piece_bytes(stacked: list[Matrix], native: bool) -> int:
     if first.name.endswith(LATENT_PROJECTIONS):
         return sum(m.numel * TORCH_CPU_FLOAT_BYTES for m in stacked)
     out = sum(m.shape[0] for m in stacked)
-    forms = {m.native_form for m in stacked}
-    form = "" if "" in forms else "half-symmetric" if forms == {"half-symmetric"} else "half"
+    form = stacked_form([m.native_form for m in stacked])
     if native and first.affine and native_refusal(first.bits, first.group_size, first.shape[1], form) is None:
         return native_bytes(first.bits, first.group_size, out, first.shape[1], form)
     if first.affine and int4_refusal(first.bits, first.group_size, out) is None:
@@ -164,7 +180,7 @@ def _torch_piece_bytes(stacked: list[Matrix], native: bool) -> int:
 
 def mlx_quantized_bytes(m: Matrix) -> int:
     """Bytes of a GGUF matrix on MLX's quantized path (packed codes, bfloat16 scales and biases)."""
-    if m.affine and m.bits in MLX_BITS:
+    if m.affine and m.bits in MLX_BITS and m.group_size in MLX_GROUP_SIZES:
         groups = m.numel // m.group_size
         return m.numel * m.bits // 8 + 2 * groups * QUANTIZED_FLOAT_BYTES
     return m.numel * QUANTIZED_FLOAT_BYTES
@@ -320,8 +336,8 @@ def gguf_matrices(entries: Iterable[tuple[str, str, int, tuple[int, ...]]]) -> l
             matrices.append(Matrix(name, shape, size, FLOAT_BYTES[type_name]))
         else:
             bits = GGUF_BITS.get(type_name, 0)
-            matrices.append(Matrix(name, shape, size, 0, bits, 32 if bits else 0, quantized=True,
-                                   native_form=native_form(type_name, bits)))
+            matrices.append(Matrix(name, shape, size, 0, bits, gguf_group_size(type_name) if bits else 0,
+                                   quantized=True, native_form=native_form(type_name, bits)))
     return matrices
 
 

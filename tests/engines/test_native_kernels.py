@@ -69,12 +69,18 @@ def test_rows_dequantize_exactly_as_affine_groups_do(bits, group, source) -> Non
     np.testing.assert_array_equal(rows, groups.dequantize()[ids.numpy()])
 
 
-def test_a_row_gets_the_same_result_in_any_batch() -> None:
-    matrix = NativeMatrix.pack(random_groups(4, 32, "Q4_1", out=96, inputs=512), KERNELS)
-    x = torch.randn(70, 512)  # more rows than one tile of rows (64), in tiles of 4 and a remainder
+def test_a_row_gets_the_same_result_in_any_batch_of_decode_rows() -> None:
+    """Up to GEMM_ROWS - 1 rows (decode steps), each row alone through the integer kernel, in tiles of 4 rows and a
+    remainder: the same result as alone. From GEMM_ROWS on (a prompt), the dequantized weights' float32 product."""
+    groups = random_groups(4, 32, "Q4_1", out=96, inputs=512)
+    matrix = NativeMatrix.pack(groups, KERNELS)
+    x = torch.randn(31, 512)
     together = matrix.matmul(x)
-    for row in (0, 5, 63, 64, 69):
+    for row in (0, 5, 29, 30):
         assert torch.equal(matrix.matmul(x[row : row + 1])[0], together[row])
+    prompt = torch.randn(70, 512)
+    exact = prompt.double() @ torch.from_numpy(groups.dequantize()).double().T
+    torch.testing.assert_close(matrix.matmul(prompt).double(), exact, rtol=0, atol=1e-5 * float(exact.abs().max()))
 
 
 def test_codes_of_every_layout_round_trip_through_the_packing() -> None:
@@ -125,3 +131,34 @@ def test_without_native_kernels_the_engine_says_so_once_and_runs_torch_s(monkeyp
         build.kernels.cache_clear()
         monkeypatch.delenv(build.DISABLE)
         assert build.kernels() is not None
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q6_K"])
+def test_k_quants_run_from_their_stored_scales(type_name) -> None:
+    """Random K-quant blocks: the decoder gives gguf's own dequantization exactly, the kernels keep the scales as
+    stored (a code a group, a float32 a super-block: the bytes planning counts) and compute the same products."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from exo_like.models.gguf.blocks import DECODERS, affine_groups
+
+    block_bytes = DECODERS[type_name][0]
+    rng = np.random.default_rng(5)
+    out, inputs = 8, 512
+    stored = rng.integers(0, 256, (out, inputs // 256 * block_bytes), dtype=np.uint8)
+    blocks = stored.reshape(-1, block_bytes)
+    d = (rng.random((blocks.shape[0], 1)) * 0.01).astype(np.float16).view(np.uint8)  # finite scales
+    for offset in ((208,) if type_name == "Q6_K" else (0, 2)):
+        blocks[:, offset:offset + 2] = d
+    groups = affine_groups(type_name, stored, (out, inputs))
+    expected = dequantize(stored, GGMLQuantizationType[type_name]).reshape(out, inputs)
+    np.testing.assert_array_equal(groups.dequantize(), expected)
+    matrix = NativeMatrix.pack(groups, KERNELS)
+    assert matrix.scales.dtype in (torch.uint8, torch.int8) and matrix.super_scales.dtype == torch.float32
+    np.testing.assert_array_equal(matrix.rows(torch.arange(out)).numpy(), expected)
+    x = rng.standard_normal((3, inputs)).astype(np.float32)
+    reference = reference_matmul(x, groups)
+    np.testing.assert_allclose(matrix.matmul(torch.from_numpy(x)).numpy(), reference, rtol=0,
+                               atol=1e-5 * np.abs(reference).max())
+    held = sum(t.numel() * t.element_size() for t in matrix.tensors())
+    assert held == native_bytes(groups.bits, groups.group_size, out, inputs, form_of(groups))

@@ -158,17 +158,18 @@ def test_an_unsupported_tensor_type_is_named(tmp_path) -> None:
 
 @pytest.mark.parametrize("engine_name", ENGINES)
 def test_a_type_without_a_kernel_is_dequantized_and_counted(gguf_path, engine_name) -> None:
-    # Q4_K layers, a Q6_K embedding (no affine form: no engine's kernel takes it), and a Q4_K head of 617 outputs,
-    # which torch's int4 kernel refuses (not a multiple of 16).
+    # Q4_K layers, a Q6_K embedding (groups of 16: MLX's kernel and torch's int4 kernel take none; the native
+    # kernels do), and a Q4_K head of 617 outputs, which torch's int4 kernel refuses (not a multiple of 16).
     path = gguf_path("llama-q4_k")
     args = ModelArgs.from_dict(open_gguf(path).config())
     engine = create_engine(engine_name, device="cpu")
     n = args.num_hidden_layers
     engine.load(path, args, Shard(path.name, 0, n, n))
-    refused = {"Q4_K (617 outputs (not a multiple of 16))": 1} if engine_name == "torch" else {}
-    assert engine.weight_forms.dequantized == {"Q6_K (no affine form)": 1, **refused}
-    assert set(engine.weight_forms.quantized) == {"Q4_K"}
-    if engine_name == "torch":  # held in bfloat16 beside float32 activations on CPU: half float32's bytes
+    native = engine_name == "torch" and NATIVE
+    refused = {"Q4_K (617 outputs (not a multiple of 16))": 1} if engine_name == "torch" and not native else {}
+    assert engine.weight_forms.dequantized == ({} if native else {"Q6_K (groups of 16)": 1, **refused})
+    assert set(engine.weight_forms.quantized) == ({"Q4_K", "Q6_K"} if native else {"Q4_K"})
+    if engine_name == "torch" and not native:  # held in bfloat16 beside float32 activations: half float32's bytes
         assert engine.model.embed_tokens.weight_rows.dtype == torch.bfloat16
     engine.load(path, args, Shard(path.name, 1, 2, n))  # a middle shard: no embedding, no head
     assert engine.weight_forms.dequantized == {}
@@ -177,8 +178,8 @@ def test_a_type_without_a_kernel_is_dequantized_and_counted(gguf_path, engine_na
     assert (float_engine.weight_forms.quantized, float_engine.weight_forms.dequantized) == ({}, {})
 
 
-# Q4_0 runs on both engines' kernels; Q6_K (the embedding of one, the layers of the other) has none, so both
-# engines dequantize it (torch on CPU to bfloat16).
+# Q4_0 runs on both engines' kernels; Q6_K (the embedding of one, the layers of the other) on the native kernels
+# only: MLX and torch's int4 kernel dequantize it (torch on CPU to bfloat16).
 @pytest.mark.parametrize("name", ["qwen2-q4_0", "llama-q4_k", "qwen2-q6_k"])
 def test_planning_counts_the_bytes_each_node_holds(gguf_path, name) -> None:
     path = gguf_path(name)

@@ -30,7 +30,7 @@ from exo_like.errors import InvalidRequestError, UnsupportedModelError
 from exo_like.models.affine import AffineGroups, pack_words
 from exo_like.models.checkpoint import ShardLoadPlan, plan_shard_load
 from exo_like.models.config import DTYPES, ModelArgs
-from exo_like.models.footprint import MLX_BITS
+from exo_like.models.footprint import MLX_BITS, MLX_GROUP_SIZES
 from exo_like.models.gguf.file import FLOAT_TYPES, is_gguf, open_gguf
 from exo_like.models.quantization import QuantSpec
 from exo_like.models.shard import Shard
@@ -80,7 +80,7 @@ def read_shard_tensors(model_dir: Path, args: ModelArgs, shard: Shard, quantized
         return split_fused_projections(stack_experts(weights), args), specs
     weights, specs = {}, {}
     for local, value, type_name in open_gguf(model_dir).read_shard(shard, tied_embeddings, quantized):
-        if isinstance(value, AffineGroups) and value.bits in MLX_BITS:
+        if isinstance(value, AffineGroups) and value.bits in MLX_BITS and value.group_size in MLX_GROUP_SIZES:
             prefix = local.removesuffix(".weight")
             weights[local] = mx.array(pack_words(value.codes, value.bits))
             weights[f"{prefix}.scales"], weights[f"{prefix}.biases"] = mx.array(value.scales), mx.array(value.biases)
@@ -88,7 +88,8 @@ def read_shard_tensors(model_dir: Path, args: ModelArgs, shard: Shard, quantized
             forms.add_quantized(type_name)
             continue
         if isinstance(value, AffineGroups):
-            forms.add_dequantized(f"{type_name} ({value.bits}-bit codes)")
+            forms.add_dequantized(f"{type_name} ({value.bits}-bit codes)" if value.bits not in MLX_BITS else
+                                  f"{type_name} (groups of {value.group_size})")
             value = value.dequantize()
         elif quantized and type_name not in FLOAT_TYPES:
             forms.add_dequantized(f"{type_name} (no affine form)")

@@ -21,7 +21,8 @@
 namespace exo {
 
 at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& low, const at::Tensor& high, const at::Tensor& scales,
-                        const at::Tensor& biases, int64_t layout, double zero, int64_t group);
+                        const at::Tensor& biases, const at::Tensor& super_scales, const at::Tensor& super_biases,
+                        int64_t layout, double zero, int64_t group);
 
 namespace {
 
@@ -77,7 +78,7 @@ void axpy(float p, const float* v, float* out, int64_t n) {
 // A projection: a natively packed quantized matrix or a plain float32 weight [out, in], and an optional bias.
 struct Projection {
   bool native = false;
-  at::Tensor low, high, scales, biases, weight;
+  at::Tensor low, high, scales, biases, super_scales, super_biases, weight;
   int64_t layout = 0, group = 0;
   double zero = 0.0;
   std::optional<at::Tensor> bias;
@@ -85,7 +86,7 @@ struct Projection {
   at::Tensor apply(const at::Tensor& x) const {
     at::Tensor out;
     if (native) {
-      out = quant_matmul(x, low, high, scales, biases, layout, zero, group);
+      out = quant_matmul(x, low, high, scales, biases, super_scales, super_biases, layout, zero, group);
     } else if (x.size(0) <= 4) {
       out = matvec(x);
     } else {
@@ -111,11 +112,13 @@ struct Projection {
   }
 };
 
-Projection native_projection(at::Tensor low, at::Tensor high, at::Tensor scales, at::Tensor biases, int64_t layout,
-                             double zero, int64_t group, std::optional<at::Tensor> bias) {
+Projection native_projection(at::Tensor low, at::Tensor high, at::Tensor scales, at::Tensor biases,
+                             at::Tensor super_scales, at::Tensor super_biases, int64_t layout, double zero,
+                             int64_t group, std::optional<at::Tensor> bias) {
   Projection p;
   p.native = true;
   p.low = low, p.high = high, p.scales = scales, p.biases = biases;
+  p.super_scales = super_scales, p.super_biases = super_biases;
   p.layout = layout, p.zero = zero, p.group = group, p.bias = bias;
   return p;
 }

@@ -5,7 +5,8 @@ From AffineGroups (w = scale * q + bias per group), without re-rounding anything
 - codes of up to 4 bits: two a byte (NIBBLES); 5 or 6 bits (Q5_0/1, MXFP4 as exact 5-bit codes): the low nibbles
   plus the top two bits four a byte (HIGH2); 7 or 8 bits (Q8_0, MLX 8-bit): a byte each (BYTES);
 - scales and biases in the 16-bit type that holds them exactly (float16 for GGUF's legacy types, bfloat16 for
-  MLX's and MXFP4's powers of two); a symmetric type (Q4_0, Q5_0, Q8_0, MXFP4: bias = -zero * scale) keeps
+  MLX's and MXFP4's powers of two), or for K-quants as they store them (a code a group times a float32 a
+  super-block, GroupFactors); a symmetric type (Q4_0, Q5_0, Q8_0, MXFP4, Q6_K: bias = -zero * scale) keeps
   no biases. Which matrices the kernels take, and their bytes, follow the type (footprint.native_form), so a plan
   counts what a node will hold.
 The kernel's arithmetic, and `reference_matmul` that states it in numpy, are described in quant.cpp.
@@ -20,8 +21,10 @@ import numpy as np
 import torch
 
 from exo_like.models.affine import AffineGroups
-from exo_like.models.footprint import native_form, native_refusal
+from exo_like.models.footprint import native_form, native_refusal, stacked_form
 
+_EMPTY = torch.empty(0, dtype=torch.float32)
+_EMPTY_CODES = torch.empty(0, dtype=torch.uint8)
 BLOCK = 32  # inputs per activation block (and per block of packed codes)
 CODE_MAX = 32767  # the activations' int16 codes
 NIBBLES, HIGH2, BYTES = 0, 1, 2
@@ -29,17 +32,20 @@ NIBBLES, HIGH2, BYTES = 0, 1, 2
 
 def form_of(groups: AffineGroups) -> str:
     """The matrix's native form by its type (a stack's: every part's), as footprint.native_form names it."""
-    forms = {native_form(part, groups.bits) for part in groups.source.split("+")}
-    if "" in forms or not groups.sixteen_bit_scales:
-        return ""
-    return "half-symmetric" if forms == {"half-symmetric"} else "half"
+    form = stacked_form([native_form(part, groups.bits) for part in groups.source.split("+")])
+    if form.startswith("k"):
+        # A tensor-parallel rank's slice across super-blocks loses the stored form: float32 scales then (ranks'
+        # shares are planned approximately anyway), so every rank runs the same kernels as a whole node.
+        return form if groups.factors is not None else "float32"
+    return form if groups.sixteen_bit_scales else ""
 
 
 def refusal(groups: AffineGroups) -> str | None:
     """Why the native kernels cannot hold this matrix (None if they can). Its type says whether its scales are
     16-bit numbers; an MLX checkpoint's are its own dtype, which may be float32 (the footprint reads the same)."""
-    why = native_refusal(groups.bits, groups.group_size, groups.shape[1], form_of(groups))
-    if why is None and _sixteen_bit(groups.scales, groups.biases) is None:
+    form = form_of(groups)
+    why = native_refusal(groups.bits, groups.group_size, groups.shape[1], form)
+    if why is None and form.startswith("half") and _sixteen_bit(groups.scales, groups.biases) is None:
         return "scales not 16-bit numbers"
     return why
 
@@ -90,8 +96,10 @@ class NativeMatrix:
 
     low: torch.Tensor  # NIBBLES/HIGH2: uint8 [out, in / 2]; BYTES: [out, in]
     high: torch.Tensor  # HIGH2: uint8 [out, in / 4]; empty otherwise
-    scales: torch.Tensor  # [out, groups] float16 or bfloat16 (float32 where packed for a test)
+    scales: torch.Tensor  # [out, groups] float16 or bfloat16 (float32 where packed for a test), or K-quants' codes
     biases: torch.Tensor  # like scales, or empty: bias = -zero * scale
+    super_scales: torch.Tensor  # K-quants: float32 [out, super-blocks] (scale = code * super); else empty
+    super_biases: torch.Tensor
     zero: float
     bits: int
     group_size: int
@@ -101,25 +109,41 @@ class NativeMatrix:
     def pack(cls, groups: AffineGroups, kernels: ModuleType, scale_dtype: torch.dtype | None = None) -> "NativeMatrix":
         """scale_dtype: hold scales and biases so (None: the 16-bit type holding them exactly; see refusal)."""
         codes, layout = groups.codes, layout_of(groups.bits)
-        low = codes if layout == BYTES else _nibbles(codes & 0x0F)
-        high = _top_bits(codes) if layout == HIGH2 else np.empty(0, dtype=np.uint8)
+        low = torch.from_numpy(np.ascontiguousarray(codes if layout == BYTES else _nibbles(codes & 0x0F)))
+        high = torch.from_numpy(_top_bits(codes) if layout == HIGH2 else np.empty(0, dtype=np.uint8))
+        if form_of(groups).startswith("k"):
+            return cls._with_factors(groups, low, high, kernels)
         zero = _symmetric_zero(groups) if form_of(groups) == "half-symmetric" else None
         kept = [groups.scales] if zero is not None else [groups.scales, groups.biases]
-        dtype = scale_dtype or _sixteen_bit(*kept)
+        dtype = scale_dtype or (torch.float32 if form_of(groups) == "float32" else _sixteen_bit(*kept))
         held = [_exactly(v, dtype) if dtype is not None else None for v in kept]
         if any(h is None for h in held):
             raise ValueError(f"{groups.source}: scales not exact in {dtype or 'a 16-bit type'}")
         biases = held[1] if zero is None else torch.empty(0, dtype=held[0].dtype)
-        return cls(torch.from_numpy(np.ascontiguousarray(low)), torch.from_numpy(high), held[0], biases,
-                   0.0 if zero is None else zero, groups.bits, groups.group_size, kernels)
+        return cls(low, high, held[0], biases, _EMPTY, _EMPTY, 0.0 if zero is None else zero, groups.bits,
+                   groups.group_size, kernels)
+
+    @classmethod
+    def _with_factors(cls, groups: AffineGroups, low: torch.Tensor, high: torch.Tensor,
+                      kernels: ModuleType) -> "NativeMatrix":
+        """K-quants: their scales (and biases) as stored, a code a group and a float32 a super-block."""
+        f = groups.factors
+        symmetric = f.bias_codes is None
+        return cls(low, high, torch.from_numpy(np.ascontiguousarray(f.scale_codes)),
+                   _EMPTY_CODES if symmetric else torch.from_numpy(np.ascontiguousarray(f.bias_codes)),
+                   torch.from_numpy(np.ascontiguousarray(f.super_scales, dtype=np.float32)),
+                   _EMPTY if symmetric else torch.from_numpy(np.ascontiguousarray(f.super_biases, dtype=np.float32)),
+                   float(f.zero) if symmetric else 0.0, groups.bits, groups.group_size, kernels)
 
     @property
     def shape(self) -> tuple[int, int]:
         return self.scales.shape[0], self.scales.shape[1] * self.group_size
 
     def kernel_args(self) -> tuple:
-        """What the kernels take after the activations: (low, high, scales, biases, layout, zero, group)."""
-        return self.low, self.high, self.scales, self.biases, layout_of(self.bits), self.zero, self.group_size
+        """What the kernels take after the activations: (low, high, scales, biases, super scales, super biases,
+        layout, zero, group)."""
+        return self.low, self.high, self.scales, self.biases, self.super_scales, self.super_biases, \
+            layout_of(self.bits), self.zero, self.group_size
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in] float32 -> x @ w.T [rows, out] float32."""
@@ -130,7 +154,7 @@ class NativeMatrix:
         return self.kernels.rows(ids, *self.kernel_args())
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.low, self.high, self.scales, self.biases]
+        return [self.low, self.high, self.scales, self.biases, self.super_scales, self.super_biases]
 
 
 def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

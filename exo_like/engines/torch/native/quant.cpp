@@ -11,8 +11,10 @@
 //   HIGH2 (5 or 6 bits): the low nibbles as above, plus 8 bytes of the codes' top two bits,
 //     byte j = h[j] | h[j + 8] << 2 | h[j + 16] << 4 | h[j + 24] << 6.
 //   BYTES (7 or 8 bits): 32 bytes, one code each.
-// Scales (and biases) per group are float32, float16 or bfloat16, as the checkpoint stores them; a symmetric
-// type (Q4_0, Q8_0, MXFP4: bias = -zero * scale) keeps no biases.
+// Scales (and biases) per group are float32, float16 or bfloat16, as the checkpoint stores them, or as K-quants
+// store them: an 8-bit code a group times a float32 a super-block (scale = code * super, in float32, which is how
+// the file's decoder computes it); a symmetric type (Q4_0, Q8_0, MXFP4, Q6_K: bias = -zero * scale) keeps no
+// biases.
 //
 // Each output is the float32 sum over groups g of scale_g * sum_blocks(d_b * isum_b) + bias_g * xsum_g, where
 // isum_b is the block's exact integer dot product, d_b the activations' block scale and xsum_g the float32
@@ -40,9 +42,11 @@ constexpr int64_t BLOCK = 32;
 constexpr int64_t ROW_TILE = 4;      // activation rows per pass over a weight row
 constexpr int64_t BATCH_TILE = 64;   // activation rows kept hot in cache while a thread walks its weight rows
 constexpr float CODE_MAX = 32767.0f; // activations' codes: int16
+constexpr int64_t GEMM_ROWS = 32;     // from this many rows, dequantized weights and a float32 GEMM (measured)
+constexpr int64_t GEMM_CHUNK = 1024;  // outputs dequantized at a time (bounds the float32 copy)
 
 enum Layout : int64_t { NIBBLES = 0, HIGH2 = 1, BYTES = 2 };
-enum ScaleType : int { F32 = 0, F16 = 1, BF16 = 2 };
+enum ScaleType : int { F32 = 0, F16 = 1, BF16 = 2, U8_CODES = 3, I8_CODES = 4 };
 
 // The activations quantized: int16 codes and a scale per block of 32, and per group the float32 sum of the values
 // (for the biases). Pointers into thread-local scratch, valid until the thread's next product.
@@ -102,23 +106,36 @@ Activations quantize(const at::Tensor& x, int64_t group) {
   return a;
 }
 
+// A run of per-group factors: 16/32-bit floats, or 8-bit codes times a float32 per `1 << shift` groups.
+struct Factors {
+  const void* values = nullptr;  // [out, groups]; null: none
+  const float* supers = nullptr; // [out, groups >> shift] for codes
+  int type = F32;
+  int shift = 0;
+
+  float at(int64_t i) const {
+    switch (type) {
+      case F16: return half_to_float(static_cast<const uint16_t*>(values)[i]);
+      case BF16: return bfloat_to_float(static_cast<const uint16_t*>(values)[i]);
+      case U8_CODES: return static_cast<float>(static_cast<const uint8_t*>(values)[i]) * supers[i >> shift];
+      case I8_CODES: return static_cast<float>(static_cast<const int8_t*>(values)[i]) * supers[i >> shift];
+      default: return static_cast<const float*>(values)[i];
+    }
+  }
+};
+
 // One matrix in its packed form.
 struct Matrix {
   const uint8_t* low;    // NIBBLES/HIGH2: [out, in / 2]; BYTES: [out, in]
   const uint8_t* high;   // HIGH2: [out, in / 4]
-  const void* scales;    // [out, groups]
-  const void* biases;    // [out, groups], or null: bias = -zero * scale
-  int scale_type;
+  Factors scales, biases;  // biases.values null: bias = -zero * scale
   float zero;
   int64_t layout, group, inputs, groups;
 
-  float load(const void* p, int64_t i) const {
-    if (scale_type == F16) return half_to_float(static_cast<const uint16_t*>(p)[i]);
-    if (scale_type == BF16) return bfloat_to_float(static_cast<const uint16_t*>(p)[i]);
-    return static_cast<const float*>(p)[i];
+  float scale(int64_t row, int64_t g) const { return scales.at(row * groups + g); }
+  float bias(int64_t row, int64_t g) const {
+    return biases.values ? biases.at(row * groups + g) : -zero * scale(row, g);
   }
-  float scale(int64_t row, int64_t g) const { return load(scales, row * groups + g); }
-  float bias(int64_t row, int64_t g) const { return biases ? load(biases, row * groups + g) : -zero * scale(row, g); }
   int64_t low_stride() const { return layout == BYTES ? inputs : inputs / 2; }
 };
 
@@ -133,6 +150,36 @@ inline int32_t code_at(const Matrix& m, int64_t row, int64_t k) {
     q |= ((h >> (2 * (j / 8))) & 0x03) << 4;
   }
   return q;
+}
+
+// Row `row` dequantized into out[0, inputs): scale * q + bias, a product then a sum (never fused: built with
+// -ffp-contract=off), as numpy's AffineGroups.dequantize rounds them.
+void dequantize_row(const Matrix& m, int64_t row, float* out) {
+  uint8_t codes[BLOCK];
+  for (int64_t b = 0; b < m.inputs / BLOCK; ++b) {
+    if (m.layout == BYTES) {
+      std::memcpy(codes, m.low + row * m.inputs + b * BLOCK, BLOCK);
+    } else {
+      const uint8_t* low = m.low + row * (m.inputs / 2) + b * 16;
+      for (int j = 0; j < 16; ++j) {
+        codes[j] = low[j] & 0x0F;
+        codes[j + 16] = low[j] >> 4;
+      }
+      if (m.layout == HIGH2) {
+        const uint8_t* high = m.high + row * (m.inputs / 4) + b * 8;
+        for (int j = 0; j < BLOCK; ++j) codes[j] |= ((high[j % 8] >> (2 * (j / 8))) & 0x03) << 4;
+      }
+    }
+    for (int half = 0; half < 2; ++half) {
+      const int64_t g = (b * BLOCK + half * 16) / m.group;
+      const float scale = m.scale(row, g), bias = m.bias(row, g);
+      float* o = out + b * BLOCK + half * 16;
+      for (int j = 0; j < 16; ++j) {
+        const float product = scale * static_cast<float>(codes[half * 16 + j]);
+        o[j] = product + bias;
+      }
+    }
+  }
 }
 
 void rows_portable(const Matrix& m, const Activations& a, int64_t row, int64_t r0, int64_t count, float* out,
@@ -183,31 +230,32 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) inline __m256i block_cod
   }
 }
 
-__attribute__((target("avx2,fma,f16c"), always_inline)) inline float load_scale(const Matrix& m, const void* p,
-                                                                                  int64_t i) {
-  if (m.scale_type == F16) return _cvtsh_ss(static_cast<const uint16_t*>(p)[i]);
-  if (m.scale_type == BF16) return bfloat_to_float(static_cast<const uint16_t*>(p)[i]);
-  return static_cast<const float*>(p)[i];
+__attribute__((target("avx2,fma,f16c"), always_inline)) inline float load_factor(const Factors& f, int64_t i) {
+  if (f.type == F16) return _cvtsh_ss(static_cast<const uint16_t*>(f.values)[i]);
+  return f.at(i);
 }
 
-// sum_g p[g] * v[g] over a row's groups (p: the row's scales or biases).
-__attribute__((target("avx2,fma,f16c"))) float dot_groups(const Matrix& m, const void* p, int64_t first,
+// sum_g f[first + g] * v[g] over a row's groups (f: the row's scales or biases).
+__attribute__((target("avx2,fma,f16c"))) float dot_groups(const Factors& f, int64_t groups, int64_t first,
                                                           const float* v) {
-  __m256 acc = _mm256_setzero_ps();
   int64_t g = 0;
-  for (; g + 8 <= m.groups; g += 8) {
-    __m256 w;
-    if (m.scale_type == F32) {
-      w = _mm256_loadu_ps(static_cast<const float*>(p) + first + g);
-    } else {
-      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + first + g));
-      w = m.scale_type == F16 ? _mm256_cvtph_ps(h)
-                              : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  float total = 0.0f;
+  if (f.type <= BF16) {
+    __m256 acc = _mm256_setzero_ps();
+    for (; g + 8 <= groups; g += 8) {
+      __m256 w;
+      if (f.type == F32) {
+        w = _mm256_loadu_ps(static_cast<const float*>(f.values) + first + g);
+      } else {
+        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(f.values) +
+                                                                           first + g));
+        w = f.type == F16 ? _mm256_cvtph_ps(h) : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+      }
+      acc = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + g), acc);
     }
-    acc = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + g), acc);
+    total = hsum(acc);
   }
-  float total = hsum(acc);
-  for (; g < m.groups; ++g) total += load_scale(m, p, first + g) * v[g];
+  for (; g < groups; ++g) total += load_factor(f, first + g) * v[g];
   return total;
 }
 
@@ -250,22 +298,23 @@ __attribute__((target("avx2,fma,f16c"))) void rows_avx2_tile(const Matrix& m, co
   const int shift = HALVES ? 0 : __builtin_ctzll(m.group / BLOCK);  // log2 of blocks per group
   int64_t b = 0;
   for (; b + 1 < blocks; b += 2) {
-    const float s0 = load_scale(m, m.scales, first + (HALVES ? 2 * b : b >> shift)), s1 = load_scale(m, m.scales, first + (HALVES ? 2 * (b + 1) : (b + 1) >> shift));
-    const float h0 = HALVES ? load_scale(m, m.scales, first + 2 * b + 1) : s0;
-    const float h1 = HALVES ? load_scale(m, m.scales, first + 2 * b + 3) : s1;
+    const float s0 = load_factor(m.scales, first + (HALVES ? 2 * b : b >> shift));
+    const float s1 = load_factor(m.scales, first + (HALVES ? 2 * (b + 1) : (b + 1) >> shift));
+    const float h0 = HALVES ? load_factor(m.scales, first + 2 * b + 1) : s0;
+    const float h1 = HALVES ? load_factor(m.scales, first + 2 * b + 3) : s1;
     block_step<L, C, HALVES>(low, high, xq, d, inputs, blocks, b, s0, h0, acc);
     block_step<L, C, HALVES>(low, high, xq, d, inputs, blocks, b + 1, s1, h1, odd);
   }
   if (b < blocks) {
-    const float s0 = load_scale(m, m.scales, first + (HALVES ? 2 * b : b >> shift));
+    const float s0 = load_factor(m.scales, first + (HALVES ? 2 * b : b >> shift));
     block_step<L, C, HALVES>(low, high, xq, d, inputs, blocks, b, s0,
-                             HALVES ? load_scale(m, m.scales, first + 2 * b + 1) : s0, acc);
+                             HALVES ? load_factor(m.scales, first + 2 * b + 1) : s0, acc);
   }
   const float* gsum = a.gsum + r0 * groups;
   for (int t = 0; t < C; ++t) {
     float total = hsum(_mm256_add_ps(acc[t], odd[t]));
-    total += m.biases ? dot_groups(m, m.biases, first, gsum + t * groups)
-                      : -m.zero * dot_groups(m, m.scales, first, gsum + t * groups);
+    total += m.biases.values ? dot_groups(m.biases, groups, first, gsum + t * groups)
+                             : -m.zero * dot_groups(m.scales, groups, first, gsum + t * groups);
     out[(r0 + t) * out_stride + row] = total;
   }
 }
@@ -303,35 +352,76 @@ RowKernel pick_kernel(int64_t layout, bool halves) {
   return rows_portable;
 }
 
+Factors factors(const at::Tensor& values, const at::Tensor& supers, int64_t groups) {
+  Factors f;
+  if (values.numel() == 0) return f;
+  TORCH_CHECK(values.is_contiguous() && supers.is_contiguous(), "packed tensors must be contiguous");
+  f.values = values.data_ptr();
+  switch (values.scalar_type()) {
+    case at::kFloat: f.type = F32; break;
+    case at::kHalf: f.type = F16; break;
+    case at::kBFloat16: f.type = BF16; break;
+    case at::kByte: f.type = U8_CODES; break;
+    case at::kChar: f.type = I8_CODES; break;
+    default: TORCH_CHECK(false, "scales must be float32/16, bfloat16, or 8-bit codes");
+  }
+  if (f.type >= U8_CODES) {
+    TORCH_CHECK(supers.scalar_type() == at::kFloat && supers.numel() > 0, "8-bit codes need float32 super scales");
+    const int64_t per_super = groups / supers.size(1);
+    TORCH_CHECK(per_super > 0 && (per_super & (per_super - 1)) == 0 && per_super * supers.size(1) == groups,
+                "super-blocks must hold a power of two of groups");
+    f.supers = supers.data_ptr<float>();
+    f.shift = __builtin_ctzll(per_super);
+  }
+  return f;
+}
+
 Matrix view(const at::Tensor& low, const at::Tensor& high, const at::Tensor& scales, const at::Tensor& biases,
-            int64_t layout, double zero, int64_t group) {
-  TORCH_CHECK(low.is_contiguous() && scales.is_contiguous() && biases.is_contiguous(), "packed tensors must be contiguous");
-  TORCH_CHECK(biases.numel() == 0 || scales.scalar_type() == biases.scalar_type(), "scales and biases differ in type");
+            const at::Tensor& super_scales, const at::Tensor& super_biases, int64_t layout, double zero,
+            int64_t group) {
+  TORCH_CHECK(low.is_contiguous() && scales.dim() == 2, "packed tensors must be contiguous, scales [out, groups]");
   TORCH_CHECK(group == 16 ? layout != BYTES : (group >= BLOCK && (group & (group - 1)) == 0),
               "groups must be 16 (codes of up to 6 bits) or a power of two from 32");
   Matrix m;
   m.low = low.data_ptr<uint8_t>();
   m.high = layout == HIGH2 ? high.data_ptr<uint8_t>() : nullptr;
-  m.scales = scales.data_ptr();
-  m.biases = biases.numel() ? biases.data_ptr() : nullptr;
-  const auto type = scales.scalar_type();
-  TORCH_CHECK(type == at::kFloat || type == at::kHalf || type == at::kBFloat16, "scales must be float32/16 or bfloat16");
-  m.scale_type = type == at::kHalf ? F16 : type == at::kBFloat16 ? BF16 : F32;
+  m.groups = scales.size(1);
+  m.scales = factors(scales, super_scales, m.groups);
+  TORCH_CHECK(m.scales.values != nullptr, "a matrix needs scales");
+  m.biases = factors(biases, super_biases, m.groups);
   m.zero = static_cast<float>(zero);
   m.layout = layout;
   m.group = group;
-  m.groups = scales.size(1);
   m.inputs = m.groups * group;
   return m;
 }
 
+// Many rows (a prompt): the weights dequantized to float32, a chunk of outputs at a time, and multiplied by
+// torch's float32 GEMM, which at this size outruns the integer kernel (each weight's dequantization is shared
+// by all rows).
+at::Tensor dequantized_matmul(const at::Tensor& x, const Matrix& m, int64_t outputs) {
+  at::Tensor out = at::empty({x.size(0), outputs}, x.options());
+  at::Tensor weights = at::empty({std::min(GEMM_CHUNK, outputs), m.inputs}, x.options());
+  float* w = weights.data_ptr<float>();
+  for (int64_t start = 0; start < outputs; start += GEMM_CHUNK) {
+    const int64_t count = std::min(GEMM_CHUNK, outputs - start);
+    at::parallel_for(0, count, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) dequantize_row(m, start + i, w + i * m.inputs);
+    });
+    out.narrow(1, start, count).copy_(at::linear(x, weights.narrow(0, 0, count)));
+  }
+  return out;
+}
+
 // x [rows, in] float32 times the matrix's transpose -> [rows, out] float32.
 at::Tensor matmul(const at::Tensor& x, const at::Tensor& low, const at::Tensor& high, const at::Tensor& scales,
-                  const at::Tensor& biases, int64_t layout, double zero, int64_t group) {
+                  const at::Tensor& biases, const at::Tensor& super_scales, const at::Tensor& super_biases,
+                  int64_t layout, double zero, int64_t group) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "activations must be float32 [rows, in]");
-  const Matrix m = view(low, high, scales, biases, layout, zero, group);
+  const Matrix m = view(low, high, scales, biases, super_scales, super_biases, layout, zero, group);
   TORCH_CHECK(x.size(1) == m.inputs && m.inputs % BLOCK == 0, "activations' width does not match the matrix");
   const at::Tensor xc = x.contiguous();
+  if (x.size(0) >= GEMM_ROWS) return dequantized_matmul(xc, m, scales.size(0));
   const Activations a = quantize(xc, group);
   const int64_t outputs = scales.size(0);
   at::Tensor out = at::empty({a.rows, outputs}, x.options());
@@ -353,21 +443,17 @@ at::Tensor matmul(const at::Tensor& x, const at::Tensor& low, const at::Tensor& 
 // Rows `ids` of the matrix, dequantized to float32 [n, in]: scale * q + bias, rounded as numpy's
 // AffineGroups.dequantize does (a product, then a sum; built with -ffp-contract=off, so never fused).
 at::Tensor rows(const at::Tensor& ids, const at::Tensor& low, const at::Tensor& high, const at::Tensor& scales,
-                const at::Tensor& biases, int64_t layout, double zero, int64_t group) {
-  const Matrix m = view(low, high, scales, biases, layout, zero, group);
+                const at::Tensor& biases, const at::Tensor& super_scales, const at::Tensor& super_biases,
+                int64_t layout, double zero, int64_t group) {
+  const Matrix m = view(low, high, scales, biases, super_scales, super_biases, layout, zero, group);
   const at::Tensor idc = ids.contiguous().to(at::kLong);
   const int64_t n = idc.numel(), outputs = scales.size(0);
   const int64_t* id = idc.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i) TORCH_CHECK(id[i] >= 0 && id[i] < outputs, "row id out of range");
-  at::Tensor out = at::empty({n, m.inputs}, scales.options().dtype(at::kFloat));
+  at::Tensor out = at::empty({n, m.inputs}, low.options().dtype(at::kFloat));
   float* o = out.data_ptr<float>();
   at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      for (int64_t k = 0; k < m.inputs; ++k) {
-        const float product = m.scale(id[i], k / group) * static_cast<float>(code_at(m, id[i], k));
-        o[i * m.inputs + k] = product + m.bias(id[i], k / group);
-      }
-    }
+    for (int64_t i = begin; i < end; ++i) dequantize_row(m, id[i], o + i * m.inputs);
   });
   return out;
 }
@@ -383,8 +469,9 @@ std::string kernel_name() {
 
 namespace exo {
 at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& low, const at::Tensor& high, const at::Tensor& scales,
-                        const at::Tensor& biases, int64_t layout, double zero, int64_t group) {
-  return matmul(x, low, high, scales, biases, layout, zero, group);
+                        const at::Tensor& biases, const at::Tensor& super_scales, const at::Tensor& super_biases,
+                        int64_t layout, double zero, int64_t group) {
+  return matmul(x, low, high, scales, biases, super_scales, super_biases, layout, zero, group);
 }
 void register_decode(pybind11::module& module);  // decode.cpp
 }  // namespace exo
