@@ -238,9 +238,10 @@ def forced(engines: list[Engine], tokens: list[int]) -> np.ndarray:
 
 @pytest.mark.parametrize("name", ["mlx-q4", "gguf-q4k"])
 def test_torch_ranks_split_quantized_checkpoints_on_their_groups(quantized_dirs, name):
-    """The int4 kernel rounds every product to bfloat16, a rank's partial sum included, so a group differs from
-    one quantized engine, as that engine differs from exact arithmetic (the same weights dequantized to float32):
-    by no more, and greedy choices agree wherever the two best logits are further apart than that."""
+    """A quantized kernel rounds (torch's int4 kernel every product to bfloat16, the native kernels the activations
+    to 16-bit blocks), a rank's partial sum included, so a group differs from one quantized engine, as that engine
+    differs from exact arithmetic (the same weights dequantized to float32): by no more, and greedy choices agree
+    wherever the two best logits are further apart than that."""
     path = quantized_dirs[name]
     args = quantized_args(path)
     engines = {kind: create_engine("torch", device="cpu", dtype=dtype) for kind, dtype in
