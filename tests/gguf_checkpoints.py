@@ -112,11 +112,12 @@ def llama3_rope_factors(config: dict) -> np.ndarray | None:
 
 
 def write_gguf(hf_dir: Path, out: Path, matrix_type: str = "F32", embedding_type: str | None = None,
-               split_max_tensors: int = 0) -> Path:
+               split_max_tensors: int = 0, types: dict[str, str] | None = None) -> Path:
     """`hf_dir` (a tests/checkpoints.py folder, float32, llama or qwen2) as one GGUF file: 2-D weights in
     `matrix_type`, the token embedding in `embedding_type` (default: the same), norms and biases in F32. With
     `split_max_tensors`, a split set `out-00001-of-0000N.gguf`, ... of that many tensors a part (llama.cpp's
-    gguf-split layout: the metadata in the first part); the first part is returned."""
+    gguf-split layout: the metadata in the first part); the first part is returned. `types`: the type of the
+    tensors whose checkpoint name ends so (e.g. {"v_proj.weight": "Q8_0"}, as llama-quantize's mixes give)."""
     import gguf
 
     config = json.loads((hf_dir / "config.json").read_text())
@@ -207,6 +208,7 @@ def write_gguf(hf_dir: Path, out: Path, matrix_type: str = "F32", embedding_type
         if gemma and name.endswith("norm.weight"):
             values = values + np.float32(1)
         kind = "F32" if name.endswith("mlp.router.weight") else kind
+        kind = next((t for suffix, t in (types or {}).items() if name.endswith(suffix)), kind)
         _add_tensor(writer, gguf_name(name, gemma, gpt_oss), values, kind)
     first = writer.format_shard_names(out)[0]
     writer.write_header_to_file()

@@ -162,3 +162,37 @@ def test_k_quants_run_from_their_stored_scales(type_name) -> None:
                                atol=1e-5 * np.abs(reference).max())
     held = sum(t.numel() * t.element_size() for t in matrix.tensors())
     assert held == native_bytes(groups.bits, groups.group_size, out, inputs, form_of(groups))
+
+
+@pytest.fixture(scope="module")
+def gguf_mixed(tmp_path_factory):
+    from tests.gguf_checkpoints import write_gguf
+
+    root = tmp_path_factory.mktemp("mixed")
+    folder = make_checkpoint(root / "hf", "llama", n_layers=2, seed=4)
+    return write_gguf(folder, root / "mixed.gguf", "Q4_0", "Q8_0", types={"v_proj.weight": "Q8_0"})
+
+
+def test_a_projection_stacked_from_two_types_runs_in_the_native_step(gguf_mixed) -> None:
+    """A GGUF file whose q/k and v differ in type (llama-quantize's Q4_K_M does this) fuses q, k, v into several
+    pieces; the native step takes them side by side. Both paths quantize the activations (16-bit blocks), where
+    float32 differences in summation order can move a code by one step: so the native step may differ from the
+    Python layers by no more than the Python layers differ from exact arithmetic (the file dequantized to float32),
+    and picks the same tokens."""
+    from exo_like.models.gguf.file import open_gguf
+
+    args = ModelArgs.from_dict(open_gguf(gguf_mixed).config())
+    engines = {dtype: TorchEngine(device="cpu", dtype=dtype) for dtype in (None, "float32")}
+    for engine in engines.values():
+        engine.load(gguf_mixed, args, Shard.whole("t", args.num_hidden_layers))
+    engine = engines[None]
+    assert len(engine.model.layers[0].self_attn.qkv_proj.pieces) > 1
+    assert engine.model.native_decode is not None
+    prompt = np.arange(3, 30, dtype=np.int64)
+    native_tokens, native_logits = _decode_logits(engine, prompt, 8)
+    engine.model.native_decode = None
+    python_tokens, python_logits = _decode_logits(engine, prompt, 8)
+    exact_tokens, exact_logits = _decode_logits(engines["float32"], prompt, 8)
+    assert native_tokens == python_tokens and exact_tokens[0] == python_tokens[0]
+    python_error = np.abs(python_logits - exact_logits)[:2].max()  # the prompt and the first token: same inputs
+    assert np.abs(native_logits - python_logits)[:2].max() <= python_error

@@ -83,9 +83,15 @@ struct Projection {
   double zero = 0.0;
   std::optional<at::Tensor> bias;
 
+  std::vector<Projection> parts;  // a projection stacked from matrices of several types: outputs side by side
+
   at::Tensor apply(const at::Tensor& x) const {
     at::Tensor out;
-    if (native) {
+    if (!parts.empty()) {
+      std::vector<at::Tensor> outputs;
+      for (const Projection& part : parts) outputs.push_back(part.apply(x));
+      out = at::cat(outputs, 1);
+    } else if (native) {
       out = quant_matmul(x, low, high, scales, biases, super_scales, super_biases, layout, zero, group);
     } else if (x.size(0) <= 4) {
       out = matvec(x);
@@ -120,6 +126,14 @@ Projection native_projection(at::Tensor low, at::Tensor high, at::Tensor scales,
   p.low = low, p.high = high, p.scales = scales, p.biases = biases;
   p.super_scales = super_scales, p.super_biases = super_biases;
   p.layout = layout, p.zero = zero, p.group = group, p.bias = bias;
+  return p;
+}
+
+Projection stacked_projection(std::vector<Projection> parts, std::optional<at::Tensor> bias) {
+  TORCH_CHECK(!parts.empty(), "a stacked projection needs parts");
+  Projection p;
+  p.parts = std::move(parts);
+  p.bias = bias;
   return p;
 }
 
@@ -295,6 +309,7 @@ void register_decode(pybind11::module& module) {
   pybind11::class_<Projection>(module, "Projection");
   module.def("native_projection", &native_projection);
   module.def("dense_projection", &dense_projection);
+  module.def("stacked_projection", &stacked_projection);
   pybind11::class_<DecodeStack>(module, "DecodeStack")
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, double, double>())
       .def("add_layer", &DecodeStack::add_layer)

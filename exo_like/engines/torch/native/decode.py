@@ -15,6 +15,7 @@ from exo_like.engines.batch import BatchLayout
 from exo_like.engines.torch.attention import item_slots
 from exo_like.engines.torch.linear import Linear
 from exo_like.engines.torch.native.matrix import NativeMatrix
+from exo_like.engines.torch.quant import QuantLinear
 
 if TYPE_CHECKING:
     from exo_like.engines.torch.attention import KVPool
@@ -28,10 +29,23 @@ def _projection(module: Any, kernels: ModuleType) -> Any | None:
         if module.packed or weight.dtype != torch.float32 or weight.layout != torch.strided:
             return None
         return kernels.dense_projection(weight.detach().contiguous(), None if module.bias is None else module.bias)
-    if getattr(module, "native", False):  # a QuantLinear of one NativeMatrix
-        matrix: NativeMatrix = module.pieces[0]
-        return kernels.native_projection(*matrix.kernel_args(), module.bias)
+    if isinstance(module, QuantLinear):  # pieces of several types side by side (a GGUF file's q, k and v)
+        parts = [_piece(piece, kernels) for piece in module.pieces]
+        if any(part is None for part in parts):
+            return None
+        if len(parts) == 1 and isinstance(module.pieces[0], NativeMatrix):  # the common case, bias and all
+            return kernels.native_projection(*module.pieces[0].kernel_args(), module.bias)
+        return kernels.stacked_projection(parts, module.bias)
     return None
+
+
+def _piece(piece: Any, kernels: ModuleType) -> Any | None:
+    """One piece of a QuantLinear in native form: a NativeMatrix, or a dense float32 matrix."""
+    if isinstance(piece, NativeMatrix):
+        return kernels.native_projection(*piece.kernel_args(), None)
+    if isinstance(piece, torch.Tensor) and piece.dtype == torch.float32 and piece.is_contiguous():
+        return kernels.dense_projection(piece, None)
+    return None  # int4 packs, or a matrix dequantized to bfloat16
 
 
 def supported(model: ShardModel) -> str | None:
