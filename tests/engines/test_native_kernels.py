@@ -111,7 +111,7 @@ def test_the_native_decode_step_computes_what_the_python_layers_do(qwen3_dir) ->
     args = ModelArgs.from_dir(qwen3_dir)
     engine = TorchEngine(device="cpu", dtype="float32")
     engine.load(qwen3_dir, args, Shard.whole("t", args.num_hidden_layers))
-    assert engine.model.native_decode is not None
+    assert engine.model.native_decode is not None and engine.model.native_decode.has_head  # final norm, LM head
     prompt = np.arange(3, 40, dtype=np.int64)
     native_tokens, native_logits = _decode_logits(engine, prompt, 12)
     engine.model.native_decode = None  # the Python layers, the same weights

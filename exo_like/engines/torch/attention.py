@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -156,13 +157,13 @@ Single = tuple[ItemLayout, int, "torch.Tensor | None", "torch.Tensor | None"]
 
 @dataclass(frozen=True)
 class StepIndex:
-    """A BatchLayout as tensors on the engine's device, built once per step and shared by every layer; for the
-    sliding-window layers, `windowed` is the same from their own pool's layout."""
+    """A BatchLayout as tensors on the engine's device, built once per step, on first use, and shared by every
+    layer (a step the native decode step runs needs none of them); for the sliding-window layers, `windowed` is
+    the same from their own pool's layout."""
 
     layout: BatchLayout
-    write_slots: torch.Tensor
-    singles: tuple[Single, ...]
-    decode: DecodeGroup | None  # the single-position items attended to together, if several
+    device: torch.device
+    window: int | None = None  # positions each row sees (the sliding-window layers' index), None: all
     windowed: "StepIndex | None" = None
 
     @classmethod
@@ -170,18 +171,33 @@ class StepIndex:
               window: int | None = None) -> "StepIndex":
         """The index of the layers attending to every position, and with a `window_layout` the sliding-window
         layers' (`window` positions each) as `windowed`."""
-        windowed = None if window_layout is None else cls._build(window_layout, device, window)
-        return replace(cls._build(layout, device, None), windowed=windowed)
+        windowed = None if window_layout is None else cls(window_layout, device, window)
+        return cls(layout, device, None, windowed)
 
-    @classmethod
-    def _build(cls, layout: BatchLayout, device: torch.device, window: int | None) -> "StepIndex":
+    @cached_property
+    def write_slots(self) -> torch.Tensor:
+        return torch.from_numpy(self.layout.write_slots).to(self.device)
+
+    @property
+    def singles(self) -> tuple[Single, ...]:
+        return self._attention[0]
+
+    @property
+    def decode(self) -> DecodeGroup | None:
+        """The single-position items attended to together, if several."""
+        return self._attention[1]
+
+    @cached_property
+    def _attention(self) -> tuple[tuple[Single, ...], DecodeGroup | None]:
+        window, device = self.window, self.device
+
         def seen(item: ItemLayout) -> int:
             return item.end - (0 if window is None else window_start(item.start, window))
-        decoding = [item for item in layout.items if item.count == 1 and seen(item) <= DECODE_GROUP_MAX_POSITIONS]
+        decoding = [item for item in self.layout.items
+                    if item.count == 1 and seen(item) <= DECODE_GROUP_MAX_POSITIONS]
         group = DecodeGroup.build(decoding, device, window) if len(decoding) > 1 else None
         grouped = {id(item) for item in decoding} if group is not None else set()
-        singles = tuple(_single(item, window, device) for item in layout.items if id(item) not in grouped)
-        return cls(layout, torch.from_numpy(layout.write_slots).to(device), singles, group)
+        return tuple(_single(item, window, device) for item in self.layout.items if id(item) not in grouped), group
 
 
 def step_index(items: Sequence[WorkItem], pool: KVPool, args: ModelArgs, device: torch.device) -> StepIndex:

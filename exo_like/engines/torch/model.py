@@ -156,7 +156,7 @@ class ShardModel(nn.Module):
         """Token ids [R] -> hidden states [R, H] on the first shard; hidden states pass through elsewhere."""
         if self.embed_tokens is None:
             return inputs
-        h = self.embed_tokens(inputs)
+        h = self.embed_tokens.forward(inputs)  # (no hooks: see run_layers)
         if self.args.embed_scale:  # Gemma: by sqrt(hidden), in h's dtype
             h = h * torch.tensor(self.args.hidden_size**0.5, dtype=h.dtype)
         return h
@@ -177,6 +177,8 @@ class ShardModel(nn.Module):
         """On the last shard, the logits of the batch's sampled rows; elsewhere the hidden states unchanged."""
         if self.lm_head is None:
             return h
+        if self.native_decode is not None and self.native_decode.has_head and NativeDecode.handles(index.layout, h):
+            return self.native_decode.head(h, index.layout)
         sampled = torch.from_numpy(index.layout.sample_rows).to(h.device)
         # Only the sampled rows' logits are needed: with one request, a matrix-vector product.
         with native_matvec(self.native_matvec and sampled.shape[0] == 1):

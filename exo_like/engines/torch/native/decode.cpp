@@ -174,6 +174,12 @@ class DecodeStack {
     layers_.push_back(Layer{input_norm, post_norm, q_norm, k_norm, qkv, o, gate_up, down, {}, {}});
   }
 
+  // The last shard's final norm and LM head, for `head`.
+  void set_head(at::Tensor norm, Projection projection) {
+    head_norm_ = norm;
+    head_ = std::move(projection);
+  }
+
   void set_pool(int64_t layer, at::Tensor keys, at::Tensor values) {
     TORCH_CHECK(keys.is_contiguous() && values.is_contiguous() && keys.scalar_type() == at::kFloat,
                 "the pool must be contiguous float32");
@@ -190,6 +196,16 @@ class DecodeStack {
     const at::Tensor ws = write_slots.contiguous(), off = offsets.contiguous(), sl = slots.contiguous();
     for (const Layer& layer : layers_) run_layer(layer, h, cc, sc, ws, off, sl);
     return h;
+  }
+
+  // The logits of h's rows `sampled` [S]: final norm, then the LM head. Returns [S, vocab].
+  at::Tensor head(const at::Tensor& h, const at::Tensor& sampled) const {
+    TORCH_CHECK(head_.has_value(), "this stack has no LM head");
+    const at::Tensor rows = h.contiguous().index_select(0, sampled);
+    at::Tensor normed = at::empty_like(rows);
+    rms_norm(rows.data_ptr<float>(), head_norm_.data_ptr<float>(), normed.data_ptr<float>(), rows.size(0),
+             rows.size(1), rows.size(1), eps_);
+    return head_->apply(normed);
   }
 
  private:
@@ -301,6 +317,8 @@ class DecodeStack {
   float eps_;
   double scale_;
   std::vector<Layer> layers_;
+  at::Tensor head_norm_;
+  std::optional<Projection> head_;
 };
 
 }  // namespace
@@ -313,8 +331,10 @@ void register_decode(pybind11::module& module) {
   pybind11::class_<DecodeStack>(module, "DecodeStack")
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, double, double>())
       .def("add_layer", &DecodeStack::add_layer)
+      .def("set_head", &DecodeStack::set_head)
       .def("set_pool", &DecodeStack::set_pool)
-      .def("step", &DecodeStack::step);
+      .def("step", &DecodeStack::step)
+      .def("head", &DecodeStack::head);
 }
 
 }  // namespace exo

@@ -67,8 +67,9 @@ def supported(model: ShardModel) -> str | None:
 class NativeDecode:
     """The shard's layers registered once with the native step; `run` takes a step's rows."""
 
-    def __init__(self, model: ShardModel, kernels: ModuleType, stack: Any):
+    def __init__(self, model: ShardModel, kernels: ModuleType, stack: Any, has_head: bool):
         self.model, self.kernels, self.stack = model, kernels, stack
+        self.has_head = has_head  # the last shard's final norm and LM head run natively too
         self._pool: KVPool | None = None
 
     @classmethod
@@ -84,7 +85,12 @@ class NativeDecode:
             if parts is None:
                 return None
             stack.add_layer(*parts)
-        return cls(model, kernels, stack)
+        head = None
+        if model.lm_head is not None and model.norm is not None and args.final_softcap is None:
+            head = _projection(model.lm_head, kernels)
+            if head is not None:
+                stack.set_head(model.norm.weight.detach(), head)
+        return cls(model, kernels, stack, head is not None)
 
     @staticmethod
     def handles(layout: BatchLayout, h: torch.Tensor) -> bool:
@@ -105,6 +111,11 @@ class NativeDecode:
         return self.stack.step(h, cos.reshape(rows, -1), sin.reshape(rows, -1),
                                torch.from_numpy(layout.write_slots), torch.from_numpy(offsets),
                                torch.from_numpy(np.concatenate(seen).astype(np.int64, copy=False)))
+
+
+    def head(self, h: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
+        """The logits [S, vocab] of the step's sampled rows (has_head: the final norm and LM head are native)."""
+        return self.stack.head(h, torch.from_numpy(layout.sample_rows))
 
 
 def _layer_parts(layer: TransformerBlock, kernels: ModuleType) -> tuple | None:
