@@ -293,19 +293,29 @@ class ExoSide:
         forms = [f"{what}: " + ", ".join(f"{k} x {n}" for k, n in counts.items())
                  for what, counts in (("quantized", held.quantized), ("dequantized", held.dequantized)) if counts]
         asked = "default" if self.dtype is None else f"--dtype {self.dtype}"
-        return f"{self.engine.dtype_name} ({asked})" + (f"; {'; '.join(forms)}" if forms else "")
+        return f"{self.form} ({asked})" + (f"; {'; '.join(forms)}" if forms else "")
+
+    @property
+    def form(self) -> str:
+        half = self.engine.half
+        return self.engine.dtype_name + ("" if half is None else f" + {str(half).removeprefix('torch.')} matrices")
 
     @property
     def short(self) -> str:
-        return self.engine.dtype_name if self.dtype is None else f"--dtype {self.dtype}"
+        return self.form if self.dtype is None else f"--dtype {self.dtype}"
 
     def close(self) -> None:
         self.thread.shutdown()
         del self.engine
 
     def run(self) -> dict[str, float]:
-        """Tokens/s of each test, like one llama-bench run."""
-        rates = {f"pp{p}": self.on_engine(self._prompt, p) for p in self.opts.prompts}
+        """Tokens/s of each test, like one llama-bench run: each test warmed up just before it is timed, as
+        llama-bench warms up each of its tests in the process that times it (the other side's run came between)."""
+        rates = {}
+        for p in self.opts.prompts:
+            self.on_engine(self._prompt, p)
+            rates[f"pp{p}"] = self.on_engine(self._prompt, p)
+        self.on_engine(self._gen, 8)
         rates[f"tg{self.opts.gen}"] = self.on_engine(self._gen, self.opts.gen)
         return rates
 

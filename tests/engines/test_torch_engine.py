@@ -374,7 +374,10 @@ def test_last_quarter_opens_only_its_files(multi_file_dirs, monkeypatch, arch):
     assert logits.shape == (engine.args.vocab_size,) and np.isfinite(logits).all()
 
 
-def test_float16_checkpoint_runs_as_bfloat16_on_cpu(tmp_path, prompt, caplog):
+def test_float16_checkpoint_keeps_two_bytes_a_weight_on_cpu(tmp_path, prompt, caplog):
+    """On CPU a float16 checkpoint's matrices stay float16 beside float32 activations where the native kernels
+    run (test_half_storage.py), else the model runs as bfloat16 (CPU float16 kernels are slow): two bytes a
+    weight either way."""
     path = make_checkpoint(tmp_path / "fp16", "qwen2", n_layers=2, dtype=torch.float16)
     args = ModelArgs.from_dir(path)
     assert args.torch_dtype == "float16"
@@ -383,13 +386,20 @@ def test_float16_checkpoint_runs_as_bfloat16_on_cpu(tmp_path, prompt, caplog):
         assert engine.device_name == "cpu"
     with caplog.at_level(logging.INFO, logger=torch_engine.__name__):
         engine.load(path, args, Shard.whole("fp16", 2))
-    if engine.device.type == "cpu":
-        assert engine.dtype_name == "bfloat16"
-        assert any("float16 runs as bfloat16" in record.getMessage() for record in caplog.records)
-    assert np.isfinite(Driver([engine]).forward("r", prompt)).all()
-    # float16 -> bfloat16 keeps two bytes per value, whatever layout the CPU kernels store weights in.
     header = safetensors_header(path / "model.safetensors")
-    assert engine.parameter_bytes() == sum(end - begin for begin, end in (t["data_offsets"] for t in header.values()))
+    stored = {name: t["data_offsets"][1] - t["data_offsets"][0] for name, t in header.items()}
+    if engine.device.type == "cpu" and engine.half is not None:
+        assert (engine.half, engine.dtype_name) == (torch.float16, "float32")
+        # the matrices as stored, the vectors (norms, biases) in float32
+        assert engine.parameter_bytes() == sum(n if len(header[name]["shape"]) == 2 else 2 * n
+                                               for name, n in stored.items())
+    else:
+        if engine.device.type == "cpu":
+            assert engine.dtype_name == "bfloat16"
+            assert any("float16 runs as bfloat16" in record.getMessage() for record in caplog.records)
+        # float16 -> bfloat16 keeps two bytes per value, whatever layout the CPU kernels store weights in.
+        assert engine.parameter_bytes() == sum(stored.values())
+    assert np.isfinite(Driver([engine]).forward("r", prompt)).all()
     explicit = TorchEngine(device="cpu", dtype="float32")
     explicit.load(path, args, Shard.whole("fp16", 2))
     assert explicit.dtype_name == "float32" and explicit.device_name == "cpu"

@@ -26,7 +26,7 @@ from exo_like.engines.torch.attention import KVPool, step_index
 from exo_like.engines.torch.linear import bound_onednn_caches
 from exo_like.engines.torch.model import ShardModel, fuse_checkpoint_weights, load_state
 from exo_like.engines.torch.openmp import pin_openmp_team
-from exo_like.engines.torch.quant import Installer, Matrix, cpu_numerics, int4_kernel_available, native_kernels
+from exo_like.engines.torch.quant import Dense, Installer, Matrix, cpu_numerics, int4_kernel_available, native_kernels
 from exo_like.engines.work import KVPoolSize, WorkItem
 from exo_like.errors import InvalidRequestError
 from exo_like.models.affine import AffineGroups, from_mlx, from_mlx_mxfp4
@@ -39,11 +39,14 @@ from exo_like.models.tensor_split import GGUF_GROUP, rank_args, split_align, spl
 
 log = logging.getLogger(__name__)
 
+_GGUF_HALF = {"BF16": torch.bfloat16, "F16": torch.float16}  # a GGUF file's 16-bit types (read as float32: exact)
+
 # How a layer of a quantized GGUF file is measured: its K-quant matrices mostly run as 4-bit affine groups of 32.
 GGUF_MEASURED_QUANT = QuantSpec(group_size=32, bits=4)
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_NAMES = {dtype: name for name, dtype in TORCH_DTYPES.items()}
+HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def pick_device(requested: str | None) -> torch.device:
@@ -75,16 +78,35 @@ def pick_dtype(requested: str | None, checkpoint_dtype: str, device: torch.devic
     return TORCH_DTYPES[name]
 
 
+def half_storage(requested: str | None, checkpoint_dtype: str, device: torch.device) -> torch.dtype | None:
+    """The 16-bit dtype a bfloat16 or float16 checkpoint's matrices stay in on CPU, beside float32 activations
+    (the native kernels widen each weight as they read it, half.cpp); None where this does not apply (a --dtype
+    named, another device, another checkpoint dtype, no native kernels). Why: a CPU without bfloat16 arithmetic
+    emulates it, and a bfloat16 node there prefilled at a sixth of float32's rate (AVX2: 90 against 559 tok/s);
+    widened, a prompt runs at float32's rate and a decode step reads half float32's bytes. float16 weights stay
+    float16, exactly, instead of being rounded to bfloat16."""
+    if requested is not None or device.type != "cpu" or native_kernels(device) is None:
+        return None
+    return TORCH_DTYPES.get(checkpoint_dtype) if checkpoint_dtype in ("bfloat16", "float16") else None
+
+
+def hold_half(weights: dict[str, Matrix]) -> dict[str, Matrix]:
+    """A half-storage shard's matrices (2-D tensors read in a 16-bit dtype) as Dense, for the native kernels."""
+    return {name: Dense(t) if isinstance(t, torch.Tensor) and t.dim() == 2 and t.dtype in HALF_DTYPES else t
+            for name, t in weights.items()}
+
+
 def read_planned_tensors(
     plan: ShardLoadPlan, skip: set[str], device: torch.device, dtype: torch.dtype, quant: QuantSpec | None = None,
     cancel: threading.Event | None = None, keep_quantized: bool = False,
-    convert: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
-) -> dict[str, torch.Tensor | AffineGroups]:
+    convert: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None, half: bool = False,
+) -> dict[str, torch.Tensor | AffineGroups | Dense]:
     """Read exactly the plan's tensors from exactly the plan's files, converted to the engine's device/dtype.
 
     A quantized checkpoint's matrices come as AffineGroups with `keep_quantized`, else dequantized here, one at
     a time, so only the packed shard plus one float matrix is ever held beyond the result. `convert`: the
-    family's own checkpoint layout to the shared one (Family.convert)."""
+    family's own checkpoint layout to the shared one (Family.convert). `half`: matrices stored in a 16-bit
+    dtype stay in it, as Dense (see half_storage)."""
     weights: dict[str, torch.Tensor] = {}
     stored_as: dict[str, str] = {}  # local name -> checkpoint name (per-module quantization is by the latter)
     for path, names in plan.files.items():
@@ -98,12 +120,13 @@ def read_planned_tensors(
                 # so resident memory ends at the shard's bytes instead of also keeping the file pages mapped.
                 tensor = f.get_tensor(name)
                 # Packed tensors keep their stored form (a copy still) until all parts of a matrix are read.
-                weights[local] = tensor.clone() if quant else tensor.to(device=device, dtype=dtype, copy=True)
+                kept = tensor.dtype if half and tensor.dim() == 2 and tensor.dtype in HALF_DTYPES else dtype
+                weights[local] = tensor.clone() if quant else tensor.to(device=device, dtype=kept, copy=True)
                 stored_as[local] = name
     if convert is not None:
         weights = convert(weights)
     if quant is None:
-        return unstack_experts(weights)
+        return unstack_experts(hold_half(weights) if half else weights)
     held: dict[str, torch.Tensor | AffineGroups] = {}
     for name in [n for n in weights if n.endswith(".scales")]:
         prefix = name.removesuffix(".scales")
@@ -180,6 +203,7 @@ class TorchEngine(Engine):
             raise ValueError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
         self.dtype: torch.dtype = TORCH_DTYPES[dtype or "float32"]  # until load() reads the checkpoint's
         self.model: ShardModel | None = None
+        self.half: torch.dtype | None = None  # the matrices' 16-bit dtype beside float32 activations (half_storage)
         self.pool: KVPool | None = None
         self._threads_placed = False
         self._numerics = cpu_numerics() if self.device.type == "cpu" else {}
@@ -192,8 +216,13 @@ class TorchEngine(Engine):
         self.weight_forms = WeightForms()
         started = time.perf_counter()
         keep_quantized = self._keeps_quantized(model_dir, args)
-        self.dtype = pick_dtype(self.requested_dtype, args.torch_dtype, self.device, keep_quantized)
-        log.info("loading %s from %s on %s as %s", shard, Path(model_dir).name, self.device, DTYPE_NAMES[self.dtype])
+        half = None if keep_quantized or shard.tp is not None else \
+            half_storage(self.requested_dtype, args.torch_dtype, self.device)
+        self.half = half
+        self.dtype = torch.float32 if half else pick_dtype(self.requested_dtype, args.torch_dtype, self.device,
+                                                           keep_quantized)
+        log.info("loading %s from %s on %s as %s%s", shard, Path(model_dir).name, self.device, DTYPE_NAMES[self.dtype],
+                 f" ({DTYPE_NAMES[half]} matrices, widened on the native kernels)" if half else "")
         if shard.tp is not None:
             # Row-parallel splits fall on the checkpoint's quantization groups, the same on every rank
             shard = replace(shard, tp=replace(shard.tp, align=self._split_align(model_dir, args)))
@@ -202,8 +231,8 @@ class TorchEngine(Engine):
             model = ShardModel(held_args, shard.start_layer, shard.layer_count, shard.is_first, shard.is_last,
                                None if shard.tp is None else self._group_reduce(shard))
         installer = Installer(self.dtype, self.device, int4_kernel_available(self.device),
-                              native_kernels(self.device) if keep_quantized else None)
-        weights = self._read_weights(Path(model_dir), args, shard, keep_quantized, installer, cancel)
+                              native_kernels(self.device) if keep_quantized or half else None)
+        weights = self._read_weights(Path(model_dir), args, shard, keep_quantized, installer, cancel, half)
         if shard.tp is not None:
             weights = {name: split_tensor(name, tensor, args, shard.tp)
                        for name, tensor in unfused(weights, args).items()}
@@ -246,13 +275,21 @@ class TorchEngine(Engine):
 
     def layer_form(self, model_dir: Path, args: ModelArgs) -> str:
         quant = self._measured_quant(model_dir, args)
+        half = self._half(args, quant)
         dtype = DTYPE_NAMES[pick_dtype(self.requested_dtype, args.torch_dtype, self.device, quant is not None)]
+        if half is not None:
+            return f"float32 activations, {DTYPE_NAMES[half]} matrices"
         return dtype if quant is None else f"{dtype} activations, {quant.bits}-bit groups of {quant.group_size}"
 
     def layer_runner(self, model_dir: Path, args: ModelArgs) -> LayerRunner:
         quant = self._measured_quant(model_dir, args)
-        return layer_runner(args, self.device, pick_dtype(self.requested_dtype, args.torch_dtype, self.device,
-                                                          quant is not None), quant)
+        half = self._half(args, quant)
+        dtype = torch.float32 if half else pick_dtype(self.requested_dtype, args.torch_dtype, self.device,
+                                                      quant is not None)
+        return layer_runner(args, self.device, dtype, quant, half)
+
+    def _half(self, args: ModelArgs, quant: QuantSpec | None) -> torch.dtype | None:
+        return None if quant is not None else half_storage(self.requested_dtype, args.torch_dtype, self.device)
 
     def _measured_quant(self, model_dir: Path, args: ModelArgs) -> QuantSpec | None:
         if not self._keeps_quantized(model_dir, args):
@@ -260,16 +297,18 @@ class TorchEngine(Engine):
         return args.quant or GGUF_MEASURED_QUANT
 
     def _read_weights(self, model_dir: Path, args: ModelArgs, shard: Shard, keep: bool, installer: Installer,
-                      cancel: threading.Event | None) -> dict[str, Matrix]:
-        weights = self._read_stored(model_dir, args, shard, keep, installer, cancel)
+                      cancel: threading.Event | None, half: torch.dtype | None = None) -> dict[str, Matrix]:
+        weights = self._read_stored(model_dir, args, shard, keep, installer, cancel, half)
         for name in [n for n in weights if n.endswith(".kv_b_proj.weight")]:
             if isinstance(weights[name], AffineGroups):  # MLA multiplies by it per head (mla.py): held dense
                 installer.forms.add_dequantized(f"{weights[name].source} (MLA's kv_b_proj, absorbed per head)")
                 weights[name] = torch.from_numpy(weights[name].dequantize()).to(device=self.device, dtype=self.dtype)
+            elif isinstance(weights[name], Dense):  # (half storage) the same: a plain matrix
+                weights[name] = weights[name].weight.to(self.dtype)
         return weights
 
     def _read_stored(self, model_dir: Path, args: ModelArgs, shard: Shard, keep: bool, installer: Installer,
-                     cancel: threading.Event | None) -> dict[str, Matrix]:
+                     cancel: threading.Event | None, half: torch.dtype | None) -> dict[str, Matrix]:
         if is_gguf(model_dir):
             weights: dict[str, Matrix] = {}
             for local, value, type_name in open_gguf(model_dir).read_shard(shard, args.tie_word_embeddings, keep):
@@ -279,12 +318,14 @@ class TorchEngine(Engine):
                 elif keep and type_name not in FLOAT_TYPES:
                     weights[local] = installer.dense(value, f"{type_name} (no affine form)")
                 else:
-                    weights[local] = torch.from_numpy(value).to(device=self.device, dtype=self.dtype)
-            return args.family.converted(weights, args)
+                    kept = _GGUF_HALF.get(type_name) if half and value.ndim == 2 else None
+                    weights[local] = torch.from_numpy(value).to(device=self.device, dtype=kept or self.dtype)
+            weights = args.family.converted(weights, args)
+            return hold_half(weights) if half else weights
         plan = plan_shard_load(model_dir, shard, args.tie_word_embeddings, args.family.rename)
         skip = checkpoint_skips(plan, args.tie_word_embeddings)
         return read_planned_tensors(plan, skip, self.device, self.dtype, args.quant, cancel, keep,
-                                    lambda weights: args.family.converted(weights, args))
+                                    lambda weights: args.family.converted(weights, args), half is not None)
 
     def step(self, items: Sequence[WorkItem], inputs: np.ndarray | Activations) -> Activations | np.ndarray:
         model, pool = self._loaded_model(), self._pool()

@@ -12,7 +12,7 @@ import torch
 from exo_like.engines.layer_speed import LayerRunner, measure_items, measured_layer
 from exo_like.engines.torch.attention import step_index
 from exo_like.engines.torch.model import ShardModel, fuse_checkpoint_weights, load_state
-from exo_like.engines.torch.quant import Installer, Matrix, int4_kernel_available, native_kernels
+from exo_like.engines.torch.quant import Dense, Installer, Matrix, int4_kernel_available, native_kernels
 from exo_like.engines.work import WorkItem
 from exo_like.models.affine import AffineGroups
 from exo_like.models.config import ModelArgs
@@ -111,8 +111,10 @@ def random_groups(shape: tuple[int, ...], quant: QuantSpec, rng: np.random.Gener
     return AffineGroups(codes, scales, biases, quant.bits, quant.group_size, f"mlx {quant.bits}-bit")
 
 
-def layer_runner(args: ModelArgs, device: torch.device, dtype: torch.dtype, quant: QuantSpec | None) -> LayerRunner:
-    """The layer and its two timed steps. quant: hold the matrices quantized so (None: in `dtype`)."""
+def layer_runner(args: ModelArgs, device: torch.device, dtype: torch.dtype, quant: QuantSpec | None,
+                 half: torch.dtype | None = None) -> LayerRunner:
+    """The layer and its two timed steps. quant: hold the matrices quantized so (None: in `dtype`, or with
+    `half` in that 16-bit dtype beside `dtype` activations, as engine.half_storage holds a checkpoint's)."""
     generator, rng = torch.Generator().manual_seed(0), np.random.default_rng(0)
     args, layer = measured_layer(args)
     weights: dict[str, Matrix] = {}
@@ -122,12 +124,14 @@ def layer_runner(args: ModelArgs, device: torch.device, dtype: torch.dtype, quan
         elif quant is not None and len(shape) == 2 and shape[1] % quant.group_size == 0 and \
                 not name.endswith(".gate.weight"):  # a router stays float, as converters leave it
             weights[name] = random_groups(shape, quant, rng)
+        elif half is not None and len(shape) == 2:
+            weights[name] = Dense(random_tensor(shape, generator).to(device=device, dtype=half))
         else:
             weights[name] = random_tensor(shape, generator).to(device=device, dtype=dtype)
     with torch.device("meta"):
         model = ShardModel(args, layer, 1, False, False)
     installer = Installer(dtype, device, int4_kernel_available(device),
-                          native_kernels(device) if quant is not None else None)
+                          native_kernels(device) if quant is not None or half is not None else None)
     state = fuse_checkpoint_weights(weights, args, False, False)
     installer.install(model, state)
     load_state(model, state)

@@ -41,7 +41,7 @@ from torch import nn
 from exo_like.engines.base import WeightForms
 from exo_like.models.affine import AffineGroups
 from exo_like.engines.torch.native.build import kernels
-from exo_like.engines.torch.native.matrix import NativeMatrix
+from exo_like.engines.torch.native.matrix import HalfMatrix, NativeMatrix
 from exo_like.engines.torch.native.matrix import refusal as native_refusal
 from exo_like.models.footprint import int4_refusal
 
@@ -217,34 +217,35 @@ def _bfloat16_support() -> str:
     return f"native ({', '.join(native)})" if native else "widened to float32 (no AVX512-BF16 or AMX)"
 
 
-Piece = list[Int4Pack] | NativeMatrix | torch.Tensor
+Piece = list[Int4Pack] | NativeMatrix | HalfMatrix | torch.Tensor
+NATIVE_PIECES = (NativeMatrix, HalfMatrix)  # the native kernels' matrices: float32 activations in and out
 
 
 class QuantLinear(nn.Module):
-    """x @ w.T (+ bias) with w held quantized: a native matrix (float32 activations), or int4 packs (activations
-    cast to bfloat16 for the kernel, the result back to the input's dtype). `pieces` stack along the outputs,
-    so a fused projection may mix quantized and (dequantized) dense matrices, as GGUF files mixing types per
-    tensor need."""
+    """x @ w.T (+ bias) with w held quantized or 16-bit: a native matrix (float32 activations), or int4 packs
+    (activations cast to bfloat16 for the kernel, the result back to the input's dtype). `pieces` stack along the
+    outputs, so a fused projection may mix quantized and (dequantized) dense matrices, as GGUF files mixing
+    types per tensor need."""
 
     def __init__(self, pieces: list[Piece], bias: torch.Tensor | None):
         super().__init__()
         self.pieces = pieces
         self.bias = bias
-        self.native = len(pieces) == 1 and isinstance(pieces[0], NativeMatrix)
+        self.native = len(pieces) == 1 and isinstance(pieces[0], NATIVE_PIECES)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native:  # the common case, without the per-piece dispatch below
             out = self.pieces[0].matmul(x.float()).to(x.dtype)
             return out if self.bias is None else out + self.bias
         x16 = x.to(KERNEL_DTYPE) if any(isinstance(p, list) or p.dtype == KERNEL_DTYPE for p in self.pieces
-                                        if not isinstance(p, NativeMatrix)) else None
+                                        if not isinstance(p, NATIVE_PIECES)) else None
         outputs = [self._piece(x, x16, piece) for piece in self.pieces]
         out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
         return out if self.bias is None else out + self.bias
 
     @staticmethod
     def _piece(x: torch.Tensor, x16: torch.Tensor | None, piece: Piece) -> torch.Tensor:
-        if isinstance(piece, NativeMatrix):
+        if isinstance(piece, NATIVE_PIECES):
             return piece.matmul(x.float()).to(x.dtype)
         if isinstance(piece, torch.Tensor):
             return F.linear(x16 if piece.dtype == KERNEL_DTYPE else x.to(piece.dtype), piece).to(x.dtype)
@@ -258,7 +259,7 @@ class QuantLinear(nn.Module):
         held = [] if self.bias is None else [self.bias]
         for piece in self.pieces:
             held += [piece] if isinstance(piece, torch.Tensor) else piece.tensors() \
-                if isinstance(piece, NativeMatrix) else [t for pack in piece for t in pack.tensors()]
+                if isinstance(piece, NATIVE_PIECES) else [t for pack in piece for t in pack.tensors()]
         return held
 
 
@@ -286,9 +287,10 @@ class QuantEmbedding(nn.Module):
 
 
 class NativeEmbedding(nn.Module):
-    """Rows of a natively packed embedding, dequantized on lookup (to float32, then the model's dtype)."""
+    """Rows of a natively packed (or 16-bit) embedding, dequantized on lookup (to float32, then the model's
+    dtype)."""
 
-    def __init__(self, matrix: NativeMatrix, dtype: torch.dtype):
+    def __init__(self, matrix: NativeMatrix | HalfMatrix, dtype: torch.dtype):
         super().__init__()
         self.matrix, self.dtype = matrix, dtype
 
@@ -315,7 +317,9 @@ class CastEmbedding(nn.Module):
 
 @dataclass
 class Dense:
-    """A quantized matrix that no kernel here takes, dequantized (in Installer.dense_dtype)."""
+    """A quantized matrix that no kernel here takes, dequantized (in Installer.dense_dtype), or a 16-bit
+    checkpoint's matrix kept in its dtype beside float32 activations (engine.half_storage). With the native
+    kernels either runs as a HalfMatrix."""
 
     weight: torch.Tensor
 
@@ -364,7 +368,7 @@ class Installer:
                 continue
             if isinstance(module, nn.Embedding):
                 replacement: nn.Module = CastEmbedding(pieces[0], self.dtype) if isinstance(pieces[0], torch.Tensor) \
-                    else NativeEmbedding(pieces[0], self.dtype) if isinstance(pieces[0], NativeMatrix) \
+                    else NativeEmbedding(pieces[0], self.dtype) if isinstance(pieces[0], NATIVE_PIECES) \
                     else self._embedding(value, pieces[0])
             else:
                 replacement = QuantLinear(pieces, state.pop(f"{path}.bias", None))
@@ -375,7 +379,10 @@ class Installer:
         if isinstance(matrix, torch.Tensor):
             return matrix
         if isinstance(matrix, Dense):
-            return matrix.weight
+            weight = matrix.weight
+            if self.native is not None and weight.dtype in (torch.bfloat16, torch.float16):
+                return HalfMatrix(weight.contiguous(), self.native)
+            return weight
         if id(matrix) not in self._pieces:  # a tied embedding and head are one AffineGroups: one piece
             self._pieces[id(matrix)] = self._convert(matrix)
         return self._pieces[id(matrix)]

@@ -21,7 +21,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).with_name("quant.cpp"), Path(__file__).with_name("decode.cpp"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("quant.cpp", "half.cpp", "decode.cpp"))
 # -ffp-contract=off: no product and sum fused where the source did not ask (dequantized rows must match numpy's).
 # OpenMP: at::parallel_for runs on torch's own thread team (the loaded libgomp is reused by its soname).
 FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp")

@@ -23,6 +23,7 @@ namespace exo {
 at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& low, const at::Tensor& high, const at::Tensor& scales,
                         const at::Tensor& biases, const at::Tensor& super_scales, const at::Tensor& super_biases,
                         int64_t layout, double zero, int64_t group);
+at::Tensor half_matmul(const at::Tensor& x, const at::Tensor& w);  // half.cpp
 
 namespace {
 
@@ -75,7 +76,8 @@ void axpy(float p, const float* v, float* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] += p * v[i];
 }
 
-// A projection: a natively packed quantized matrix or a plain float32 weight [out, in], and an optional bias.
+// A projection: a natively packed quantized matrix, or a plain weight [out, in] (float32, or bfloat16 / float16
+// widened as it is read), and an optional bias.
 struct Projection {
   bool native = false;
   at::Tensor low, high, scales, biases, super_scales, super_biases, weight;
@@ -93,6 +95,8 @@ struct Projection {
       out = at::cat(outputs, 1);
     } else if (native) {
       out = quant_matmul(x, low, high, scales, biases, super_scales, super_biases, layout, zero, group);
+    } else if (weight.scalar_type() != at::kFloat) {
+      out = half_matmul(x, weight);
     } else if (x.size(0) <= 4) {
       out = matvec(x);
     } else {
@@ -138,8 +142,10 @@ Projection stacked_projection(std::vector<Projection> parts, std::optional<at::T
 }
 
 Projection dense_projection(at::Tensor weight, std::optional<at::Tensor> bias) {
-  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.layout() == at::kStrided,
-              "a dense projection takes a plain contiguous float32 weight");
+  const auto type = weight.scalar_type();
+  TORCH_CHECK((type == at::kFloat || type == at::kBFloat16 || type == at::kHalf) && weight.is_contiguous() &&
+                  weight.layout() == at::kStrided,
+              "a dense projection takes a plain contiguous float32, bfloat16 or float16 weight");
   Projection p;
   p.weight = weight, p.bias = bias;
   return p;

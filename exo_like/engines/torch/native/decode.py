@@ -14,7 +14,7 @@ import torch
 from exo_like.engines.batch import BatchLayout
 from exo_like.engines.torch.attention import item_slots
 from exo_like.engines.torch.linear import Linear
-from exo_like.engines.torch.native.matrix import NativeMatrix
+from exo_like.engines.torch.native.matrix import HalfMatrix, NativeMatrix
 from exo_like.engines.torch.quant import QuantLinear
 
 if TYPE_CHECKING:
@@ -29,23 +29,25 @@ def _projection(module: Any, kernels: ModuleType) -> Any | None:
         if module.packed or weight.dtype != torch.float32 or weight.layout != torch.strided:
             return None
         return kernels.dense_projection(weight.detach().contiguous(), None if module.bias is None else module.bias)
-    if isinstance(module, QuantLinear):  # pieces of several types side by side (a GGUF file's q, k and v)
-        parts = [_piece(piece, kernels) for piece in module.pieces]
+    if isinstance(module, QuantLinear):
+        if len(module.pieces) == 1:  # the common case, bias and all
+            return _piece(module.pieces[0], kernels, module.bias)
+        parts = [_piece(piece, kernels) for piece in module.pieces]  # several types (a GGUF file's q, k and v)
         if any(part is None for part in parts):
             return None
-        if len(parts) == 1 and isinstance(module.pieces[0], NativeMatrix):  # the common case, bias and all
-            return kernels.native_projection(*module.pieces[0].kernel_args(), module.bias)
         return kernels.stacked_projection(parts, module.bias)
     return None
 
 
-def _piece(piece: Any, kernels: ModuleType) -> Any | None:
-    """One piece of a QuantLinear in native form: a NativeMatrix, or a dense float32 matrix."""
+def _piece(piece: Any, kernels: ModuleType, bias: torch.Tensor | None = None) -> Any | None:
+    """One piece of a QuantLinear in native form: a NativeMatrix, a HalfMatrix, or a dense float32 matrix."""
     if isinstance(piece, NativeMatrix):
-        return kernels.native_projection(*piece.kernel_args(), None)
+        return kernels.native_projection(*piece.kernel_args(), bias)
+    if isinstance(piece, HalfMatrix):
+        return kernels.dense_projection(piece.weight, bias)
     if isinstance(piece, torch.Tensor) and piece.dtype == torch.float32 and piece.is_contiguous():
-        return kernels.dense_projection(piece, None)
-    return None  # int4 packs, or a matrix dequantized to bfloat16
+        return kernels.dense_projection(piece, bias)
+    return None  # int4 packs, or a matrix dequantized to bfloat16 without the native kernels
 
 
 def supported(model: ShardModel) -> str | None:

@@ -10,6 +10,8 @@ From AffineGroups (w = scale * q + bias per group), without re-rounding anything
   no biases. Which matrices the kernels take, and their bytes, follow the type (footprint.native_form), so a plan
   counts what a node will hold.
 The kernel's arithmetic, and `reference_matmul` that states it in numpy, are described in quant.cpp.
+
+A HalfMatrix is a 16-bit float matrix for the same engine path (half.cpp): float32 activations, each weight widened.
 """
 
 from __future__ import annotations
@@ -155,6 +157,31 @@ class NativeMatrix:
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.low, self.high, self.scales, self.biases, self.super_scales, self.super_biases]
+
+
+@dataclass
+class HalfMatrix:
+    """A matrix [out, in] held as 16-bit floats (a bfloat16 or float16 checkpoint's, or a quantized type no kernel
+    takes, dequantized) and multiplied by float32 activations on the native kernels (half.cpp): each weight widened
+    exactly, float32 sums, no rounding of the activations."""
+
+    weight: torch.Tensor  # bfloat16 or float16, contiguous
+    kernels: ModuleType
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.weight.shape)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, in] float32 -> x @ w.T [rows, out] float32."""
+        return self.kernels.half_matmul(x, self.weight)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` as float32 [n, in] (exact)."""
+        return self.weight.index_select(0, ids).float()
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.weight]
 
 
 def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -36,6 +36,10 @@
 #define EXO_X86 1
 #endif
 
+namespace exo {
+at::Tensor float_linear(const at::Tensor& x, const at::Tensor& w);  // half.cpp: oneDNN's where present
+}  // namespace exo
+
 namespace {
 
 constexpr int64_t BLOCK = 32;
@@ -397,7 +401,7 @@ Matrix view(const at::Tensor& low, const at::Tensor& high, const at::Tensor& sca
 }
 
 // Many rows (a prompt): the weights dequantized to float32, a chunk of outputs at a time, and multiplied by
-// torch's float32 GEMM, which at this size outruns the integer kernel (each weight's dequantization is shared
+// a float32 GEMM (oneDNN's, see half.cpp), which at this size outruns the integer kernel (each weight's dequantization is shared
 // by all rows).
 at::Tensor dequantized_matmul(const at::Tensor& x, const Matrix& m, int64_t outputs) {
   at::Tensor out = at::empty({x.size(0), outputs}, x.options());
@@ -408,7 +412,7 @@ at::Tensor dequantized_matmul(const at::Tensor& x, const Matrix& m, int64_t outp
     at::parallel_for(0, count, 16, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) dequantize_row(m, start + i, w + i * m.inputs);
     });
-    out.narrow(1, start, count).copy_(at::linear(x, weights.narrow(0, 0, count)));
+    out.narrow(1, start, count).copy_(exo::float_linear(x, weights.narrow(0, 0, count)));
   }
   return out;
 }
@@ -474,10 +478,12 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& low, const at::Te
   return matmul(x, low, high, scales, biases, super_scales, super_biases, layout, zero, group);
 }
 void register_decode(pybind11::module& module);  // decode.cpp
+void register_half(pybind11::module& module);    // half.cpp
 }  // namespace exo
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   exo::register_decode(module);
+  exo::register_half(module);
   module.def("matmul", &matmul, "x @ w.T for a packed affine-groups matrix (int16 activation blocks)");
   module.def("rows", &rows, "rows of a packed affine-groups matrix, dequantized");
   module.def("kernel_name", &kernel_name, "which kernel this CPU runs");
