@@ -196,3 +196,37 @@ def test_a_projection_stacked_from_two_types_runs_in_the_native_step(gguf_mixed)
     assert native_tokens == python_tokens and exact_tokens[0] == python_tokens[0]
     python_error = np.abs(python_logits - exact_logits)[:2].max()  # the prompt and the first token: same inputs
     assert np.abs(native_logits - python_logits)[:2].max() <= python_error
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral"])
+def test_a_mixture_of_experts_runs_in_the_native_step(arch, tmp_path) -> None:
+    """Qwen3-MoE (a dense layer among mixtures, renormalised top k), Qwen2-MoE (a gated shared expert, top k not
+    renormalised), Mixtral: the native step routes and sums the experts as the Python layers do."""
+    folder = make_checkpoint(tmp_path / arch, arch, n_layers=3, seed=5, peaky=True)
+    args = ModelArgs.from_dir(folder)
+    engine = TorchEngine(device="cpu", dtype="float32")
+    engine.load(folder, args, Shard.whole("t", args.num_hidden_layers))
+    assert engine.model.native_decode is not None
+    prompt = np.arange(3, 40, dtype=np.int64)
+    native_tokens, native_logits = _decode_logits(engine, prompt, 12)
+    engine.model.native_decode = None
+    python_tokens, python_logits = _decode_logits(engine, prompt, 12)
+    assert native_tokens == python_tokens and len(set(native_tokens)) > 2
+    np.testing.assert_allclose(native_logits, python_logits, rtol=1e-5, atol=1e-4)
+
+
+def test_mixtures_routed_otherwise_are_left_to_the_python_layers() -> None:
+    """gpt-oss (softmax over the top k logits, biased clamped experts) and DeepSeek (grouped routing)."""
+    from types import SimpleNamespace
+
+    from exo_like.engines.torch.native.decode import plain_mixture
+    from exo_like.models.families import MoeArgs
+
+    def routed(**kinds) -> bool:
+        return plain_mixture(SimpleNamespace(moe=MoeArgs(8, 2, 64, True, (0,), **kinds)))
+
+    assert routed()
+    assert routed(shared_expert_size=96, shared_expert_gated=True)
+    assert not routed(router="topk_softmax", activation="swiglu_clamped", expert_bias=True)
+    assert not routed(router="softmax_grouped") and not routed(router="sigmoid_grouped")
+    assert not plain_mixture(SimpleNamespace(moe=None))

@@ -9,6 +9,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <optional>
 #include <vector>
@@ -151,10 +152,91 @@ Projection dense_projection(at::Tensor weight, std::optional<at::Tensor> bias) {
   return p;
 }
 
+// down(silu(gate) * up) of each row, gate and up from one fused projection (gate rows, then up rows).
+at::Tensor swiglu(const Projection& gate_up, const Projection& down, const at::Tensor& x) {
+  const at::Tensor both = gate_up.apply(x);
+  const int64_t rows = both.size(0), inner = both.size(1) / 2;
+  at::Tensor inner_values = at::empty({rows, inner}, x.options());
+  const float* gu = both.data_ptr<float>();
+  float* in = inner_values.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t i = 0; i < inner; ++i) {
+      const float g = gu[r * 2 * inner + i];
+      const float silu = g / (1.0f + std::exp(-g));
+      in[r * inner + i] = silu * gu[r * 2 * inner + inner + i];
+    }
+  }
+  return down.apply(inner_values);
+}
+
+// A mixture of experts' MLP routed as Qwen's and Mixtral's are: a float32 softmax over every expert's router
+// logit, each row's top k (renormalised to sum to one where the family does, then times `scale`), the chosen
+// experts' SwiGLU MLPs summed expert by expert in ascending order, as the Python layers sum them (mlp.py); an
+// optional shared expert, scaled by a sigmoid gate where it has one (Qwen2-MoE).
+struct Mixture {
+  Projection router;
+  std::vector<Projection> gate_ups, downs;
+  int64_t top_k = 0;
+  bool renormalize = false;
+  double scale = 1.0;
+  std::optional<Projection> shared_gate_up, shared_down, shared_gate;
+
+  at::Tensor apply(const at::Tensor& x) const {
+    const int64_t rows = x.size(0), hidden = x.size(1), experts = static_cast<int64_t>(gate_ups.size());
+    const at::Tensor logits = router.apply(x).contiguous();
+    std::vector<std::vector<std::pair<int64_t, float>>> chosen(experts);  // per expert: (row, weight)
+    for (int64_t r = 0; r < rows; ++r) route(logits.data_ptr<float>() + r * experts, r, chosen);
+    at::Tensor out = at::zeros_like(x);
+    float* o = out.data_ptr<float>();
+    for (int64_t e = 0; e < experts; ++e) {
+      if (chosen[e].empty()) continue;
+      std::vector<int64_t> ids;
+      for (const auto& entry : chosen[e]) ids.push_back(entry.first);
+      const at::Tensor picked = x.index_select(0, at::tensor(ids, at::kLong));
+      const at::Tensor y = swiglu(gate_ups[e], downs[e], picked).contiguous();
+      const float* ys = y.data_ptr<float>();
+      for (size_t k = 0; k < ids.size(); ++k) {
+        const float weight = chosen[e][k].second;
+        for (int64_t i = 0; i < hidden; ++i) o[ids[k] * hidden + i] += ys[k * hidden + i] * weight;
+      }
+    }
+    if (shared_gate_up.has_value()) {
+      at::Tensor shared = swiglu(*shared_gate_up, *shared_down, x);
+      if (shared_gate.has_value()) shared = at::sigmoid(shared_gate->apply(x)) * shared;
+      out = out + shared;
+    }
+    return out;
+  }
+
+  // Row r's experts and weights, from its router logits.
+  void route(const float* logit, int64_t r, std::vector<std::vector<std::pair<int64_t, float>>>& chosen) const {
+    const int64_t experts = static_cast<int64_t>(gate_ups.size());
+    std::vector<float> probs(logit, logit + experts);
+    const float highest = *std::max_element(probs.begin(), probs.end());
+    float total = 0.0f;
+    for (float& p : probs) total += (p = std::exp(p - highest));
+    for (float& p : probs) p /= total;
+    std::vector<int64_t> order(experts);
+    for (int64_t e = 0; e < experts; ++e) order[e] = e;
+    std::partial_sort(order.begin(), order.begin() + top_k, order.end(), [&](int64_t a, int64_t b) {
+      return probs[a] > probs[b] || (probs[a] == probs[b] && a < b);
+    });
+    float sum = 0.0f;
+    for (int64_t j = 0; j < top_k; ++j) sum += probs[order[j]];
+    for (int64_t j = 0; j < top_k; ++j) {
+      float weight = renormalize ? probs[order[j]] / sum : probs[order[j]];
+      if (scale != 1.0) weight *= static_cast<float>(scale);
+      chosen[order[j]].push_back({r, weight});
+    }
+  }
+};
+
 struct Layer {
   at::Tensor input_norm, post_norm;
   std::optional<at::Tensor> q_norm, k_norm;
-  Projection qkv, o, gate_up, down;
+  Projection qkv, o;
+  std::optional<Projection> gate_up, down;  // a dense MLP's, or
+  std::optional<Mixture> mixture;           // a mixture of experts
   at::Tensor keys, values;  // [kv_heads, slots, head_dim]
 };
 
@@ -172,12 +254,24 @@ void rms_norm(const float* x, const float* w, float* out, int64_t rows, int64_t 
 
 class DecodeStack {
  public:
-  DecodeStack(int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t inner, double eps, double scale)
-      : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), inner_(inner), eps_(eps), scale_(scale) {}
+  DecodeStack(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale)
+      : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale) {}
 
   void add_layer(at::Tensor input_norm, at::Tensor post_norm, std::optional<at::Tensor> q_norm,
-                 std::optional<at::Tensor> k_norm, Projection qkv, Projection o, Projection gate_up, Projection down) {
-    layers_.push_back(Layer{input_norm, post_norm, q_norm, k_norm, qkv, o, gate_up, down, {}, {}});
+                 std::optional<at::Tensor> k_norm, Projection qkv, Projection o, std::optional<Projection> gate_up,
+                 std::optional<Projection> down) {
+    layers_.push_back(Layer{input_norm, post_norm, q_norm, k_norm, qkv, o, gate_up, down, std::nullopt, {}, {}});
+  }
+
+  // The last layer added has a mixture of experts for its MLP.
+  void set_mixture(Projection router, std::vector<Projection> gate_ups, std::vector<Projection> downs, int64_t top_k,
+                   bool renormalize, double scale, std::optional<Projection> shared_gate_up,
+                   std::optional<Projection> shared_down, std::optional<Projection> shared_gate) {
+    TORCH_CHECK(!layers_.empty() && gate_ups.size() == downs.size() && top_k > 0 &&
+                    top_k <= static_cast<int64_t>(gate_ups.size()),
+                "a mixture needs a layer, and as many gate/up as down projections, at least top_k");
+    layers_.back().mixture = Mixture{router, std::move(gate_ups), std::move(downs), top_k, renormalize, scale,
+                                     shared_gate_up, shared_down, shared_gate};
   }
 
   // The last shard's final norm and LM head, for `head`.
@@ -238,18 +332,7 @@ class DecodeStack {
     h.add_(layer.o.apply(attended));
     rms_norm(h.data_ptr<float>(), layer.post_norm.data_ptr<float>(), normed.data_ptr<float>(), rows, hidden, hidden,
              eps_);
-    at::Tensor gate_up = layer.gate_up.apply(normed);  // [rows, 2 inner]
-    at::Tensor inner = at::empty({rows, inner_}, h.options());
-    const float* gu = gate_up.data_ptr<float>();
-    float* in = inner.data_ptr<float>();
-    for (int64_t r = 0; r < rows; ++r) {
-      for (int64_t i = 0; i < inner_; ++i) {
-        const float g = gu[r * 2 * inner_ + i];
-        const float silu = g / (1.0f + std::exp(-g));
-        in[r * inner_ + i] = silu * gu[r * 2 * inner_ + inner_ + i];
-      }
-    }
-    h.add_(layer.down.apply(inner));
+    h.add_(layer.mixture.has_value() ? layer.mixture->apply(normed) : swiglu(*layer.gate_up, *layer.down, normed));
   }
 
   // x * cos + swap_halves(x) * sin on every query and key head, in place.
@@ -319,7 +402,7 @@ class DecodeStack {
     });
   }
 
-  int64_t heads_, kv_heads_, head_dim_, inner_;
+  int64_t heads_, kv_heads_, head_dim_;
   float eps_;
   double scale_;
   std::vector<Layer> layers_;
@@ -335,8 +418,9 @@ void register_decode(pybind11::module& module) {
   module.def("dense_projection", &dense_projection);
   module.def("stacked_projection", &stacked_projection);
   pybind11::class_<DecodeStack>(module, "DecodeStack")
-      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, double, double>())
+      .def(pybind11::init<int64_t, int64_t, int64_t, double, double>())
       .def("add_layer", &DecodeStack::add_layer)
+      .def("set_mixture", &DecodeStack::set_mixture)
       .def("set_head", &DecodeStack::set_head)
       .def("set_pool", &DecodeStack::set_pool)
       .def("step", &DecodeStack::step)

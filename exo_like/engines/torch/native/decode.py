@@ -1,7 +1,8 @@
 """A shard's decode step as one native call (decode.cpp): every layer of a Llama-family shard with float32
 activations, for steps where each request adds one position, with no Python and no per-op dispatch between the
-kernels. Other shards and steps (prefill, mixtures, sliding windows, Gemma's norms, tensor-parallel ranks,
-bfloat16 activations) run the Python layers; both compute the same function, in another summation order."""
+kernels. Other shards and steps (prefill, mixtures routed otherwise, sliding windows, Gemma's norms, tensor-parallel
+ranks, bfloat16 activations) run the Python layers; both compute the same function, in another summation order. A
+mixture of experts runs natively where it is routed as Qwen's and Mixtral's are (plain_mixture)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 from exo_like.engines.batch import BatchLayout
 from exo_like.engines.torch.attention import item_slots
 from exo_like.engines.torch.linear import Linear
+from exo_like.engines.torch.mlp import SparseMoe
 from exo_like.engines.torch.native.matrix import HalfMatrix, NativeMatrix
 from exo_like.engines.torch.quant import QuantLinear
 
@@ -59,11 +61,19 @@ def supported(model: ShardModel) -> str | None:
         (args.attn_softcap is not None or args.attn_sinks, "capped or sunk attention"),
         (args.rope_dim != args.head_dim, "partial rotary"),
         (any(args.window(layer) is not None for layer in model.layer_ids), "sliding windows"),
-        (any(args.is_sparse_layer(layer) for layer in model.layer_ids), "mixture of experts"),
+        (any(args.is_sparse_layer(layer) for layer in model.layer_ids) and not plain_mixture(args),
+         "a mixture routed otherwise than by a softmax's top k"),
         (model.norm_weight.dtype != torch.float32 or model.norm_weight.device.type != "cpu", "not float32 on CPU"),
         (any(layer.tensor_parallel for layer in model.layers), "tensor-parallel rank"),
     )
     return next((why for failed, why in checks if failed), None)
+
+
+def plain_mixture(args: Any) -> bool:
+    """Whether the model's mixture of experts is one the native step runs: a softmax over every expert's logit,
+    the top k, SwiGLU experts without biases (Qwen-MoE, Mixtral); not gpt-oss's or DeepSeek's routing."""
+    moe = args.moe
+    return moe is not None and moe.router == "softmax_topk" and moe.activation == "silu" and not moe.expert_bias
 
 
 class NativeDecode:
@@ -81,12 +91,15 @@ class NativeDecode:
             return None
         args = model.args
         stack = kernels.DecodeStack(args.num_attention_heads, args.num_key_value_heads, args.head_dim,
-                                    args.intermediate_size, args.rms_norm_eps, args.attn_scale or args.head_dim**-0.5)
+                                    args.rms_norm_eps, args.attn_scale or args.head_dim**-0.5)
         for layer in model.layers:
             parts = _layer_parts(layer, kernels)
-            if parts is None:
+            mixture = _mixture_parts(layer.mlp, kernels) if isinstance(layer.mlp, SparseMoe) else ()
+            if parts is None or mixture is None:
                 return None
             stack.add_layer(*parts)
+            if mixture:
+                stack.set_mixture(*mixture)
         head = None
         if model.lm_head is not None and model.norm is not None and args.final_softcap is None:
             head = _projection(model.lm_head, kernels)
@@ -122,11 +135,31 @@ class NativeDecode:
 
 def _layer_parts(layer: TransformerBlock, kernels: ModuleType) -> tuple | None:
     attention, mlp = layer.self_attn, layer.mlp
-    projections = [_projection(m, kernels) for m in (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj,
-                                                     mlp.down_proj)]
-    if any(p is None for p in projections):
+    projections = [_projection(m, kernels) for m in (attention.qkv_proj, attention.o_proj)]
+    if isinstance(mlp, SparseMoe):
+        projections += [None, None]  # set_mixture gives its MLP
+    else:
+        projections += [_projection(mlp.gate_up_proj, kernels), _projection(mlp.down_proj, kernels)]
+        if projections[-1] is None or projections[-2] is None:
+            return None
+    if projections[0] is None or projections[1] is None:
         return None
     qk = attention.qk_norm
     return (layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
             None if qk is None else qk.q_norm.weight.detach(), None if qk is None else qk.k_norm.weight.detach(),
             *projections)
+
+
+def _mixture_parts(moe: SparseMoe, kernels: ModuleType) -> tuple | None:
+    """DecodeStack.set_mixture's arguments for a mixture layer, or None where a projection has no native form."""
+    router = _projection(moe.gate, kernels)
+    gate_ups = [_projection(expert.gate_up_proj, kernels) for expert in moe.experts]
+    downs = [_projection(expert.down_proj, kernels) for expert in moe.experts]
+    shared = moe.shared_expert
+    shared_parts = (None, None) if shared is None else \
+        (_projection(shared.gate_up_proj, kernels), _projection(shared.down_proj, kernels))
+    gate = None if moe.shared_expert_gate is None else _projection(moe.shared_expert_gate, kernels)
+    if router is None or None in gate_ups or None in downs or (shared is not None and None in shared_parts) or \
+            (moe.shared_expert_gate is not None and gate is None):
+        return None
+    return router, gate_ups, downs, moe.top_k, moe.renormalize, moe.moe.scale, *shared_parts, gate
