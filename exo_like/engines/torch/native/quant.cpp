@@ -310,7 +310,16 @@ struct RowFactors {
 RowFactors row_factors(const Factors& f, int64_t first, int64_t groups, std::vector<float>& buffer) {
   if (f.type == F32 || f.type == F16 || f.values == nullptr) return {f, first};
   buffer.resize(groups);
-  for (int64_t g = 0; g < groups; ++g) buffer[g] = f.at(first + g);
+  float* out = buffer.data();
+  if (f.type == BF16) {
+    for (int64_t g = 0; g < groups; ++g) out[g] = bfloat_to_float(static_cast<const uint16_t*>(f.values)[first + g]);
+  } else if (f.type == U8_CODES) {  // (the same products as Factors::at, a loop the compiler can vectorise)
+    const uint8_t* codes = static_cast<const uint8_t*>(f.values) + first;
+    for (int64_t g = 0; g < groups; ++g) out[g] = static_cast<float>(codes[g]) * f.supers[(first + g) >> f.shift];
+  } else {
+    const int8_t* codes = static_cast<const int8_t*>(f.values) + first;
+    for (int64_t g = 0; g < groups; ++g) out[g] = static_cast<float>(codes[g]) * f.supers[(first + g) >> f.shift];
+  }
   Factors expanded;
   expanded.values = buffer.data();
   expanded.type = F32;
