@@ -20,6 +20,7 @@ For each file, with the same thread count on both sides:
       ppP: one step of P random token ids from an empty cache (after D cached positions with --depth), timed
            around the step, as llama-bench's ppP times one batch of P tokens;
       tgN: N steps of one token each (greedy), as llama-bench's tgN: decode from a cache of D positions.
+    Each test is run once untimed just before it is timed, as llama-bench warms up each of its tests.
 Each repeat runs llama-bench once and then every exo-like row, so background load hits both sides alike; the
 median over repeats is reported, with ratio = exo-like / llama.cpp. Beside each file, its bandwidth bound: the weight
 bytes a decoded token reads (every matrix once; the token embedding only where a separate head reads its own; the

@@ -20,6 +20,7 @@ from tokenizers import Tokenizer
 
 from exo_like.engines.activations import Activations
 from exo_like.engines.torch import engine as torch_engine
+from exo_like.engines.torch import loading as torch_loading
 from exo_like.engines.torch.engine import TorchEngine
 from exo_like.engines.work import BLOCK_SIZE, WorkItem, blocks_for
 from exo_like.errors import InvalidRequestError
@@ -352,13 +353,13 @@ def test_last_quarter_opens_only_its_files(multi_file_dirs, monkeypatch, arch):
     assert len(all_files) > 8 and len(expected_files) < len(all_files) / 2  # the test means something
 
     opened: list[str] = []
-    real_safe_open = torch_engine.safe_open
+    real_safe_open = torch_loading.safe_open
 
     def recording_safe_open(filename, *args, **kwargs):
         opened.append(Path(filename).name)
         return real_safe_open(filename, *args, **kwargs)
 
-    monkeypatch.setattr(torch_engine, "safe_open", recording_safe_open)
+    monkeypatch.setattr(torch_loading, "safe_open", recording_safe_open)
     engine = load_engine(path, 6, 8)
     assert set(opened) == expected_files and len(opened) == len(expected_files)
 

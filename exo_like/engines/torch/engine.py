@@ -16,12 +16,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import safe_open
 
 from exo_like.engines.activations import Activations
 from exo_like.engines.base import Engine, WeightForms, check_cancel, return_freed_memory
 from exo_like.engines.layer_speed import LayerRunner
 from exo_like.engines.torch.layer import layer_runner
+from exo_like.engines.torch.loading import checkpoint_skips, hold_half, read_planned_tensors
 from exo_like.engines.torch.attention import KVPool, step_index
 from exo_like.engines.torch.linear import bound_onednn_caches
 from exo_like.engines.torch.model import ShardModel, fuse_checkpoint_weights, load_state
@@ -29,8 +29,8 @@ from exo_like.engines.torch.openmp import pin_openmp_team
 from exo_like.engines.torch.quant import Dense, Installer, Matrix, cpu_numerics, int4_kernel_available, native_kernels
 from exo_like.engines.work import KVPoolSize, WorkItem
 from exo_like.errors import InvalidRequestError
-from exo_like.models.affine import AffineGroups, from_mlx, from_mlx_mxfp4
-from exo_like.models.checkpoint import ShardLoadPlan, plan_shard_load
+from exo_like.models.affine import AffineGroups
+from exo_like.models.checkpoint import plan_shard_load
 from exo_like.models.config import DTYPES, ModelArgs
 from exo_like.models.gguf.file import FLOAT_TYPES, is_gguf, open_gguf
 from exo_like.models.quantization import QuantSpec
@@ -46,7 +46,6 @@ GGUF_MEASURED_QUANT = QuantSpec(group_size=32, bits=4)
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_NAMES = {dtype: name for name, dtype in TORCH_DTYPES.items()}
-HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def pick_device(requested: str | None) -> torch.device:
@@ -88,90 +87,6 @@ def half_storage(requested: str | None, checkpoint_dtype: str, device: torch.dev
     if requested is not None or device.type != "cpu" or native_kernels(device) is None:
         return None
     return TORCH_DTYPES.get(checkpoint_dtype) if checkpoint_dtype in ("bfloat16", "float16") else None
-
-
-def hold_half(weights: dict[str, Matrix]) -> dict[str, Matrix]:
-    """A half-storage shard's matrices (2-D tensors read in a 16-bit dtype) as Dense, for the native kernels."""
-    return {name: Dense(t) if isinstance(t, torch.Tensor) and t.dim() == 2 and t.dtype in HALF_DTYPES else t
-            for name, t in weights.items()}
-
-
-def read_planned_tensors(
-    plan: ShardLoadPlan, skip: set[str], device: torch.device, dtype: torch.dtype, quant: QuantSpec | None = None,
-    cancel: threading.Event | None = None, keep_quantized: bool = False,
-    convert: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None, half: bool = False,
-) -> dict[str, torch.Tensor | AffineGroups | Dense]:
-    """Read exactly the plan's tensors from exactly the plan's files, converted to the engine's device/dtype.
-
-    A quantized checkpoint's matrices come as AffineGroups with `keep_quantized`, else dequantized here, one at
-    a time, so only the packed shard plus one float matrix is ever held beyond the result. `convert`: the
-    family's own checkpoint layout to the shared one (Family.convert). `half`: matrices stored in a 16-bit
-    dtype stay in it, as Dense (see half_storage)."""
-    weights: dict[str, torch.Tensor] = {}
-    stored_as: dict[str, str] = {}  # local name -> checkpoint name (per-module quantization is by the latter)
-    for path, names in plan.files.items():
-        wanted = [(name, local) for name, local in names if name not in skip]
-        if not wanted:
-            continue
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name, local in wanted:
-                check_cancel(cancel)
-                # get_tensor may return a view of the file's memory map; a private copy lets the mapping close,
-                # so resident memory ends at the shard's bytes instead of also keeping the file pages mapped.
-                tensor = f.get_tensor(name)
-                # Packed tensors keep their stored form (a copy still) until all parts of a matrix are read.
-                kept = tensor.dtype if half and tensor.dim() == 2 and tensor.dtype in HALF_DTYPES else dtype
-                weights[local] = tensor.clone() if quant else tensor.to(device=device, dtype=kept, copy=True)
-                stored_as[local] = name
-    if convert is not None:
-        weights = convert(weights)
-    if quant is None:
-        return unstack_experts(hold_half(weights) if half else weights)
-    held: dict[str, torch.Tensor | AffineGroups] = {}
-    for name in [n for n in weights if n.endswith(".scales")]:
-        prefix = name.removesuffix(".scales")
-        # By the stored name (per-module settings name checkpoint modules); a converted tensor keeps its own.
-        spec = quant.for_module(stored_as.get(name, name).removesuffix(".scales"))
-        packed, scales = weights.pop(f"{prefix}.weight"), weights.pop(name)
-        biases = None if spec.mxfp4 else weights.pop(f"{prefix}.biases")
-        stacked = packed.dim() == 3  # an MLX-format mixture's experts, [experts, out, in]: one matrix each
-        for index in range(packed.shape[0]) if stacked else (None,):
-            part = (lambda t: t[index]) if stacked else (lambda t: t)  # noqa: E731
-            if spec.mxfp4:
-                groups = from_mlx_mxfp4(part(packed).contiguous().view(torch.uint8).numpy(), part(scales).numpy())
-            else:
-                groups = from_mlx(part(packed).view(torch.int32).numpy().view(np.uint32),
-                                  part(scales).float().numpy(), part(biases).float().numpy(), spec.bits,
-                                  spec.group_size, scales.dtype in (torch.float16, torch.bfloat16))
-            held[f"{prefix}.weight" if index is None else expert_name(prefix, index)] = groups if keep_quantized \
-                else torch.from_numpy(groups.dequantize()).to(device=device, dtype=dtype)
-    held.update((name, tensor.to(device=device, dtype=dtype)) for name, tensor in weights.items())
-    return unstack_experts(held)
-
-
-def expert_name(stack: str, expert: int, kind: str = "weight") -> str:
-    """`...mlp.switch_mlp.up_proj` (MLX-format experts, stacked) -> `...mlp.experts.{expert}.up_proj.weight`."""
-    module, _, projection = stack.rpartition(".switch_mlp.")
-    return f"{module}.experts.{expert}.{projection}.{kind}"
-
-
-def unstack_experts(weights: dict[str, Matrix]) -> dict[str, Matrix]:
-    """A float mixture's stacked experts ([experts, out, in] under `switch_mlp`, and their biases [experts, out])
-    as one matrix each, the names the torch engine's experts take; each expert a contiguous copy of its own."""
-    for name in [n for n in weights if ".switch_mlp." in n and n.endswith((".weight", ".bias"))]:
-        stack = weights.pop(name)
-        prefix, _, kind = name.rpartition(".")
-        for index in range(stack.shape[0]):
-            weights[expert_name(prefix, index, kind)] = stack[index].clone(memory_format=torch.contiguous_format)
-    return weights
-
-
-def checkpoint_skips(plan: ShardLoadPlan, tied_embeddings: bool) -> set[str]:
-    """A tied model's stored LM head (and, when quantized, its scales and biases) duplicates the embedding,
-    which is what we use."""
-    if not tied_embeddings:
-        return set()
-    return {name for names in plan.files.values() for name, _ in names if name.startswith("lm_head.")}
 
 
 def activations_to_tensor(activations: Activations, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
