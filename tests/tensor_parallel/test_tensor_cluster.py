@@ -73,7 +73,8 @@ def test_a_rank_killed_mid_stream_costs_the_request_nothing(model_dir, alone_tex
 
         def watch(killed: float) -> None:
             while time.monotonic() - killed < 30:
-                stages = cluster_of(origin)["plan"]["stages"]
+                plan = cluster_of(origin)["plan"]  # None for a moment while the group re-forms
+                stages = plan["stages"] if plan else []
                 if len(stages) == 1 and len(stages[0].get("group") or ()) == 2:
                     reformed.append(time.monotonic() - killed)
                     return
