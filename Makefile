@@ -38,7 +38,7 @@ run: $(VENV)/.run-deps
 	$(VENV)/bin/exo-like --model $(MODEL) $(ARGS)
 
 test: $(VENV)/.test-deps
-	$(PY) -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
+	$(PY) -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 $(PYTEST_ARGS)
 
 bench: $(VENV)/.test-deps
 	$(PY) bench/bench_torch_vs_hf.py

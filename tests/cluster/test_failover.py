@@ -30,6 +30,7 @@ PROMPT = "Tell me a long story about a lighthouse."
 TOKENS = 200
 BREAK_AT = 20  # tokens streamed before the ring breaks
 POLL_SECONDS = 0.05
+BY_MEMORY = ("--placement", "memory")  # the splits follow from the memories set, not from measured speeds
 Span = tuple[float, float]  # (start, end), time.monotonic() seconds
 
 
@@ -101,7 +102,9 @@ def seven_layers(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def three_nodes(seven_layers: Path, tmp_path: Path):
-    nodes = start_cluster(tmp_path, str(seven_layers), [6, 3, 1])
+    # Placed by memory (4, 2 and 1 layers): every node a stage, so a kill always costs the ring one. By measured
+    # speed one fast node may rightly hold all seven tiny layers.
+    nodes = start_cluster(tmp_path, str(seven_layers), [6, 3, 1], extra=BY_MEMORY)
     try:
         wait_until_ready(nodes, members=3)
         yield nodes
@@ -207,7 +210,8 @@ def test_a_node_joining_mid_stream_reforms_the_ring_under_the_request(three_node
 
     def join() -> None:
         late.append(start_node(tmp_path / "home-late", str(seven_layers), "--no-mdns", "--peers", peers,
-                               "--memory-gb", "2", "--node-name", "late", "--engine", "torch", "--dtype", "float32"))
+                               "--memory-gb", "2", "--node-name", "late", "--engine", "torch", "--dtype", "float32",
+                               *BY_MEMORY))
 
     try:
         got = stream(three_nodes[0], seven_layers.name, action=join)
@@ -228,13 +232,13 @@ def test_a_node_joining_through_one_member_and_members_leaving_cost_the_stream_n
     change, and all agree. (Before, the second node never heard of the third: three plans over three memberships,
     and the stream ended with 503 plan_unavailable.) Then the second node, which the third knows only from the
     first, stops (SIGTERM), and the third is killed, each in the middle of a stream."""
-    first, second = start_cluster(tmp_path, str(seven_layers), [6, 4])
+    first, second = start_cluster(tmp_path, str(seven_layers), [6, 4], extra=BY_MEMORY)
     nodes = [first, second]
     relay = LateRelay(first.port)  # the newcomer's one peer address: it reaches the first node once opened
     try:
         nodes.append(start_node(tmp_path / "home2", str(seven_layers), "--no-mdns", "--peers",
                                 f"127.0.0.1:{relay.port}", "--memory-gb", "2", "--node-name", "node2",
-                                "--engine", "torch", "--dtype", "float32"))
+                                "--engine", "torch", "--dtype", "float32", *BY_MEMORY))
         newcomer = nodes[2]
         wait_until_ready([first, second], members=2)
         reference = stream(first, seven_layers.name)

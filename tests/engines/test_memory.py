@@ -70,7 +70,8 @@ def test_each_node_of_a_mixture_ring_holds_about_its_layers_bytes(tmp_path: Path
     request, over a node without a model, stays within 1.2x the bytes of its own layers + 100 MB; its experts
     stay 4-bit, each its own int4 pack."""
     checkpoint = build_moe_checkpoint(tmp_path / "checkpoint")
-    nodes = start_cluster(tmp_path, str(checkpoint.path), [4, 4], engines=["torch", "torch"], threads=2, dtype=None)
+    nodes = start_cluster(tmp_path, str(checkpoint.path), [4, 4], engines=["torch", "torch"], threads=2, dtype=None,
+                          extra=("--placement", "memory"))  # half the layers each, whatever their measured speeds
     try:
         wait_until_ready(nodes, 2, timeout=300)
         status, raw = one_request(nodes[0], str(checkpoint.path), chat=False)

@@ -43,6 +43,7 @@ from tests.oracle import gguf_greedy  # noqa: E402
 REPO, SPLIT, LLAMA3 = "test-org/tiny-GGUF", "test-org/tiny-split-GGUF", "test-org/tiny-llama3-GGUF"
 N_LAYERS, MAX_TOKENS = 6, 12
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+BY_MEMORY = ("--placement", "memory")  # every node a share: the ranges each fetches follow from the memories set
 
 
 # -- which file a tag picks ---------------------------------------------------------------------------------------
@@ -307,7 +308,8 @@ def assert_fetched_only_its_own(hub: HubServer, origin: str, original: Path, sha
 def test_three_nodes_fetch_only_their_own_ranges_and_match_transformers(hub: HubServer, gguf_repos: dict[str, Path],
                                                                        expected: str, tmp_path: Path) -> None:
     original = gguf_repos[REPO] / "tiny-Q8_0.gguf"
-    nodes = start_cluster(tmp_path, None, [6, 3, 1], envs=[hub_env(hub, f"node{i}", tmp_path) for i in range(3)])
+    nodes = start_cluster(tmp_path, None, [6, 3, 1], envs=[hub_env(hub, f"node{i}", tmp_path) for i in range(3)],
+                          extra=BY_MEMORY)
     try:
         assert wait_for(lambda: all(len(cluster_of(node)["nodes"]) == 3 for node in nodes), timeout=30)
         assert answer(nodes[1], f"{REPO}:Q8_0") == expected
@@ -335,7 +337,8 @@ def test_a_split_gguf_in_a_subfolder_is_fetched_part_by_part(hub: HubServer, ggu
     assert first.is_file() and len(GGUFCheckpoint(first).parts) == 3
     # No --model: the nodes link first, so neither plans (and fetches) the whole model alone. No tag: Q4_K_M is
     # absent, so llama.cpp's next default, Q8_0, picks the set.
-    nodes = start_cluster(tmp_path, None, [1, 1], envs=[hub_env(hub, f"split{i}", tmp_path) for i in range(2)])
+    nodes = start_cluster(tmp_path, None, [1, 1], envs=[hub_env(hub, f"split{i}", tmp_path) for i in range(2)],
+                          extra=BY_MEMORY)
     try:
         assert wait_for(lambda: all(len(cluster_of(node)["nodes"]) == 2 for node in nodes), timeout=30)
         assert answer(nodes[0], SPLIT) == expected

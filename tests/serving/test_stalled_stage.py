@@ -53,7 +53,8 @@ class Hang:
 async def start_node(stack: AsyncExitStack, home: Path, model: Path, memory_gb: float,
                      peers: list[PeerAddress]) -> tuple[TestClient, Node]:
     node = Node(NodeOptions(home=home, engine="torch", dtype="float32", mdns=False, model=str(model),
-                            memory_gb=memory_gb, peers=peers, step_timeout=STEP_TIMEOUT, node_name=home.name))
+                            memory_gb=memory_gb, peers=peers, step_timeout=STEP_TIMEOUT, node_name=home.name,
+                            placement="memory"))  # both nodes a stage, whatever their measured speeds
     client = await stack.enter_async_context(TestClient(TestServer(create_app(node))))
     await node.start("127.0.0.1", client.port)
     stack.push_async_callback(node.close)
