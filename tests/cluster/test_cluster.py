@@ -60,7 +60,8 @@ HANG_SECONDS = 60.0  # only a guard against hanging: nothing asserted depends on
 # Placed by memory, so the splits asserted follow from the memories set here (placement by measured speed splits
 # by how busy the machine was while each node timed itself); an hour's --peer-timeout, so a loss seen at all
 # was seen from the closed connection (silence cannot count a node lost while the test runs).
-FIXED_SPLIT = ("--placement", "memory", "--peer-timeout", "3600")
+BY_MEMORY = ("--placement", "memory")
+FIXED_SPLIT = (*BY_MEMORY, "--peer-timeout", "3600")
 
 
 @pytest.fixture
@@ -91,7 +92,8 @@ def test_every_node_shows_the_agreed_plan_and_serves_the_oracle_output(three_nod
 
 def test_mixed_mlx_and_torch_ring_gives_the_oracle_output(seven_layers: Path, oracle: Oracle, tmp_path: Path) -> None:
     pytest.importorskip("mlx.core", reason="the MLX engine is not installed")
-    nodes = start_cluster(tmp_path, str(seven_layers), [6, 3, 1], engines=["mlx", "torch", "torch"])
+    nodes = start_cluster(tmp_path, str(seven_layers), [6, 3, 1], engines=["mlx", "torch", "torch"],
+                          extra=BY_MEMORY)  # each engine a stage
     try:
         wait_until_ready(nodes, members=3)
         assert [n["engine"] for n in cluster_of(nodes[1])["nodes"]] == ["mlx", "torch", "torch"]
@@ -125,7 +127,7 @@ def test_a_node_shutting_down_keeps_its_ring_going_through_the_grace_period(seve
     stream with 'node1 left the cluster'. It must instead stream on and end with the in-band shutting-down error."""
     import openai
 
-    nodes = start_cluster(tmp_path, str(seven_layers), [6, 3])
+    nodes = start_cluster(tmp_path, str(seven_layers), [6, 3], extra=BY_MEMORY)  # both a stage
     try:
         wait_until_ready(nodes, members=2)
         assert cluster_of(nodes[0])["nodes"][1]["name"] == "node1"
@@ -146,7 +148,7 @@ def test_a_node_shutting_down_keeps_its_ring_going_through_the_grace_period(seve
 @pytest.mark.slow
 def test_16k_token_prompt_is_prefilled_in_chunks_across_the_ring(seven_layers: Path, oracle: Oracle,
                                                                   tmp_path: Path) -> None:
-    nodes = start_cluster(tmp_path, str(seven_layers), [2, 1])
+    nodes = start_cluster(tmp_path, str(seven_layers), [2, 1], extra=BY_MEMORY)  # both a stage
     try:
         wait_until_ready(nodes, members=2)
         words = "the quick brown fox jumps over the lazy dog " * 1800
