@@ -8,6 +8,7 @@ thread at a time (the node serialises calls), so engines need no locking of thei
 from __future__ import annotations
 
 import ctypes
+import gc
 import logging
 import importlib
 import importlib.util
@@ -193,6 +194,16 @@ def return_freed_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # another C library (musl has neither)
         pass
+
+
+def free_replaced_shard() -> None:
+    """After an engine dropped its references to the shard it held: free it now, before the next is read.
+
+    A model's modules reference each other (cycles), so dropping the engine's reference leaves them to a later
+    garbage collection: a re-plan would hold the old shard beside the new one at its peak, and the load's trim
+    would run before the old shard is freed, so a node that gave layers away kept their memory."""
+    gc.collect()
+    return_freed_memory()
 
 
 def engine_importable(name: str) -> bool:

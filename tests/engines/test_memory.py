@@ -16,8 +16,8 @@ if not sys.platform.startswith("linux"):
     pytest.skip("reads resident memory as Linux reports it", allow_module_level=True)
 
 from exo_like.models.catalog import PACKAGED  # noqa: E402
-from tests.api_server import stop_nodes  # noqa: E402
-from tests.cluster_harness import cluster_of, start_cluster, wait_until_ready  # noqa: E402
+from tests.api_server import launch_node, stop_nodes  # noqa: E402
+from tests.cluster_harness import cluster_of, free_ports, wait_until_ready  # noqa: E402
 from tests.memory_probe import (DEFAULT_NODE, PARAMETER_RATIO, RESIDENT_RATIO, RESIDENT_SLACK, Checkpoint,  # noqa: E402
                                 baseline, build_checkpoints, build_moe_checkpoint, measure, one_request,
                                 resident_bytes)
@@ -68,11 +68,20 @@ def test_each_node_of_a_mixture_ring_holds_about_its_layers_bytes(tmp_path: Path
                                                                     record_property) -> None:
     """A Q4_K Qwen3-MoE over two torch nodes (the default, quantized path): each node's resident memory after a
     request, over a node without a model, stays within 1.2x the bytes of its own layers + 100 MB; its experts
-    stay 4-bit, each its own int4 pack."""
+    stay 4-bit, each its own int4 pack. The first node serves the whole model alone before the second joins, so
+    it must also have freed the layers the re-plan gave away (it kept them: 252 MB for 67 MB of layers)."""
     checkpoint = build_moe_checkpoint(tmp_path / "checkpoint")
-    nodes = start_cluster(tmp_path, str(checkpoint.path), [4, 4], engines=["torch", "torch"], threads=2, dtype=None,
-                          extra=("--placement", "memory"))  # half the layers each, whatever their measured speeds
+    ports = free_ports(2)
+    common = ("--no-mdns", "--peers", ",".join(f"127.0.0.1:{port}" for port in ports), "--memory-gb", "4",
+              "--engine", "torch", "--placement", "memory")  # half the layers each once both are in
+    nodes = [launch_node(tmp_path / "home0", str(checkpoint.path), *common, "--node-name", "node0", port=ports[0],
+                         threads=2).serving()]
     try:
+        wait_until_ready(nodes, 1, timeout=300)
+        status, raw = one_request(nodes[0], str(checkpoint.path), chat=False)
+        assert status == 200, raw
+        nodes.append(launch_node(tmp_path / "home1", str(checkpoint.path), *common, "--node-name", "node1",
+                                 port=ports[1], threads=2).serving())
         wait_until_ready(nodes, 2, timeout=300)
         status, raw = one_request(nodes[0], str(checkpoint.path), chat=False)
         assert status == 200, raw

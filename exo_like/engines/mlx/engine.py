@@ -19,7 +19,8 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from exo_like.engines.activations import Activations
-from exo_like.engines.base import Engine, EngineUnavailableError, WeightForms, check_cancel, return_freed_memory
+from exo_like.engines.base import (Engine, EngineUnavailableError, WeightForms, check_cancel, free_replaced_shard,
+                                   return_freed_memory)
 from exo_like.engines.layer_speed import LayerRunner
 from exo_like.engines.mlx.layer import layer_runner
 from exo_like.engines.mlx.attention import LayerPool, StepIndex, step_index
@@ -178,6 +179,8 @@ class MLXEngine(Engine):
         started = time.perf_counter()
         dtype_name = self.requested_dtype or _checkpoint_dtype(args)
         self._model, self._pools, self.shard, self.args = None, [], None, None
+        free_replaced_shard()
+        mx.clear_cache()  # MLX keeps freed buffers for reuse: the old shard's go back to the system
         self.weight_forms = WeightForms()
         with mx.stream(self._device):
             model = ShardModel(args if shard.tp is None else rank_args(args, shard.tp), shard,

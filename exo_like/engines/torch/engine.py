@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from exo_like.engines.activations import Activations
-from exo_like.engines.base import Engine, WeightForms, check_cancel, return_freed_memory
+from exo_like.engines.base import Engine, WeightForms, check_cancel, free_replaced_shard, return_freed_memory
 from exo_like.engines.layer_speed import LayerRunner
 from exo_like.engines.torch.layer import layer_runner
 from exo_like.engines.torch.loading import checkpoint_skips, hold_half, read_planned_tensors
@@ -128,6 +128,7 @@ class TorchEngine(Engine):
         if shard.n_layers != args.num_hidden_layers:
             raise ValueError(f"shard {shard} does not match the model's {args.num_hidden_layers} layers")
         self.model, self.shard, self.args, self.pool = None, None, None, None
+        free_replaced_shard()
         self.weight_forms = WeightForms()
         started = time.perf_counter()
         keep_quantized = self._keeps_quantized(model_dir, args)
