@@ -48,7 +48,9 @@ from exo_like.models.demo import build_tokenizer, write_tokenizer_files  # noqa:
 from tests.api_server import NodeProcess, start_node  # noqa: E402
 from tests.cluster_harness import start_cluster, wait_until_ready  # noqa: E402
 
-LLAMACPP = Path(__file__).resolve().parents[2] / "shared" / "tools" / "llamacpp.sh"
+# The workplace keeps it beside the repository; a checkout elsewhere names it in LLAMACPP_SH.
+LLAMACPP = Path(os.environ.get("LLAMACPP_SH") or
+                Path(__file__).resolve().parents[2] / "shared" / "tools" / "llamacpp.sh")
 SMOLLM2_135M = {
     "hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
     "head_dim": 64, "intermediate_size": 1536, "vocab_size": 49152, "max_position_embeddings": 8192,

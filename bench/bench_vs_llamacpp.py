@@ -79,7 +79,9 @@ from exo_like.models.demo import build_tokenizer, write_tokenizer_files  # noqa:
 from exo_like.models.gguf.file import open_gguf  # noqa: E402
 from exo_like.models.shard import Shard  # noqa: E402
 
-LLAMACPP = Path(__file__).resolve().parents[2] / "shared" / "tools" / "llamacpp.sh"
+# The workplace keeps it beside the repository; a checkout elsewhere names it in LLAMACPP_SH.
+LLAMACPP = Path(os.environ.get("LLAMACPP_SH") or
+                Path(__file__).resolve().parents[2] / "shared" / "tools" / "llamacpp.sh")
 CACHE = Path(os.environ.get("EXO_LIKE_BENCH_CACHE", Path.home() / ".cache" / "exo-like-bench"))
 RECIPE = "1"  # bump when a recipe below changes, so cached files are rebuilt
 SMOLLM2_FILES = {"smollm2-q4_1": None, "smollm2-f32": "F32", "smollm2-bf16": "BF16"}
@@ -102,6 +104,8 @@ DEFAULT_FILES = ",".join([*SMOLLM2_FILES, *QWEN_FILES, "qwen3moe-q4_k_m", "qwen3
 
 def llamacpp(*args: str, env: dict[str, str] | None = None) -> str:
     """Run llamacpp.sh; its stdout. The converter runs with this Python (it needs torch and transformers)."""
+    if not LLAMACPP.is_file():
+        raise SystemExit(f"{LLAMACPP} not found: set LLAMACPP_SH to the path of llamacpp.sh")
     environ = {**USER_ENV, "LLAMACPP_PYTHON": sys.executable, **(env or {})}
     done = subprocess.run(["bash", str(LLAMACPP), *args], capture_output=True, text=True, env=environ)
     if done.returncode != 0:

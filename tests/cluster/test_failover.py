@@ -266,22 +266,14 @@ def test_a_node_joining_through_one_member_and_members_leaving_cost_the_stream_n
 
 @pytest.mark.slow
 def test_a_frozen_stage_is_dropped_and_rejoins_once_it_wakes(three_nodes, seven_layers: Path) -> None:
-    """SIGSTOP for 30 s: the request finishes on the other two nodes well within that; after SIGCONT the node links
-    again, the ring re-forms with it, and the next request runs through its layers."""
+    """SIGSTOP until the request has finished on the other two nodes (so it did not wait for the frozen one); after
+    SIGCONT the node links again, the ring re-forms with it, and the next request runs through its layers."""
     frozen = three_nodes[1]
     frozen_id = frozen.get_json("/health")["node_id"]
     reference = stream(three_nodes[0], seven_layers.name)
-    stopped_at: list[float] = []
-
-    def freeze() -> None:
-        frozen.process.send_signal(signal.SIGSTOP)
-        stopped_at.append(time.monotonic())
-
-    got = stream(three_nodes[0], seven_layers.name, action=freeze)
+    got = stream(three_nodes[0], seven_layers.name, action=lambda: frozen.process.send_signal(signal.SIGSTOP))
     check_against(reference, got, "middle stage frozen")
-    assert time.monotonic() - stopped_at[0] < 30
     assert frozen_id not in stage_ids(three_nodes[0])
-    time.sleep(max(0.0, 30 - (time.monotonic() - stopped_at[0])))
     frozen.process.send_signal(signal.SIGCONT)
     wait_until_ready(three_nodes, members=3, timeout=60)
     assert frozen_id in stage_ids(three_nodes[0])
