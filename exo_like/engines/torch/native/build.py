@@ -35,11 +35,14 @@ def cache_root() -> Path:
 
 
 def build_key() -> str:
-    """What the binary depends on: sources, flags, torch, Python, machine kind."""
+    """What the binary depends on: sources, flags, torch, Python, machine kind; and where torch and the sources
+    are, which the build's record names: two checkouts (or environments) sharing one directory rebuilt it
+    whenever they took turns (~90 s each)."""
     digest = hashlib.sha256()
     for source in SOURCES:
         digest.update(source.read_bytes())
-    digest.update(repr((FLAGS, LINK_FLAGS, torch.__version__, sys.version_info[:2], platform.machine())).encode())
+    digest.update(repr((FLAGS, LINK_FLAGS, torch.__version__, sys.version_info[:2], platform.machine(),
+                        str(Path(torch.__file__).parent), str(SOURCES[0].parent))).encode())
     return digest.hexdigest()[:16]
 
 
@@ -56,7 +59,7 @@ def kernels() -> ModuleType | None:
         from torch.utils import cpp_extension
 
         started = time.monotonic()
-        module = cpp_extension.load(name=f"exo_like_quant_{key}", sources=[str(s) for s in _copied(directory)],
+        module = cpp_extension.load(name=f"exo_like_quant_{key}", sources=[str(s) for s in SOURCES],
                                     build_directory=str(directory), extra_cflags=list(FLAGS),
                                     extra_ldflags=list(LINK_FLAGS), verbose=False)
     except Exception as exc:  # noqa: BLE001 - no compiler, headers or disk: every cause means the same fallback
@@ -66,22 +69,6 @@ def kernels() -> ModuleType | None:
     if elapsed > 2:
         log.info("native CPU kernels built in %.0f s into %s", elapsed, directory)
     return module
-
-
-def _copied(directory: Path) -> list[Path]:
-    """The sources, copied into the build directory once: the build then names the same files from every
-    checkout. (Built from a checkout's own files, the build's record names that checkout's paths, so checkouts
-    sharing the cache rebuilt it whenever they took turns: ~100 s for each.) Copies are written only when missing,
-    so an unchanged build stays up to date; the key already covers their bytes."""
-    copies = []
-    for source in SOURCES:
-        copy = directory / source.name
-        if not copy.exists():
-            partial = copy.with_suffix(f".{os.getpid()}.part")
-            partial.write_bytes(source.read_bytes())
-            partial.replace(copy)  # whole or absent: another process may be copying too
-        copies.append(copy)
-    return copies
 
 
 def _first_line(exc: Exception) -> str:
