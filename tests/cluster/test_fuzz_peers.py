@@ -41,6 +41,9 @@ EXAMPLES = int(os.environ.get("EXO_LIKE_FUZZ_EXAMPLES", "1000"))
 KEY = "peer-fuzz-key"
 NOBODY = ("127.0.0.1", 9)  # where the members of valid PeerAddresses frames are said to listen: a closed port
 FUZZER = "peer-fuzzer"
+# Both ends wait an hour for a silent peer: what is tested is how frames are refused, and on a busy host a stall
+# of either process past the default 1.5 s closed the link in the middle of the run (a loss rightly seen).
+PEER_TIMEOUT = 3600.0
 T = TypeVar("T")
 
 
@@ -57,7 +60,7 @@ class LinkThread:
         self.link: PeerLink | None = None
 
     async def _network(self, me: NodeInfo) -> PeerNetwork:
-        return PeerNetwork(me, KEY, self._keep, lambda: None)
+        return PeerNetwork(me, KEY, self._keep, lambda: None, peer_timeout=PEER_TIMEOUT)
 
     async def _keep(self, link: PeerLink, message: Message) -> None:
         self.received.append(message)
@@ -84,7 +87,8 @@ class LinkThread:
 def peer_node(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:  # noqa: F811
     # Debug level: every refused frame is logged (past the first few, at debug), so each can be counted.
     node = start_node(tmp_path_factory.mktemp("peer-fuzz"), str(checkpoint), "--no-mdns", "--cluster-key", KEY,
-                      "--dtype", "float32", "--log-level", "DEBUG", env={"HF_HUB_OFFLINE": "1"})
+                      "--dtype", "float32", "--log-level", "DEBUG", "--peer-timeout", str(PEER_TIMEOUT),
+                      env={"HF_HUB_OFFLINE": "1"})
     yield node
     assert node.stop() == 0, node.log()
     assert "Traceback" not in node.log() and " ERROR " not in node.log(), node.log()
