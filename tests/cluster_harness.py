@@ -40,6 +40,11 @@ def ephemeral_low() -> int:
         return 32768  # Linux's default (macOS's is 49152: 32768 is below it too)
 
 
+# Placed by memory: the split follows from the memories a test sets. By measured speed (the default) one fast node may
+# rightly hold a tiny test model alone (a hop costs more than its layers), so a test asserting a split sets this.
+BY_MEMORY = ("--placement", "memory")
+
+
 def start_cluster(root: Path, model: str | None, memories_gb: list[float], engines: list[str] | None = None,
                   extra: tuple[str, ...] = (), threads: int = 1, envs: list[dict[str, str | None]] | None = None,
                   preexecs: list[Callable[[], None] | None] | None = None,

@@ -15,7 +15,7 @@ import pytest
 
 from tests.api_server import NodeProcess, stop_nodes
 from tests.checkpoints import make_checkpoint
-from tests.cluster_harness import cluster_of, start_cluster, wait_until_ready
+from tests.cluster_harness import BY_MEMORY, cluster_of, start_cluster, wait_until_ready
 from tests.oracle import Oracle
 
 PROMPT = "What is the capital of France?"
@@ -60,7 +60,6 @@ HANG_SECONDS = 60.0  # only a guard against hanging: nothing asserted depends on
 # Placed by memory, so the splits asserted follow from the memories set here (placement by measured speed splits
 # by how busy the machine was while each node timed itself); an hour's --peer-timeout, so a loss seen at all
 # was seen from the closed connection (silence cannot count a node lost while the test runs).
-BY_MEMORY = ("--placement", "memory")
 FIXED_SPLIT = (*BY_MEMORY, "--peer-timeout", "3600")
 
 

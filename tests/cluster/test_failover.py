@@ -24,13 +24,12 @@ import pytest
 from exo_like.cluster.peers import DEFAULT_PEER_TIMEOUT
 from tests.api_server import NodeProcess, start_node, stop_nodes
 from tests.checkpoints import make_checkpoint
-from tests.cluster_harness import LateRelay, cluster_of, start_cluster, wait_until_ready
+from tests.cluster_harness import BY_MEMORY, LateRelay, cluster_of, start_cluster, wait_until_ready
 
 PROMPT = "Tell me a long story about a lighthouse."
 TOKENS = 200
 BREAK_AT = 20  # tokens streamed before the ring breaks
 POLL_SECONDS = 0.05
-BY_MEMORY = ("--placement", "memory")  # the splits follow from the memories set, not from measured speeds
 Span = tuple[float, float]  # (start, end), time.monotonic() seconds
 
 

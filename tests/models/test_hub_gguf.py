@@ -35,7 +35,7 @@ from exo_like.models.resolver import fetch_hub_model  # noqa: E402
 from exo_like.models.shard import Shard  # noqa: E402
 from tests.api_server import NodeProcess, start_node, stop_nodes, wait_for  # noqa: E402
 from tests.checkpoints import make_checkpoint  # noqa: E402
-from tests.cluster_harness import cluster_of, start_cluster, wait_until_ready  # noqa: E402
+from tests.cluster_harness import BY_MEMORY, cluster_of, start_cluster, wait_until_ready  # noqa: E402
 from tests.gguf_checkpoints import write_gguf  # noqa: E402
 from tests.hub_server import HubServer, Served  # noqa: E402
 from tests.oracle import gguf_greedy  # noqa: E402
@@ -43,7 +43,6 @@ from tests.oracle import gguf_greedy  # noqa: E402
 REPO, SPLIT, LLAMA3 = "test-org/tiny-GGUF", "test-org/tiny-split-GGUF", "test-org/tiny-llama3-GGUF"
 N_LAYERS, MAX_TOKENS = 6, 12
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
-BY_MEMORY = ("--placement", "memory")  # every node a share: the ranges each fetches follow from the memories set
 
 
 # -- which file a tag picks ---------------------------------------------------------------------------------------
