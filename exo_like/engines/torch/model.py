@@ -83,9 +83,11 @@ class ShardModel(nn.Module):
     """Layers [first_layer, first_layer + n_layers) of the model; embedding if first, final norm + LM head if last."""
 
     def __init__(self, args: ModelArgs, first_layer: int, n_layers: int, is_first: bool, is_last: bool,
-                 reduce: Reduce | None = None):
-        """reduce: sums a tensor-parallel group's partial layer outputs (None: the layers are whole)."""
+                 reduce: Reduce | None = None, batch_invariant: bool = True):
+        """reduce: sums a tensor-parallel group's partial layer outputs (None: the layers are whole);
+        batch_invariant: prompt steps run on the native step too, where it runs the shard (see NativeDecode)."""
         super().__init__()
+        self.batch_invariant = batch_invariant
         self.args = args
         self.is_first, self.is_last = is_first, is_last
         # Given a weight, nn.Embedding skips its random init, which on the meta device imports torch._dynamo
@@ -125,7 +127,7 @@ class ShardModel(nn.Module):
                 packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.data, pack_batch)
                 module.weight, module.packed = nn.Parameter(packed, requires_grad=False), True
         self.native_matvec = weight.device.type == "cpu" and weight.dtype == torch.bfloat16
-        self.native_decode = NativeDecode.build(self, kernels) if native_step else None
+        self.native_decode = NativeDecode.build(self, kernels, self.batch_invariant) if native_step else None
         self.ropes = rope_tables(self.args, {layer.rope_key for layer in self.layers}, weight.device, weight.dtype)
 
     @property
@@ -163,7 +165,7 @@ class ShardModel(nn.Module):
 
     def run_layers(self, h: torch.Tensor, pool: KVPool, index: StepIndex) -> torch.Tensor:
         ropes = {key: table.get(index.layout.positions) for key, table in self.ropes.items()}
-        if self.native_decode is not None and NativeDecode.handles(index.layout, h):
+        if self.native_decode is not None and self.native_decode.handles(index.layout, h):
             return self.native_decode.run(h, pool, index.layout, *ropes["global"])
         with native_matvec(self.native_matvec and h.shape[0] == 1):
             # Layers call their parts through .forward, not nn.Module's call machinery: that machinery (hook
@@ -177,7 +179,8 @@ class ShardModel(nn.Module):
         """On the last shard, the logits of the batch's sampled rows; elsewhere the hidden states unchanged."""
         if self.lm_head is None:
             return h
-        if self.native_decode is not None and self.native_decode.has_head and NativeDecode.handles(index.layout, h):
+        native = self.native_decode
+        if native is not None and native.has_head and native.handles(index.layout, h):
             return self.native_decode.head(h, index.layout)
         sampled = torch.from_numpy(index.layout.sample_rows).to(h.device)
         # Only the sampled rows' logits are needed: with one request, a matrix-vector product.

@@ -21,7 +21,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("quant.cpp", "half.cpp", "decode.cpp"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("quant.cpp", "half.cpp", "rows.cpp", "decode.cpp"))
 # -ffp-contract=off: no product and sum fused where the source did not ask (dequantized rows must match numpy's).
 # OpenMP: at::parallel_for runs on torch's own thread team (the loaded libgomp is reused by its soname).
 FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp")
@@ -56,6 +56,7 @@ def kernels() -> ModuleType | None:
     directory = cache_root() / key
     try:
         directory.mkdir(parents=True, exist_ok=True)
+        _clear_stale_lock(directory)
         from torch.utils import cpp_extension
 
         started = time.monotonic()
@@ -69,6 +70,23 @@ def kernels() -> ModuleType | None:
     if elapsed > 2:
         log.info("native CPU kernels built in %.0f s into %s", elapsed, directory)
     return module
+
+
+# torch's builder marks a build in progress with a `lock` file and waits, without limit, while one exists; a process
+# killed mid-build leaves it behind, and every later start would wait forever. A build takes minutes.
+STALE_LOCK_SECONDS = 15 * 60
+
+
+def _clear_stale_lock(directory: Path) -> None:
+    lock = directory / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_SECONDS:
+        log.warning("removing a native build lock left %.0f min ago by a process that did not finish: %s",
+                    age / 60, lock)
+        lock.unlink(missing_ok=True)
 
 
 def _first_line(exc: Exception) -> str:

@@ -21,10 +21,11 @@
 
 namespace exo {
 
-at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& low, const at::Tensor& high, const at::Tensor& scales,
-                        const at::Tensor& biases, const at::Tensor& super_scales, const at::Tensor& super_biases,
-                        int64_t layout, double zero, int64_t group);
-at::Tensor half_matmul(const at::Tensor& x, const at::Tensor& w);  // half.cpp
+// The batch-invariant products (a row's result the same in any batch): quant.cpp's integer kernel, rows.cpp's.
+at::Tensor quant_rows_matmul(const at::Tensor& x, const at::Tensor& low, const at::Tensor& high,
+                             const at::Tensor& scales, const at::Tensor& biases, const at::Tensor& super_scales,
+                             const at::Tensor& super_biases, int64_t layout, double zero, int64_t group);
+at::Tensor rows_matmul(const at::Tensor& x, const at::Tensor& w);
 
 namespace {
 
@@ -95,30 +96,11 @@ struct Projection {
       for (const Projection& part : parts) outputs.push_back(part.apply(x));
       out = at::cat(outputs, 1);
     } else if (native) {
-      out = quant_matmul(x, low, high, scales, biases, super_scales, super_biases, layout, zero, group);
-    } else if (weight.scalar_type() != at::kFloat) {
-      out = half_matmul(x, weight);
-    } else if (x.size(0) <= 4) {
-      out = matvec(x);
+      out = quant_rows_matmul(x, low, high, scales, biases, super_scales, super_biases, layout, zero, group);
     } else {
-      out = at::linear(x, weight);
+      out = rows_matmul(x, weight);
     }
     if (bias.has_value()) out.add_(*bias);
-    return out;
-  }
-
-  // Few rows: each output a dot product streaming the weight once (no GEMM set-up).
-  at::Tensor matvec(const at::Tensor& x) const {
-    const int64_t rows = x.size(0), in = x.size(1), outputs = weight.size(0);
-    at::Tensor out = at::empty({rows, outputs}, x.options());
-    const float* xs = x.data_ptr<float>();
-    const float* w = weight.data_ptr<float>();
-    float* o = out.data_ptr<float>();
-    at::parallel_for(0, outputs, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t n = begin; n < end; ++n) {
-        for (int64_t r = 0; r < rows; ++r) o[r * outputs + n] = dot(xs + r * in, w + n * in, in);
-      }
-    });
     return out;
   }
 };
@@ -159,13 +141,15 @@ at::Tensor swiglu(const Projection& gate_up, const Projection& down, const at::T
   at::Tensor inner_values = at::empty({rows, inner}, x.options());
   const float* gu = both.data_ptr<float>();
   float* in = inner_values.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t i = 0; i < inner; ++i) {
-      const float g = gu[r * 2 * inner + i];
-      const float silu = g / (1.0f + std::exp(-g));
-      in[r * inner + i] = silu * gu[r * 2 * inner + inner + i];
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t i = 0; i < inner; ++i) {
+        const float g = gu[r * 2 * inner + i];
+        const float silu = g / (1.0f + std::exp(-g));
+        in[r * inner + i] = silu * gu[r * 2 * inner + inner + i];
+      }
     }
-  }
+  });
   return down.apply(inner_values);
 }
 
@@ -201,11 +185,23 @@ struct Mixture {
       }
     }
     if (shared_gate_up.has_value()) {
-      at::Tensor shared = swiglu(*shared_gate_up, *shared_down, x);
-      if (shared_gate.has_value()) shared = at::sigmoid(shared_gate->apply(x)) * shared;
+      at::Tensor shared = swiglu(*shared_gate_up, *shared_down, x).contiguous();
+      if (shared_gate.has_value()) gate_rows(shared_gate->apply(x).contiguous(), shared);
       out = out + shared;
     }
     return out;
+  }
+
+  // shared[r] *= sigmoid(gate[r]) row by row, one scalar formula for every element (ATen's sigmoid takes another
+  // formula for the elements past its vectors' width, so a row's value would depend on the batch's size).
+  static void gate_rows(const at::Tensor& gate, at::Tensor& shared) {
+    const int64_t rows = shared.size(0), width = shared.size(1);
+    const float* g = gate.data_ptr<float>();
+    float* s = shared.data_ptr<float>();
+    for (int64_t r = 0; r < rows; ++r) {
+      const float sigmoid = 1.0f / (1.0f + std::exp(-g[r]));
+      for (int64_t i = 0; i < width; ++i) s[r * width + i] = sigmoid * s[r * width + i];
+    }
   }
 
   // Row r's experts and weights, from its router logits.
@@ -252,6 +248,13 @@ void rms_norm(const float* x, const float* w, float* out, int64_t rows, int64_t 
   }
 }
 
+// rms_norm over many rows, split between the threads (each row computed as alone).
+void rms_norm_rows(const float* x, const float* w, float* out, int64_t rows, int64_t width, float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    rms_norm(x + begin * width, w, out + begin * width, end - begin, width, width, eps);
+  });
+}
+
 class DecodeStack {
  public:
   DecodeStack(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale)
@@ -288,13 +291,22 @@ class DecodeStack {
   }
 
   // h [rows, hidden] float32; cos/sin [rows, head_dim] (sin carrying rotate-half's sign); write_slots [rows];
-  // row r attends to slots[offsets[r] : offsets[r + 1]] (its own new one included). Returns the new h.
+  // row r attends to slots[firsts[r] : firsts[r] + counts[r]] (its own new one included; the rows of a prompt
+  // chunk share their request's slots, each up to its own position). Returns the new h.
   at::Tensor step(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& write_slots,
-                  const at::Tensor& offsets, const at::Tensor& slots) {
+                  const at::Tensor& firsts, const at::Tensor& counts, const at::Tensor& slots) {
     h = h.contiguous().clone();
+    const int64_t rows = h.size(0);
+    TORCH_CHECK(firsts.numel() == rows && counts.numel() == rows && write_slots.numel() == rows,
+                "a step needs a write slot, a first slot and a count per row");
     const at::Tensor cc = cos.contiguous(), sc = sin.contiguous();
-    const at::Tensor ws = write_slots.contiguous(), off = offsets.contiguous(), sl = slots.contiguous();
-    for (const Layer& layer : layers_) run_layer(layer, h, cc, sc, ws, off, sl);
+    const at::Tensor ws = write_slots.contiguous(), fs = firsts.contiguous(), cs = counts.contiguous();
+    const at::Tensor sl = slots.contiguous();
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t first = fs.data_ptr<int64_t>()[r], count = cs.data_ptr<int64_t>()[r];
+      TORCH_CHECK(first >= 0 && count > 0 && first + count <= sl.numel(), "a row's slots lie outside the list");
+    }
+    for (const Layer& layer : layers_) run_layer(layer, h, cc, sc, ws, fs, cs, sl);
     return h;
   }
 
@@ -303,53 +315,58 @@ class DecodeStack {
     TORCH_CHECK(head_.has_value(), "this stack has no LM head");
     const at::Tensor rows = h.contiguous().index_select(0, sampled);
     at::Tensor normed = at::empty_like(rows);
-    rms_norm(rows.data_ptr<float>(), head_norm_.data_ptr<float>(), normed.data_ptr<float>(), rows.size(0),
-             rows.size(1), rows.size(1), eps_);
+    rms_norm_rows(rows.data_ptr<float>(), head_norm_.data_ptr<float>(), normed.data_ptr<float>(), rows.size(0),
+                  rows.size(1), eps_);
     return head_->apply(normed);
   }
 
  private:
   void run_layer(const Layer& layer, at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin,
-                 const at::Tensor& write_slots, const at::Tensor& offsets, const at::Tensor& slots) const {
+                 const at::Tensor& write_slots, const at::Tensor& firsts, const at::Tensor& counts,
+                 const at::Tensor& slots) const {
     const int64_t rows = h.size(0), hidden = h.size(1), dim = head_dim_;
     at::Tensor normed = at::empty_like(h);
-    rms_norm(h.data_ptr<float>(), layer.input_norm.data_ptr<float>(), normed.data_ptr<float>(), rows, hidden, hidden,
-             eps_);
+    rms_norm_rows(h.data_ptr<float>(), layer.input_norm.data_ptr<float>(), normed.data_ptr<float>(), rows, hidden, eps_);
     at::Tensor qkv = layer.qkv.apply(normed);  // [rows, (heads + 2 kv heads) * dim]
     const int64_t width = qkv.size(1);
     float* q = qkv.data_ptr<float>();
     if (layer.q_norm.has_value()) {
-      for (int64_t r = 0; r < rows; ++r) {
-        float* base = q + r * width;
-        rms_norm(base, layer.q_norm->data_ptr<float>(), base, heads_, dim, dim, eps_);
-        rms_norm(base + heads_ * dim, layer.k_norm->data_ptr<float>(), base + heads_ * dim, kv_heads_, dim, dim, eps_);
-      }
+      at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) {
+          float* base = q + r * width;
+          rms_norm(base, layer.q_norm->data_ptr<float>(), base, heads_, dim, dim, eps_);
+          rms_norm(base + heads_ * dim, layer.k_norm->data_ptr<float>(), base + heads_ * dim, kv_heads_, dim, dim,
+                   eps_);
+        }
+      });
     }
     rotate(q, cos.data_ptr<float>(), sin.data_ptr<float>(), rows, width);
     write_pool(layer, q, write_slots.data_ptr<int64_t>(), rows, width);
     at::Tensor attended = at::empty({rows, heads_ * dim}, h.options());
-    attend(layer, q, width, attended.data_ptr<float>(), offsets.data_ptr<int64_t>(), slots.data_ptr<int64_t>(), rows);
+    attend(layer, q, width, attended.data_ptr<float>(), firsts.data_ptr<int64_t>(), counts.data_ptr<int64_t>(),
+           slots.data_ptr<int64_t>(), rows);
     h.add_(layer.o.apply(attended));
-    rms_norm(h.data_ptr<float>(), layer.post_norm.data_ptr<float>(), normed.data_ptr<float>(), rows, hidden, hidden,
-             eps_);
+    rms_norm_rows(h.data_ptr<float>(), layer.post_norm.data_ptr<float>(), normed.data_ptr<float>(), rows, hidden, eps_);
     h.add_(layer.mixture.has_value() ? layer.mixture->apply(normed) : swiglu(*layer.gate_up, *layer.down, normed));
   }
 
   // x * cos + swap_halves(x) * sin on every query and key head, in place.
   void rotate(float* qkv, const float* cos, const float* sin, int64_t rows, int64_t width) const {
     const int64_t dim = head_dim_, half = dim / 2;
-    std::vector<float> head(dim);
-    for (int64_t r = 0; r < rows; ++r) {
-      for (int64_t hd = 0; hd < heads_ + kv_heads_; ++hd) {
-        float* x = qkv + r * width + hd * dim;
-        std::copy(x, x + dim, head.begin());
-        for (int64_t i = 0; i < dim; ++i) {
-          const float a = head[i] * cos[r * dim + i];
-          const float b = head[(i + half) % dim] * sin[r * dim + i];
-          x[i] = a + b;
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      std::vector<float> head(dim);
+      for (int64_t r = begin; r < end; ++r) {
+        for (int64_t hd = 0; hd < heads_ + kv_heads_; ++hd) {
+          float* x = qkv + r * width + hd * dim;
+          std::copy(x, x + dim, head.begin());
+          for (int64_t i = 0; i < dim; ++i) {
+            const float a = head[i] * cos[r * dim + i];
+            const float b = head[(i + half) % dim] * sin[r * dim + i];
+            x[i] = a + b;
+          }
         }
       }
-    }
+    });
   }
 
   void write_pool(const Layer& layer, const float* qkv, const int64_t* write_slots, int64_t rows, int64_t width) const {
@@ -369,8 +386,8 @@ class DecodeStack {
   }
 
   // Each row's query heads against its slots: softmax(q k * scale) v, float32, one task per (row, head).
-  void attend(const Layer& layer, const float* qkv, int64_t width, float* out, const int64_t* offsets,
-              const int64_t* slots, int64_t rows) const {
+  void attend(const Layer& layer, const float* qkv, int64_t width, float* out, const int64_t* firsts,
+              const int64_t* counts, const int64_t* slots, int64_t rows) const {
     const int64_t dim = head_dim_, group = heads_ / kv_heads_, pool_slots = layer.keys.size(1);
     const float* keys = layer.keys.data_ptr<float>();
     const float* values = layer.values.data_ptr<float>();
@@ -379,7 +396,7 @@ class DecodeStack {
       std::vector<float> scores;
       for (int64_t task = begin; task < end; ++task) {
         const int64_t r = task / heads_, hd = task % heads_, kh = hd / group;
-        const int64_t first = offsets[r], count = offsets[r + 1] - first;
+        const int64_t first = firsts[r], count = counts[r];
         const float* q = qkv + r * width + hd * dim;
         scores.resize(count);
         float highest = -INFINITY;

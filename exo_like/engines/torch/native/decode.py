@@ -79,14 +79,16 @@ def plain_mixture(args: Any) -> bool:
 class NativeDecode:
     """The shard's layers registered once with the native step; `run` takes a step's rows."""
 
-    def __init__(self, model: ShardModel, kernels: ModuleType, stack: Any, has_head: bool):
+    def __init__(self, model: ShardModel, kernels: ModuleType, stack: Any, has_head: bool, prompts: bool):
         self.model, self.kernels, self.stack = model, kernels, stack
+        self.prompts = prompts  # prompt steps run here too: every step's numerics batch-invariant
         self.has_head = has_head  # the last shard's final norm and LM head run natively too
         self._pool: KVPool | None = None
 
     @classmethod
-    def build(cls, model: ShardModel, kernels: ModuleType | None) -> "NativeDecode | None":
-        """The native step for this shard, or None where it does not apply (see `supported`)."""
+    def build(cls, model: ShardModel, kernels: ModuleType | None, prompts: bool) -> "NativeDecode | None":
+        """The native step for this shard, or None where it does not apply (see `supported`); `prompts`: prompt
+        steps run on it too (see handles)."""
         if kernels is None or supported(model) is not None:
             return None
         args = model.args
@@ -105,12 +107,12 @@ class NativeDecode:
             head = _projection(model.lm_head, kernels)
             if head is not None:
                 stack.set_head(model.norm.weight.detach(), head)
-        return cls(model, kernels, stack, head is not None)
+        return cls(model, kernels, stack, head is not None, prompts)
 
-    @staticmethod
-    def handles(layout: BatchLayout, h: torch.Tensor) -> bool:
-        """Whether a step is one the native step runs: every request adds one position, float32 rows."""
-        return h.dtype == torch.float32 and all(item.count == 1 for item in layout.items)
+    def handles(self, layout: BatchLayout, h: torch.Tensor) -> bool:
+        """Whether the native step runs this step: float32 rows, and every step where prompts run natively
+        (batch-invariant), else those where every request adds one position."""
+        return h.dtype == torch.float32 and (self.prompts or all(item.count == 1 for item in layout.items))
 
     def run(self, h: torch.Tensor, pool: KVPool, layout: BatchLayout, cos: torch.Tensor,
             sin: torch.Tensor) -> torch.Tensor:
@@ -119,18 +121,27 @@ class NativeDecode:
                 keys, values = pool.layer(i)
                 self.stack.set_pool(i, keys, values)
             self._pool = pool
-        seen = [item_slots(item) for item in layout.items]  # positions [0, end): no windows here
-        offsets = np.zeros(len(seen) + 1, dtype=np.int64)
-        np.cumsum([len(s) for s in seen], out=offsets[1:])
+        firsts, counts, slots = row_slots(layout)
         rows = h.shape[0]
         return self.stack.step(h, cos.reshape(rows, -1), sin.reshape(rows, -1),
-                               torch.from_numpy(layout.write_slots), torch.from_numpy(offsets),
-                               torch.from_numpy(np.concatenate(seen).astype(np.int64, copy=False)))
+                               torch.from_numpy(layout.write_slots), torch.from_numpy(firsts),
+                               torch.from_numpy(counts), torch.from_numpy(slots))
 
 
     def head(self, h: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
         """The logits [S, vocab] of the step's sampled rows (has_head: the final norm and LM head are native)."""
         return self.stack.head(h, torch.from_numpy(layout.sample_rows))
+
+
+def row_slots(layout: BatchLayout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Where each row's keys are: (first [rows], count [rows], slots), row r attending to
+    slots[first[r] : first[r] + count[r]], its positions [0, its own]. A request's rows share its slot list."""
+    seen = [item_slots(item) for item in layout.items]  # positions [0, end): no windows here
+    starts = np.zeros(len(seen), dtype=np.int64)
+    np.cumsum([len(s) for s in seen[:-1]], out=starts[1:])
+    firsts = np.repeat(starts, [item.count for item in layout.items])
+    counts = layout.positions.astype(np.int64) + 1
+    return firsts, counts, np.concatenate(seen).astype(np.int64, copy=False)
 
 
 def _layer_parts(layer: TransformerBlock, kernels: ModuleType) -> tuple | None:

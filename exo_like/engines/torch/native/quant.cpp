@@ -462,6 +462,8 @@ at::Tensor dequantized_matmul(const at::Tensor& x, const Matrix& m, int64_t outp
   return out;
 }
 
+at::Tensor integer_matmul(const at::Tensor& xc, const Matrix& m, int64_t outputs);
+
 // x [rows, in] float32 times the matrix's transpose -> [rows, out] float32.
 at::Tensor matmul(const at::Tensor& x, const at::Tensor& low, const at::Tensor& high, const at::Tensor& scales,
                   const at::Tensor& biases, const at::Tensor& super_scales, const at::Tensor& super_biases,
@@ -471,11 +473,15 @@ at::Tensor matmul(const at::Tensor& x, const at::Tensor& low, const at::Tensor& 
   TORCH_CHECK(x.size(1) == m.inputs && m.inputs % BLOCK == 0, "activations' width does not match the matrix");
   const at::Tensor xc = x.contiguous();
   if (x.size(0) >= GEMM_ROWS) return dequantized_matmul(xc, m, scales.size(0));
-  const Activations a = quantize(xc, group);
-  const int64_t outputs = scales.size(0);
-  at::Tensor out = at::empty({a.rows, outputs}, x.options());
+  return integer_matmul(xc, m, scales.size(0));
+}
+
+// The integer kernel for any number of rows: each row's outputs computed as they are for that row alone.
+at::Tensor integer_matmul(const at::Tensor& xc, const Matrix& m, int64_t outputs) {
+  const Activations a = quantize(xc, m.group);
+  at::Tensor out = at::empty({a.rows, outputs}, xc.options());
   float* o = out.data_ptr<float>();
-  const RowKernel kernel = pick_kernel(layout, group < BLOCK);
+  const RowKernel kernel = pick_kernel(m.layout, m.group < BLOCK);
   for (int64_t tile = 0; tile < a.rows; tile += BATCH_TILE) {
     const int64_t tile_end = std::min(a.rows, tile + BATCH_TILE);
     at::parallel_for(0, outputs, 16, [&](int64_t begin, int64_t end) {
@@ -517,18 +523,26 @@ std::string kernel_name() {
 }  // namespace
 
 namespace exo {
-at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& low, const at::Tensor& high, const at::Tensor& scales,
-                        const at::Tensor& biases, const at::Tensor& super_scales, const at::Tensor& super_biases,
-                        int64_t layout, double zero, int64_t group) {
-  return matmul(x, low, high, scales, biases, super_scales, super_biases, layout, zero, group);
+// x @ w.T on the integer kernel for any number of rows (batch-invariant: a row's result is the same alone or
+// beside others, which the dequantized GEMM that `matmul` switches to for many rows does not keep).
+at::Tensor quant_rows_matmul(const at::Tensor& x, const at::Tensor& low, const at::Tensor& high,
+                             const at::Tensor& scales, const at::Tensor& biases, const at::Tensor& super_scales,
+                             const at::Tensor& super_biases, int64_t layout, double zero, int64_t group) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "activations must be float32 [rows, in]");
+  const Matrix m = view(low, high, scales, biases, super_scales, super_biases, layout, zero, group);
+  TORCH_CHECK(x.size(1) == m.inputs && m.inputs % BLOCK == 0, "activations' width does not match the matrix");
+  return integer_matmul(x.contiguous(), m, scales.size(0));
 }
 void register_decode(pybind11::module& module);  // decode.cpp
 void register_half(pybind11::module& module);    // half.cpp
+void register_rows(pybind11::module& module);    // rows.cpp
 }  // namespace exo
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   exo::register_decode(module);
   exo::register_half(module);
+  exo::register_rows(module);
+  module.def("rows_quant_matmul", &exo::quant_rows_matmul, "x @ w.T on the integer kernel for any number of rows");
   module.def("matmul", &matmul, "x @ w.T for a packed affine-groups matrix (int16 activation blocks)");
   module.def("rows", &rows, "rows of a packed affine-groups matrix, dequantized");
   module.def("kernel_name", &kernel_name, "which kernel this CPU runs");
