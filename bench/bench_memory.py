@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from exo_like.models.catalog import PACKAGED  # noqa: E402
+from exo_like.models.names.catalog import PACKAGED  # noqa: E402
 from tests.memory_probe import (  # noqa: E402
     PARAMETER_RATIO,
     RESIDENT_RATIO,

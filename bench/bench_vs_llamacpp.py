@@ -73,10 +73,10 @@ from exo_like.engines.work import (  # noqa: E402
     WorkItem,
     blocks_for,  # noqa: E402
 )
-from exo_like.models.catalog import PACKAGED  # noqa: E402
 from exo_like.models.config import ModelArgs  # noqa: E402
 from exo_like.models.demo import build_tokenizer, write_tokenizer_files  # noqa: E402
 from exo_like.models.gguf.file import open_gguf  # noqa: E402
+from exo_like.models.names.catalog import PACKAGED  # noqa: E402
 from exo_like.models.shard import Shard  # noqa: E402
 
 # The workplace keeps it beside the repository; a checkout elsewhere names it in LLAMACPP_SH.

@@ -41,7 +41,7 @@ from bench_vs_llamacpp import llamacpp  # noqa: E402  (first: it limits OpenMP's
 from safetensors.numpy import load_file, save_file  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
-from exo_like.engines.base import create_engine  # noqa: E402
+from exo_like.engines.choice import create_engine  # noqa: E402
 from exo_like.models.config import ModelArgs  # noqa: E402
 from exo_like.models.gguf.file import open_gguf  # noqa: E402
 from exo_like.models.shard import Shard  # noqa: E402

@@ -40,13 +40,14 @@ from exo_like.cluster.protocol import (
 )
 from exo_like.cluster.speed import SpeedProbe
 from exo_like.cluster.view import cluster_picture
-from exo_like.engines.base import Engine, create_engine
+from exo_like.engines.base import Engine
+from exo_like.engines.choice import create_engine
 from exo_like.errors import ExoLikeError, ModelNotFoundError, ServiceUnavailableError
 from exo_like.models.hub.download import ShardDownloader
 from exo_like.models.hub.progress import DownloadProgress, show_progress
 from exo_like.models.hub.repo import default_cache_dir
-from exo_like.models.registry import ModelRegistry
-from exo_like.models.resolver import LoadedModel
+from exo_like.models.names.registry import ModelRegistry
+from exo_like.models.names.resolver import LoadedModel
 from exo_like.models.shard import Shard
 from exo_like.serving.generation import TokenGenerator
 from exo_like.serving.metrics import Metrics

@@ -13,7 +13,8 @@ from typing import Union
 import numpy as np
 
 from exo_like.engines.activations import Activations
-from exo_like.engines.base import Engine, create_engine
+from exo_like.engines.base import Engine
+from exo_like.engines.choice import create_engine
 from exo_like.models.config import ModelArgs
 from exo_like.models.gguf.file import open_gguf
 from exo_like.models.shard import Shard

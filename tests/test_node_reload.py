@@ -12,7 +12,8 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from exo_like.api.routes import create_app
-from exo_like.engines.base import LoadCancelled, create_engine
+from exo_like.engines.base import LoadCancelled
+from exo_like.engines.choice import create_engine
 from exo_like.models.config import ModelArgs
 from exo_like.models.shard import Shard
 from exo_like.node import Node, NodeOptions

@@ -15,7 +15,8 @@ from exo_like.api.choices import ChoiceSet
 from exo_like.api.completion import TextGeneration, check_token_ids, completion_prompt_tokens, resolve_max_tokens
 from exo_like.api.constraints import structured, with_grammar
 from exo_like.api.openai_requests import ChatRequest, CompletionRequest, GenerationOptions
-from exo_like.api.tool_calls import ToolFormat, detect
+from exo_like.api.tool_calls import ToolFormat
+from exo_like.api.tool_calls.detect import detect
 from exo_like.api.tool_requests import ToolUse
 from exo_like.errors import InvalidRequestError
 from exo_like.node import LoadedModel, Node

@@ -22,11 +22,11 @@ from aiohttp import web
 from exo_like import __version__
 from exo_like.api.fields import checked_text, json_type, require_object
 from exo_like.api.lifecycle import NODE_KEY, read_json
-from exo_like.api.tool_calls import detect
+from exo_like.api.tool_calls.detect import detect
 from exo_like.errors import ExoLikeError, InvalidRequestError, ModelNotFoundError, UnsupportedModelError
 from exo_like.models.gguf.file import GGUF_SUFFIX, open_gguf
+from exo_like.models.names.resolver import LoadedModel
 from exo_like.models.parameters import count_parameters
-from exo_like.models.resolver import LoadedModel
 from exo_like.node import Node
 
 # The Ollama API level claimed, with this server's own version as a semver pre-release: clients gate features on

@@ -1,4 +1,4 @@
-"""The engine interface every framework implements, and the factory that picks one.
+"""The engine interface every framework implements (choice.py picks and creates one).
 
 An engine holds one shard of one model and a pool of KV blocks for every request on this stage. `step` runs one
 batch of work items (several requests' decode tokens and prompt chunks at once) and is called from one worker
@@ -10,8 +10,6 @@ from __future__ import annotations
 import ctypes
 import gc
 import logging
-import importlib
-import importlib.util
 import sys
 import threading
 from abc import ABC, abstractmethod
@@ -30,8 +28,6 @@ from exo_like.models.config import ModelArgs
 from exo_like.models.shard import Shard
 
 log = logging.getLogger(__name__)
-
-ENGINE_MODULES = {"torch": "exo_like.engines.torch.engine", "mlx": "exo_like.engines.mlx.engine"}
 
 
 class EngineUnavailableError(ExoLikeError):
@@ -204,37 +200,3 @@ def free_replaced_shard() -> None:
     would run before the old shard is freed, so a node that gave layers away kept their memory."""
     gc.collect()
     return_freed_memory()
-
-
-def engine_importable(name: str) -> bool:
-    package = {"torch": "torch", "mlx": "mlx"}[name]
-    return importlib.util.find_spec(package) is not None
-
-
-def available_engines() -> list[str]:
-    return [name for name in ENGINE_MODULES if engine_importable(name)]
-
-
-def auto_engine_name() -> str:
-    """MLX on Apple Silicon, else torch (CUDA or CPU), else MLX on CPU."""
-    import platform
-    import sys
-
-    if sys.platform == "darwin" and platform.machine() == "arm64" and engine_importable("mlx"):
-        return "mlx"
-    if engine_importable("torch"):
-        return "torch"
-    if engine_importable("mlx"):
-        return "mlx"
-    raise EngineUnavailableError("no inference engine installed: install the 'torch' or 'mlx' extra")
-
-
-def create_engine(name: str = "auto", device: str | None = None, dtype: str | None = None) -> Engine:
-    if name == "auto":
-        name = auto_engine_name()
-    if name not in ENGINE_MODULES:
-        raise EngineUnavailableError(f"unknown engine {name!r}; choose one of auto, {', '.join(ENGINE_MODULES)}")
-    if not engine_importable(name):
-        raise EngineUnavailableError(f"engine {name!r} is not installed on this node")
-    module = importlib.import_module(ENGINE_MODULES[name])
-    return module.ENGINE_CLASS(device=device, dtype=dtype)

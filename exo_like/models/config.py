@@ -3,7 +3,7 @@
 The fields every family shares are read here; each family (models/families/) adds its own (attention biases,
 query/key norms, a mixture of experts) and refuses what it does not know. Reads rope
 settings from both conventions: the Hub's `rope_theta` + `rope_scaling`, and transformers >= 5's
-`rope_parameters` (which carries `rope_theta` inside it). A GGUF file's config (gguf_file.py) may add
+`rope_parameters` (which carries `rope_theta` inside it). A GGUF file's config (gguf/metadata.py) may add
 `rope_freq_factors`: llama.cpp's per-dimension divisors of the rotary frequencies (its `rope_freqs` tensor, how
 its converter stores Llama 3.1's llama3 rope scaling).
 """

@@ -22,7 +22,7 @@ import llguidance
 import llguidance.numpy as llg_numpy
 import numpy as np
 
-from exo_like.models.resolver import LoadedModel
+from exo_like.models.names.resolver import LoadedModel
 
 log = logging.getLogger(__name__)
 

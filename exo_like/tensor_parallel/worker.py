@@ -19,7 +19,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from exo_like.engines.base import Engine, create_engine
+from exo_like.engines.base import Engine
+from exo_like.engines.choice import create_engine
 from exo_like.errors import ExoLikeError
 from exo_like.tensor_parallel import control
 from exo_like.tensor_parallel.messages import (AllocateKV, Describe, Done, Failed, Follow, Formation, Load, M, Message,

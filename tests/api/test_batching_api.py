@@ -125,7 +125,7 @@ def test_eight_concurrent_requests_of_deepseek_each_equal_their_single_request_o
     tests/engines/test_families.py compares logits with its full forward; its cached `generate` path drifts from
     that forward for DeepSeek V3 by up to 0.06 in a logit here, which flips a near tie on one of these prompts, so
     it is not the oracle for this checkpoint.)"""
-    from exo_like.engines.base import create_engine
+    from exo_like.engines.choice import create_engine
     from exo_like.models.config import ModelArgs
     from exo_like.models.shard import Shard
     from tests.engine_driver import Driver

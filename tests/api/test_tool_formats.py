@@ -13,8 +13,9 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from exo_like.api.tool_calls import Event, Tool, ToolCall, ToolFormat, detect
+from exo_like.api.tool_calls import Event, Tool, ToolCall, ToolFormat
 from exo_like.api.tool_calls import deepseek, harmony, hermes, llama3, mistral
+from exo_like.api.tool_calls.detect import detect
 from exo_like.models.demo import CHAT_TEMPLATE, EOT, build_tokenizer
 from exo_like.models.tokenizer import compile_chat_template
 from tests.chat_templates import HERMES_TOOLS_TEMPLATE

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from exo_like.engines.base import Engine, create_engine
+from exo_like.engines.base import Engine
+from exo_like.engines.choice import create_engine
 from exo_like.engines.work import BLOCK_SIZE, window_start
 from exo_like.models.config import ModelArgs
 from exo_like.models.shard import Shard

@@ -84,7 +84,7 @@ def test_time_layer_warms_up_then_reports_per_step_and_per_position(monkeypatch:
 def test_each_engine_builds_and_times_a_layer_of_the_model_s_shape(engine_name: str, shape: str,
                                                                     tmp_path: Path) -> None:
     pytest.importorskip({"torch": "torch", "mlx": "mlx.core"}[engine_name])
-    from exo_like.engines.base import create_engine
+    from exo_like.engines.choice import create_engine
 
     engine = create_engine(engine_name, "cpu", None)
     args = ModelArgs.from_dict(SHAPES[shape])

@@ -15,7 +15,7 @@ pytest.importorskip("gguf", reason="gguf is not installed")
 if not sys.platform.startswith("linux"):
     pytest.skip("reads resident memory as Linux reports it", allow_module_level=True)
 
-from exo_like.models.catalog import PACKAGED  # noqa: E402
+from exo_like.models.names.catalog import PACKAGED  # noqa: E402
 from tests.api_server import launch_node, stop_nodes  # noqa: E402
 from tests.cluster_harness import cluster_of, free_ports, wait_until_ready  # noqa: E402
 from tests.memory_probe import (DEFAULT_NODE, PARAMETER_RATIO, RESIDENT_RATIO, RESIDENT_SLACK, Checkpoint,  # noqa: E402

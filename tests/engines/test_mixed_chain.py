@@ -16,7 +16,8 @@ pytest.importorskip("transformers", reason="transformers (the test oracle) is no
 
 from tokenizers import Tokenizer  # noqa: E402
 
-from exo_like.engines.base import Engine, create_engine  # noqa: E402
+from exo_like.engines.base import Engine  # noqa: E402
+from exo_like.engines.choice import create_engine  # noqa: E402
 from exo_like.models.config import ModelArgs  # noqa: E402
 from exo_like.models.shard import Shard  # noqa: E402
 from tests.checkpoints import built_once, make_checkpoint  # noqa: E402

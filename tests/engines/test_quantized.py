@@ -17,7 +17,7 @@ pytest.importorskip("mlx_lm", reason="mlx-lm (the test oracle) is not installed"
 
 import mlx.nn as nn  # noqa: E402
 
-from exo_like.engines.base import create_engine  # noqa: E402
+from exo_like.engines.choice import create_engine  # noqa: E402
 from exo_like.errors import UnsupportedModelError  # noqa: E402
 from exo_like.models.affine import from_mlx, pack_words  # noqa: E402
 from exo_like.models.config import ModelArgs  # noqa: E402
@@ -196,7 +196,7 @@ def test_per_module_settings_of_a_mixed_precision_conversion_are_read(quantized_
 
 
 def test_the_registry_serves_a_quantized_folder(quantized_dir, tmp_path):
-    from exo_like.models.registry import ModelRegistry
+    from exo_like.models.names.registry import ModelRegistry
 
     registry = ModelRegistry(tmp_path / "home", tmp_path / "cache", "node-a", lambda _: None)
     model = registry.resolve(str(quantized_dir("qwen2")))

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from exo_like.models.catalog import PACKAGED
+from exo_like.models.names.catalog import PACKAGED
 
 SMOLLM2 = PACKAGED["smollm2-135m"]
 

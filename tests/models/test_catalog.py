@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from exo_like.errors import ModelNotFoundError
-from exo_like.models.catalog import CATALOG, entry_for_repo, lookup
-from exo_like.models.listing import list_models
-from exo_like.models.name import is_repo_id, parse_model_name
+from exo_like.models.names.catalog import CATALOG, entry_for_repo, lookup
+from exo_like.models.names.listing import list_models
+from exo_like.models.names.name import is_repo_id, parse_model_name
 
 # Exact parameter counts of the published checkpoints (their safetensors metadata), which the shapes must give.
 PUBLISHED_PARAMETERS = {

@@ -19,14 +19,14 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed (install the 'torch' extra)")
 pytest.importorskip("gguf", reason="gguf is not installed")
 
-from exo_like.engines.base import create_engine  # noqa: E402
+from exo_like.engines.choice import create_engine  # noqa: E402
 from exo_like.engines.torch.quant import native_kernels  # noqa: E402
 from exo_like.errors import ModelNotFoundError, UnsupportedModelError  # noqa: E402
 from exo_like.models.config import ModelArgs, rope_inv_freq  # noqa: E402
 from exo_like.models.gguf.file import find_gguf, open_gguf, unpermute_rotary_rows  # noqa: E402
 from exo_like.models.gguf.tokenizer import gguf_tokenizer  # noqa: E402
-from exo_like.models.name import parse_model_name  # noqa: E402
-from exo_like.models.resolver import read_local_model  # noqa: E402
+from exo_like.models.names.name import parse_model_name  # noqa: E402
+from exo_like.models.names.resolver import read_local_model  # noqa: E402
 from exo_like.models.shard import Shard  # noqa: E402
 from exo_like.models.tokenizer import ModelTokenizer  # noqa: E402
 from tests.checkpoints import built_once, make_checkpoint  # noqa: E402

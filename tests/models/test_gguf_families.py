@@ -115,7 +115,7 @@ def test_quantized_experts_run_on_the_quantized_kernels(folders, engine_name) ->
     """A Q4_K Qwen2-MoE file loaded as is: every expert (and the shared expert) stays 4-bit; routers are float in
     the file, as llama-quantize leaves them, and so is the shared expert's one-output gate, which it stores as a
     vector. Torch holds each expert's gate and up as one matrix; MLX each projection's experts as one stack."""
-    from exo_like.engines.base import create_engine
+    from exo_like.engines.choice import create_engine
     from exo_like.models.shard import Shard
 
     _, gguf = folders
@@ -137,7 +137,7 @@ def test_mxfp4_experts_read_exactly_and_stay_quantized(folders) -> None:
     """gpt-oss's GGUF files keep the experts in MXFP4 (power-of-two scale per 32, FP4 values): dequantized
     (--dtype float32) the file gives transformers' tokens on its values; loaded as is, every MXFP4 matrix stays
     quantized on both engines, as exact 5-bit affine groups (2 * value + 12, scale 2^(e - 128))."""
-    from exo_like.engines.base import create_engine
+    from exo_like.engines.choice import create_engine
     from exo_like.models.shard import Shard
 
     folder, gguf = folders
@@ -177,7 +177,7 @@ def test_the_footprint_counts_what_each_engine_holds_of_a_quantized_file(folders
     """A Q4_K file's per-layer bytes as planning sees them (from the header) equal what each engine holds of a
     shard: MLX its quantized matrices, torch its int4 packs, torch --dtype float32 everything dequantized;
     DeepSeek's kv_b_proj (attn_k_b / attn_v_b in the file) dense on both, as latent attention multiplies by it."""
-    from exo_like.engines.base import create_engine
+    from exo_like.engines.choice import create_engine
     from exo_like.models.gguf.hub import gguf_description
     from exo_like.models.shard import Shard
 

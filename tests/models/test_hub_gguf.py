@@ -30,8 +30,8 @@ from exo_like.models.gguf.tokenizer import gguf_tokenizer  # noqa: E402
 from exo_like.models.hub.download import ShardDownloader  # noqa: E402
 from exo_like.models.hub.progress import DownloadProgress  # noqa: E402
 from exo_like.models.hub.sparse_file import SparseFile, coalesce, subtract  # noqa: E402
-from exo_like.models.name import parse_model_name  # noqa: E402
-from exo_like.models.resolver import fetch_hub_model  # noqa: E402
+from exo_like.models.names.name import parse_model_name  # noqa: E402
+from exo_like.models.names.resolver import fetch_hub_model  # noqa: E402
 from exo_like.models.shard import Shard  # noqa: E402
 from tests.api_server import NodeProcess, start_node, stop_nodes, wait_for  # noqa: E402
 from tests.checkpoints import make_checkpoint  # noqa: E402

@@ -18,9 +18,9 @@ from exo_like.models.hub.download import WRITE_CHUNK, ShardDownloader
 from exo_like.models.hub.progress import DownloadProgress
 from exo_like.models.hub.repo import storage_folder
 from exo_like.models.shard import Shard
-from exo_like.models.listing import list_models
-from exo_like.models.name import parse_model_name
-from exo_like.models.resolver import HubModel, fetch_hub_model
+from exo_like.models.names.listing import list_models
+from exo_like.models.names.name import parse_model_name
+from exo_like.models.names.resolver import HubModel, fetch_hub_model
 from tests.checkpoints import make_checkpoint
 from tests.hub_server import TOKEN, HubServer
 

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from exo_like.engines.base import create_engine
+from exo_like.engines.choice import create_engine
 from exo_like.models.config import ModelArgs
 from exo_like.models.shard import Shard
 from exo_like.models.tensor_split import TensorSplit

@@ -1,4 +1,4 @@
-"""Tool calls as each model family writes them: the shared types, and `detect()`, which picks a model's format.
+"""Tool calls as each model family writes them: the shared types here; `detect.detect()` picks a model's format.
 
 One module per format (hermes, llama3, mistral, deepseek, harmony) holds its streaming parser (model text in,
 content deltas and complete calls out) and its forced grammar (an llguidance Lark grammar whose language is that
@@ -16,7 +16,6 @@ literals. `ToolFormat.markers` lists the texts that may be special, for the call
 
 from __future__ import annotations
 
-import re
 import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -68,32 +67,3 @@ class ToolFormat(Protocol):
         """Lark grammar for one call (several when `parallel`) of tool `name`, or of any of `tools` when None.
         `special` maps the markers that are special tokens in the model's vocabulary to their ids."""
         ...
-
-
-_MENTIONS_TOOLS = re.compile(r"\btools\b")
-
-
-def detect(model_type: str, chat_template: str | None) -> ToolFormat | None:
-    """The format a model writes tool calls in, from its chat template (and model_type for gpt_oss); None when the
-    template cannot render tools at all (it never mentions `tools`).
-
-    A template that renders tools but shows none of the known call markers gets hermes, the most common format
-    (a model handed tool definitions without a format of its own is most likely to follow JSON in tags)."""
-    # Imported here: the format modules import this module's types.
-    from exo_like.api.tool_calls import deepseek, harmony, hermes, llama3, mistral
-
-    if model_type == "gpt_oss":
-        return harmony.HARMONY
-    if not chat_template or not _MENTIONS_TOOLS.search(chat_template):
-        return None
-    if "<|channel|>" in chat_template:
-        return harmony.HARMONY
-    if deepseek.CALLS_BEGIN in chat_template:
-        return deepseek.V3 if "```json" in chat_template else deepseek.V3_1
-    if mistral.TOOL_CALLS in chat_template:
-        return mistral.NAME_ARGS if mistral.ARGS in chat_template else mistral.JSON_LIST
-    if hermes.CALL_START in chat_template:
-        return hermes.HERMES
-    if llama3.PYTHON_TAG in chat_template or "Environment: ipython" in chat_template:
-        return llama3.LLAMA3
-    return hermes.HERMES

@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from exo_like.errors import ModelNotFoundError
-from exo_like.models.catalog import CATALOG
 from exo_like.models.checkpoint import INDEX_FILE, SINGLE_FILE
 from exo_like.models.gguf.file import find_gguf, is_later_part
 from exo_like.models.hub.repo import cached_snapshot
+from exo_like.models.names.catalog import CATALOG
 
 
 def list_models(home: Path, cache_dir: Path, served: dict[str, Any] | None, created: int) -> list[dict[str, Any]]:

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from exo_like.errors import ModelNotFoundError
-from exo_like.models.catalog import CATALOG, PACKAGED, CatalogEntry, entry_for_repo, lookup
 from exo_like.models.demo import DEMO_NAME
 from exo_like.models.gguf.file import find_gguf
 from exo_like.models.gguf.select import split_tag, with_tag
+from exo_like.models.names.catalog import CATALOG, PACKAGED, CatalogEntry, entry_for_repo, lookup
 
 # The hub's repo id rule: one slash, letters, digits, '-', '_', '.'; no '--' or '..'; not starting with '.'.
 _REPO_ID = re.compile(r"^(?!.*(--|\.\.))[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")

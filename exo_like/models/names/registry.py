@@ -22,9 +22,9 @@ from typing import Any, Callable
 from exo_like.errors import ExoLikeError, ModelNotFoundError, ModelPendingError
 from exo_like.models.config import ModelArgs
 from exo_like.models.footprint import ModelDescription
-from exo_like.models.listing import list_models
-from exo_like.models.name import ModelName, parse_model_name
-from exo_like.models.resolver import LoadedModel, resolve_model
+from exo_like.models.names.listing import list_models
+from exo_like.models.names.name import ModelName, parse_model_name
+from exo_like.models.names.resolver import LoadedModel, resolve_model
 
 log = logging.getLogger(__name__)
 

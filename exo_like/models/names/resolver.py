@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from exo_like.errors import ExoLikeError, ModelNotFoundError, UnsupportedModelError
-from exo_like.models.catalog import PACKAGED, entry_for_repo
 from exo_like.models.config import ModelArgs
 from exo_like.models.demo import DEMO_NAME, ensure_demo_model
 from exo_like.models.footprint import ModelDescription, ModelFootprint, model_footprint
@@ -33,7 +32,8 @@ from exo_like.models.hub.repo import (
     download_metadata,
     repo_manifest,
 )
-from exo_like.models.name import ModelName, pinned_key
+from exo_like.models.names.catalog import PACKAGED, entry_for_repo
+from exo_like.models.names.name import ModelName, pinned_key
 from exo_like.models.parameters import count_parameters
 from exo_like.models.shard import Shard
 from exo_like.models.tensor_split import GGUF_GROUP, group_sizes, split_align
