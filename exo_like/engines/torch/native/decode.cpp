@@ -78,6 +78,49 @@ void axpy(float p, const float* v, float* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] += p * v[i];
 }
 
+#ifdef EXO_X86
+// Outputs [c, c + 8V) of weighted_sum, kept in registers across the slots.
+template <int V>
+__attribute__((target("avx2,fma"))) void weighted_chunk_avx2(const float* weights, const float* values,
+                                                             const int64_t* slots, int64_t count, int64_t dim,
+                                                             int64_t c, float* out) {
+  __m256 acc[V];
+  for (int v = 0; v < V; ++v) acc[v] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < count; ++j) {
+    const __m256 p = _mm256_set1_ps(weights[j]);
+    const float* row = values + slots[j] * dim + c;
+    for (int v = 0; v < V; ++v) acc[v] = _mm256_fmadd_ps(p, _mm256_loadu_ps(row + 8 * v), acc[v]);
+  }
+  for (int v = 0; v < V; ++v) _mm256_storeu_ps(out + c + 8 * v, acc[v]);
+}
+#endif
+
+// out = sum over j of weights[j] * values[slots[j]] (rows of `dim`), in increasing j: each element summed as axpy
+// sums it from zero. With AVX2, up to 64 outputs stay in registers across the slots instead of being loaded and
+// stored once a slot (the same fused multiply-adds in the same order).
+void weighted_sum(const float* weights, const float* values, const int64_t* slots, int64_t count, int64_t dim,
+                  float* out) {
+#ifdef EXO_X86
+  if (avx2() && dim % 8 == 0) {
+    for (int64_t c = 0; c < dim; c += 64) {
+      switch (std::min<int64_t>(64, dim - c) / 8) {
+        case 1: weighted_chunk_avx2<1>(weights, values, slots, count, dim, c, out); break;
+        case 2: weighted_chunk_avx2<2>(weights, values, slots, count, dim, c, out); break;
+        case 3: weighted_chunk_avx2<3>(weights, values, slots, count, dim, c, out); break;
+        case 4: weighted_chunk_avx2<4>(weights, values, slots, count, dim, c, out); break;
+        case 5: weighted_chunk_avx2<5>(weights, values, slots, count, dim, c, out); break;
+        case 6: weighted_chunk_avx2<6>(weights, values, slots, count, dim, c, out); break;
+        case 7: weighted_chunk_avx2<7>(weights, values, slots, count, dim, c, out); break;
+        default: weighted_chunk_avx2<8>(weights, values, slots, count, dim, c, out); break;
+      }
+    }
+    return;
+  }
+#endif
+  std::fill(out, out + dim, 0.0f);
+  for (int64_t j = 0; j < count; ++j) axpy(weights[j], values + slots[j] * dim, out, dim);
+}
+
 // A projection: a natively packed quantized matrix, or a plain weight [out, in] (float32, or bfloat16 / float16
 // widened as it is read), and an optional bias.
 struct Projection {
@@ -392,10 +435,12 @@ class DecodeStack {
     const float* keys = layer.keys.data_ptr<float>();
     const float* values = layer.values.data_ptr<float>();
     const float scale = static_cast<float>(scale_);
+    // Tasks head-major: a prompt's late rows see more slots than its early ones, so each thread's share of the
+    // tasks takes every row of its heads.
     at::parallel_for(0, rows * heads_, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scores;
       for (int64_t task = begin; task < end; ++task) {
-        const int64_t r = task / heads_, hd = task % heads_, kh = hd / group;
+        const int64_t r = task % rows, hd = task / rows, kh = hd / group;
         const int64_t first = firsts[r], count = counts[r];
         const float* q = qkv + r * width + hd * dim;
         scores.resize(count);
@@ -410,11 +455,9 @@ class DecodeStack {
           scores[j] = std::exp(scores[j] - highest);
           total += scores[j];
         }
-        float* o = out + r * heads_ * dim + hd * dim;
-        std::fill(o, o + dim, 0.0f);
-        for (int64_t j = 0; j < count; ++j) {
-          axpy(scores[j] / total, values + (kh * pool_slots + slots[first + j]) * dim, o, dim);
-        }
+        for (int64_t j = 0; j < count; ++j) scores[j] /= total;
+        weighted_sum(scores.data(), values + kh * pool_slots * dim, slots + first, count, dim,
+                     out + r * heads_ * dim + hd * dim);
       }
     });
   }

@@ -15,6 +15,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -27,7 +28,12 @@ namespace {
 
 constexpr int64_t ROW_TILE = 4;
 constexpr int64_t OUT_TILE = 3;
-constexpr int64_t ROW_CHUNK = 32;  // rows whose activations stay in cache while a thread walks its outputs
+// Rows whose activations stay in cache while a thread walks its outputs (about 192 KB of them, at least one tile):
+// each chunk of rows streams the thread's weights once more.
+constexpr int64_t CHUNK_BYTES = 192 << 10;
+int64_t row_chunk(int64_t inputs) {
+  return std::max<int64_t>(ROW_TILE, CHUNK_BYTES / (4 * inputs) / ROW_TILE * ROW_TILE);
+}
 enum WeightType : int { F32 = 0, BF16 = 1, F16 = 2 };
 
 inline float widen(const void* w, int64_t i, int type) {
@@ -162,10 +168,10 @@ at::Tensor rows_matmul(const at::Tensor& x, const at::Tensor& w) {
   const void* weights = w.data_ptr();
   float* o = out.data_ptr<float>();
   const Tile tile = pick_tile(type);
-  const int64_t tiles = (outputs + OUT_TILE - 1) / OUT_TILE;
+  const int64_t tiles = (outputs + OUT_TILE - 1) / OUT_TILE, chunk = row_chunk(inputs);
   at::parallel_for(0, tiles, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t r0 = 0; r0 < rows; r0 += ROW_CHUNK) {
-      const int64_t chunk_end = std::min(rows, r0 + ROW_CHUNK);
+    for (int64_t r0 = 0; r0 < rows; r0 += chunk) {
+      const int64_t chunk_end = std::min(rows, r0 + chunk);
       for (int64_t t = begin; t < end; ++t) {
         const int64_t n0 = t * OUT_TILE, count = std::min(OUT_TILE, outputs - n0);
         for (int64_t r = r0; r < chunk_end; r += ROW_TILE) {
