@@ -44,7 +44,7 @@ namespace {
 
 constexpr int64_t BLOCK = 32;
 constexpr int64_t ROW_TILE = 4;      // activation rows per pass over a weight row
-constexpr int64_t BATCH_TILE = 64;   // activation rows kept hot in cache while a thread walks its weight rows
+constexpr int64_t WEIGHT_BLOCK = 16;  // weight rows a thread holds while the activation rows pass
 constexpr float CODE_MAX = 32767.0f; // activations' codes: int16
 constexpr int64_t GEMM_ROWS = 32;     // from this many rows, dequantized weights and a float32 GEMM (measured)
 constexpr int64_t GEMM_CHUNK = 1024;  // outputs dequantized at a time (bounds the float32 copy)
@@ -482,16 +482,23 @@ at::Tensor integer_matmul(const at::Tensor& xc, const Matrix& m, int64_t outputs
   at::Tensor out = at::empty({a.rows, outputs}, xc.options());
   float* o = out.data_ptr<float>();
   const RowKernel kernel = pick_kernel(m.layout, m.group < BLOCK);
-  for (int64_t tile = 0; tile < a.rows; tile += BATCH_TILE) {
-    const int64_t tile_end = std::min(a.rows, tile + BATCH_TILE);
-    at::parallel_for(0, outputs, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t row = begin; row < end; ++row) {
-        for (int64_t r = tile; r < tile_end; r += ROW_TILE) {
-          kernel(m, a, row, r, std::min(ROW_TILE, tile_end - r), o, outputs);
+  // Chunks of activation rows that stay in L2 (~192 KB of codes); in each, a thread takes blocks of weight rows
+  // and passes the chunk's rows by each block four at a time (a block's codes and four rows' stay in L1). So the
+  // activations are read from memory once and the weights once per chunk.
+  const int64_t blocks = (outputs + WEIGHT_BLOCK - 1) / WEIGHT_BLOCK;
+  const int64_t chunk = std::max<int64_t>(ROW_TILE, (192 << 10) / (2 * a.inputs) / ROW_TILE * ROW_TILE);
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r0 = 0; r0 < a.rows; r0 += chunk) {
+      const int64_t chunk_end = std::min(a.rows, r0 + chunk);
+      for (int64_t block = begin; block < end; ++block) {
+        const int64_t first = block * WEIGHT_BLOCK, last = std::min(outputs, first + WEIGHT_BLOCK);
+        for (int64_t r = r0; r < chunk_end; r += ROW_TILE) {
+          const int64_t count = std::min(ROW_TILE, chunk_end - r);
+          for (int64_t row = first; row < last; ++row) kernel(m, a, row, r, count, o, outputs);
         }
       }
-    });
-  }
+    }
+  });
   return out;
 }
 
