@@ -27,7 +27,8 @@ from exo_like.models.shard import Shard
 from tests.checkpoints import make_checkpoint
 from tests.gguf_checkpoints import write_gguf
 
-pytestmark = pytest.mark.skipif(build.kernels() is None, reason="no native kernels here (no C++ compiler)")
+pytestmark = [pytest.mark.skipif(build.kernels() is None, reason="no native kernels here (no C++ compiler)"),
+              pytest.mark.slow]
 
 LENGTH = 300  # positions of the request whose logits are compared
 QUANTIZED = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", "MXFP4")
