@@ -6,10 +6,14 @@ a replay recomputes a request's prompt and tokens in other steps than the ones t
 
 Each kernel of the native step sums an output the same way for any number of rows (native/rows.cpp, quant.cpp's
 integer kernel, the attention over a row's own slots); the logits of every position are read by asking the head
-for every row of each step. Skipped where no C++ compiler built the kernels."""
+for every row of each step. The kernels' AVX2 code runs here; a subprocess checks their portable code too (what a
+CPU without AVX2 runs) under ATen's scalar kernels. Skipped where no C++ compiler built the kernels."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -30,6 +34,7 @@ from tests.gguf_checkpoints import write_gguf
 pytestmark = [pytest.mark.skipif(build.kernels() is None, reason="no native kernels here (no C++ compiler)"),
               pytest.mark.slow]
 
+ROOT = Path(__file__).resolve().parents[2]
 LENGTH = 300  # positions of the request whose logits are compared
 QUANTIZED = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", "MXFP4")
 BLOCKS_EACH = blocks_for(LENGTH + 64)
@@ -111,8 +116,30 @@ def bits(logits: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("kind", ["float32", "bfloat16", *QUANTIZED])
 def test_every_position_is_bit_identical_however_its_steps_were_batched(checkpoints, kind) -> None:
+    check(checkpoints[kind], kind)
+
+
+# The other code the machine can run: the native kernels' portable C++ (what a CPU without AVX2 runs) and ATen's
+# scalar kernels (the native step's exact copies and sums take ATen's ops).
+OTHER_PATHS = {"EXO_LIKE_NATIVE_ISA": "portable", "ATEN_CPU_CAPABILITY": "default"}
+
+
+def test_the_portable_kernels_are_batch_invariant_too(checkpoints) -> None:
+    """A float32 and a K-quant file (the portable quantized kernel is slow: two kinds keep it short)."""
+    kinds = ("float32", "Q4_K")
+    script = "import sys; from pathlib import Path; from tests.engines.test_batch_invariance import check; " \
+             "[check(Path(path), kind) for path, kind in zip(sys.argv[1::2], sys.argv[2::2])]"
+    done = subprocess.run([sys.executable, "-c", script, *[str(a) for k in kinds for a in (checkpoints[k], k)]],
+                          cwd=ROOT, timeout=600, env={**os.environ, **OTHER_PATHS}, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.stdout.count("kernels portable (EXO_LIKE_NATIVE_ISA), aten default") == len(kinds)
+
+
+def check(path: Path, kind: str) -> None:
+    """Every position's logits in one prefill, against chunks of 1, 7 and 64 and decode steps beside others."""
+    print(f"kernels {build.kernels().kernel_name()}, aten {torch.backends.cpu.get_cpu_capability().lower()}")
     # One engine, each way of computing the sequence a request of its own (the pool holds them all).
-    steps = Steps(checkpoints[kind], 4 + LENGTH // 2)
+    steps = Steps(path, 4 + LENGTH // 2)
     assert steps.engine.model.native_decode is not None, "the native step must run this shard"
     tokens = np.random.default_rng(3).integers(0, steps.args.vocab_size, LENGTH)
     one_prefill = steps.run([("prefill", tokens)])[0]

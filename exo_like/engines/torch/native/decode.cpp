@@ -26,14 +26,12 @@ at::Tensor quant_rows_matmul(const at::Tensor& x, const at::Tensor& low, const a
                              const at::Tensor& scales, const at::Tensor& biases, const at::Tensor& super_scales,
                              const at::Tensor& super_biases, int64_t layout, double zero, int64_t group);
 at::Tensor rows_matmul(const at::Tensor& x, const at::Tensor& w);
+bool native_avx2();  // quant.cpp: AVX2 code, or the portable code
 
 namespace {
 
 #ifdef EXO_X86
-bool avx2() {
-  static const bool present = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return present;
-}
+bool avx2() { return exo::native_avx2(); }  // quant.cpp
 
 __attribute__((target("avx2,fma"))) float hsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

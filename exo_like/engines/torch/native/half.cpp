@@ -22,6 +22,10 @@
 #define EXO_X86 1
 #endif
 
+namespace exo {
+bool native_avx2();  // quant.cpp: AVX2 code, or the portable code
+}  // namespace exo
+
 namespace {
 
 constexpr int64_t GEMM_ROWS = 32;            // from this many rows, widened chunks and a float32 GEMM (as quant.cpp)
@@ -43,11 +47,7 @@ float dot_portable(const float* x, const uint16_t* w, int64_t n, bool bf16) {
 }
 
 #ifdef EXO_X86
-bool avx2() {
-  static const bool present =
-      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-  return present;
-}
+bool avx2() { return exo::native_avx2(); }  // quant.cpp
 
 __attribute__((target("avx2,fma,f16c"))) inline __m256 widen8(const uint16_t* w, bool bf16) {
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));

@@ -28,7 +28,9 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -38,6 +40,22 @@
 
 namespace exo {
 at::Tensor float_linear(const at::Tensor& x, const at::Tensor& w);  // half.cpp: oneDNN's where present
+
+// Whether the native kernels run their AVX2 + FMA + F16C code: where the CPU has them, unless
+// EXO_LIKE_NATIVE_ISA=portable asks for the portable code (to test that path on any machine). Every kernel file
+// asks here, so one process runs one kind throughout.
+bool native_avx2() {
+#if defined(__x86_64__) || defined(_M_X64)
+  static const bool present = [] {
+    const char* asked = std::getenv("EXO_LIKE_NATIVE_ISA");
+    if (asked != nullptr && std::string(asked) == "portable") return false;
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  }();
+  return present;
+#else
+  return false;
+#endif
+}
 }  // namespace exo
 
 namespace {
@@ -186,22 +204,27 @@ void dequantize_row(const Matrix& m, int64_t row, float* out) {
   }
 }
 
+// Each block's codes decoded once for the tile's rows (at most ROW_TILE); each row's sums in the same order as alone.
 void rows_portable(const Matrix& m, const Activations& a, int64_t row, int64_t r0, int64_t count, float* out,
                    int64_t out_stride) {
-  for (int64_t r = r0; r < r0 + count; ++r) {
-    const int16_t* xq = a.q + r * a.inputs;
-    const float* d = a.d + r * a.blocks;
-    const float* gsum = a.gsum + r * a.groups;
-    float total = 0.0f;
-    for (int64_t b = 0; b < a.blocks; ++b) {
+  float totals[ROW_TILE] = {0.0f, 0.0f, 0.0f, 0.0f};
+  int32_t codes[BLOCK];
+  for (int64_t b = 0; b < a.blocks; ++b) {
+    for (int64_t j = 0; j < BLOCK; ++j) codes[j] = code_at(m, row, b * BLOCK + j);
+    const float scales[2] = {m.scale(row, b * BLOCK / m.group), m.scale(row, (b * BLOCK + 16) / m.group)};
+    for (int64_t t = 0; t < count; ++t) {
+      const int16_t* xq = a.q + (r0 + t) * a.inputs + b * BLOCK;
       int32_t halves[2] = {0, 0};
-      for (int64_t j = 0; j < BLOCK; ++j) halves[j / 16] += code_at(m, row, b * BLOCK + j) * xq[b * BLOCK + j];
-      for (int64_t half = 0; half < 2; ++half) {
-        total += m.scale(row, (b * BLOCK + half * 16) / m.group) * d[b] * static_cast<float>(halves[half]);
-      }
+      for (int64_t j = 0; j < BLOCK; ++j) halves[j / 16] += codes[j] * xq[j];
+      const float d = a.d[(r0 + t) * a.blocks + b];
+      for (int64_t half = 0; half < 2; ++half) totals[t] += scales[half] * d * static_cast<float>(halves[half]);
     }
+  }
+  for (int64_t t = 0; t < count; ++t) {
+    const float* gsum = a.gsum + (r0 + t) * a.groups;
+    float total = totals[t];
     for (int64_t g = 0; g < m.groups; ++g) total += m.bias(row, g) * gsum[g];
-    out[r * out_stride + row] = total;
+    out[(r0 + t) * out_stride + row] = total;
   }
 }
 
@@ -380,11 +403,7 @@ __attribute__((target("avx2,fma,f16c"))) void rows_avx2(const Matrix& m, const A
   }
 }
 
-bool has_avx2() {
-  static const bool present = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                              __builtin_cpu_supports("f16c");
-  return present;
-}
+bool has_avx2() { return exo::native_avx2(); }
 #endif
 
 using RowKernel = void (*)(const Matrix&, const Activations&, int64_t, int64_t, int64_t, float*, int64_t);
@@ -523,6 +542,7 @@ at::Tensor rows(const at::Tensor& ids, const at::Tensor& low, const at::Tensor& 
 std::string kernel_name() {
 #ifdef EXO_X86
   if (has_avx2()) return "avx2";
+  if (std::getenv("EXO_LIKE_NATIVE_ISA") != nullptr) return "portable (EXO_LIKE_NATIVE_ISA)";
 #endif
   return "portable";
 }

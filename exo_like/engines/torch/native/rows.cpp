@@ -24,6 +24,10 @@
 #define EXO_X86 1
 #endif
 
+namespace exo {
+bool native_avx2();  // quant.cpp: AVX2 code, or the portable code
+}  // namespace exo
+
 namespace {
 
 constexpr int64_t ROW_TILE = 4;
@@ -59,11 +63,7 @@ void tile_portable(const float* x, const void* w, int type, int64_t inputs, int6
 }
 
 #ifdef EXO_X86
-bool has_avx2() {
-  static const bool present =
-      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-  return present;
-}
+bool has_avx2() { return exo::native_avx2(); }  // quant.cpp
 
 template <int T>
 __attribute__((target("avx2,fma,f16c"), always_inline)) inline __m256 load8(const void* w, int64_t i) {
