@@ -15,6 +15,7 @@ import pytest
 
 from tests.api_server import NodeProcess, checkpoint, node, start_node, wait_for  # noqa: F401  (fixtures)
 from tests.oracle import Oracle
+from tests.step_metrics import batch_rows, own_entry, steps
 
 MAX_TOKENS = 40
 # Prompts whose greedy continuations contain characters split across tokens (found by search; the test
@@ -81,14 +82,32 @@ def test_greedy_completion_equals_transformers(client: openai.OpenAI, oracle: Or
 
 
 def test_long_prompt_prefilled_in_chunks_equals_transformers(client: openai.OpenAI, oracle: Oracle,
+                                                            node: NodeProcess, checkpoint: Path,  # noqa: F811
                                                             model_id: str) -> None:
-    prompt = " ".join(f"item {i} of the list, café {i * 7}" for i in range(150))
+    """The chunks observed in the node's /metrics (rows per engine step): the prompt's rows went through in
+    steps of at most the scheduler's batch (512 rows on a CPU), then one step per further token."""
+    limit = batch_rows(node)
+    context = json.loads((checkpoint / "config.json").read_text())["max_position_embeddings"]
+    items = 150
+    while len(oracle.chat_ids(long_prompt(items))) <= min(2 * limit, context // 2):  # (an accelerator's batch: 2048)
+        items += 50
+    prompt = long_prompt(items)
     prompt_ids = oracle.chat_ids(prompt)
-    assert len(prompt_ids) > 2 * 512  # at least three prefill chunks
     text, finish, count = oracle.expected(prompt_ids, 8)
+    hits_before, before = own_entry(node)["prefix_hits"], steps(node)
     response = chat(client, model_id, prompt, max_tokens=8, temperature=0)
+    taken, computed = steps(node) - before, len(prompt_ids) - (own_entry(node)["prefix_hits"] - hits_before)
     assert response.choices[0].message.content == text
     assert response.usage.prompt_tokens == len(prompt_ids)
+    chunks = -(-computed // limit)
+    assert chunks >= 2, (computed, limit)  # more than one step's worth: the check below can see chunking
+    assert taken.over(limit) == 0, taken  # no step took more than one chunk's rows
+    assert taken.count == chunks + count - 1, (taken, chunks, count)  # the chunks, then a step per further token
+    assert taken.rows == computed + count - 1, (taken, computed, count)
+
+
+def long_prompt(items: int) -> str:
+    return " ".join(f"item {i} of the list, café {i * 7}" for i in range(items))
 
 
 def _stream_chat(client: openai.OpenAI, model_id: str, prompt: str,  # type: ignore[no-untyped-def]

@@ -25,6 +25,7 @@ PROMPTS = ["Hello!", "What is the capital of France?", "Tell me a story about a 
            "Why is the sky blue? Explain it simply.", "Name three rivers.",
            " ".join(f"word{i}" for i in range(60))]
 MAX_TOKENS = [20, 12, 24, 16, 20, 8, 24, 16]  # different lengths: requests leave the batch at different steps
+LONG_TOKENS = 1200  # a stream of 76 KV blocks: one fits the 128-block pool of the small-budget test, two do not
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +73,13 @@ def batched_steps(node: NodeProcess) -> float:
     counts = [(float(le), value) for le, value in buckets]
     total = counts[-1][1]
     return next(le for le, value in counts if value == total)
+
+
+def metric(node: NodeProcess, sample: str) -> float:
+    """The value of one unlabelled sample of the node's /metrics."""
+    text = node.request("GET", "/metrics")[2].decode()
+    (value,) = [s.value for family in text_string_to_metric_families(text) for s in family.samples if s.name == sample]
+    return value
 
 
 @pytest.mark.parametrize("engine", ["torch", "mlx"])
@@ -205,27 +213,40 @@ def test_seeded_sampling_gives_the_same_text_alone_and_in_a_batch(models, tmp_pa
 @pytest.mark.slow
 def test_64_requests_against_a_small_kv_budget_all_complete(models, oracles, tmp_path: Path) -> None:
     """128 KV blocks of 16 positions: fewer than the requests need at once, so they queue (and the newest are
-    preempted and recomputed) instead of failing."""
+    preempted and recomputed) instead of failing. Preemption is made certain, whatever the machine's speed, by two
+    long streams among them: 1200 tokens (76 blocks) fit alone, two do not, so once both run, the older one's next
+    block is taken from the newer one (at the latest, when they hold 128 blocks between them, each some 1000
+    positions in: neither is done). Both are greedy on one prompt: the one recomputed must still give the other's
+    text."""
     model = models("llama")
     kv_gb = 128 * 4 * 2 * 2 * 16 * 16 * 4 / 2**30  # blocks * layers * (k, v) * kv heads * positions * head dim * 4 B
     node = start_node(tmp_path, str(model), "--no-mdns", "--dtype", "float32", "--kv-cache-gb", repr(kv_gb))
     try:
         prompts = [f"Request {i}: " + " ".join(f"w{j}" for j in range(i % 7 * 10)) for i in range(64)]
 
-        async def run(prompts: list[str]) -> list[tuple[str, str]]:
+        async def run(prompts: list[str], long: int = 0) -> list[tuple[str, str]]:
             api = client(node)
-            return await asyncio.gather(*(chat(api, "llama", p, 16, temperature=0) for p in prompts))
+            streams = [chat(api, "llama", "Go on.", LONG_TOKENS, temperature=0, extra_body={"ignore_eos": True})
+                       for _ in range(long)]  # sent first: the short ones come while these run
+            return await asyncio.gather(*streams, *(chat(api, "llama", p, 16, temperature=0) for p in prompts))
 
         asyncio.run(run(prompts[:2]))  # warm-up: the first steps allocate the kernels' buffers and thread pools
         baseline = psutil.Process(node.process.pid).memory_info().rss
-        results = asyncio.run(run(prompts))
+        preempted = node.get_json("/v1/cluster")["nodes"][0]["preemptions"]
+        answers = asyncio.run(run(prompts, long=2))
+        (first, second), results = answers[:2], answers[2:]
         oracle = oracles("llama")
         assert [r[0] for r in results] == [oracle.expected(oracle.chat_ids(p), 16)[0] for p in prompts]
+        assert first == second and first[1] == "length"
         cluster = node.get_json("/v1/cluster")["nodes"][0]
         assert cluster["kv_blocks"] == 128 and cluster["running"] == 0 and cluster["waiting"] == 0
+        # Requests were put back to wait for blocks (preempted) and recomputed, as the node counts them
+        # (/v1/cluster, and /metrics' num_preemptions), and every text is still the oracle's (or the other's).
+        assert cluster["preemptions"] > preempted, cluster
+        assert metric(node, "exo_like:num_preemptions_total") == cluster["preemptions"]
         growth = psutil.Process(node.process.pid).memory_info().rss - baseline
         budget = kv_gb * 2**30
-        # The pool is within the budget; what else grew (allocator arenas, 64 responses' buffers) stays small.
+        # The pool is within the budget; what else grew (allocator arenas, 66 responses' buffers) stays small.
         assert growth < budget + 64 * 2**20, (growth, budget)
     finally:
         assert node.stop() == 0, node.log()

@@ -115,12 +115,27 @@ def test_streamed_both_ways_it_is_the_greedy_text(tools_node: NodeProcess, tools
 
 
 def test_instructions_come_first_and_are_echoed(tools_node: NodeProcess, tools_checkpoint: Path) -> None:  # noqa: F811
-    api = client(tools_node)
-    plain = api.responses.create(model=str(tools_checkpoint), input="Hi", max_output_tokens=2)
-    told = api.responses.create(model=str(tools_checkpoint), input="Hi", max_output_tokens=2,
+    from exo_like.api.responses_api import parse_responses_request
+
+    # First: a system turn before every input item, a system (developer) message of the input's own included.
+    items = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
+             {"role": "developer", "content": "Be kind."}, {"role": "user", "content": "Bye"}]
+    conversation = parse_responses_request({"model": "m", "instructions": "Answer in French.", "input": items})
+    assert [(m["role"], m["content"]) for m in conversation.chat.messages] == [
+        ("system", "Answer in French."), ("user", "Hi"), ("assistant", "Hello."), ("system", "Be kind."),
+        ("user", "Bye")]
+    # Through the node: the prompt and the greedy text of the chat whose first message is the instructions (this
+    # template takes a system message only first: the instructions anywhere else would be a 400).
+    api, model = client(tools_node), str(tools_checkpoint)
+    plain = api.responses.create(model=model, input="Hi", max_output_tokens=2)
+    told = api.responses.create(model=model, input="Hi", max_output_tokens=8, temperature=0.0,
                                 instructions="Answer in French, briefly.")
+    chat = api.chat.completions.create(model=model, max_tokens=8, temperature=0.0, messages=[
+        {"role": "system", "content": "Answer in French, briefly."}, {"role": "user", "content": "Hi"}])
     assert told.instructions == "Answer in French, briefly." and plain.instructions is None
-    assert told.usage.input_tokens > plain.usage.input_tokens + 5
+    assert told.usage.input_tokens == chat.usage.prompt_tokens > plain.usage.input_tokens
+    assert told.output_text == chat.choices[0].message.content
+    assert told.usage.output_tokens == chat.usage.completion_tokens
 
 
 def test_a_named_function_call_and_its_round_trip(tools_node: NodeProcess, tools_checkpoint: Path) -> None:  # noqa: F811

@@ -11,6 +11,7 @@ from pathlib import Path
 import jsonschema
 
 from tests.api_server import NodeProcess, tools_checkpoint, tools_node  # noqa: F401  (fixtures)
+from tests.oracle import Oracle
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",
@@ -74,5 +75,24 @@ def test_a_full_round_trip_answers_after_the_tool_result(tools_node: NodeProcess
                     {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21}'}]
     second = api.chat.completions.create(model=str(tools_checkpoint), messages=conversation, tools=TOOLS,
                                          tool_choice="none", max_tokens=8, temperature=0.0)
-    assert second.choices[0].finish_reason in ("stop", "length") and second.choices[0].message.tool_calls is None
-    assert second.usage.prompt_tokens > first.usage.prompt_tokens + 10  # the call and its result are in the prompt
+    assert second.choices[0].message.tool_calls is None
+    # The answer: transformers' greedy text after the whole conversation, the call and its result rendered by the
+    # checkpoint's template (its tools as OpenAI's function objects, a missing description empty, as the node
+    # offers them to templates).
+    oracle = Oracle(tools_checkpoint)
+    template_tools = [{"type": "function", "function": {"name": tool["function"]["name"],
+                                                        "description": tool["function"].get("description", ""),
+                                                        "parameters": tool["function"]["parameters"]}}
+                      for tool in TOOLS]
+    rendered = [ASK[0], {"role": "assistant", "content": "", "tool_calls": [
+                    {"type": "function", "function": {"name": call.function.name,
+                                                      "arguments": json.loads(call.function.arguments)}}]},
+                {"role": "tool", "content": '{"temperature": 21}'}]
+    text = oracle.tokenizer.apply_chat_template(rendered, tools=template_tools, add_generation_prompt=True,
+                                                tokenize=False)
+    assert '<tool_response>\n{"temperature": 21}\n</tool_response>' in text  # the result, in the prompt
+    prompt = tuple(oracle.tokenizer(text, add_special_tokens=False).input_ids)
+    answer, finish, count = oracle.expected(prompt, 8)
+    assert second.usage.prompt_tokens == len(prompt)
+    assert (second.choices[0].message.content, second.choices[0].finish_reason) == (answer, finish)
+    assert second.usage.completion_tokens == count

@@ -105,3 +105,79 @@ def test_a_byte_split_is_contiguous_and_each_boundary_nearest_its_share(layer_by
         low = (ends[j - 1] if j else 0) + keep
         high = len(layer_bytes) - keep * (len(memory_list) - j - 1)
         assert all(abs(cumulative[end] - target) <= abs(cumulative[i] - target) for i in range(low, high + 1))
+
+
+def reference_split(n_layers: int, memories: list[int]) -> list[int]:
+    """The rule as ring.py's docstrings and docs/placement.md state it, written apart from split_layers (integers
+    scaled by the total memory instead of fractions, a plain loop instead of sorting by remainder):
+
+    - node i's quota is n_layers * memory_i / total (equal weights when no node has memory);
+    - each node gets its quota rounded down, and the layers left go one each to the largest remainders, ties to
+      the earlier ring position;
+    - while there are at least as many layers as nodes, each node left with none gets one layer from the node most
+      over its quota (count - quota) among those that keep at least one, ties to the later ring position."""
+    weights = memories if sum(memories) > 0 else [1] * len(memories)
+    total = sum(weights)
+    scaled = [n_layers * w for w in weights]  # quota_i * total
+    counts = [s // total for s in scaled]
+    remainders = [s % total for s in scaled]
+    for _ in range(n_layers - sum(counts)):
+        best = None
+        for i, remainder in enumerate(remainders):
+            if remainder >= 0 and (best is None or remainder > remainders[best]):
+                best = i
+        counts[best] += 1
+        remainders[best] = -1  # (a node gets at most one of the layers left)
+    if n_layers >= len(counts):
+        for empty in range(len(counts)):
+            if counts[empty]:
+                continue
+            donor = None
+            for i in range(len(counts)):
+                over = counts[i] * total - scaled[i]  # (count - quota) * total
+                if counts[i] >= 2 and (donor is None or over >= counts[donor] * total - scaled[donor]):
+                    donor = i
+            counts[donor] -= 1
+            counts[empty] = 1
+    return counts
+
+
+def random_cluster(rng: random.Random) -> tuple[int, list[int]]:
+    """A few nodes, mostly of very different memory (so some get no layer by their quota alone), some equal (ties),
+    a few with none, and at least as many layers as nodes."""
+    n_nodes = rng.randint(2, 9)
+    sizes = [0, 1, 2, 3, 4, 6, 8, 16, 24, 32, 64, 128, 256, 512]
+    memories = [rng.choice(sizes) * GIB + rng.choice([0, 0, rng.randint(0, GIB)]) for _ in range(n_nodes)]
+    return rng.randint(n_nodes, 4 * n_nodes + 6), memories
+
+
+def test_the_split_is_the_documented_rule_over_many_random_clusters() -> None:
+    """split_layers and plan_ring against reference_split on 4000 seeded random clusters. The clusters where the
+    rule's choice of donor matters are counted, so the comparison cannot pass for want of them: an empty node
+    whose donor by the rule (most over its quota) is not the node with the most layers, nor the first or last
+    node with two or more."""
+    rng = random.Random(20261128)
+    topped_up = telling = 0
+    for _ in range(4000):
+        n_layers, memories = random_cluster(rng)
+        ordered = sorted(memories, reverse=True)  # ring order (equal memories go by node id: no count changes)
+        expected = reference_split(n_layers, ordered)
+        assert split_layers(n_layers, ordered) == expected, (n_layers, ordered)
+        nodes = nodes_from(memories)
+        stages = plan_ring(n_layers, nodes)
+        by_node = {n.node_id: n.memory_bytes for n in nodes}
+        assert [by_node[s.node_id] for s in stages] == ordered
+        assert [s.layer_count for s in stages] == expected, (n_layers, ordered)
+        # How much the comparison can tell: the donors the rule picks against the obvious other choices.
+        weights = ordered if sum(ordered) else [1] * len(ordered)
+        quotas = [Fraction(n_layers * w, sum(weights)) for w in weights]
+        counts = [int(q) for q in quotas]
+        for i in sorted(range(len(quotas)), key=lambda i: (counts[i] - quotas[i], i))[: n_layers - sum(counts)]:
+            counts[i] += 1
+        if 0 in counts:
+            topped_up += 1
+            donors = [i for i, c in enumerate(counts) if c >= 2]
+            by_rule = max(donors, key=lambda i: (counts[i] - quotas[i], i))
+            most_layers = max(donors, key=lambda i: (counts[i], i))
+            telling += by_rule not in (most_layers, donors[0], donors[-1])
+    assert topped_up > 1000 and telling > 100, (topped_up, telling)

@@ -9,11 +9,12 @@ from collections.abc import Sequence
 
 import pytest
 
+import exo_like.serving.stage as stage_module
 from exo_like.cluster.protocol import Error, Forward, Message, Release, Sampled, Submit, Tokens
 from exo_like.engines.activations import Activations
 from exo_like.engines.work import SampleSpec, SamplingParams, WorkItem
 from exo_like.errors import ExoLikeError
-from exo_like.serving.scheduler import SchedulerLimits
+from exo_like.serving.scheduler import Scheduler, SchedulerLimits
 from tests.fake_ring import VOCAB, FakeNetwork, FakeNode, generate, ring
 
 PROMPTS = {f"r{i}": [(7 * i + j) % VOCAB for j in range(3 + 5 * i)] for i in range(8)}
@@ -75,11 +76,31 @@ async def test_requests_arriving_apart_decode_together_on_one_machine(expected3)
     assert len(calls[-4]) == 4  # near the end, all four decode in one batch rather than in turns
 
 
-async def test_stages_on_separate_machines_keep_several_batches_in_flight(expected3) -> None:
+class CountingScheduler(Scheduler):
+    """A scheduler that records, as each step is sent off, how many batches await their tokens (its own
+    included)."""
+
+    def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+        super().__init__(*args, **kwargs)
+        self.out: list[int] = []
+
+    def schedule(self):  # type: ignore[no-untyped-def]
+        step = super().schedule()
+        if step is not None:
+            self.out.append(self.batches_in_flight())
+        return step
+
+
+async def test_stages_on_separate_machines_keep_several_batches_in_flight(expected3, monkeypatch) -> None:
+    monkeypatch.setattr(stage_module, "Scheduler", CountingScheduler)
     async with ring(3, depth=3, delays=(0.01, 0.01, 0.01)) as net:
         results = await together(net)
         first = net.first.engine.calls
+        out = net.first.stage.scheduler.out
     assert results == expected3
+    # Several batches in flight at once (a step sent off while others still await their tokens), never more than
+    # the pipeline's depth.
+    assert max(out) > 1 and max(out) <= 3, out
     decode_steps = [call for call in first if all(count == 1 for _, _, count in call)]
     assert max(len(call) for call in decode_steps) <= 3  # eight decoding requests, three batches in turn
 

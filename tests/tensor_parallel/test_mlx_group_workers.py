@@ -1,7 +1,7 @@
 """An MLX tensor-parallel group as the nodes run it: one worker process per rank (mx.distributed's ring backend on
 127.0.0.1, each rank on a CPU of its own when the host has enough), the leader handing each step to the followers
 over the authenticated control channel. Greedy tokens and logits equal one MLX engine's; a bad request is refused
-and the group goes on; a rank that dies breaks the leader's step with GroupBroken within a second or two; the
+and the group goes on; a rank that dies breaks the leader's step with GroupBroken, from the closed connection; the
 ring's sums are the same bits on every rank; the formation's frames are checked."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
-import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import msgpack
@@ -53,6 +53,9 @@ def expected(model_dirs):
     return results
 
 
+HANG_SECONDS = 120.0  # only a guard against hanging: nothing asserted depends on how fast this machine is
+
+
 def mlx_group_of(size: int, timeout: float = 30.0):
     return start_group(size, engine="mlx", threads=None, timeout=timeout, pin=True)
 
@@ -80,7 +83,10 @@ def test_mlx_worker_groups_decode_what_one_engine_does(model_dirs, expected, siz
 
 
 def test_a_dead_follower_breaks_the_leaders_step_at_once(model_dirs):
+    """At once: from the closed connection (MLX's ring has no timeout: a peer it did not see go would block the
+    step for good), which the error names; not timed against a clock a busy machine stretches."""
     group = mlx_group_of(2, timeout=600.0)
+    steps = ThreadPoolExecutor(1)  # the step under a hang guard (closing the group below ends a blocked one)
     try:
         model_dir = model_dirs["llama"]
         args = ModelArgs.from_dir(model_dir)
@@ -88,14 +94,14 @@ def test_a_dead_follower_breaks_the_leaders_step_at_once(model_dirs):
         driver = Driver(group[:1], n_blocks=N_BLOCKS)
         driver.forward("r", PROMPT)
         os.kill(group[1].worker.pid, signal.SIGKILL)
-        started = time.monotonic()
-        with pytest.raises(GroupBroken):
-            driver.forward("r", np.array([1], dtype=np.int64))
-        assert time.monotonic() - started < 5  # the ring notices a closed connection in ~0.2 s
+        step = steps.submit(driver.forward, "r", np.array([1], dtype=np.int64))
+        with pytest.raises(GroupBroken, match=r"\[ring\] connection to a peer was lost"):
+            step.result(timeout=HANG_SECONDS)
         with pytest.raises(GroupBroken):  # the leader's worker has exited: nothing more runs there
             driver.forward("r", np.array([1], dtype=np.int64))
     finally:
         close_group(group)
+        steps.shutdown(wait=False)
 
 
 # Each rank sums arrays of its own (seeded by rank) and prints a digest of every sum: a slice summed by one rank
