@@ -140,17 +140,32 @@ def model_dirs(tmp_path_factory) -> dict[str, Path]:
             for name, (arch, overrides) in {**CASES, **REFUSED}.items()}
 
 
+@pytest.fixture(scope="module")
+def one_engine(model_dirs):
+    """(engine, case) -> one engine's greedy tokens and logits, decoded once for both group sizes."""
+    decoded: dict[tuple[str, str], tuple[list[int], np.ndarray]] = {}
+
+    def get(engine_name: str, name: str) -> tuple[list[int], np.ndarray]:
+        if (engine_name, name) not in decoded:
+            model_dir = model_dirs[name]
+            args = ModelArgs.from_dir(model_dir)
+            whole = create_engine(engine_name, device="cpu", dtype="float32")
+            whole.load(model_dir, args, Shard.whole(model_dir.name, args.num_hidden_layers))
+            decoded[engine_name, name] = greedy(Driver([whole], n_blocks=64))
+        return decoded[engine_name, name]
+
+    return get
+
+
 @pytest.mark.parametrize("size", [2, 3])
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("engine_name", ["torch", "mlx"])
-def test_a_group_decodes_what_one_engine_does(model_dirs, engine_name, name, size):
+def test_a_group_decodes_what_one_engine_does(model_dirs, one_engine, engine_name, name, size):
     if engine_name == "mlx":
         pytest.importorskip("mlx.core", reason="mlx is not installed (install the 'mlx' extra)")
     model_dir = model_dirs[name]
     args = ModelArgs.from_dir(model_dir)
-    whole = create_engine(engine_name, device="cpu", dtype="float32")
-    whole.load(model_dir, args, Shard.whole(model_dir.name, args.num_hidden_layers))
-    tokens, logits = greedy(Driver([whole], n_blocks=64))
+    tokens, logits = one_engine(engine_name, name)
     group = Group(engine_name, model_dir, args, size)
     try:
         group_tokens, group_logits = greedy(Driver(group.engines[:1], n_blocks=64))
