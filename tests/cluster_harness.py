@@ -53,23 +53,31 @@ def start_cluster(root: Path, model: str | None, memories_gb: list[float], engin
     order among nodes of equal memory; preexecs: what each process runs before exo-like, see start_node; dtype:
     their --dtype, None for each engine's default)."""
     ports = free_ports(len(memories_gb))
-    peers = ",".join(f"127.0.0.1:{p}" for p in ports)
     engines = engines or ["torch"] * len(memories_gb)
     # All launched before any is waited for: they start side by side, as a cluster's machines do.
     launched: list[Launched] = []
     try:
-        for i, (memory, engine, port) in enumerate(zip(memories_gb, engines, ports)):
+        for i, (memory, engine) in enumerate(zip(memories_gb, engines)):
             if node_ids is not None:
                 seed_identity(root / f"home{i}", node_ids[i])
-            launched.append(launch_node(root / f"home{i}", model, "--no-mdns", "--peers", peers, "--memory-gb",
-                                        str(memory), "--node-name", f"node{i}", "--engine", engine,
-                                        *(("--dtype", dtype) if dtype else ()), *extra, port=port, threads=threads,
-                                        env=envs[i] if envs else None, preexec=preexecs[i] if preexecs else None))
+            launched.append(launch_member(root, model, ports, i, memory, engine, extra, threads, dtype,
+                                          env=envs[i] if envs else None, preexec=preexecs[i] if preexecs else None))
         return [node.serving() for node in launched]
     except BaseException:
         for node in launched:
             node.stop()
         raise
+
+
+def launch_member(root: Path, model: str | None, ports: list[int], i: int, memory_gb: float, engine: str = "torch",
+                  extra: tuple[str, ...] = (), threads: int = 1, dtype: str | None = "float32",
+                  env: dict[str, str | None] | None = None, preexec: Callable[[], None] | None = None) -> Launched:
+    """Member i of a cluster of start_cluster's (on ports[i], in <root>/home<i>, every member a peer), as it
+    starts it: also to start a member again after it was stopped or killed (it keeps its home, so its node id)."""
+    peers = ",".join(f"127.0.0.1:{port}" for port in ports)
+    return launch_node(root / f"home{i}", model, "--no-mdns", "--peers", peers, "--memory-gb", str(memory_gb),
+                       "--node-name", f"node{i}", "--engine", engine, *(("--dtype", dtype) if dtype else ()), *extra,
+                       port=ports[i], threads=threads, env=env, preexec=preexec)
 
 
 def seed_identity(home: Path, node_id: str) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 
@@ -41,6 +43,16 @@ class Oracle:
             return self.decode(tokens[:-1]), "stop", len(tokens)
         return self.decode(tokens), "length", len(tokens)
 
+    def ignoring_eos(self, prompt_ids: tuple[int, ...], max_new_tokens: int) -> str:
+        """The text of exactly `max_new_tokens` greedy tokens, generated past any end-of-sequence token (the API's
+        `ignore_eos`), special tokens not shown."""
+        inputs = torch.tensor([prompt_ids])
+        with torch.no_grad():
+            out = self.model.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=max_new_tokens,
+                                      min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
+                                      eos_token_id=None)
+        return self.decode(out[0, len(prompt_ids):].tolist())
+
     def decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
@@ -61,12 +73,37 @@ def gguf_greedy(path: Path, prompt: list[int], n_tokens: int = 16, stop_at_eos: 
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = {"config": AutoConfig.from_pretrained(config_dir)} if config_dir is not None else {}
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32, **config)
+    with gguf_reads_memoized():
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32, **config)
     inputs = torch.tensor([prompt])
     with torch.no_grad():
         out = model.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=n_tokens,
                              do_sample=False, min_new_tokens=0 if stop_at_eos else n_tokens, pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+@contextmanager
+def gguf_reads_memoized() -> Iterator[None]:
+    """While transformers loads a GGUF file, the `gguf` package's reader made once per file and its tensor-name map
+    once per architecture: transformers' loader opens the file twice (for the config, then for the tensors; for
+    SmolLM2 each parse of its 49k-token vocabulary takes seconds) and builds the name map anew for every module
+    (about 400 for SmolLM2). The same objects, read the same way: only the repeats are saved."""
+    import gguf
+
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict[tuple, object] = {}
+
+    def memoized_reader(*args: object, **kwargs: object) -> object:
+        key = (*map(str, args), *sorted(kwargs.items()))
+        if key not in readers:
+            readers[key] = reader(*args, **kwargs)
+        return readers[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = memoized_reader, cache(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
 
 
 def gguf_dequantized_greedy(path: Path, config_dir: Path, prompt: list[int], n_tokens: int) -> list[int]:

@@ -9,6 +9,7 @@ runs more examples (the default keeps `make test` quick); the run is derandomize
 
 from __future__ import annotations
 
+import functools
 import http.client
 import io
 import json
@@ -74,7 +75,10 @@ class Exchange:
 
 
 # -- generated values ------------------------------------------------------------------------------------------
+# The strategies are made once (functools.cache) and drawn from many times: a strategy checks itself once, and
+# making a recursive one anew for every draw cost more than sending the requests. The draws are the same.
 
+@functools.cache
 def json_values() -> st.SearchStrategy[Any]:
     scalars = st.one_of(st.none(), st.booleans(), st.integers(), st.integers(min_value=2**63 - 2, max_value=2**70),
                         st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=40), ODD_TEXT)
@@ -91,7 +95,7 @@ def near_valid_body(draw: st.DrawFn, model: str, dialect: Dialect) -> bytes:
     """A valid body with one field (or a message's) replaced by a generated value (a near-valid one for the structured
     fields), replaced by raw JSON text that no Python value encodes to, or left out; or with a field added. A body
     that asks for many tokens gets a few: the fuzz is about inputs, and a long generation would only slow it."""
-    body = draw(dialect.valid(model))
+    body = draw(valid_bodies(dialect, model))
     to_message = dialect.message_fields and isinstance(body.get("messages"), list) and draw(st.booleans())
     target = body["messages"][0] if to_message else body
     keys = dialect.message_fields if to_message else dialect.fields
@@ -102,9 +106,19 @@ def near_valid_body(draw: st.DrawFn, model: str, dialect: Dialect) -> bytes:
     elif how == "raw":
         target[field] = RAW
     else:
-        target[field] = draw(json_values() | SHAPED_VALUES.get(field, st.nothing()))
+        target[field] = draw(field_values(field))
     text = json.dumps(dialect.cap(body))
     return text.replace(json.dumps(RAW), draw(st.sampled_from(RAW_VALUES))).encode()
+
+
+@functools.cache
+def valid_bodies(dialect: Dialect, model: str) -> st.SearchStrategy[dict[str, Any]]:
+    return dialect.valid(model)
+
+
+@functools.cache
+def field_values(field: str) -> st.SearchStrategy[Any]:
+    return json_values() | SHAPED_VALUES.get(field, st.nothing())
 
 
 @st.composite
@@ -125,6 +139,7 @@ def any_body(draw: st.DrawFn, model: str) -> bytes | None:
     return (b'{"model": "x", "messages": ' + b"[" * depth + b"]" * depth + b"}")
 
 
+@functools.cache
 def path_for(template: str, model: str) -> st.SearchStrategy[str]:
     """The template with each {placeholder} filled: the served model, an asset name, or generated text."""
     names = re.findall(r"\{[^}]+\}", template)
@@ -140,6 +155,7 @@ def _fill(template: str, names: list[str], values: tuple[str, ...]) -> str:
     return template
 
 
+@functools.cache
 def query() -> st.SearchStrategy[str]:
     pair = st.tuples(st.text(max_size=8), st.text(max_size=12)).map(
         lambda kv: quote(kv[0].encode("utf-8", "surrogatepass")) + "=" + quote(kv[1].encode("utf-8", "surrogatepass")))

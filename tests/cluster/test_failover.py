@@ -114,22 +114,22 @@ def three_nodes(seven_layers: Path, tmp_path: Path):
 
 
 def stream(node: NodeProcess, model: str, at: int = BREAK_AT, action: Callable[[], Any] | None = None,
-           **sampling: Any) -> Streamed:
-    """A streamed chat completion of TOKENS tokens (ignore_eos); `action` runs after `at` streamed pieces."""
+           tokens: int = TOKENS, **sampling: Any) -> Streamed:
+    """A streamed chat completion of `tokens` tokens (ignore_eos); `action` runs after `at` streamed pieces."""
     import openai
 
     client = openai.OpenAI(base_url=node.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
-    pieces, tokens, times = [], 0, []
+    pieces, counted, times = [], 0, []
     explained: list[Span] = []  # the test acting (starting a node, say: the client read nothing meanwhile)
     with ReadinessWatch(node) as watch:
         asked = time.monotonic()
         chunks = client.chat.completions.create(
-            model=model, stream=True, max_tokens=TOKENS, temperature=sampling.pop("temperature", 0),
+            model=model, stream=True, max_tokens=tokens, temperature=sampling.pop("temperature", 0),
             extra_body={"ignore_eos": True, **sampling}, stream_options={"include_usage": True},
             messages=[{"role": "user", "content": PROMPT}])
         for chunk in chunks:
             if chunk.usage is not None:
-                tokens = chunk.usage.completion_tokens
+                counted = chunk.usage.completion_tokens
             if chunk.choices and chunk.choices[0].delta.content:
                 pieces.append(chunk.choices[0].delta.content)
                 times.append(time.monotonic())
@@ -139,12 +139,12 @@ def stream(node: NodeProcess, model: str, at: int = BREAK_AT, action: Callable[[
                     explained.append((started, time.monotonic()))
     explained += watch.spans
     pairs = list(zip(times, times[1:]))
-    return Streamed("".join(pieces), tokens, times[0] - asked if times else 0.0,
+    return Streamed("".join(pieces), counted, times[0] - asked if times else 0.0,
                     max((after - before for before, after in pairs), default=0.0),
                     max((uncovered(before, after, explained) for before, after in pairs), default=0.0), explained)
 
 
-def check_against(reference: Streamed, got: Streamed, what: str) -> None:
+def check_against(reference: Streamed, got: Streamed, what: str, tokens: int = TOKENS) -> None:
     """Same tokens, same text, and no stall the cluster does not explain. Beyond the spans it reported not ready
     in, a wait may hold a lost peer's silence (--peer-timeout, before the loss is known) and the replay: the
     prompt and the tokens so far prefilled again on the new ring, then a step. Their like in the uninterrupted run
@@ -154,7 +154,7 @@ def check_against(reference: Streamed, got: Streamed, what: str) -> None:
     print(f"{what}: {got.tokens} tokens, longest gap between two tokens {got.max_gap:.2f} s, "
           f"{got.unexplained:.2f} s of it unexplained (allowed {allowed:.2f} s; reference: first token "
           f"{reference.first_token:.2f} s, longest gap {reference.max_gap:.2f} s; explained spans {not_ready:.2f} s)")
-    assert got.tokens == reference.tokens == TOKENS
+    assert got.tokens == reference.tokens == tokens
     assert got.text == reference.text
     assert got.unexplained <= allowed, f"the stream stalled for {got.unexplained:.2f} s with the cluster ready"
 

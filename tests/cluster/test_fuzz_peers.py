@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import os
 import threading
@@ -95,7 +96,10 @@ def peer_node(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
 
 
 # -- generated frames --------------------------------------------------------------------------------------------
+# Strategies drawn from inside others are made once (functools.cache): a strategy checks itself once, and making
+# the recursive one anew for every frame cost more than sending it. The frames drawn are the same.
 
+@functools.cache
 def msgpack_values() -> st.SearchStrategy[Any]:
     scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.floats(),
                         st.text(max_size=20), st.binary(max_size=20),
@@ -163,9 +167,14 @@ def corrupted(draw: st.DrawFn, digest: str, hidden: int) -> bytes:
 @st.composite
 def typed_maps(draw: st.DrawFn) -> bytes:
     """A map of a known type with generated fields (known names or not, values of any shape)."""
-    fields = draw(st.dictionaries(st.one_of(st.sampled_from(FIELD_NAMES), st.text(max_size=8)), msgpack_values(),
-                                  max_size=6))
+    fields = draw(typed_fields())
     return msgpack.packb({**fields, "type": draw(st.sampled_from(sorted(_TYPES)))})
+
+
+@functools.cache
+def typed_fields() -> st.SearchStrategy[dict[Any, Any]]:
+    return st.dictionaries(st.one_of(st.sampled_from(FIELD_NAMES), st.text(max_size=8)), msgpack_values(),
+                           max_size=6)
 
 
 def valid_messages(digest: str, hidden: int) -> st.SearchStrategy[Message]:
