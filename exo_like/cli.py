@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import faulthandler
+import gc
 import logging
 import os
 import signal
@@ -238,3 +239,12 @@ def main(argv: list[str] | None = None) -> None:
     except OSError as e:  # typically: the port is taken
         log.error("cannot serve on %s:%d: %s", args.host, args.port, e)
         sys.exit(1)
+    finally:
+        exit_soon()
+
+
+def exit_soon() -> None:
+    """The node has closed what it holds: what is left of exiting is the interpreter's last collections over every
+    object torch made (about a second here). Frozen, the collector skips them, so a stopped node is gone at once."""
+    logging.shutdown()
+    gc.freeze()

@@ -10,6 +10,7 @@ node starts a new group. The worker also exits when its node's end of the socket
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import selectors
@@ -254,6 +255,7 @@ def main(argv: list[str] | None = None) -> None:
         serve(node, engine, leader_channel)
     finally:
         engine.group.close()
+        gc.freeze()  # the interpreter's last collections over torch's objects would take a second: skipped
 
 
 if __name__ == "__main__":
