@@ -274,8 +274,9 @@ def _rows_for(item: WorkItem, like: Inputs) -> Inputs:
     return np.full(item.count, 7, dtype=np.int64)
 
 
-SEGMENTS = 4  # teacher-forced passages run side by side, a row each per step: decode reads every weight once a
-# step whatever its rows, so four rows cost about what one does (and batched decode is how a node serves)
+SEGMENTS = 10  # teacher-forced passages run side by side, a row each per step: decode reads every weight once a
+# step whatever its rows, so ten rows cost about what one does (and batched decode is how a node serves); 500
+# predicted tokens take 50 steps
 
 
 def teacher_forced(path: Path, dtype: str | None, tokens: list[int], engine_name: str = "torch"

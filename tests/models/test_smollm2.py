@@ -226,7 +226,7 @@ def test_int4_packs_are_read_back_on_every_cpu_capability_this_machine_has() -> 
 def test_smollm2_int4_kernels_agree_with_the_dequantized_path(smollm2, english_tokens, float_run, monkeypatch,
                                                             record_property) -> None:
     """The quality bar of torch's int4 kernel (what a node runs without native kernels), teacher-forced over 500
-    tokens of English (four passages of 125, decoded side by side).
+    tokens of English (ten passages of 50, decoded side by side).
 
     What users care about: the int4-kernel path has a perplexity within 1 % of the float32-dequantized path's.
 
