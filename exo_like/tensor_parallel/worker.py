@@ -245,6 +245,8 @@ def main(argv: list[str] | None = None) -> None:
     if options.threads and options.engine == "torch":
         import torch
         torch.set_num_threads(options.threads)
+    gc.collect()  # the imports live as long as the worker: frozen, a load's collection does not walk them
+    gc.freeze()
     engine.group, leader_channel = form_group(options, key, getattr(engine, "device", None))
     # The group's all-reduce as the planner weighs it (every rank in step, right after forming): a decode step's
     # hidden state of a typical width (the time hardly depends on it at these sizes).

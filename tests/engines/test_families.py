@@ -7,6 +7,7 @@ with ranks of 32, a dense first layer, shared and group-routed experts, YaRN wit
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from functools import cache
 from pathlib import Path
 
@@ -20,8 +21,8 @@ from exo_like.engines.work import BLOCK_SIZE, window_start
 from exo_like.models.config import ModelArgs
 from exo_like.models.shard import Shard
 from tests.checkpoints import (FUSED_ARCHITECTURES, GEMMA_ARCHITECTURES, MLA_ARCHITECTURES, MOE_ARCHITECTURES,
-                               SINK_ARCHITECTURES, PHI3_LONGROPE, make_checkpoint, make_mlx_mxfp4_checkpoint,
-                               make_mxfp4_checkpoint)
+                               SINK_ARCHITECTURES, PHI3_LONGROPE, freeze_what_lives_now, long_lived_objects_frozen,
+                               make_checkpoint, make_mlx_mxfp4_checkpoint, make_mxfp4_checkpoint)
 from tests.engine_driver import Driver, generate_together
 from tests.native_kernels import NATIVE
 
@@ -35,6 +36,13 @@ LONGROPE = {"phi3_longrope": PHI3_LONGROPE}
 N_TOKENS = 48
 CHAINS = {"torch": ("torch",), "mlx": ("mlx",), "torch+mlx+torch": ("torch", "mlx", "torch"),
           "mlx+torch+mlx": ("mlx", "torch", "mlx")}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def collections_skip_long_lived_objects() -> Iterator[None]:
+    """Engines' loads collect garbage; not through the imported libraries, checkpoints, oracles and kept engines."""
+    with long_lived_objects_frozen():
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -55,14 +63,21 @@ def prompts() -> dict[str, np.ndarray]:
 
 
 @cache
-def transformers_greedy(path: Path, prompt: tuple[int, ...], n: int) -> list[int]:
+def transformers_model(path: Path) -> torch.nn.Module:
+    """transformers' float32 model of a checkpoint, loaded once for every oracle call on it."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    freeze_what_lives_now()  # the model and the modeling code its first load imported
+    return model
+
+
+@cache
+def transformers_greedy(path: Path, prompt: tuple[int, ...], n: int) -> list[int]:
     ids = torch.tensor(prompt)[None]
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
-                             min_new_tokens=n, eos_token_id=None, pad_token_id=0)
+        out = transformers_model(path).generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                                max_new_tokens=n, min_new_tokens=n, eos_token_id=None, pad_token_id=0)
     return out[0, ids.shape[1]:].tolist()
 
 
@@ -90,33 +105,51 @@ def greedy_logits(driver: Driver, prompt: np.ndarray, n: int, rid: str = "r") ->
     return tokens, np.stack(logits)
 
 
-def transformers_logits(path: Path, tokens: list[int]) -> np.ndarray:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+@cache
+def transformers_logits(path: Path, tokens: tuple[int, ...]) -> np.ndarray:
+    """transformers' logits at every position of `tokens` (computed once per sequence: every chain of a correct
+    engine decodes the same tokens, so asks for the same sequence)."""
     with torch.no_grad():
-        return model(torch.tensor([tokens])).logits[0].numpy()
+        logits = transformers_model(path)(torch.tensor([tokens])).logits[0].numpy()
+    logits.flags.writeable = False
+    return logits
+
+
+@pytest.fixture(scope="module")
+def chains() -> Callable[[Path, str], list[Engine]]:
+    """(checkpoint, chain name) -> the chain's engines, loaded once and shared by the module's tests: each test
+    drives them through a Driver of its own (fresh block tables over the engines' pools), as the ring serves one
+    request after another on the engines it loaded once."""
+    loaded: dict[tuple[Path, str], list[Engine]] = {}
+
+    def get(path: Path, chain: str) -> list[Engine]:
+        if (path, chain) not in loaded:
+            freeze_what_lives_now()
+            loaded[path, chain] = load_chain(path, CHAINS[chain])
+        return loaded[path, chain]
+
+    return get
 
 
 @pytest.mark.parametrize("chain", CHAINS)
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_greedy_tokens_equal_transformers(family_dirs, prompts, arch, chain):
+def test_greedy_tokens_equal_transformers(family_dirs, chains, prompts, arch, chain):
     """48 greedy tokens after a 40-token prompt, on one engine and split over three (layer 1 of Qwen3-MoE, dense,
     sits on the middle stage), equal transformers' float32 tokens."""
     path = family_dirs[arch]
     expected = transformers_greedy(path, tuple(prompts["a"].tolist()), N_TOKENS)
-    assert greedy(Driver(load_chain(path, CHAINS[chain])), prompts["a"], N_TOKENS) == expected
+    assert greedy(Driver(chains(path, chain)), prompts["a"], N_TOKENS) == expected
     assert len(set(expected)) > 10  # a varied continuation, not a loop on one token
 
 
 @pytest.mark.parametrize("chain", ["torch", "mlx"])
 @pytest.mark.parametrize("arch", ["qwen3_moe", "gemma3_text", "gpt_oss", "deepseek_v3"])
-def test_eight_requests_in_one_batch_equal_each_alone(family_dirs, prompts, arch, chain):
+def test_eight_requests_in_one_batch_equal_each_alone(family_dirs, chains, prompts, arch, chain):
     """Eight requests joining one after another, every active one in each step (prompt chunks of 7 beside decode
     tokens, several decode rows attended together): each request's tokens and logits are its own, as alone.
     Qwen3-MoE: rows of different requests pick different experts in one step, so every expert's rows are gathered
     from across the batch. Gemma 3: each row attends through its own window (8) of its own request."""
-    engines = load_chain(family_dirs[arch], CHAINS[chain])
+    engines = chains(family_dirs[arch], chain)
     n = 10
     together = generate_together(Driver(engines), prompts, n, chunk=7, joins={rid: i for i, rid in enumerate(prompts)})
     assert together.widest == 8 and together.mixed_steps >= 5
@@ -130,13 +163,13 @@ def test_eight_requests_in_one_batch_equal_each_alone(family_dirs, prompts, arch
 @pytest.mark.parametrize("chain", CHAINS)
 @pytest.mark.parametrize("arch", [*GEMMA_ARCHITECTURES, *SINK_ARCHITECTURES, *WINDOWED, *MLA_ARCHITECTURES,
                                   *LONGROPE])
-def test_chunked_prompt_and_decode_give_transformers_logits(family_dirs, prompts, arch, chain):
+def test_chunked_prompt_and_decode_give_transformers_logits(family_dirs, chains, prompts, arch, chain):
     """A 40-token prompt in chunks of 7 (chunks starting past the window of 8), then 12 decode steps: every
     sampled row's logits equal transformers' forward over the whole sequence. (Greedy tokens alone would not
     show a missing window: this checkpoint's soft-capped logits keep the same top token either way.) MLA: the
     absorbed form reassociates transformers' products, so equal to rounding."""
     path = family_dirs[arch]
-    driver = Driver(load_chain(path, CHAINS[chain]))
+    driver = Driver(chains(path, chain))
     prompt = prompts["a"]
     ours, positions = [], []
     for start in range(0, len(prompt), 7):
@@ -145,40 +178,40 @@ def test_chunked_prompt_and_decode_give_transformers_logits(family_dirs, prompts
         positions.append(start + len(chunk) - 1)
     tokens, decoded = greedy_logits(driver, np.array([int(np.argmax(ours[-1]))]), 12)
     sequence = [*prompt.tolist(), int(np.argmax(ours[-1])), *tokens[:-1]]
-    expected = transformers_logits(path, sequence)
+    expected = transformers_logits(path, tuple(sequence))
     positions += list(range(len(prompt), len(prompt) + 12))
     np.testing.assert_allclose(np.concatenate([np.stack(ours), decoded]), expected[positions], rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("engine_name", ["torch", "mlx"])
-def test_latent_attention_caches_one_latent_a_position(family_dirs, engine_name):
+def test_latent_attention_caches_one_latent_a_position(family_dirs, chains, engine_name):
     """DeepSeek's cache: per layer and position the normalised latent (rank 32) and the shared rotated key (8),
     40 values, no value pool; full keys and values would be 4 heads x (24 + 16) = 160."""
     from exo_like.engines.work import BLOCK_SIZE
 
-    engine = load_chain(family_dirs["deepseek_v3"], (engine_name,))[0]
-    engine.allocate_kv(4)
+    engine = chains(family_dirs["deepseek_v3"], engine_name)[0]
+    engine.allocate_kv(4)  # (a later Driver on this engine allocates its own pool again)
     assert engine.kv_block_bytes() == (N_LAYERS * BLOCK_SIZE * 40 * 4, 0)  # (no sliding-window layers)
     assert ModelArgs.from_dir(family_dirs["deepseek_v3"]).kv_layout() == (1, 40, 0)
 
 
-def test_sparse_and_dense_layers_follow_the_config(family_dirs):
+def test_sparse_and_dense_layers_follow_the_config(family_dirs, chains):
     """Qwen3-MoE's `mlp_only_layers` makes layer 1 dense; every other layer is a mixture."""
     args = ModelArgs.from_dir(family_dirs["qwen3_moe"])
     assert [args.is_sparse_layer(i) for i in range(N_LAYERS)] == [True, False, True, True]
     assert (args.moe.n_experts, args.moe.top_k, args.moe.renormalize) == (8, 3, True)
-    engine = load_chain(family_dirs["qwen3_moe"], ("torch",))[0]
+    engine = chains(family_dirs["qwen3_moe"], "torch")[0]
     kinds = [type(layer.mlp).__name__ for layer in engine.model.layers]
     assert kinds == ["SparseMoe", "MLP", "SparseMoe", "SparseMoe"]
 
 
-def test_mixtral_experts_are_read_under_the_shared_names(family_dirs):
+def test_mixtral_experts_are_read_under_the_shared_names(family_dirs, chains):
     """Mixtral's `block_sparse_moe.experts.E.w1/w2/w3` load as the experts' gate, down and up projections: the
     torch engine holds each expert's gate rows then up rows in one matrix."""
     from safetensors import safe_open
 
     path = family_dirs["mixtral"]
-    engine = load_chain(path, ("torch",))[0]
+    engine = chains(path, "torch")[0]
     with safe_open(str(path / "model.safetensors"), "pt") as f:
         w1, w3 = (f.get_tensor(f"model.layers.2.block_sparse_moe.experts.4.{w}.weight") for w in ("w1", "w3"))
         w2 = f.get_tensor("model.layers.2.block_sparse_moe.experts.4.w2.weight")
@@ -208,12 +241,10 @@ def test_what_is_not_supported_is_refused_naming_it(family_dirs, change, named):
 def test_parameter_counts_equal_transformers(family_dirs, arch):
     """Total parameters as transformers holds them (a tied head once); active ones: all but the routed experts
     a token does not run through (n_experts - top_k of them in each sparse layer)."""
-    from transformers import AutoModelForCausalLM
-
     from exo_like.models.parameters import count_parameters
 
     path = family_dirs[arch]
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = transformers_model(path)
     args = ModelArgs.from_dir(path)
     total = sum(p.numel() for p in model.parameters())
     skipped = 0
@@ -236,11 +267,11 @@ def mxfp4_dirs(family_dirs, tmp_path_factory) -> dict[str, Path]:
 
 @pytest.mark.parametrize("chain", ["torch", "mlx", "torch+mlx+torch"])
 @pytest.mark.parametrize("form", ["hub", "mlx"])
-def test_mxfp4_experts_give_transformers_tokens(mxfp4_dirs, prompts, form, chain):
+def test_mxfp4_experts_give_transformers_tokens(mxfp4_dirs, chains, prompts, form, chain):
     """transformers dequantizes the Hub's MXFP4 experts on CPU; float32 here too: torch reads each expert as exact
     5-bit groups and dequantizes them (--dtype float32), MLX runs its mxfp4 kernel with float32 activations."""
     expected = transformers_greedy(mxfp4_dirs["hub"], tuple(prompts["a"].tolist()), N_TOKENS)
-    assert greedy(Driver(load_chain(mxfp4_dirs[form], CHAINS[chain])), prompts["a"], N_TOKENS) == expected
+    assert greedy(Driver(chains(mxfp4_dirs[form], chain)), prompts["a"], N_TOKENS) == expected
     assert len(set(expected)) > 10
 
 
@@ -292,11 +323,12 @@ def test_the_speed_probe_times_a_layer_of_the_models_shapes(family_dirs, arch):
 
 @pytest.mark.parametrize("chain", ["torch", "mlx"])
 @pytest.mark.parametrize("arch", ["gpt_oss", "deepseek_v3"])
-def test_a_request_reusing_another_requests_prefix_blocks_gives_its_own_logits(family_dirs, prompts, arch, chain):
+def test_a_request_reusing_another_requests_prefix_blocks_gives_its_own_logits(family_dirs, chains, prompts, arch,
+                                                                              chain):
     """The prefix cache's situation: request b's block table starts with request a's first two blocks (32
     positions of the same prompt), and b computes only the rest. Sliding windows and sinks (gpt-oss) and the latent
     cache (DeepSeek) read those shared blocks as b's own: its logits equal b's alone."""
-    engines = load_chain(family_dirs[arch], CHAINS[chain])
+    engines = chains(family_dirs[arch], chain)
     shared, rest = prompts["a"][:32], prompts["e"][:9]
     driver = Driver(engines)
     driver.forward("a", prompts["a"])

@@ -7,6 +7,8 @@ import dataclasses
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
+from functools import cache
 from pathlib import Path
 from typing import Callable
 
@@ -29,7 +31,8 @@ from exo_like.errors import InvalidRequestError  # noqa: E402
 from exo_like.models.checkpoint import plan_shard_load, safetensors_header  # noqa: E402
 from exo_like.models.config import ModelArgs  # noqa: E402
 from exo_like.models.shard import Shard  # noqa: E402
-from tests.checkpoints import built_once, make_checkpoint  # noqa: E402
+from tests.checkpoints import (  # noqa: E402
+    built_once, freeze_what_lives_now, long_lived_objects_frozen, make_checkpoint)
 from tests.engine_driver import INVALID_ITEMS, SPEC, Driver, generate_together, invalid_item, steps_meeting  # noqa: E402
 
 N_LAYERS = 6
@@ -51,6 +54,19 @@ CASES = {
     "qwen3": ("qwen3", {}),
 }
 UNEVEN_SHARDS = ((0, 1), (1, 4), (4, N_LAYERS))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def collections_skip_long_lived_objects() -> Iterator[None]:
+    """Engines' loads collect garbage; not through the imported libraries, nor what earlier tests left alive (their
+    checkpoints and oracles' answers; each test's garbage is collected at the next one's start)."""
+    with long_lived_objects_frozen():
+        yield
+
+
+@pytest.fixture(autouse=True)
+def earlier_tests_objects_frozen() -> None:
+    freeze_what_lives_now()
 
 
 @pytest.fixture(scope="session")
@@ -130,15 +146,27 @@ def mlx_lm_config_overrides(model_dir: Path) -> dict | None:
 
 
 def mlx_lm_greedy(model_dir: Path, prompt: np.ndarray) -> list[int]:
+    """mlx-lm's N_TOKENS greedy tokens (computed once per checkpoint and prompt: tests asking again, e.g. for the
+    whole model and for three shards, share the answer)."""
+    return list(mlx_lm_greedy_once(model_dir, tuple(int(t) for t in prompt)))
+
+
+@cache
+def mlx_lm_model(model_dir: Path):
     mlx_lm = pytest.importorskip("mlx_lm", reason="mlx-lm (the test oracle) is not installed")
+    return mlx_lm.load(str(model_dir), model_config=mlx_lm_config_overrides(model_dir))[0]
+
+
+@cache
+def mlx_lm_greedy_once(model_dir: Path, prompt: tuple[int, ...]) -> tuple[int, ...]:
     from mlx_lm.generate import generate_step
 
-    model, _ = mlx_lm.load(str(model_dir), model_config=mlx_lm_config_overrides(model_dir))
     # Driving generate_step directly: it never stops at eos, so all N_TOKENS are compared.
     steps = generate_step(
-        mx.array(prompt), model, max_tokens=N_TOKENS, sampler=lambda logprobs: mx.argmax(logprobs, axis=-1)
+        mx.array(np.array(prompt, dtype=np.int64)), mlx_lm_model(model_dir), max_tokens=N_TOKENS,
+        sampler=lambda logprobs: mx.argmax(logprobs, axis=-1)
     )
-    return [int(token) for token, _ in steps]
+    return tuple(int(token) for token, _ in steps)
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -11,6 +11,7 @@ import logging
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +28,7 @@ from exo_like.errors import InvalidRequestError
 from exo_like.models.checkpoint import INDEX_FILE, safetensors_header
 from exo_like.models.config import ModelArgs
 from exo_like.models.shard import Shard
-from tests.checkpoints import ARCHITECTURES, make_checkpoint
+from tests.checkpoints import ARCHITECTURES, freeze_what_lives_now, long_lived_objects_frozen, make_checkpoint
 from tests.engine_driver import INVALID_ITEMS, SPEC, Driver, generate_together, invalid_item, steps_meeting
 
 N_LAYERS = 6
@@ -44,6 +45,19 @@ OTHER_TEXTS = (
     "A ring of nodes, each holding some layers of one model, passes hidden states along; the last one samples the "
     "next token and sends it back to the first.",
 )
+
+
+@pytest.fixture(scope="module", autouse=True)
+def collections_skip_long_lived_objects() -> Iterator[None]:
+    """Engines' loads collect garbage; not through the imported libraries, nor what earlier tests left alive (their
+    checkpoints and oracles' answers; each test's garbage is collected at the next one's start)."""
+    with long_lived_objects_frozen():
+        yield
+
+
+@pytest.fixture(autouse=True)
+def earlier_tests_objects_frozen() -> None:
+    freeze_what_lives_now()
 
 
 @pytest.fixture(scope="session")
@@ -74,9 +88,17 @@ def hf_model(path: Path, dtype: torch.dtype) -> torch.nn.Module:
 
 def hf_generate(path: Path, prompt: np.ndarray, n: int, dtype: torch.dtype = torch.float32
                 ) -> tuple[list[int], np.ndarray]:
-    """transformers' greedy tokens and per-step logits (eos stopping off: all n tokens)."""
+    """transformers' greedy tokens and per-step logits (eos stopping off: all n tokens); computed once per
+    checkpoint, prompt, length and dtype (the batched test asks the same for the whole model and three shards)."""
+    tokens, logits = hf_generate_once(path, tuple(int(t) for t in prompt), n, dtype)
+    return list(tokens), logits
+
+
+@functools.cache
+def hf_generate_once(path: Path, prompt: tuple[int, ...], n: int, dtype: torch.dtype
+                     ) -> tuple[tuple[int, ...], np.ndarray]:
     model = hf_model(path, dtype)
-    ids = torch.from_numpy(prompt)[None]
+    ids = torch.tensor([prompt], dtype=torch.int64)
     out = model.generate(
         ids,
         attention_mask=torch.ones_like(ids),
@@ -88,7 +110,9 @@ def hf_generate(path: Path, prompt: np.ndarray, n: int, dtype: torch.dtype = tor
         output_logits=True,
         return_dict_in_generate=True,
     )
-    return out.sequences[0, len(prompt) :].tolist(), torch.cat(out.logits).float().numpy()
+    logits = torch.cat(out.logits).float().numpy()
+    logits.flags.writeable = False  # shared by every caller
+    return tuple(out.sequences[0, len(prompt) :].tolist()), logits
 
 
 @pytest.fixture(scope="session")

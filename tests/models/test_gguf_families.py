@@ -9,6 +9,7 @@ the file holds."""
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from exo_like.models.config import ModelArgs, rope_attention_factor  # noqa: E40
 from exo_like.models.gguf.file import open_gguf  # noqa: E402
 from tests.checkpoints import (  # noqa: E402
     FUSED_ARCHITECTURES, GEMMA_ARCHITECTURES, MLA_ARCHITECTURES, MOE_ARCHITECTURES, PHI3_LONGROPE,
-    SINK_ARCHITECTURES, make_checkpoint)
+    SINK_ARCHITECTURES, freeze_what_lives_now, long_lived_objects_frozen, make_checkpoint)
 from tests.engine_driver import engine_greedy  # noqa: E402
 from tests.gguf_checkpoints import write_gguf  # noqa: E402
 from tests.oracle import Oracle, gguf_dequantized_greedy  # noqa: E402
@@ -56,6 +57,19 @@ K_OVERRIDES = {
 }
 
 
+@pytest.fixture(scope="module", autouse=True)
+def collections_skip_long_lived_objects() -> Iterator[None]:
+    """Engines' loads collect garbage; not through the imported libraries, nor what earlier tests left alive (their
+    checkpoints, files and oracles' answers; each test's garbage is collected at the next one's start)."""
+    with long_lived_objects_frozen():
+        yield
+
+
+@pytest.fixture(autouse=True)
+def earlier_tests_objects_frozen() -> None:
+    freeze_what_lives_now()
+
+
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe-gguf")
@@ -75,7 +89,15 @@ def folders(tmp_path_factory):
 
 @cache
 def transformers_tokens(folder: Path) -> list[int]:
-    return Oracle(folder).generate(tuple(PROMPT), N_TOKENS)
+    tokens = Oracle(folder).generate(tuple(PROMPT), N_TOKENS)
+    freeze_what_lives_now()  # the modeling code transformers imported: the engines' loads need not walk it
+    return tokens
+
+
+def dequantized_tokens(path: Path, config_dir: Path) -> list[int]:
+    tokens = gguf_dequantized_greedy(path, config_dir, PROMPT, N_TOKENS)
+    freeze_what_lives_now()
+    return tokens
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
@@ -104,7 +126,7 @@ def test_a_quantized_file_dequantized_gives_transformers_tokens_on_its_values(fo
     """--dtype float32 on a quantized file: each expert dequantized from its own bytes of the stack."""
     folder, gguf = folders
     path = gguf(arch, kind)
-    expected = gguf_dequantized_greedy(path, folder(arch, kind.endswith("_K")), PROMPT, N_TOKENS)
+    expected = dequantized_tokens(path, folder(arch, kind.endswith("_K")))
     engines = ["torch", "mlx"] if HAS_MLX else ["torch"]
     assert engine_greedy(path, engines, PROMPT, N_TOKENS, dtype="float32") == expected
     assert len(set(expected)) > 10
@@ -142,7 +164,7 @@ def test_mxfp4_experts_read_exactly_and_stay_quantized(folders) -> None:
 
     folder, gguf = folders
     path = gguf("gpt_oss", "MXFP4")
-    expected = gguf_dequantized_greedy(path, folder("gpt_oss", False), PROMPT, N_TOKENS)
+    expected = dequantized_tokens(path, folder("gpt_oss", False))
     engines = ["torch", "mlx"] if HAS_MLX else ["torch"]
     assert engine_greedy(path, engines, PROMPT, N_TOKENS, dtype="float32") == expected
     args = ModelArgs.from_dict(open_gguf(path).config())
