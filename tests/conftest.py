@@ -7,12 +7,18 @@
 - Order: files holding a test marked `slow` (over ~12 s alone) run first. Workers take a file at a time, so the
   long files then start early and the run ends on short ones, not on one worker finishing a long file alone.
   (`-m "not slow"` runs the rest, for a quick look.)
+- Collections: at each test file's start, what lives then (the imports of torch, transformers and mlx: hundreds of
+  thousands of objects; session fixtures) is frozen out of the garbage collector's passes (gc.freeze), after the
+  garbage of the file before is collected. An engine's load runs a full collection (engines/base.py), which
+  otherwise walked all of it, half a second a load. Files that freeze more (tests/checkpoints.py
+  long_lived_objects_frozen) unfreeze and collect all at their end; the next file's start freezes again.
 - Figures a test measures (as `record_property("report", line)`) are printed at the end of the run, passed or
   failed, so `make test` shows them without -s (the int4 quality test's perplexities, for one).
 """
 
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
@@ -29,6 +35,12 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     with_slow_tests = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in with_slow_tests)  # stable: a file's tests stay together, in order
+
+
+@pytest.fixture(scope="module", autouse=True)
+def what_lives_at_a_files_start_frozen() -> None:
+    gc.collect()  # walks only what was made since the last freeze
+    gc.freeze()
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
