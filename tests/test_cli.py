@@ -28,9 +28,10 @@ def demo_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def demo_node(demo_home: Path):  # type: ignore[no-untyped-def]
+    """Shared by the tests that ask it; the last of them (test_sigint_shuts_down_gracefully) stops it."""
     process = start_node(demo_home, "demo")
     yield process
-    assert process.stop() == 0, process.log()
+    assert process.stop() == 0, process.log()  # (at once when that test has stopped it: its exit code)
 
 
 def curl(url: str, *args: str) -> tuple[int, str]:
@@ -90,8 +91,9 @@ def test_log_lines_carry_the_node_id(demo_node: NodeProcess) -> None:
     assert any("serving the OpenAI API" in line for line in lines)
 
 
-def test_sigint_shuts_down_gracefully(demo_home: Path) -> None:
-    process = start_node(demo_home, "demo")
+def test_sigint_shuts_down_gracefully(demo_node: NodeProcess) -> None:
+    """On the shared node, after the other tests that ask it (a node started for this alone would cost a start)."""
+    process = demo_node
     assert process.stop(signal.SIGINT) == 0, process.log()
     assert "shutting down" in process.log() and "node stopped" in process.log()
     assert "Traceback" not in process.log()

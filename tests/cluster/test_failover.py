@@ -8,6 +8,10 @@ against the uninterrupted run's first token and longest gap in the same test. No
 machine lengthens both sides alike.
 
 In-process tests of the same logic, with every ordering under control: tests/serving/test_replay.py.
+
+Starting nodes is most of what these cost: one cluster of three serves the tests that use it in turn (each starts
+again, as it was started, a member the test before killed; a test that adds a node stops it again), and two of them
+the last test.
 """
 
 from __future__ import annotations
@@ -22,9 +26,9 @@ from typing import Any, Callable
 import pytest
 
 from exo_like.cluster.peers import DEFAULT_PEER_TIMEOUT
-from tests.api_server import NodeProcess, start_node, stop_nodes
+from tests.api_server import NodeProcess, launch_node, start_node, stop_nodes
 from tests.checkpoints import make_checkpoint
-from tests.cluster_harness import BY_MEMORY, LateRelay, cluster_of, start_cluster, wait_until_ready
+from tests.cluster_harness import BY_MEMORY, LateRelay, cluster_of, launch_member, start_cluster, wait_until_ready
 
 PROMPT = "Tell me a long story about a lighthouse."
 TOKENS = 200
@@ -99,18 +103,52 @@ def seven_layers(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "llama7", "llama", n_layers=7, max_shard_size="200KB")
 
 
-@pytest.fixture
-def three_nodes(seven_layers: Path, tmp_path: Path):
-    # Placed by memory (4, 2 and 1 layers): every node a stage, so a kill always costs the ring one. By measured
-    # speed one fast node may rightly hold all seven tiny layers.
-    nodes = start_cluster(tmp_path, str(seven_layers), [6, 3, 1], extra=BY_MEMORY)
+# Placed by memory (4, 2 and 1 layers): every node a stage, so a kill always costs the ring one. By measured speed
+# one fast node may rightly hold all seven tiny layers.
+THREE_MEMORIES = [6, 3, 1]
+
+
+class SharedThree:
+    """The module's three nodes; a member lost (killed by a test) can be started again as it was started: its home,
+    so its node id, its port and its memory, so the ring and its split are those of a cluster started afresh."""
+
+    def __init__(self, root: Path, model_dir: Path):
+        self.root, self.model_dir = root, model_dir
+        self.nodes = start_cluster(root, str(model_dir), THREE_MEMORIES, extra=BY_MEMORY)
+
+    def restart_lost(self) -> None:
+        ports = [node.port for node in self.nodes]
+        lost = [i for i, node in enumerate(self.nodes) if node.process.poll() is not None]
+        launched = {i: launch_member(self.root, str(self.model_dir), ports, i, THREE_MEMORIES[i], extra=BY_MEMORY)
+                    for i in lost}
+        try:
+            for i, started in launched.items():
+                self.nodes[i] = started.serving()
+        except BaseException:
+            for started in launched.values():
+                started.stop()
+            raise
+
+
+@pytest.fixture(scope="module")
+def shared_three(seven_layers: Path, tmp_path_factory: pytest.TempPathFactory):
+    cluster = SharedThree(tmp_path_factory.mktemp("three"), seven_layers)
     try:
-        wait_until_ready(nodes, members=3)
-        yield nodes
+        yield cluster
     finally:
-        for node in nodes:
+        stop_nodes(cluster.nodes)
+
+
+@pytest.fixture
+def three_nodes(shared_three: SharedThree):
+    """The shared three nodes, every one running and the ring of three ready, as a cluster started for the test."""
+    shared_three.restart_lost()
+    try:
+        wait_until_ready(shared_three.nodes, members=3)
+        yield list(shared_three.nodes)
+    finally:
+        for node in shared_three.nodes:
             node.signal(signal.SIGCONT)  # a test that failed while a node was stopped
-        stop_nodes(nodes)
 
 
 def stream(node: NodeProcess, model: str, at: int = BREAK_AT, action: Callable[[], Any] | None = None,
@@ -181,16 +219,36 @@ def steps_run(node: NodeProcess) -> float:
     return float(line.split()[-1])
 
 
+# First the test with a cluster of its own, so the shared one is not started (idle) beside it.
+
+def test_when_the_rest_cannot_hold_the_model_the_request_ends_saying_why(seven_layers: Path, tmp_path: Path) -> None:
+    import openai
+
+    nodes = start_cluster(tmp_path, str(seven_layers), [0.0012, 0.0012])  # ~1.3 MB each: the model needs both
+    try:
+        wait_until_ready(nodes, members=2)
+        with pytest.raises(openai.APIError) as failure:  # in the stream: the response had begun
+            stream(nodes[0], seven_layers.name, action=kill(nodes[1]))
+        assert failure.value.code == "plan_unavailable"
+        message = str(failure.value)
+        assert "node node1 (" in message and "left the cluster during the request" in message
+        assert "could not be resumed on the remaining nodes: the model does not fit" in message
+    finally:
+        stop_nodes(nodes)
+
+
 @pytest.mark.parametrize("origin, lost", [(0, 1), (0, 2), (2, 0)], ids=["middle", "last", "first-not-origin"])
 def test_a_stage_killed_mid_stream_costs_the_request_nothing(three_nodes, seven_layers: Path, origin: int,
                                                              lost: int) -> None:
     lost_id = three_nodes[lost].get_json("/health")["node_id"]
+    # The origin's counts from earlier tests on the shared cluster: exactly one replay more, none in the reference.
+    before = replays(three_nodes[origin])
     reference = stream(three_nodes[origin], seven_layers.name)
     got = stream(three_nodes[origin], seven_layers.name, action=kill(three_nodes[lost]))
     check_against(reference, got, f"stage {lost} killed")
-    assert replays(three_nodes[origin]) == 1
+    assert replays(three_nodes[origin]) == before + 1
     _, _, metrics = three_nodes[origin].request("GET", "/metrics")
-    assert "exo_like:request_replays_total 1.0" in metrics.decode().splitlines()
+    assert f"exo_like:request_replays_total {float(before + 1)}" in metrics.decode().splitlines()
     assert lost_id not in stage_ids(three_nodes[origin])
 
 
@@ -223,47 +281,6 @@ def test_a_node_joining_mid_stream_reforms_the_ring_under_the_request(three_node
 
 
 @pytest.mark.slow
-def test_a_node_joining_through_one_member_and_members_leaving_cost_the_stream_nothing(seven_layers: Path,
-                                                                                      tmp_path: Path) -> None:
-    """Two nodes with each other in --peers; a third given only the first's address (a bootstrap address, as users
-    give one across subnets and VPNs) links with it in the middle of a stream. Peer exchange must link it with the
-    second node too, and all three must plan over the same membership: the stream ends as on a cluster that did not
-    change, and all agree. (Before, the second node never heard of the third: three plans over three memberships,
-    and the stream ended with 503 plan_unavailable.) Then the second node, which the third knows only from the
-    first, stops (SIGTERM), and the third is killed, each in the middle of a stream."""
-    first, second = start_cluster(tmp_path, str(seven_layers), [6, 4], extra=BY_MEMORY)
-    nodes = [first, second]
-    relay = LateRelay(first.port)  # the newcomer's one peer address: it reaches the first node once opened
-    try:
-        nodes.append(start_node(tmp_path / "home2", str(seven_layers), "--no-mdns", "--peers",
-                                f"127.0.0.1:{relay.port}", "--memory-gb", "2", "--node-name", "node2",
-                                "--engine", "torch", "--dtype", "float32", *BY_MEMORY))
-        newcomer = nodes[2]
-        wait_until_ready([first, second], members=2)
-        reference = stream(first, seven_layers.name)
-        relay.wait_for_dial()  # the newcomer's dial waits at the relay: opening it links them at that moment
-        got = stream(first, seven_layers.name, action=relay.open)
-        print(f"the join replayed the request {replays(first)} time(s)")
-        check_against(reference, got, "a third node joined through the first")
-        wait_until_ready(nodes, members=3)
-        views = [cluster_of(node) for node in nodes]
-        assert len({frozenset(n["id"] for n in view["nodes"]) for view in views}) == 1
-        assert len({view["plan"]["digest"] for view in views}) == 1 and all(view["agreed"] for view in views)
-
-        got = stream(first, seven_layers.name, action=lambda: second.process.send_signal(signal.SIGTERM))
-        check_against(reference, got, "the second node stopped")
-        assert second.process.wait(timeout=30) == 0
-        wait_until_ready([first, newcomer], members=2)
-
-        got = stream(first, seven_layers.name, action=kill(newcomer))
-        check_against(reference, got, "the third node killed")
-        wait_until_ready([first], members=1)
-    finally:
-        relay.close()
-        stop_nodes(nodes)
-
-
-@pytest.mark.slow
 def test_a_frozen_stage_is_dropped_and_rejoins_once_it_wakes(three_nodes, seven_layers: Path) -> None:
     """SIGSTOP until the request has finished on the other two nodes (so it did not wait for the frozen one); after
     SIGCONT the node links again, the ring re-forms with it, and the next request runs through its layers."""
@@ -282,17 +299,52 @@ def test_a_frozen_stage_is_dropped_and_rejoins_once_it_wakes(three_nodes, seven_
     assert steps_run(frozen) > steps_before  # its layers ran the request
 
 
-def test_when_the_rest_cannot_hold_the_model_the_request_ends_saying_why(seven_layers: Path, tmp_path: Path) -> None:
-    import openai
+@pytest.mark.slow
+def test_a_node_joining_through_one_member_and_members_leaving_cost_the_stream_nothing(shared_three: SharedThree,
+                                                                                      seven_layers: Path,
+                                                                                      tmp_path: Path) -> None:
+    """Two nodes with each other in --peers; a third given only the first's address (a bootstrap address, as users
+    give one across subnets and VPNs) links with it in the middle of a stream. Peer exchange must link it with the
+    second node too, and all three must plan over the same membership: the stream ends as on a cluster that did not
+    change, and all agree. (Before, the second node never heard of the third: three plans over three memberships,
+    and the stream ended with 503 plan_unavailable.) Then the second node, which the third knows only from the
+    first, stops (SIGTERM), and the third is killed, each in the middle of a stream.
 
-    nodes = start_cluster(tmp_path, str(seven_layers), [0.0012, 0.0012])  # ~1.3 MB each: the model needs both
+    The two are the module's node0 and node1 (6 and 3 GiB), last: its node2 stopped first (their --peers still
+    name its address, where nothing answers now)."""
+    shared_three.restart_lost()
+    first, second, gone = shared_three.nodes
+    for node in shared_three.nodes:
+        node.signal(signal.SIGCONT)  # a test before that failed while a node was stopped
+    relay = LateRelay(first.port)  # the newcomer's one peer address: it reaches the first node once opened
+    # Started while node2 stops (its dials wait at the relay, unanswered, until it opens).
+    launched = launch_node(tmp_path / "home-newcomer", str(seven_layers), "--no-mdns", "--peers",
+                           f"127.0.0.1:{relay.port}", "--memory-gb", "2", "--node-name", "newcomer",
+                           "--engine", "torch", "--dtype", "float32", *BY_MEMORY)
     try:
-        wait_until_ready(nodes, members=2)
-        with pytest.raises(openai.APIError) as failure:  # in the stream: the response had begun
-            stream(nodes[0], seven_layers.name, action=kill(nodes[1]))
-        assert failure.value.code == "plan_unavailable"
-        message = str(failure.value)
-        assert "node node1 (" in message and "left the cluster during the request" in message
-        assert "could not be resumed on the remaining nodes: the model does not fit" in message
+        assert stop_nodes([gone]) == [0], gone.log()
+        wait_until_ready([first, second], members=2)
+        newcomer = launched.serving()
+        nodes = [first, second, newcomer]
+        reference = stream(first, seven_layers.name)
+        relay.wait_for_dial()  # the newcomer's dial waits at the relay: opening it links them at that moment
+        before = replays(first)
+        got = stream(first, seven_layers.name, action=relay.open)
+        print(f"the join replayed the request {replays(first) - before} time(s)")
+        check_against(reference, got, "a third node joined through the first")
+        wait_until_ready(nodes, members=3)
+        views = [cluster_of(node) for node in nodes]
+        assert len({frozenset(n["id"] for n in view["nodes"]) for view in views}) == 1
+        assert len({view["plan"]["digest"] for view in views}) == 1 and all(view["agreed"] for view in views)
+
+        got = stream(first, seven_layers.name, action=lambda: second.process.send_signal(signal.SIGTERM))
+        check_against(reference, got, "the second node stopped")
+        assert second.process.wait(timeout=30) == 0
+        wait_until_ready([first, newcomer], members=2)
+
+        got = stream(first, seven_layers.name, action=kill(newcomer))
+        check_against(reference, got, "the third node killed")
+        wait_until_ready([first], members=1)
     finally:
-        stop_nodes(nodes)
+        relay.close()
+        launched.stop()  # (the module's nodes: stopped with the module)

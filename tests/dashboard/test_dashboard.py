@@ -4,7 +4,8 @@ Three nodes on loopback (6, 3 and 1 GiB over a 7-layer checkpoint), the page ope
 /v1/cluster says, follow a node's death without a reload, chat with the same greedy answer as the API, stop a
 request everywhere, look the same from every node, and come back by itself when its node restarts. A plan with a
 tensor-parallel group is drawn from the picture of an in-process cluster, served by the dashboard's own routes
-(no nodes: a group needs worker processes, and what is checked is the drawing).
+(no nodes: a group needs worker processes, and what is checked is the drawing). Starting nodes is most of what
+these cost: the three nodes serve every test that needs them, the one that kills a node last.
 Screenshots go to artifacts/; any console error fails the test that caused it.
 """
 
@@ -73,9 +74,11 @@ def seven_layers(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def three_nodes(seven_layers: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[NodeProcess]]:
     """Placed by memory, so every node holds layers (4, 2 and 1): the split follows from the memories set here.
-    By measured speed one fast node may rightly take all seven (a hop costs more than a tiny layer)."""
+    By measured speed one fast node may rightly take all seven (a hop costs more than a tiny layer). An hour's
+    --peer-timeout, so a loss shown at all was seen from the closed connection (the last test using these nodes
+    kills one)."""
     nodes = start_cluster(tmp_path_factory.mktemp("dashboard"), str(seven_layers), [6, 3, 1],
-                          extra=("--placement", "memory"))
+                          extra=("--placement", "memory", "--peer-timeout", "3600"))
     wait_until_ready(nodes, members=3)
     yield nodes
     stop_nodes(nodes)
@@ -83,10 +86,11 @@ def three_nodes(seven_layers: Path, tmp_path_factory: pytest.TempPathFactory) ->
 
 @pytest.fixture
 def speed_placed_nodes(seven_layers: Path, tmp_path: Path) -> Iterator[list[NodeProcess]]:
-    """The same three nodes placed by their measured speed (the default)."""
-    nodes = start_cluster(tmp_path, str(seven_layers), [6, 3, 1])
+    """Nodes placed by their measured speed (the default): two of them, as what the test checks is per node (each
+    node's speed, each holder's share, each node left out) and a node fewer is a process start less."""
+    nodes = start_cluster(tmp_path, str(seven_layers), [6, 3])
     try:
-        wait_until_ready(nodes, members=3)
+        wait_until_ready(nodes, members=2)
         yield nodes
     finally:
         stop_nodes(nodes)
@@ -184,158 +188,6 @@ def open_settings(dashboard: Dashboard, temperature: str = "", max_tokens: str =
 
 # -- tests --------------------------------------------------------------------------------------------------
 
-def test_page_lists_the_nodes_their_memory_and_layers_as_v1_cluster_does(three_nodes: list[NodeProcess],
-                                                                         open_page, seven_layers: Path) -> None:
-    dashboard = open_page(three_nodes[0])
-    wait_for_ready_cards(dashboard, 3)
-    view = cluster_of(three_nodes[0])
-    nodes = {n["id"]: n for n in view["nodes"]}
-    stages = view["plan"]["stages"]
-    cards = dashboard.cards()
-    assert [c["id"] for c in cards] == [s["node_id"] for s in stages]  # pipeline order
-    for card, stage in zip(cards, stages):
-        node = nodes[stage["node_id"]]
-        assert card["name"] == node["name"]
-        assert (card["start"], card["end"]) == (stage["start_layer"], stage["end_layer"])
-        layers = format_layers(stage["start_layer"], stage["end_layer"])
-        assert f"{layers} · {stage['end_layer'] - stage['start_layer']} of 7" in card["text"]
-        assert f"{format_bytes(node['used_bytes'])} used of {format_bytes(node['memory_bytes'])}" in card["text"]
-        assert node["address"] in card["text"] and card["you"] == (node["id"] == view["node_id"])
-    assert [c["name"] for c in cards] == ["node0", "node1", "node2"]
-    assert "6.0 GiB" in cards[0]["text"] and "1.0 GiB" in cards[2]["text"]
-    assert "10.0 GiB" in dashboard.tile("memory")
-    assert view["plan"]["digest"] in dashboard.tile("agreement") and "agreed" in dashboard.tile("agreement")
-    assert seven_layers.name in dashboard.tile("model") and "7 layers" in dashboard.tile("model")
-    assert "default" in dashboard.tile("key")
-    ring = dashboard.page.eval_on_selector_all("#ring .bubble", "els => els.map(e => e.dataset.nodeId)")
-    assert ring == [s["node_id"] for s in stages]
-    assert dashboard.page.locator("#ring path.link[marker-end]").count() == 3  # one arrow per hop, back to the start
-    assert dashboard.page.get_attribute("#ring .bubble.me", "data-node-id") == view["node_id"]
-
-
-def test_every_node_serves_the_same_view(three_nodes: list[NodeProcess], open_page) -> None:
-    dashboards = [open_page(node) for node in three_nodes]
-    for node, dashboard in zip(three_nodes, dashboards):
-        wait_for_ready_cards(dashboard, 3)
-        assert [c["id"] for c in dashboard.cards() if c["you"]] == [cluster_of(node)["node_id"]]
-
-    def views() -> list[tuple]:
-        return [([(c["id"], c["name"], c["status"], c["start"], c["end"]) for c in dashboard.cards()],
-                 dashboard.tile("agreement"), dashboard.tile("memory")) for dashboard in dashboards]
-
-    # Compared side by side until they settle: the ring tile's predicted time per token follows the links'
-    # lowest round trips, which fall as samples come in (on a busy machine the first ones are slow), and each
-    # node shows the change once the announcement reaches it.
-    def alike() -> bool:
-        seen = views()
-        return all(view == seen[0] for view in seen)
-
-    assert wait_for(alike, timeout=20), views()
-
-
-def test_chat_streams_the_same_greedy_answer_as_the_api(three_nodes: list[NodeProcess], open_page,
-                                                        seven_layers: Path) -> None:
-    dashboard = open_page(three_nodes[1])
-    wait_for_ready_cards(dashboard, 3)
-    page = dashboard.page
-    page.wait_for_selector("#chat-model option", state="attached")
-    assert page.input_value("#chat-model") == seven_layers.name  # the picker lists /v1/models
-    open_settings(dashboard, temperature="0", max_tokens=str(MAX_TOKENS))
-    page.fill("#chat-input", PROMPT)
-    page.press("#chat-input", "Enter")
-    page.wait_for_selector(".msg.assistant[data-state=done]", timeout=60_000)
-    streamed = page.eval_on_selector(".msg.assistant .msg-text", "e => e.textContent")
-    answer = greedy_chat(three_nodes[1], seven_layers.name, PROMPT, MAX_TOKENS)
-    assert streamed == answer["choices"][0]["message"]["content"]
-    meta = page.inner_text(".msg.assistant .msg-meta")
-    assert f"{answer['usage']['completion_tokens']} tokens" in meta and "first token" in meta, meta
-    assert page.inner_text(".msg.user .msg-text") == PROMPT
-    # Settled before the screenshot: both requests finished on every node.
-    dashboard.wait_for("() => document.querySelector('[data-tile=requests]').textContent.includes('0 in flight')"
-                       " && [...document.querySelectorAll('#nodes .node')].every(c => c.dataset.status === 'ready')")
-    dashboard.screenshot("dashboard-1280x800.png", DESKTOP)
-    dashboard.screenshot("dashboard-390x844.png", PHONE)
-    dashboard.screenshot("dashboard-390-full.png", PHONE, full_page=True)
-
-
-def test_stop_cancels_the_request_on_every_node(three_nodes: list[NodeProcess], open_page) -> None:
-    dashboard = open_page(three_nodes[0])
-    wait_for_ready_cards(dashboard, 3)
-    page = dashboard.page
-    page.wait_for_selector("#chat-model option", state="attached")
-    open_settings(dashboard, max_tokens="100000", ignore_eos=True)  # far longer than the test waits
-    page.fill("#chat-input", "Write a very long poem.")
-    page.click("#chat-send")
-    text = ".msg.assistant[data-state=streaming] .msg-text"
-    dashboard.wait_for(f"() => document.querySelector('{text}')?.textContent.length > 0", timeout=30)
-    first = len(page.eval_on_selector(text, "e => e.textContent"))
-    dashboard.wait_for(f"n => document.querySelector('{text}')?.textContent.length > n", first)  # it streams
-    # While it runs, every node's card is busy with a live rate and its layers' time per token: numbers shared
-    # in the announcements.
-    dashboard.wait_for("() => { const cards = [...document.querySelectorAll('#nodes .node')];"
-                       " return cards.length === 3 && cards.every(c => c.dataset.status === 'busy'"
-                       " && c.querySelector('.node-tps').textContent !== '0 tok/s'"
-                       " && /^[0-9.]+ ms per token$/.test(c.querySelector('.node-step')?.textContent ?? '')); }")
-    assert "1 in flight" in dashboard.tile("requests")
-    assert three_nodes[0].get_json("/v1/debug/requests")["in_flight_requests"] == 1
-    dashboard.screenshot("dashboard-generating-1280x800.png", DESKTOP)
-    page.click("#chat-stop")
-    page.wait_for_selector(".msg.assistant[data-state=stopped]", timeout=5_000)
-    assert page.is_visible("#chat-send") and not page.is_visible("#chat-stop")
-    assert page.inner_text(".msg.assistant .msg-meta").startswith("Stopped.")
-
-    def stopped_everywhere() -> list[dict[str, Any]] | None:
-        debug = [node.get_json("/v1/debug/requests") for node in three_nodes]
-        idle = all(d["in_flight_requests"] == 0 and d["requests"] == [] and d["active_kv_caches"] == 0 for d in debug)
-        return debug if idle else None
-
-    assert wait_for(stopped_everywhere, timeout=5), [n.get_json("/v1/debug/requests") for n in three_nodes]
-    dashboard.wait_for("() => [...document.querySelectorAll('#nodes .node')].every(c => c.dataset.status === 'ready')")
-
-
-def test_a_downloading_node_says_how_far_it_is(three_nodes: list[NodeProcess], open_page) -> None:
-    """The page's own status rules, run in the browser on the download object /v1/cluster reports per node."""
-    dashboard = open_page(three_nodes[0])
-    result = dashboard.page.evaluate("""async () => {
-        const m = await import('/dashboard/topology.js');
-        const downloading = {status: 'loading', busy: false, problem: null,
-                             download: {state: 'downloading', percent: 42.7}};
-        const finished = {...downloading, download: {state: 'done', percent: 100}};
-        const failing = {...downloading, problem: 'cannot reach the hub'};
-        const status = m.displayStatus(downloading);
-        return [status, m.statusLabel(downloading, status), m.displayStatus(finished), m.displayStatus(failing)];
-    }""")
-    assert result == ["downloading", "downloading 42 %", "loading", "problem"]
-
-
-def test_a_node_long_inside_one_step_says_so(three_nodes: list[NodeProcess], open_page) -> None:
-    """A hung engine keeps its node alive: the page tells it apart from an ordinary busy node by step_seconds."""
-    dashboard = open_page(three_nodes[0])
-    result = dashboard.page.evaluate("""async () => {
-        const m = await import('/dashboard/topology.js');
-        const computing = {status: 'ready', busy: true, problem: null, step_seconds: 0.4};
-        const stuck = {...computing, step_seconds: 42.9};
-        const status = m.displayStatus(stuck);
-        return [m.displayStatus(computing), status, m.statusLabel(stuck, status)];
-    }""")
-    assert result == ["busy", "slow-step", "one step for 42 s"]
-
-
-def test_a_request_recovering_from_a_lost_node_says_which_node_it_lost(three_nodes: list[NodeProcess],
-                                                                       open_page) -> None:
-    """The card of the node whose clients' requests are paused names the node they lost; a banner says it too."""
-    dashboard = open_page(three_nodes[0])
-    result = dashboard.page.evaluate("""async () => {
-        const m = await import('/dashboard/topology.js');
-        return [m.recoveryText({recovering: {node1: 2}, replays: 3}), m.recoveryText({recovering: {}, replays: 1}),
-                m.recoveryText({recovering: {'': 1}, replays: 1}), m.recoveryText({recovering: {}, replays: 0})];
-    }""")
-    assert result == ["2 requests recovering: lost node1, replaying on the re-formed ring · 3 requests resumed after "
-                      "a lost node or a re-plan", "1 request resumed after a lost node or a re-plan",
-                      "1 request recovering: the ring re-formed, replaying · 1 request resumed after a lost node or "
-                      "a re-plan", None]
-
-
 def test_a_node_card_says_its_measured_speed_its_share_and_the_bottleneck(speed_placed_nodes: list[NodeProcess],
                                                                           open_page) -> None:
     """Placement by speed, shown: the page's text functions on what /v1/cluster reports per node, and the cards of
@@ -359,7 +211,7 @@ def test_a_node_card_says_its_measured_speed_its_share_and_the_bottleneck(speed_
                       "measuring its speed…", "cannot measure its speed: no kernel", None,
                       "nas holds no layers: with it the slowest stage takes 9.00 ms per token, without it 4.00 ms."]
     view = cluster_of(speed_placed_nodes[0])
-    wait_for_ready_cards(dashboard, 3)
+    wait_for_ready_cards(dashboard, len(speed_placed_nodes))
     cards = {card["id"]: card["text"] for card in dashboard.cards()}
     # Which nodes hold layers is the placement's call (on one machine a hop may cost more than a tiny layer):
     # each holder shows its share, each node left out says why.
@@ -375,41 +227,6 @@ def test_a_node_card_says_its_measured_speed_its_share_and_the_bottleneck(speed_
                        ".includes(`${name} holds no layers`))", left_out)
     assert "bottleneck" in cards[view["placement"]["bottleneck"]]
     assert view["placement"]["why"] in dashboard.tile("agreement")
-
-
-@pytest.fixture
-def fresh_three_nodes(seven_layers: Path, tmp_path: Path) -> Iterator[list[NodeProcess]]:
-    """A cluster of its own for a test that kills a node (requested before open_page: pages close first). Placed
-    by memory, so the split follows from the memories set here, not from how busy the machine was while each
-    node timed itself; an hour's --peer-timeout, so a loss shown at all was seen from the closed connection."""
-    nodes = start_cluster(tmp_path, str(seven_layers), [6, 3, 1],
-                          extra=("--placement", "memory", "--peer-timeout", "3600"))
-    wait_until_ready(nodes, members=3)
-    yield nodes
-    stop_nodes(nodes)
-
-
-def test_a_killed_node_shows_unreachable_and_the_new_layer_ranges_at_once(fresh_three_nodes: list[NodeProcess],
-                                                                          open_page) -> None:
-    nodes = fresh_three_nodes
-    dashboard = open_page(nodes[0])
-    wait_for_ready_cards(dashboard, 3)
-    lost = cluster_of(nodes[1])["node_id"]
-    nodes[1].process.send_signal(signal.SIGKILL)
-    # 7 layers over the 6 and 1 GiB that are left: [0, 6) and [6, 7); no reload in between.
-    dashboard.wait_for("lost => { const cards = [...document.querySelectorAll('#nodes .node')];"
-                       " const ranges = cards.filter(c => c.dataset.start)"
-                       "   .map(c => c.dataset.start + '-' + c.dataset.end).join();"
-                       " return ranges === '0-6,6-7' && cards.some(c => c.dataset.nodeId === lost"
-                       " && c.dataset.status === 'unreachable'); }", lost, timeout=60)  # a guard, not a bound
-    view = cluster_of(nodes[0])
-    cards = dashboard.cards()
-    assert [(c["id"], c["start"], c["end"]) for c in cards if c["status"] != "unreachable"] == [
-        (s["node_id"], s["start_layer"], s["end_layer"]) for s in view["plan"]["stages"]]
-    assert [c["name"] for c in cards if c["status"] == "unreachable"] == ["node1"]
-    assert dashboard.page.locator("#ring .bubble").count() == 2
-    assert "node1" in dashboard.page.inner_text("#banners")
-    dashboard.screenshot("dashboard-node-lost-1280x800.png", DESKTOP)
 
 
 @pytest.fixture
@@ -443,8 +260,14 @@ def test_no_model_and_a_model_that_does_not_fit_are_explained(tiny_pair_without_
     dashboard.screenshot("dashboard-does-not-fit-1280x800.png", DESKTOP)
 
 
-def test_page_reconnects_by_itself_when_its_node_restarts(seven_layers: Path, tmp_path: Path, open_page) -> None:
-    port = free_ports(1)[0]
+def test_page_reconnects_by_itself_when_its_node_restarts_and_names_a_peer_it_cannot_link(
+        seven_layers: Path, tmp_path: Path, open_page) -> None:
+    """A lone node's page says it is on its own; stopped, the page says it lost contact, and it comes back by
+    itself when the node starts again on its port. Started again with a --peers entry that cannot be linked, the
+    node is alone because of that peer: the page names the peer with the reason, not the generic advice. (One
+    node's restart serves both, saving a node start; which banners show does not depend on the model it serves.)"""
+    port, missing_port = free_ports(2)
+    missing = f"127.0.0.1:{missing_port}"  # say, a --peers entry for a machine where exo-like is not running
     args = (str(seven_layers), "--no-mdns", "--node-name", "phoenix", "--dtype", "float32")
     node = start_node(tmp_path, *args, port=port)
     try:
@@ -456,24 +279,16 @@ def test_page_reconnects_by_itself_when_its_node_restarts(seven_layers: Path, tm
         assert node.stop() == 0, node.log()
         dashboard.wait_for("() => document.querySelector('#connection').dataset.state === 'lost'")
         assert "Lost contact" in dashboard.page.inner_text("#banners")
-        node = start_node(tmp_path, *args, port=port)
+        node = start_node(tmp_path, *args, "--peers", missing, port=port)
         dashboard.wait_for("() => document.querySelector('#connection').dataset.state === 'live'", timeout=10)
         wait_for_ready_cards(dashboard, 1)
         assert dashboard.cards()[0]["name"] == "phoenix"
         assert "Lost contact" not in dashboard.page.inner_text("#banners")
-    finally:
-        node.stop()
 
-
-def test_a_peer_that_cannot_be_linked_is_named_with_the_reason(tmp_path: Path, open_page) -> None:
-    missing = f"127.0.0.1:{free_ports(1)[0]}"  # say, a --peers entry for a machine where exo-like is not running
-    node = start_node(tmp_path, None, "--no-mdns", "--peers", missing)
-    try:
         assert wait_for(lambda: cluster_of(node)["unlinked"], timeout=10)
         [unlinked] = cluster_of(node)["unlinked"]
         assert unlinked["address"] == missing and unlinked["code"] == "unreachable"
         assert unlinked["reason"].startswith("cannot connect (Connection refused)")
-        dashboard = open_page(node)
         dashboard.wait_for("() => document.querySelector('#banners').textContent.includes('Not linked')")
         banners = dashboard.page.inner_text("#banners")
         assert f"{missing}: {unlinked['reason']}." in banners
@@ -647,3 +462,182 @@ def test_chat_shows_token_probabilities_and_tool_calls(tools_node: NodeProcess, 
     assert page.inner_text(".tool-call .tool-name") == "get_weather"
     arguments = json.loads(page.inner_text(".tool-call .tool-args"))
     assert set(arguments) == {"city", "unit"}
+
+
+# -- on the module's three nodes: after the tests with nodes of their own, so these are not started (idle) beside
+# theirs; the test that kills one of them last -----------------------------------------------------------------
+
+def test_page_lists_the_nodes_their_memory_and_layers_as_v1_cluster_does(three_nodes: list[NodeProcess],
+                                                                         open_page, seven_layers: Path) -> None:
+    dashboard = open_page(three_nodes[0])
+    wait_for_ready_cards(dashboard, 3)
+    view = cluster_of(three_nodes[0])
+    nodes = {n["id"]: n for n in view["nodes"]}
+    stages = view["plan"]["stages"]
+    cards = dashboard.cards()
+    assert [c["id"] for c in cards] == [s["node_id"] for s in stages]  # pipeline order
+    for card, stage in zip(cards, stages):
+        node = nodes[stage["node_id"]]
+        assert card["name"] == node["name"]
+        assert (card["start"], card["end"]) == (stage["start_layer"], stage["end_layer"])
+        layers = format_layers(stage["start_layer"], stage["end_layer"])
+        assert f"{layers} · {stage['end_layer'] - stage['start_layer']} of 7" in card["text"]
+        assert f"{format_bytes(node['used_bytes'])} used of {format_bytes(node['memory_bytes'])}" in card["text"]
+        assert node["address"] in card["text"] and card["you"] == (node["id"] == view["node_id"])
+    assert [c["name"] for c in cards] == ["node0", "node1", "node2"]
+    assert "6.0 GiB" in cards[0]["text"] and "1.0 GiB" in cards[2]["text"]
+    assert "10.0 GiB" in dashboard.tile("memory")
+    assert view["plan"]["digest"] in dashboard.tile("agreement") and "agreed" in dashboard.tile("agreement")
+    assert seven_layers.name in dashboard.tile("model") and "7 layers" in dashboard.tile("model")
+    assert "default" in dashboard.tile("key")
+    ring = dashboard.page.eval_on_selector_all("#ring .bubble", "els => els.map(e => e.dataset.nodeId)")
+    assert ring == [s["node_id"] for s in stages]
+    assert dashboard.page.locator("#ring path.link[marker-end]").count() == 3  # one arrow per hop, back to the start
+    assert dashboard.page.get_attribute("#ring .bubble.me", "data-node-id") == view["node_id"]
+
+
+def test_every_node_serves_the_same_view(three_nodes: list[NodeProcess], open_page) -> None:
+    dashboards = [open_page(node) for node in three_nodes]
+    for node, dashboard in zip(three_nodes, dashboards):
+        wait_for_ready_cards(dashboard, 3)
+        assert [c["id"] for c in dashboard.cards() if c["you"]] == [cluster_of(node)["node_id"]]
+
+    def views() -> list[tuple]:
+        return [([(c["id"], c["name"], c["status"], c["start"], c["end"]) for c in dashboard.cards()],
+                 dashboard.tile("agreement"), dashboard.tile("memory")) for dashboard in dashboards]
+
+    # Compared side by side until they settle: the ring tile's predicted time per token follows the links'
+    # lowest round trips, which fall as samples come in (on a busy machine the first ones are slow), and each
+    # node shows the change once the announcement reaches it.
+    def alike() -> bool:
+        seen = views()
+        return all(view == seen[0] for view in seen)
+
+    assert wait_for(alike, timeout=20), views()
+
+
+def test_chat_streams_the_same_greedy_answer_as_the_api(three_nodes: list[NodeProcess], open_page,
+                                                        seven_layers: Path) -> None:
+    dashboard = open_page(three_nodes[1])
+    wait_for_ready_cards(dashboard, 3)
+    page = dashboard.page
+    page.wait_for_selector("#chat-model option", state="attached")
+    assert page.input_value("#chat-model") == seven_layers.name  # the picker lists /v1/models
+    open_settings(dashboard, temperature="0", max_tokens=str(MAX_TOKENS))
+    page.fill("#chat-input", PROMPT)
+    page.press("#chat-input", "Enter")
+    page.wait_for_selector(".msg.assistant[data-state=done]", timeout=60_000)
+    streamed = page.eval_on_selector(".msg.assistant .msg-text", "e => e.textContent")
+    answer = greedy_chat(three_nodes[1], seven_layers.name, PROMPT, MAX_TOKENS)
+    assert streamed == answer["choices"][0]["message"]["content"]
+    meta = page.inner_text(".msg.assistant .msg-meta")
+    assert f"{answer['usage']['completion_tokens']} tokens" in meta and "first token" in meta, meta
+    assert page.inner_text(".msg.user .msg-text") == PROMPT
+    # Settled before the screenshot: both requests finished on every node.
+    dashboard.wait_for("() => document.querySelector('[data-tile=requests]').textContent.includes('0 in flight')"
+                       " && [...document.querySelectorAll('#nodes .node')].every(c => c.dataset.status === 'ready')")
+    dashboard.screenshot("dashboard-1280x800.png", DESKTOP)
+    dashboard.screenshot("dashboard-390x844.png", PHONE)
+    dashboard.screenshot("dashboard-390-full.png", PHONE, full_page=True)
+
+
+def test_stop_cancels_the_request_on_every_node(three_nodes: list[NodeProcess], open_page) -> None:
+    dashboard = open_page(three_nodes[0])
+    wait_for_ready_cards(dashboard, 3)
+    page = dashboard.page
+    page.wait_for_selector("#chat-model option", state="attached")
+    open_settings(dashboard, max_tokens="100000", ignore_eos=True)  # far longer than the test waits
+    page.fill("#chat-input", "Write a very long poem.")
+    page.click("#chat-send")
+    text = ".msg.assistant[data-state=streaming] .msg-text"
+    dashboard.wait_for(f"() => document.querySelector('{text}')?.textContent.length > 0", timeout=30)
+    first = len(page.eval_on_selector(text, "e => e.textContent"))
+    dashboard.wait_for(f"n => document.querySelector('{text}')?.textContent.length > n", first)  # it streams
+    # While it runs, every node's card is busy with a live rate and its layers' time per token: numbers shared
+    # in the announcements.
+    dashboard.wait_for("() => { const cards = [...document.querySelectorAll('#nodes .node')];"
+                       " return cards.length === 3 && cards.every(c => c.dataset.status === 'busy'"
+                       " && c.querySelector('.node-tps').textContent !== '0 tok/s'"
+                       " && /^[0-9.]+ ms per token$/.test(c.querySelector('.node-step')?.textContent ?? '')); }")
+    assert "1 in flight" in dashboard.tile("requests")
+    assert three_nodes[0].get_json("/v1/debug/requests")["in_flight_requests"] == 1
+    dashboard.screenshot("dashboard-generating-1280x800.png", DESKTOP)
+    page.click("#chat-stop")
+    page.wait_for_selector(".msg.assistant[data-state=stopped]", timeout=5_000)
+    assert page.is_visible("#chat-send") and not page.is_visible("#chat-stop")
+    assert page.inner_text(".msg.assistant .msg-meta").startswith("Stopped.")
+
+    def stopped_everywhere() -> list[dict[str, Any]] | None:
+        debug = [node.get_json("/v1/debug/requests") for node in three_nodes]
+        idle = all(d["in_flight_requests"] == 0 and d["requests"] == [] and d["active_kv_caches"] == 0 for d in debug)
+        return debug if idle else None
+
+    assert wait_for(stopped_everywhere, timeout=5), [n.get_json("/v1/debug/requests") for n in three_nodes]
+    dashboard.wait_for("() => [...document.querySelectorAll('#nodes .node')].every(c => c.dataset.status === 'ready')")
+
+
+def test_a_downloading_node_says_how_far_it_is(three_nodes: list[NodeProcess], open_page) -> None:
+    """The page's own status rules, run in the browser on the download object /v1/cluster reports per node."""
+    dashboard = open_page(three_nodes[0])
+    result = dashboard.page.evaluate("""async () => {
+        const m = await import('/dashboard/topology.js');
+        const downloading = {status: 'loading', busy: false, problem: null,
+                             download: {state: 'downloading', percent: 42.7}};
+        const finished = {...downloading, download: {state: 'done', percent: 100}};
+        const failing = {...downloading, problem: 'cannot reach the hub'};
+        const status = m.displayStatus(downloading);
+        return [status, m.statusLabel(downloading, status), m.displayStatus(finished), m.displayStatus(failing)];
+    }""")
+    assert result == ["downloading", "downloading 42 %", "loading", "problem"]
+
+
+def test_a_node_long_inside_one_step_says_so(three_nodes: list[NodeProcess], open_page) -> None:
+    """A hung engine keeps its node alive: the page tells it apart from an ordinary busy node by step_seconds."""
+    dashboard = open_page(three_nodes[0])
+    result = dashboard.page.evaluate("""async () => {
+        const m = await import('/dashboard/topology.js');
+        const computing = {status: 'ready', busy: true, problem: null, step_seconds: 0.4};
+        const stuck = {...computing, step_seconds: 42.9};
+        const status = m.displayStatus(stuck);
+        return [m.displayStatus(computing), status, m.statusLabel(stuck, status)];
+    }""")
+    assert result == ["busy", "slow-step", "one step for 42 s"]
+
+
+def test_a_request_recovering_from_a_lost_node_says_which_node_it_lost(three_nodes: list[NodeProcess],
+                                                                       open_page) -> None:
+    """The card of the node whose clients' requests are paused names the node they lost; a banner says it too."""
+    dashboard = open_page(three_nodes[0])
+    result = dashboard.page.evaluate("""async () => {
+        const m = await import('/dashboard/topology.js');
+        return [m.recoveryText({recovering: {node1: 2}, replays: 3}), m.recoveryText({recovering: {}, replays: 1}),
+                m.recoveryText({recovering: {'': 1}, replays: 1}), m.recoveryText({recovering: {}, replays: 0})];
+    }""")
+    assert result == ["2 requests recovering: lost node1, replaying on the re-formed ring · 3 requests resumed after "
+                      "a lost node or a re-plan", "1 request resumed after a lost node or a re-plan",
+                      "1 request recovering: the ring re-formed, replaying · 1 request resumed after a lost node or "
+                      "a re-plan", None]
+
+
+def test_a_killed_node_shows_unreachable_and_the_new_layer_ranges_at_once(three_nodes: list[NodeProcess],
+                                                                          open_page) -> None:
+    """On the module's three nodes, after every other test that uses them: none runs on a cluster short of one."""
+    nodes = three_nodes
+    dashboard = open_page(nodes[0])
+    wait_for_ready_cards(dashboard, 3)
+    lost = cluster_of(nodes[1])["node_id"]
+    nodes[1].process.send_signal(signal.SIGKILL)
+    # 7 layers over the 6 and 1 GiB that are left: [0, 6) and [6, 7); no reload in between.
+    dashboard.wait_for("lost => { const cards = [...document.querySelectorAll('#nodes .node')];"
+                       " const ranges = cards.filter(c => c.dataset.start)"
+                       "   .map(c => c.dataset.start + '-' + c.dataset.end).join();"
+                       " return ranges === '0-6,6-7' && cards.some(c => c.dataset.nodeId === lost"
+                       " && c.dataset.status === 'unreachable'); }", lost, timeout=60)  # a guard, not a bound
+    view = cluster_of(nodes[0])
+    cards = dashboard.cards()
+    assert [(c["id"], c["start"], c["end"]) for c in cards if c["status"] != "unreachable"] == [
+        (s["node_id"], s["start_layer"], s["end_layer"]) for s in view["plan"]["stages"]]
+    assert [c["name"] for c in cards if c["status"] == "unreachable"] == ["node1"]
+    assert dashboard.page.locator("#ring .bubble").count() == 2
+    assert "node1" in dashboard.page.inner_text("#banners")
+    dashboard.screenshot("dashboard-node-lost-1280x800.png", DESKTOP)

@@ -37,9 +37,10 @@ def seven_layers(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def two_nodes(seven_layers: Path, tmp_path_factory: pytest.TempPathFactory):
     # Placed by memory: the split is then fixed by the memories set here. The default, by measured speed, splits
-    # by how busy the machine was while each node timed itself.
+    # by how busy the machine was while each node timed itself. An hour's --peer-timeout: the last test kills one
+    # (see there).
     nodes = start_cluster(tmp_path_factory.mktemp("dashboard-api"), str(seven_layers), [2, 1],
-                          extra=("--placement", "memory"))
+                          extra=("--placement", "memory", "--peer-timeout", "3600"))
     wait_until_ready(nodes, members=2)
     yield nodes
     stop_nodes(nodes)
@@ -58,6 +59,22 @@ async def events(node: NodeProcess) -> AsyncIterator[tuple[float, dict[str, Any]
                     name = line[len("event: "):]
                 elif line.startswith("data: ") and name == "cluster":
                     yield time.monotonic(), json.loads(line[len("data: "):])
+
+
+# First the test with a node of its own, so the module's two are not started (idle) beside it; last the one
+# that kills one of them.
+
+def test_cluster_key_status_is_shown_never_the_key(seven_layers: Path, tmp_path: Path) -> None:
+    key = "sesame-4f1c2a-open"
+    node = start_node(tmp_path, str(seven_layers), "--no-mdns", "--cluster-key", key, "--dtype", "float32")
+    try:
+        view = cluster_of(node)
+        assert view["cluster_key"] == "set"
+        answers = [json.dumps(view), json.dumps(node.get_json("/health")), json.dumps(node.get_json("/")),
+                   node.request("GET", "/", headers={"Accept": "text/html"})[2].decode()]
+        assert not any(key in answer for answer in answers)
+    finally:
+        node.stop()
 
 
 def test_browsers_get_the_page_and_its_assets_api_clients_the_json_index(two_nodes: list[NodeProcess]) -> None:
@@ -206,37 +223,21 @@ async def test_every_node_shows_every_nodes_live_load(two_nodes: list[NodeProces
     assert idle(view), view
 
 
-def test_cluster_key_status_is_shown_never_the_key(seven_layers: Path, tmp_path: Path) -> None:
-    key = "sesame-4f1c2a-open"
-    node = start_node(tmp_path, str(seven_layers), "--no-mdns", "--cluster-key", key, "--dtype", "float32")
-    try:
-        view = cluster_of(node)
-        assert view["cluster_key"] == "set"
-        answers = [json.dumps(view), json.dumps(node.get_json("/health")), json.dumps(node.get_json("/")),
-                   node.request("GET", "/", headers={"Accept": "text/html"})[2].decode()]
-        assert not any(key in answer for answer in answers)
-    finally:
-        node.stop()
-
-
-async def test_a_killed_node_is_shown_unreachable_and_the_new_plan_at_once(seven_layers: Path,
-                                                                         tmp_path: Path) -> None:
+async def test_a_killed_node_is_shown_unreachable_and_the_new_plan_at_once(two_nodes: list[NodeProcess]) -> None:
     """At once: by its closed connection. Silence cannot count it lost while the test runs (an hour's
-    --peer-timeout), so a loss shown at all was seen from the connection, however busy the machine is."""
-    nodes = start_cluster(tmp_path, str(seven_layers), [2, 1], extra=("--peer-timeout", "3600"))
-    try:
-        wait_until_ready(nodes, members=2)
-        lost_id = cluster_of(nodes[1])["node_id"]
-        killed = False
-        async with asyncio.timeout(HANG_SECONDS), contextlib.aclosing(events(nodes[0])) as stream:
-            async for _, picture in stream:
-                if not killed:  # connected: now kill
-                    nodes[1].process.send_signal(signal.SIGKILL)
-                    killed = True
-                elif picture["departed"]:
-                    break
-        assert [(n["id"], n["status"], n["name"]) for n in picture["departed"]] == [(lost_id, "unreachable", "node1")]
-        assert [n["id"] for n in picture["nodes"]] == [picture["node_id"]]
-        assert [(s["start_layer"], s["end_layer"]) for s in picture["plan"]["stages"]] == [(0, 7)]
-    finally:
-        stop_nodes(nodes)
+    --peer-timeout), so a loss shown at all was seen from the connection, however busy the machine is. On the
+    module's two nodes, so the last test here that uses them."""
+    nodes = two_nodes
+    wait_until_ready(nodes, members=2)
+    lost_id = cluster_of(nodes[1])["node_id"]
+    killed = False
+    async with asyncio.timeout(HANG_SECONDS), contextlib.aclosing(events(nodes[0])) as stream:
+        async for _, picture in stream:
+            if not killed:  # connected: now kill
+                nodes[1].process.send_signal(signal.SIGKILL)
+                killed = True
+            elif picture["departed"]:
+                break
+    assert [(n["id"], n["status"], n["name"]) for n in picture["departed"]] == [(lost_id, "unreachable", "node1")]
+    assert [n["id"] for n in picture["nodes"]] == [picture["node_id"]]
+    assert [(s["start_layer"], s["end_layer"]) for s in picture["plan"]["stages"]] == [(0, 7)]

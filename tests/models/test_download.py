@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -19,7 +20,7 @@ import pytest
 from exo_like.models.checkpoint import files_for_shard, weight_map
 from exo_like.models.hub.download import WRITE_CHUNK
 from exo_like.models.shard import Shard
-from tests.api_server import NodeProcess, exo_like_command, start_node, stop_nodes, wait_for
+from tests.api_server import NodeProcess, exo_like_command, launch_node, start_node, stop_nodes, wait_for
 from tests.checkpoints import make_checkpoint
 from tests.cluster_harness import cluster_of, free_ports, start_cluster, wait_until_ready
 from tests.hub_server import HubServer
@@ -144,16 +145,19 @@ def test_cut_download_resumes_on_restart_and_the_warm_cache_serves_offline(hub: 
     cut_at = size // 2 + 12345
     env = hub_env(hub.endpoint, "resume", tmp_path)
     args = ("--no-mdns", "--dtype", "float32")
-    expected = expected_text(Oracle(big))
 
     hub.cut(BIG, name, cut_at)
-    try:
-        node = start_node(tmp_path, BIG, *args, env=env)
-        problem = wait_for(lambda: cluster_of(node)["problem"], timeout=60)
-        assert problem and name in problem and "503" in problem, problem
-        stop_cleanly([node])
-    finally:
-        hub.uncut()
+    # transformers' answer, computed while the first node starts (the test process waits on it meanwhile)
+    with ThreadPoolExecutor(1) as pool:
+        expected_answer = pool.submit(lambda: expected_text(Oracle(big)))
+        try:
+            node = start_node(tmp_path, BIG, *args, env=env)
+            problem = wait_for(lambda: cluster_of(node)["problem"], timeout=60)
+            assert problem and name in problem and "503" in problem, problem
+            stop_cleanly([node])
+        finally:
+            hub.uncut()
+    expected = expected_answer.result()
     first = [r for r in hub.weight_downloads("resume") if r.file == name]
     assert [(r.range_start, r.bytes_sent) for r in first] == [(None, cut_at)]  # the cut transfer
     part = tmp_path / "hub" / "models--test-org--big" / "blobs" / f"{sha256}.part"
@@ -186,15 +190,22 @@ def test_a_node_that_joins_after_a_new_commit_fetches_the_commit_the_cluster_ser
         hub: HubServer, llama7: Path, oracle: Oracle, tmp_path: Path) -> None:
     # Mixed weights would be silent: each node would plan and answer without error, the tokens would be wrong.
     first = hub.add_repo(EVOLVING, llama7)
-    retrained = make_checkpoint(tmp_path / "retrained", "llama", n_layers=7, max_shard_size="200KB", seed=1)
     expected = expected_text(oracle)
-    assert expected_text(Oracle(retrained)) != expected  # else this test could not tell the commits apart
+
+    def retrain() -> tuple[Path, str]:
+        retrained = make_checkpoint(tmp_path / "retrained", "llama", n_layers=7, max_shard_size="200KB", seed=1)
+        return retrained, expected_text(Oracle(retrained))
+
     ports = free_ports(2)
     # --placement memory: the two stages asserted below follow from the memory set here, not from measured speeds
     common = ("--no-mdns", "--dtype", "float32", "--memory-gb", "4", "--placement", "memory")
-    nodes = [start_node(tmp_path / "home0", EVOLVING, *common, "--node-name", "first", port=ports[0],
-                        env=hub_env(hub.endpoint, "first", tmp_path))]
+    with ThreadPoolExecutor(1) as pool:  # the second commit made while the first node starts
+        second_commit = pool.submit(retrain)
+        nodes = [start_node(tmp_path / "home0", EVOLVING, *common, "--node-name", "first", port=ports[0],
+                            env=hub_env(hub.endpoint, "first", tmp_path))]
     try:
+        retrained, retrained_text = second_commit.result()
+        assert retrained_text != expected  # else this test could not tell the commits apart
         wait_until_ready(nodes, members=1, timeout=60)
         pinned = f"{EVOLVING}@{first.commit}"
         assert cluster_of(nodes[0])["plan"]["model"] == pinned
@@ -229,14 +240,18 @@ def test_a_node_that_joins_after_a_new_commit_fetches_the_commit_the_cluster_ser
 def test_offline_with_a_cold_cache_fails_clearly(hub: HubServer, tmp_path: Path) -> None:
     env = hub_env(hub.endpoint, "cold", tmp_path, HF_HUB_OFFLINE="1")
     process_env = {k: v for k, v in {**os.environ, **env}.items() if v is not None}
-    started = subprocess.run([*exo_like_command(), "--model", REPO, "--home", str(tmp_path / "a"), "--port", "0",
-                              "--host", "127.0.0.1", "--no-mdns"], env=process_env, capture_output=True, text=True,
-                             timeout=120)
-    assert started.returncode == 1, started.stderr
-    assert "HF_HUB_OFFLINE is set" in started.stderr and "does not hold" in started.stderr, started.stderr
-    assert "Traceback" not in started.stderr
-
-    node = start_node(tmp_path / "b", None, "--no-mdns", env=env)  # no --model: a request asks for it
+    launched = launch_node(tmp_path / "b", None, "--no-mdns", env=env)  # no --model: a request asks for it
+    try:  # (the node starts meanwhile)
+        started = subprocess.run([*exo_like_command(), "--model", REPO, "--home", str(tmp_path / "a"), "--port",
+                                  "0", "--host", "127.0.0.1", "--no-mdns"], env=process_env, capture_output=True,
+                                 text=True, timeout=120)
+        assert started.returncode == 1, started.stderr
+        assert "HF_HUB_OFFLINE is set" in started.stderr and "does not hold" in started.stderr, started.stderr
+        assert "Traceback" not in started.stderr
+        node = launched.serving()
+    except BaseException:
+        launched.stop()
+        raise
     try:
         status, body = chat(node, REPO)
         assert status == 503 and body["error"]["code"] == "model_not_cached", body
