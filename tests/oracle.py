@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
@@ -42,6 +42,29 @@ class Oracle:
         if tokens and tokens[-1] in self.eos_ids:
             return self.decode(tokens[:-1]), "stop", len(tokens)
         return self.decode(tokens), "length", len(tokens)
+
+    def expected_batch(self, prompts_ids: Sequence[tuple[int, ...]],
+                       max_new_tokens: Sequence[int]) -> list[tuple[str, str, int]]:
+        """expected() for each prompt with its own max_new_tokens, from one batched greedy `generate` (left-padded:
+        the attention mask hides each row's padding and generate positions each row from its first real token, so
+        every row is computed as if alone; rows stop at their first end-of-sequence token or their own limit,
+        greedy being causal). Several times faster than a `generate` a prompt: the small test models' forward costs
+        little more for 64 rows than for one."""
+        width = max(map(len, prompts_ids))
+        inputs = torch.tensor([[0] * (width - len(ids)) + list(ids) for ids in prompts_ids])
+        mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts_ids])
+        with torch.no_grad():
+            out = self.model.generate(inputs, attention_mask=mask, max_new_tokens=max(max_new_tokens),
+                                      do_sample=False, pad_token_id=0)
+        results = []
+        for row, limit in zip(out[:, width:].tolist(), max_new_tokens):
+            tokens = row[:limit]
+            stop = next((i for i, token in enumerate(tokens) if token in self.eos_ids), None)
+            if stop is not None:  # the row's EOS (generate pads a finished row after it)
+                results.append((self.decode(tokens[:stop]), "stop", stop + 1))
+            else:
+                results.append((self.decode(tokens), "length", len(tokens)))
+        return results
 
     def ignoring_eos(self, prompt_ids: tuple[int, ...], max_new_tokens: int) -> str:
         """The text of exactly `max_new_tokens` greedy tokens, generated past any end-of-sequence token (the API's
