@@ -8,11 +8,8 @@ logits are peaky and routers' choices clear-cut, so greedy decoding is exact acr
 
 from __future__ import annotations
 
-import gc
 import json
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
@@ -192,31 +189,6 @@ def to_hub_style_config(config_path: Path) -> None:
     if config["model_type"] in ("qwen2_moe", "qwen3_moe") and "num_local_experts" in config:
         config["num_experts"] = config.pop("num_local_experts")  # the Hub's name; transformers 5 renames it
     config_path.write_text(json.dumps(config, indent=2))
-
-
-@contextmanager
-def long_lived_objects_frozen() -> Iterator[None]:
-    """Within: every object alive on entry sits in the garbage collector's permanent generation (gc.freeze), and so
-    does all that lives when `freeze_what_lives_now` is called. An engine's load runs a full collection
-    (engines/base.py: free_replaced_shard, so a replaced shard's cycles are freed before the next is read); in a
-    test process that collection otherwise walks the hundreds of thousands of objects torch, transformers and mlx
-    import (and a module's checkpoints and oracles), half a second a load. Frozen, it walks only what the tests made
-    since. On exit all is unfrozen and collected: nothing frozen outlives the block."""
-    gc.collect()
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
-        gc.collect()
-
-
-def freeze_what_lives_now() -> None:
-    """Within `long_lived_objects_frozen`: collect the garbage made since the last freeze, then freeze what still
-    lives as well (e.g. at each test's start, or after an oracle imported its model's code). Cheap when done often:
-    the collection walks only what was made since."""
-    gc.collect()
-    gc.freeze()
 
 
 def built_once(root: Path, build: Callable[[str, Path], Path]) -> Callable[[str], Path]:

@@ -10,8 +10,9 @@
 - Collections: at each test file's start, what lives then (the imports of torch, transformers and mlx: hundreds of
   thousands of objects; session fixtures) is frozen out of the garbage collector's passes (gc.freeze), after the
   garbage of the file before is collected. An engine's load runs a full collection (engines/base.py), which
-  otherwise walked all of it, half a second a load. Files that freeze more (tests/checkpoints.py
-  long_lived_objects_frozen) unfreeze and collect all at their end; the next file's start freezes again.
+  otherwise walked all of it, half a second a load. Files that load many engines freeze more (the fixtures
+  `objects_kept_by_this_file_frozen` and `earlier_tests_objects_frozen`, tests/gc_freeze.py): they unfreeze and
+  collect all at their end; the next file's start freezes again.
 - Figures a test measures (as `record_property("report", line)`) are printed at the end of the run, passed or
   failed, so `make test` shows them without -s (the int4 quality test's perplexities, for one).
 """
@@ -20,8 +21,11 @@ from __future__ import annotations
 
 import gc
 import os
+from collections.abc import Iterator
 
 import pytest
+
+from tests.gc_freeze import freeze_what_lives_now, long_lived_objects_frozen
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -41,6 +45,19 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def what_lives_at_a_files_start_frozen() -> None:
     gc.collect()  # walks only what was made since the last freeze
     gc.freeze()
+
+
+@pytest.fixture(scope="module")
+def objects_kept_by_this_file_frozen() -> Iterator[None]:
+    """What a file keeps (checkpoints, oracles' answers, engines) out of the collections its engines' loads run."""
+    with long_lived_objects_frozen():
+        yield
+
+
+@pytest.fixture
+def earlier_tests_objects_frozen() -> None:
+    """Each test starts by collecting the garbage of the one before and freezing what still lives."""
+    freeze_what_lives_now()
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

@@ -7,7 +7,7 @@ with ranks of 32, a dense first layer, shared and group-routed experts, YaRN wit
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 
@@ -21,10 +21,15 @@ from exo_like.engines.work import BLOCK_SIZE, window_start
 from exo_like.models.config import ModelArgs
 from exo_like.models.shard import Shard
 from tests.checkpoints import (FUSED_ARCHITECTURES, GEMMA_ARCHITECTURES, MLA_ARCHITECTURES, MOE_ARCHITECTURES,
-                               SINK_ARCHITECTURES, PHI3_LONGROPE, freeze_what_lives_now, long_lived_objects_frozen,
+                               SINK_ARCHITECTURES, PHI3_LONGROPE,
                                make_checkpoint, make_mlx_mxfp4_checkpoint, make_mxfp4_checkpoint)
 from tests.engine_driver import Driver, generate_together
 from tests.native_kernels import NATIVE
+
+from tests.gc_freeze import freeze_what_lives_now  # noqa: E402
+
+# Collections skip what this file keeps (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("objects_kept_by_this_file_frozen")
 
 N_LAYERS = 4
 ARCHITECTURES = (*MOE_ARCHITECTURES, *FUSED_ARCHITECTURES, *GEMMA_ARCHITECTURES, *SINK_ARCHITECTURES,
@@ -36,13 +41,6 @@ LONGROPE = {"phi3_longrope": PHI3_LONGROPE}
 N_TOKENS = 48
 CHAINS = {"torch": ("torch",), "mlx": ("mlx",), "torch+mlx+torch": ("torch", "mlx", "torch"),
           "mlx+torch+mlx": ("mlx", "torch", "mlx")}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def collections_skip_long_lived_objects() -> Iterator[None]:
-    """Engines' loads collect garbage; not through the imported libraries, checkpoints, oracles and kept engines."""
-    with long_lived_objects_frozen():
-        yield
 
 
 @pytest.fixture(scope="module")

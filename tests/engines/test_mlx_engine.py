@@ -7,7 +7,6 @@ import dataclasses
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 from typing import Callable
@@ -31,9 +30,11 @@ from exo_like.errors import InvalidRequestError  # noqa: E402
 from exo_like.models.checkpoint import plan_shard_load, safetensors_header  # noqa: E402
 from exo_like.models.config import ModelArgs  # noqa: E402
 from exo_like.models.shard import Shard  # noqa: E402
-from tests.checkpoints import (  # noqa: E402
-    built_once, freeze_what_lives_now, long_lived_objects_frozen, make_checkpoint)
+from tests.checkpoints import built_once, make_checkpoint  # noqa: E402
 from tests.engine_driver import INVALID_ITEMS, SPEC, Driver, generate_together, invalid_item, steps_meeting  # noqa: E402
+
+# Collections skip what this file keeps (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("objects_kept_by_this_file_frozen", "earlier_tests_objects_frozen")
 
 N_LAYERS = 6
 N_TOKENS = 32
@@ -54,19 +55,6 @@ CASES = {
     "qwen3": ("qwen3", {}),
 }
 UNEVEN_SHARDS = ((0, 1), (1, 4), (4, N_LAYERS))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def collections_skip_long_lived_objects() -> Iterator[None]:
-    """Engines' loads collect garbage; not through the imported libraries, nor what earlier tests left alive (their
-    checkpoints and oracles' answers; each test's garbage is collected at the next one's start)."""
-    with long_lived_objects_frozen():
-        yield
-
-
-@pytest.fixture(autouse=True)
-def earlier_tests_objects_frozen() -> None:
-    freeze_what_lives_now()
 
 
 @pytest.fixture(scope="session")

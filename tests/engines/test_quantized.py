@@ -5,7 +5,6 @@ arithmetic, so mixed torch + MLX chains give the same tokens from the same folde
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Callable
 
@@ -28,11 +27,14 @@ from exo_like.models.shard import Shard  # noqa: E402
 from partitioning import NodeCapacity  # noqa: E402
 from partitioning.plan import Holder, fit_problems, make_plan  # noqa: E402
 from tests.checkpoints import (  # noqa: E402
-    built_once, freeze_what_lives_now, long_lived_objects_frozen, make_checkpoint)
+    built_once, make_checkpoint)
 from tests.engine_driver import Driver  # noqa: E402
 from tests.engines.test_mixed_chain import chain_greedy  # noqa: E402
 from tests.engines.test_mlx_engine import N_LAYERS, SEED, UNEVEN_SHARDS, greedy, mlx_lm_greedy, prompt_ids  # noqa: E402
 from tests.native_kernels import NATIVE  # noqa: E402
+
+# Collections skip what this file keeps (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("objects_kept_by_this_file_frozen", "earlier_tests_objects_frozen")
 
 GROUP_SIZE, Q_BITS = 64, 4
 # name -> (architecture, make_checkpoint keyword arguments). Hub-style configs, so mlx-lm reads rope as written.
@@ -45,19 +47,6 @@ CASES = {
     "qwen3_moe": ("qwen3_moe", {}),
 }
 CHAINS = {"mlx-torch-mlx": ("mlx", "torch", "mlx"), "torch-mlx-torch": ("torch", "mlx", "torch")}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def collections_skip_long_lived_objects() -> Iterator[None]:
-    """Engines' loads collect garbage; not through the imported libraries, nor what earlier tests left alive (their
-    checkpoints and oracles' answers; each test's garbage is collected at the next one's start)."""
-    with long_lived_objects_frozen():
-        yield
-
-
-@pytest.fixture(autouse=True)
-def earlier_tests_objects_frozen() -> None:
-    freeze_what_lives_now()
 
 
 def quantize_checkpoint(float_dir: Path, out_dir: Path) -> Path:

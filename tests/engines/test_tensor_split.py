@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -28,8 +28,11 @@ from exo_like.engines.work import WorkItem
 from exo_like.models.config import ModelArgs
 from exo_like.models.shard import Shard
 from exo_like.models.tensor_split import TensorSplit, head_ranges, rank_args, split_refusal
-from tests.checkpoints import freeze_what_lives_now, long_lived_objects_frozen, make_checkpoint
+from tests.checkpoints import make_checkpoint
 from tests.engine_driver import Driver
+
+# Collections skip what this file keeps (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("objects_kept_by_this_file_frozen", "earlier_tests_objects_frozen")
 
 N_TOKENS = 48
 PROMPT = np.array([3, 17, 29, 5, 11, 42, 7, 19, 23, 2, 31, 13], dtype=np.int64)
@@ -131,19 +134,6 @@ CASES = {
     "phi3": ("phi3", {}),
 }
 REFUSED = {"deepseek_v3": ("deepseek_v3", {})}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def collections_skip_long_lived_objects() -> Iterator[None]:
-    """Engines' loads collect garbage; not through the imported libraries, nor what earlier tests left alive (their
-    checkpoints and oracles' answers; each test's garbage is collected at the next one's start)."""
-    with long_lived_objects_frozen():
-        yield
-
-
-@pytest.fixture(autouse=True)
-def earlier_tests_objects_frozen() -> None:
-    freeze_what_lives_now()
 
 
 @pytest.fixture(scope="module")

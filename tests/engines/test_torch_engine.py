@@ -11,7 +11,6 @@ import logging
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -28,8 +27,11 @@ from exo_like.errors import InvalidRequestError
 from exo_like.models.checkpoint import INDEX_FILE, safetensors_header
 from exo_like.models.config import ModelArgs
 from exo_like.models.shard import Shard
-from tests.checkpoints import ARCHITECTURES, freeze_what_lives_now, long_lived_objects_frozen, make_checkpoint
+from tests.checkpoints import ARCHITECTURES, make_checkpoint
 from tests.engine_driver import INVALID_ITEMS, SPEC, Driver, generate_together, invalid_item, steps_meeting
+
+# Collections skip what this file keeps (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("objects_kept_by_this_file_frozen", "earlier_tests_objects_frozen")
 
 N_LAYERS = 6
 SEED = 1  # weights whose greedy continuations of PROMPT_TEXT vary (not one token repeated)
@@ -45,19 +47,6 @@ OTHER_TEXTS = (
     "A ring of nodes, each holding some layers of one model, passes hidden states along; the last one samples the "
     "next token and sends it back to the first.",
 )
-
-
-@pytest.fixture(scope="module", autouse=True)
-def collections_skip_long_lived_objects() -> Iterator[None]:
-    """Engines' loads collect garbage; not through the imported libraries, nor what earlier tests left alive (their
-    checkpoints and oracles' answers; each test's garbage is collected at the next one's start)."""
-    with long_lived_objects_frozen():
-        yield
-
-
-@pytest.fixture(autouse=True)
-def earlier_tests_objects_frozen() -> None:
-    freeze_what_lives_now()
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,6 @@ the file holds."""
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 
@@ -21,11 +20,16 @@ from exo_like.models.config import ModelArgs, rope_attention_factor  # noqa: E40
 from exo_like.models.gguf.file import open_gguf  # noqa: E402
 from tests.checkpoints import (  # noqa: E402
     FUSED_ARCHITECTURES, GEMMA_ARCHITECTURES, MLA_ARCHITECTURES, MOE_ARCHITECTURES, PHI3_LONGROPE,
-    SINK_ARCHITECTURES, freeze_what_lives_now, long_lived_objects_frozen, make_checkpoint)
+    SINK_ARCHITECTURES, make_checkpoint)
 from tests.engine_driver import engine_greedy  # noqa: E402
 from tests.gguf_checkpoints import write_gguf  # noqa: E402
 from tests.oracle import Oracle, gguf_dequantized_greedy  # noqa: E402
 from tests.native_kernels import NATIVE  # noqa: E402
+
+from tests.gc_freeze import freeze_what_lives_now  # noqa: E402
+
+# Collections skip what this file keeps (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("objects_kept_by_this_file_frozen", "earlier_tests_objects_frozen")
 
 HAS_MLX = importlib.util.find_spec("mlx") is not None
 CHAINS = {"torch": ["torch"], "mlx": ["mlx"], "torch+mlx+torch": ["torch", "mlx", "torch"]}
@@ -55,19 +59,6 @@ K_OVERRIDES = {
     "deepseek_v2": {"hidden_size": 256, "intermediate_size": 256, "moe_intermediate_size": 256,
                     "kv_lora_rank": 256, "qk_nope_head_dim": 64, "v_head_dim": 64},
 }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def collections_skip_long_lived_objects() -> Iterator[None]:
-    """Engines' loads collect garbage; not through the imported libraries, nor what earlier tests left alive (their
-    checkpoints, files and oracles' answers; each test's garbage is collected at the next one's start)."""
-    with long_lived_objects_frozen():
-        yield
-
-
-@pytest.fixture(autouse=True)
-def earlier_tests_objects_frozen() -> None:
-    freeze_what_lives_now()
 
 
 @pytest.fixture(scope="module")
