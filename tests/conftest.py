@@ -19,7 +19,6 @@
 
 from __future__ import annotations
 
-import gc
 import os
 from collections.abc import Iterator
 
@@ -43,8 +42,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(scope="module", autouse=True)
 def what_lives_at_a_files_start_frozen() -> None:
-    gc.collect()  # walks only what was made since the last freeze
-    gc.freeze()
+    freeze_what_lives_now()  # the collection walks only what was made since the last freeze
 
 
 @pytest.fixture(scope="module")
