@@ -26,7 +26,8 @@ TIME = {"name": "get_time", "input_schema": {"type": "object", "properties": {"z
 TOOLS = [WEATHER, TIME]
 SCHEMAS = {tool["name"]: tool["input_schema"] for tool in TOOLS}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
-FORCE_WEATHER = {"type": "tool", "name": "get_weather"}
+# One call: a random model offered parallel calls may chain them until max_tokens cuts the last one (~1 in 60).
+FORCE_WEATHER = {"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True}
 # This SDK has no sampling arguments any more (Anthropic's newest models refuse them); the API still takes them.
 GREEDY = {"temperature": 0}
 

@@ -54,7 +54,7 @@ def test_a_named_call_streams_as_openai_streams_one(tools_node: NodeProcess,  # 
                                                     tools_checkpoint: Path) -> None:  # noqa: F811
     stream = client(tools_node).chat.completions.create(
         model=str(tools_checkpoint), messages=ASK, tools=TOOLS, stream=True, max_tokens=300,
-        tool_choice={"type": "function", "function": {"name": "get_time"}})
+        tool_choice={"type": "function", "function": {"name": "get_time"}}, parallel_tool_calls=False)
     chunks = [chunk for chunk in stream if chunk.choices]
     deltas = [chunk.choices[0].delta for chunk in chunks]
     calls = [call for delta in deltas for call in delta.tool_calls or []]
@@ -69,7 +69,8 @@ def test_a_full_round_trip_answers_after_the_tool_result(tools_node: NodeProcess
                                                          tools_checkpoint: Path) -> None:  # noqa: F811
     api = client(tools_node)
     first = api.chat.completions.create(model=str(tools_checkpoint), messages=ASK, tools=TOOLS, max_tokens=300,
-                                        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+                                        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                        parallel_tool_calls=False)
     call = first.choices[0].message.tool_calls[0]
     conversation = [*ASK, first.choices[0].message.model_dump(exclude_none=True),
                     {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21}'}]

@@ -95,7 +95,7 @@ def test_anthropic_streamed_tool_round_trip(entry: NodeProcess, model: Path) -> 
 def test_responses_streamed_function_call_round_trip(entry: NodeProcess, model: Path) -> None:
     api, case = responses_case.client(entry), responses_case
     with api.responses.stream(model=str(model), input=case.ASK, tools=case.TOOLS, max_output_tokens=300,
-                              tool_choice={"type": "function", "name": "get_weather"}) as stream:
+                              tool_choice=case.FORCE_WEATHER, parallel_tool_calls=False) as stream:
         kinds = [event.type for event in stream]
         first = stream.get_final_response()
     assert "response.function_call_arguments.delta" in kinds and kinds[-1] == "response.completed"
