@@ -82,7 +82,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="shared secret peers must hold (env EXO_LIKE_CLUSTER_KEY; default: a built-in key)")
     parser.add_argument("--kv-cache-gb", type=float, default=None,
                         help="memory for the KV cache of this node's layers (default: 30%% of the memory left after "
-                             "loading them, at most 2 GiB); requests wait for room when it is full")
+                             "loading them, at most 2 GiB, and never more than --max-running whole contexts need); "
+                             "requests wait for room when it is full")
     parser.add_argument("--max-batch-tokens", type=int, default=None,
                         help="positions one engine step may compute: prompt chunks when no request is streaming "
                              f"(default: {DEFAULT_MAX_BATCH_TOKENS['cpu']} when the first stage runs on a CPU, "

@@ -28,7 +28,7 @@ import psutil
 from exo_like.engines.work import BLOCK_SIZE, KVPoolSize, blocks_for
 
 # A node's KV cache unless --kv-cache-gb says otherwise: this share of the memory left after loading its layers, at
-# most DEFAULT_KV_CAP bytes (pages are only taken as blocks are first written; see the engines' pools).
+# most DEFAULT_KV_CAP bytes (torch takes pages only as blocks are first written; MLX on a CPU fills the pool at load).
 DEFAULT_KV_SHARE = 0.3
 DEFAULT_KV_CAP = 2 * 2**30
 
@@ -56,17 +56,23 @@ def pool_sizes(budget: int, block_bytes: tuple[int, int], window: int | None, re
     `step_rows`, and the rest of the budget goes to the other pool: more positions than one pool for all layers
     would give. A budget smaller than that splits evenly (the window pool never needs more blocks than the other:
     a request holds no more window blocks than full ones). A stage holding no full-attention layer names blocks it
-    does not store: enough ids for `requests` whole contexts."""
+    does not store: enough ids for `requests` whole contexts.
+
+    Neither pool is made bigger than `requests` whole contexts and one step's chunk could fill (a small model's
+    default budget would otherwise hold hundreds of them): the rest would only ever keep finished requests'
+    prefixes, and an engine that cannot leave pages untouched until they are written (MLX on a CPU fills its pool
+    at allocation) pays for every block at load."""
     full, windowed = block_bytes
+    fillable = requests * blocks_for(context_length) + blocks_for(step_rows)
     if not windowed:
-        return KVPoolSize(max(1, budget // full))
+        return KVPoolSize(max(1, min(fillable, budget // full)))
     if not full:
-        return KVPoolSize(requests * blocks_for(context_length), max(1, budget // windowed))
+        return KVPoolSize(requests * blocks_for(context_length), max(1, min(fillable, budget // windowed)))
     even = max(1, budget // (full + windowed))  # what one pool for all layers would hold
     windows = min(requests, WINDOW_REQUESTS) * (blocks_for(window) + 2) + blocks_for(step_rows)
     if even <= windows:
         return KVPoolSize(even, even)
-    return KVPoolSize((budget - windows * windowed) // full, windows)
+    return KVPoolSize(min(fillable, (budget - windows * windowed) // full), windows)
 
 
 def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:

@@ -114,6 +114,11 @@ def test_a_stage_gives_the_window_pool_what_its_requests_need_and_the_rest_to_th
     assert pool_sizes(budget, (2048, 0), None, 64, 512, 4096) == KVPoolSize(10_000)  # no window
     # Only sliding-window layers here: the other pool holds nothing, its ids only name blocks.
     assert pool_sizes(budget, (0, 2048), 128, 64, 512, 4096) == KVPoolSize(64 * blocks_for(4096), 10_000)
+    # A budget beyond what the running limit's whole contexts (and one step's chunk) could fill is not taken.
+    fillable = 64 * blocks_for(4096) + blocks_for(512)
+    assert pool_sizes(2**31, (2048, 0), None, 64, 512, 4096) == KVPoolSize(fillable)
+    assert pool_sizes(2**31, (1024, 1024), 128, 64, 512, 4096).blocks == fillable
+    assert pool_sizes(2**31, (2048, 0), None, 2, 512, 4096) == KVPoolSize(2 * blocks_for(4096) + blocks_for(512))
 
 
 async def test_a_replay_on_a_new_ring_rebuilds_both_pools_and_costs_nothing(reference) -> None:
