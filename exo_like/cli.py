@@ -20,6 +20,7 @@ from exo_like.api.routes import create_app, finish_generations
 from exo_like.cluster.peers import DEFAULT_PEER_TIMEOUT
 from exo_like.engines.torch.openmp import limit_worker_spin
 from exo_like.errors import ExoLikeError
+from exo_like.models.hub.repo import refuse_downloads
 from exo_like.node import DEFAULT_CLUSTER_KEY, DEFAULT_STEP_TIMEOUT, Node, NodeOptions, default_home
 from partitioning.speed_figures import PARALLEL_MODES
 from exo_like.serving.scheduler import (
@@ -80,6 +81,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-mdns", action="store_true", help="do not advertise or browse on mDNS")
     parser.add_argument("--cluster-key", default=os.environ.get("EXO_LIKE_CLUSTER_KEY"),
                         help="shared secret peers must hold (env EXO_LIKE_CLUSTER_KEY; default: a built-in key)")
+    parser.add_argument("--no-downloads", action="store_true",
+                        help="serve only models already on this node's disk: never fetch from the hub (as "
+                             "HF_HUB_OFFLINE=1, with errors that name this option)")
+    parser.add_argument("--api-key", default=os.environ.get("EXO_LIKE_API_KEY") or None,
+                        help="require this key of every API client and the dashboard (Authorization: Bearer, or "
+                             "x-api-key; env EXO_LIKE_API_KEY; default: none, anyone who reaches the port may use it)")
     parser.add_argument("--kv-cache-gb", type=float, default=None,
                         help="memory for the KV cache of this node's layers (default: 30%% of the memory left after "
                              "loading them, at most 2 GiB, and never more than --max-running whole contexts need); "
@@ -124,6 +131,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--step-timeout must be positive")
     if not args.peer_timeout > 0:
         parser.error("--peer-timeout must be positive")
+    if args.api_key is not None and (not args.api_key.strip() or not args.api_key.isprintable()):
+        parser.error("--api-key must be printable text, not empty")
     if args.kv_cache_gb is not None and not args.kv_cache_gb > 0:
         parser.error("--kv-cache-gb must be positive")
     if any(n is not None and n < 1 for n in (args.max_batch_tokens, args.interleave_tokens, args.max_running)):
@@ -176,10 +185,10 @@ def setup_logging(level: str, node_id: str) -> NodeIdFilter:
     return node_filter
 
 
-async def serve(node: Node, host: str, port: int) -> None:
+async def serve(node: Node, host: str, port: int, api_key: str | None = None) -> None:
     """Serve until SIGINT or SIGTERM, then stop accepting, let requests finish briefly, and shut down."""
     # handler_cancellation: a client that disconnects cancels its handler, which stops its generation.
-    runner = web.AppRunner(create_app(node), handler_cancellation=True, shutdown_timeout=SHUTDOWN_TIMEOUT,
+    runner = web.AppRunner(create_app(node, api_key), handler_cancellation=True, shutdown_timeout=SHUTDOWN_TIMEOUT,
                            access_log=None)
     await runner.setup()
     stop = asyncio.Event()
@@ -211,6 +220,8 @@ def main(argv: list[str] | None = None) -> None:
     home = (args.home or default_home()).expanduser()
     node_filter = setup_logging(args.log_level, "-")  # the node id is stamped once the node has claimed it
     limit_worker_spin()  # before anything imports torch: idle stages must not spin on the cores others need
+    if args.no_downloads:
+        refuse_downloads()  # before --model is resolved: it, too, may only come from the cache
     options = NodeOptions(home=home, engine=args.engine, device=args.device, dtype=args.dtype,
                           node_name=args.node_name, memory_gb=args.memory_gb, peers=args.peers,
                           mdns=not args.no_mdns, cluster_key=args.cluster_key or DEFAULT_CLUSTER_KEY, model=args.model,
@@ -234,7 +245,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(1)
     keep_imports_out_of_collections()
     try:
-        asyncio.run(serve(node, args.host, args.port))
+        asyncio.run(serve(node, args.host, args.port, args.api_key))
     except KeyboardInterrupt:
         log.warning("interrupted during shutdown")
         sys.exit(130)

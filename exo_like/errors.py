@@ -36,6 +36,16 @@ class UnsupportedModelError(ExoLikeError):
     type = "invalid_request_error"
 
 
+class AuthenticationError(ExoLikeError):
+    """The node runs with --api-key and the request did not present it."""
+
+    status = 401
+    type = "invalid_request_error"  # OpenAI's type for a bad key (Anthropic's shape says authentication_error)
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = "invalid_api_key"):
+        super().__init__(message, param=param, code=code)
+
+
 class ServiceUnavailableError(ExoLikeError):
     status = 503
     type = "service_unavailable"

@@ -14,6 +14,44 @@ const $ = (id) => document.getElementById(id);
 const state = { picture: null, lastEventAt: 0, connectedAt: 0, source: null, lostSince: null, history: [] };
 const chat = new Chat($("chat"));
 
+// --api-key: the page asks for the key when the node answers 401, and keeps it in a SameSite=Strict cookie, which
+// the browser sends with every request of this page, the event stream included (EventSource cannot set headers).
+const KEY_COOKIE = "exo_like_api_key";
+
+async function keyAccepted() {
+  try {
+    const response = await fetch("/v1/cluster");
+    return response.status !== 401;
+  } catch (error) {
+    return true; // unreachable: the stream shows the node as lost and retries
+  }
+}
+
+function askForKey(message) {
+  document.body.classList.add("needs-key");
+  $("key-form").hidden = false;
+  $("key-error").textContent = message;
+  $("key-input").focus();
+}
+
+$("key-form").addEventListener("submit", async (event) => {
+  event.preventDefault();
+  const key = $("key-input").value.trim();
+  document.cookie = `${KEY_COOKIE}=${encodeURIComponent(key)}; path=/; SameSite=Strict`;
+  if (await keyAccepted()) {
+    $("key-form").hidden = true;
+    document.body.classList.remove("needs-key");
+    connect();
+  } else {
+    askForKey("That key is not this node's.");
+  }
+});
+
+async function start() {
+  if (await keyAccepted()) connect();
+  else askForKey("");
+}
+
 function connect() {
   if (state.source) state.source.close();
   const source = new EventSource("/v1/events");
@@ -27,8 +65,13 @@ function connect() {
   source.addEventListener("error", () => {
     markLost();
     // A closed EventSource (e.g. the node answered with an error while restarting) never retries by itself.
-    if (source.readyState === EventSource.CLOSED) setTimeout(connect, 1000);
+    if (source.readyState === EventSource.CLOSED) setTimeout(reconnect, 1000);
   });
+}
+
+async function reconnect() {
+  if (await keyAccepted()) connect();
+  else askForKey("The node asks for a key again (restarted with another --api-key?).");
 }
 
 function markLost() {
@@ -39,6 +82,7 @@ function markLost() {
 
 // A stream can go silent without an error (a half-open connection): replace it.
 function watchdog() {
+  if (document.body.classList.contains("needs-key")) return; // nothing to watch until the key is given
   const now = Date.now();
   if (now - state.lastEventAt > STALE_AFTER_MS && now - state.connectedAt > STALE_AFTER_MS) {
     markLost();
@@ -249,6 +293,6 @@ function sparkline() {
     s("polyline", { points: points.join(" ") }));
 }
 
-connect();
+start();
 setInterval(watchdog, 1000);
 setInterval(sampleThroughput, 1000);

@@ -21,6 +21,7 @@ from aiohttp.typedefs import Handler
 
 import dashboard
 from exo_like.api import anthropic_api, ollama_api, responses_api
+from exo_like.api.auth import api_key_middleware
 from exo_like.api.chat import start_chat, start_completion
 from exo_like.api.choices import ChoiceSet
 from exo_like.api.lifecycle import (ERROR_SHAPES_KEY, GENERATING_KEY, NODE_KEY, error_shape, generating,
@@ -38,8 +39,10 @@ MAX_BODY_BYTES = 32 * 1024 * 1024  # a full long-context prompt, JSON-escaped, f
 SHUTDOWN_GRACE = 5.0  # seconds requests still generating get to finish on shutdown before they are cancelled
 
 
-def create_app(node: Node) -> web.Application:
-    app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
+def create_app(node: Node, api_key: str | None = None) -> web.Application:
+    """The node's app; with `api_key`, every route but the open ones (api/auth.py) requires it."""
+    guard = [api_key_middleware(api_key)] if api_key else []
+    app = web.Application(middlewares=[error_middleware, *guard], client_max_size=MAX_BODY_BYTES)
     app[NODE_KEY] = node
     app[GENERATING_KEY] = set()
     app[ERROR_SHAPES_KEY] = []

@@ -229,6 +229,34 @@ def test_a_node_card_says_its_measured_speed_its_share_and_the_bottleneck(speed_
     assert view["placement"]["why"] in dashboard.tile("agreement")
 
 
+def test_a_node_with_an_api_key_asks_for_it_and_then_shows_the_cluster(browser: Any, tmp_path: Path) -> None:
+    key = "dashboard key; with spaces"
+    node = start_node(tmp_path / "home", None, "--no-mdns", "--api-key", key)
+    page = browser.new_page()
+    errors: list[str] = []
+    page.on("console", lambda message: message.type == "error" and errors.append(message.text))
+    page.on("pageerror", lambda error: errors.append(f"uncaught: {error}"))
+    try:
+        page.goto(node.base_url + "/")
+        page.wait_for_selector("#key-form:not([hidden])", timeout=10_000)
+        assert not page.is_visible("main.layout") and not page.is_visible("#nodes")
+        page.fill("#key-input", "not the key")
+        page.click("#key-form button[type=submit]")
+        page.wait_for_function("() => document.querySelector('#key-error').textContent.includes('not this node')")
+        page.fill("#key-input", key)
+        page.click("#key-form button[type=submit]")
+        page.wait_for_selector("#connection[data-state=live]", timeout=10_000)
+        page.wait_for_function("() => document.querySelectorAll('#nodes .node').length === 1", timeout=10_000)
+        assert page.is_hidden("#key-form") and page.is_visible("main.layout")
+        assert [c["name"] for c in page.context.cookies() if c["name"] == "exo_like_api_key"] == ["exo_like_api_key"]
+    finally:
+        page.context.clear_cookies()
+        page.close()
+        stop_nodes([node])
+    # The only console errors: the browser's own notes of the 401s that made the page ask.
+    assert all("401" in error for error in errors), errors
+
+
 @pytest.fixture
 def tiny_pair_without_model(tmp_path: Path) -> Iterator[list[NodeProcess]]:
     """Two nodes with no model and 100 KiB each: any real model is too big for them."""

@@ -237,10 +237,13 @@ def test_a_node_that_joins_after_a_new_commit_fetches_the_commit_the_cluster_ser
         stop_cleanly(nodes)
 
 
-def test_offline_with_a_cold_cache_fails_clearly(hub: HubServer, tmp_path: Path) -> None:
+def test_offline_or_no_downloads_with_a_cold_cache_fails_clearly(hub: HubServer, tmp_path: Path) -> None:
+    """HF_HUB_OFFLINE=1 at start with --model; --no-downloads (hub reachable) when a request names the model: each
+    a clear error in its own words, and the second node never asks the hub anything."""
     env = hub_env(hub.endpoint, "cold", tmp_path, HF_HUB_OFFLINE="1")
     process_env = {k: v for k, v in {**os.environ, **env}.items() if v is not None}
-    launched = launch_node(tmp_path / "b", None, "--no-mdns", env=env)  # no --model: a request asks for it
+    launched = launch_node(tmp_path / "b", None, "--no-mdns", "--no-downloads",  # no --model: a request asks
+                           env=hub_env(hub.endpoint, "no-downloads", tmp_path))
     try:  # (the node starts meanwhile)
         started = subprocess.run([*exo_like_command(), "--model", REPO, "--home", str(tmp_path / "a"), "--port",
                                   "0", "--host", "127.0.0.1", "--no-mdns"], env=process_env, capture_output=True,
@@ -255,8 +258,9 @@ def test_offline_with_a_cold_cache_fails_clearly(hub: HubServer, tmp_path: Path)
     try:
         status, body = chat(node, REPO)
         assert status == 503 and body["error"]["code"] == "model_not_cached", body
-        assert "HF_HUB_OFFLINE is set" in body["error"]["message"] and REPO in body["error"]["message"]
+        assert "runs with --no-downloads" in body["error"]["message"] and REPO in body["error"]["message"]
         assert node.get_json("/health")["status"] == "ok"
+        assert hub.requests(origin="no-downloads") == []
     finally:
         stop_cleanly([node])
 

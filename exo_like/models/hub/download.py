@@ -42,7 +42,8 @@ from exo_like.models.checkpoint import INDEX_FILE, files_for_shard, local_tensor
 from exo_like.models.gguf.file import open_gguf
 from exo_like.models.gguf.hub import fetch_ranges, gguf_folder, shard_ranges
 from exo_like.models.hub.progress import DownloadProgress
-from exo_like.models.hub.repo import LIBRARY, RemoteFile, RepoManifest, endpoint, hub_errors, offline, storage_folder
+from exo_like.models.hub.repo import (LIBRARY, RemoteFile, RepoManifest, cache_only, endpoint, hub_errors, offline,
+                                      storage_folder)
 from exo_like.models.hub.sparse_file import Range, present_ranges, subtract, total
 from exo_like.models.shard import Shard
 
@@ -90,10 +91,11 @@ class ShardDownloader:
             log.info("node %s: %s: all %d weight files are in the cache", self.node_id, label, len(names))
             return
         if offline():
+            why, remedy = cache_only()
             raise HubUnavailableError(
-                f"HF_HUB_OFFLINE is set and {len(missing)} of the {len(names)} weight files of {label} are not in "
-                f"the cache {self.cache_dir} ({', '.join(missing)}): unset HF_HUB_OFFLINE so the node can download "
-                f"them", code="model_not_cached")
+                f"{why} and {len(missing)} of the {len(names)} weight files of {label} are not in the cache "
+                f"{self.cache_dir} ({', '.join(missing)}): {remedy} so the node can download them",
+                code="model_not_cached")
         self._wanted = frozenset(_key(manifest, name) for name in names)
         on_disk = {name: self._bytes_on_disk(manifest, folder, name) for name in names}
         self._check_disk(label, sum(manifest.files[n].size - on_disk[n] for n in missing))
@@ -117,9 +119,10 @@ class ShardDownloader:
                      sum(needed.values()))
             return
         if offline():
+            why, remedy = cache_only()
             raise HubUnavailableError(
-                f"HF_HUB_OFFLINE is set and {absent} bytes of the tensors of {label} are not in the cache "
-                f"{self.cache_dir}: unset HF_HUB_OFFLINE so the node can download them", code="model_not_cached")
+                f"{why} and {absent} bytes of the tensors of {label} are not in the cache {self.cache_dir}: "
+                f"{remedy} so the node can download them", code="model_not_cached")
         # A key per part and set of ranges: a transfer of the same part for an earlier plan stops at its next chunk.
         keys = {name: f"{_key(manifest, name)}#{hash(tuple(ranges)):x}" for name, (_, ranges) in wanted.items()}
         self._wanted = frozenset(keys.values())

@@ -72,6 +72,24 @@ def offline() -> bool:
     return constants.is_offline_mode()
 
 
+def refuse_downloads() -> None:
+    """--no-downloads: this process serves only what its cache holds (huggingface_hub's offline mode, which also
+    makes its client refuse every request), and errors say so in the option's words."""
+    global _NO_DOWNLOADS
+    _NO_DOWNLOADS = True
+    constants.HF_HUB_OFFLINE = True
+
+
+_NO_DOWNLOADS = False
+
+
+def cache_only() -> tuple[str, str]:
+    """Why this node serves from its cache only, and how to let it download: for error messages."""
+    if _NO_DOWNLOADS:
+        return "this node runs with --no-downloads", "start it without --no-downloads"
+    return "HF_HUB_OFFLINE is set", "unset HF_HUB_OFFLINE"
+
+
 def endpoint() -> str:
     """The hub's address: HF_ENDPOINT as it is now (huggingface_hub reads it once, at import)."""
     return os.environ.get("HF_ENDPOINT", "").rstrip("/") or constants.ENDPOINT
@@ -203,9 +221,10 @@ def _local_manifest(repo_id: str, folder: Path, n_layers: int, tied: bool, cache
     except UnsupportedModelError:
         names = []  # some weight files are missing here, so their headers cannot be read
     if not names:
+        why, remedy = cache_only()
         raise HubUnavailableError(
-            f"HF_HUB_OFFLINE is set and the cache {cache_dir} does not hold the layer sizes of {repo_id}: unset "
-            f"HF_HUB_OFFLINE so the node can read them from the hub", code="model_not_cached")
+            f"{why} and the cache {cache_dir} does not hold the layer sizes of {repo_id}: {remedy} so the node can "
+            f"read them from the hub", code="model_not_cached")
     return RepoManifest(repo_id, folder.name, {n: present[n] for n in names},
                         model_footprint(folder, n_layers, tied, quant))
 
@@ -253,9 +272,10 @@ def http_error(repo_id: str, what: str, exc: HfHubHTTPError) -> ExoLikeError:
 
 def not_cached_error(repo_id: str, cache_dir: Path, what: str, cause: BaseException) -> ExoLikeError:
     if offline():
+        why, remedy = cache_only()
         return HubUnavailableError(
-            f"HF_HUB_OFFLINE is set and the cache {cache_dir} does not hold {what} of {repo_id}: unset "
-            f"HF_HUB_OFFLINE so the node can download it, or fill that cache first", code="model_not_cached")
+            f"{why} and the cache {cache_dir} does not hold {what} of {repo_id}: {remedy} so the node can download "
+            f"it, or fill that cache first", code="model_not_cached")
     reason = _root_cause(cause)
     return HubUnavailableError(
         f"cannot reach the hub at {endpoint()} ({reason}) and the cache {cache_dir} does not hold {what} of "
