@@ -1,5 +1,6 @@
 """The plan: which node runs which contiguous layer range, split by memory (ring.py) or by speed (placement.py);
-the plan a cluster agrees on (plan.py) and which split its members' figures call for (decision.py).
+the plan a cluster agrees on (plan.py), which split its members' figures call for (decision.py), and several models'
+instances sharing the nodes' memory (instances.py).
 
 May import: exo_like.models (footprints, shards) and nothing else of exo_like."""
 

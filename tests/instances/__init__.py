@@ -1,0 +1,1 @@
+"""Tests of the instances: the replicated set of models asked for."""
