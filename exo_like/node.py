@@ -171,7 +171,9 @@ class Node:
             current = await self.models.prepare(self.cluster.model_id)
         served = self.cluster.model_id
         if current.key != served:
-            raise ModelNotFoundError(f"the model {name!r} does not exist; this cluster serves {served!r}")
+            known = self.models.known(served)  # named as /v1/models lists it, not by its key (a path, repo@commit)
+            raise ModelNotFoundError(f"the model {name!r} is not served here; this cluster serves "
+                                     f"{known.model_id if known is not None else served!r}")
         return await self.models.by_name(name, current), self.generator
 
     async def _load_shard(self, plan: Plan, shard: Shard | None) -> None:

@@ -95,8 +95,9 @@ class ModelRegistry:
             if named.key == served.key:
                 return named
             raise ModelNotFoundError(f"the model {name!r} is {named.key} at the hub; this cluster serves "
-                                     f"{served.key!r}")
-        raise ModelNotFoundError(f"the model {name!r} does not exist; this cluster serves {served.key!r}")
+                                     f"{served.model_id!r}")
+        # The served model by the id /v1/models lists it under (not its key: a folder's path, a repo@commit).
+        raise ModelNotFoundError(f"the model {name!r} is not served here; this cluster serves {served.model_id!r}")
 
     def describe(self, key: str) -> ModelDescription:
         """What planning needs. A hub model not described yet is fetched in the background meanwhile."""
