@@ -20,7 +20,7 @@ const KEY_COOKIE = "exo_like_api_key";
 
 async function keyAccepted() {
   try {
-    const response = await fetch("/v1/cluster");
+    const response = await fetch("/v1/models", { method: "HEAD" }); // a guarded route every node serves
     return response.status !== 401;
   } catch (error) {
     return true; // unreachable: the stream shows the node as lost and retries

@@ -4,24 +4,25 @@ anthropic_api, ollama_api) mounted beside them.
 Routes here: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{id}], GET /health,
 GET /v1/debug/requests, GET /v1/cluster, GET /metrics, and the dashboard (GET /, its assets, GET /v1/events).
 Every error, including unknown routes and wrong methods, is an error body in the shape of the dialect its path
-belongs to (OpenAI's by default); bad input is always a 4xx. Generation stops and frees its KV cache as soon as the
-client goes away.
+belongs to (OpenAI's by default); bad input is always a 4xx. With --api-key, every route but a few open ones asks
+for the key (below). Generation stops and frees its KV cache as soon as the client goes away.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
+from urllib.parse import unquote
 
 from aiohttp import web
-from aiohttp.typedefs import Handler
+from aiohttp.typedefs import Handler, Middleware
 
 import dashboard
 from exo_like.api import anthropic_api, ollama_api, responses_api
-from exo_like.api.auth import api_key_middleware
 from exo_like.api.chat import start_chat, start_completion
 from exo_like.api.choices import ChoiceSet
 from exo_like.api.lifecycle import (ERROR_SHAPES_KEY, GENERATING_KEY, NODE_KEY, error_shape, generating,
@@ -29,7 +30,7 @@ from exo_like.api.lifecycle import (ERROR_SHAPES_KEY, GENERATING_KEY, NODE_KEY, 
 from exo_like.api.openai_requests import parse_chat_request, parse_completion_request
 from exo_like.api.openai_responses import ResponseFormat, error_body
 from exo_like.cluster.peers import PEER_PATH
-from exo_like.errors import ExoLikeError, ServiceUnavailableError
+from exo_like.errors import AuthenticationError, ExoLikeError, ServiceUnavailableError
 from exo_like.node import Node
 from exo_like.serving.metrics import CONTENT_TYPE
 
@@ -40,7 +41,7 @@ SHUTDOWN_GRACE = 5.0  # seconds requests still generating get to finish on shutd
 
 
 def create_app(node: Node, api_key: str | None = None) -> web.Application:
-    """The node's app; with `api_key`, every route but the open ones (api/auth.py) requires it."""
+    """The node's app; with `api_key`, every route but the open ones (OPEN_PATHS below) requires it."""
     guard = [api_key_middleware(api_key)] if api_key else []
     app = web.Application(middlewares=[error_middleware, *guard], client_max_size=MAX_BODY_BYTES)
     app[NODE_KEY] = node
@@ -61,6 +62,52 @@ def create_app(node: Node, api_key: str | None = None) -> web.Application:
         dialect.add_routes(app)
     dashboard.add_routes(app, node.cluster_json, node.wait_cluster_change)
     return app
+
+
+# -- --api-key ---------------------------------------------------------------------------------------------------
+# Who may use a node's HTTP API once any request can make the cluster download and load a model. As llama.cpp's and
+# vLLM's --api-key: every API route and the dashboard's data answer 401 (in the dialect's error shape) unless the
+# request presents the key, as OpenAI's and Ollama's clients send it (`Authorization: Bearer KEY`), as Anthropic's
+# does (`x-api-key: KEY`), or as the dashboard does (a SameSite=Strict cookie it sets once the user typed the key,
+# which its event stream sends too: a browser's EventSource cannot set headers). Left open: the peer link (peers
+# prove the cluster key in their own handshake), /health (liveness for load balancers), and the dashboard's page and
+# assets (no data: the page asks for the key).
+
+COOKIE = "exo_like_api_key"
+OPEN_PATHS = frozenset({"/", "/health", PEER_PATH})
+OPEN_PREFIXES = ("/dashboard/",)
+
+
+def presented_keys(request: web.Request) -> Iterator[str]:
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() == "bearer" and token.strip():
+        yield token.strip()
+    if "x-api-key" in request.headers:
+        yield request.headers["x-api-key"].strip()
+    if COOKIE in request.cookies:
+        yield unquote(request.cookies[COOKIE])  # the page stores it URI-encoded (a cookie cannot hold ";")
+
+
+def is_open(path: str) -> bool:
+    return path in OPEN_PATHS or path.startswith(OPEN_PREFIXES)
+
+
+def api_key_middleware(key: str) -> Middleware:
+    """Refuses every request to a guarded path that does not present `key` (compared in constant time)."""
+    expected = key.encode()
+
+    @web.middleware
+    async def require_api_key(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if is_open(request.path):
+            return await handler(request)
+        presented = list(presented_keys(request))
+        if any(hmac.compare_digest(candidate.encode(), expected) for candidate in presented):
+            return await handler(request)
+        raise AuthenticationError("incorrect API key" if presented else
+                                  "this node requires an API key: send it as `Authorization: Bearer <key>` (or "
+                                  "`x-api-key: <key>`)")
+
+    return require_api_key
 
 
 async def finish_generations(app: web.Application) -> None:

@@ -1,4 +1,4 @@
-"""`--api-key` (exo_like/api/auth.py): without the key every API route and the dashboard's data answer 401 in the
+"""`--api-key` (exo_like/api/routes.py): without the key every API route and the dashboard's data answer 401 in the
 shape of their dialect; with it (as a Bearer token, Anthropic's x-api-key, or the dashboard's cookie) the official
 clients work; /health, the peer link and the dashboard's page stay open. In-process: one node, its app guarded."""
 

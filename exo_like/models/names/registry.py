@@ -95,7 +95,7 @@ class ModelRegistry:
             if named.key == served.key:
                 return named
             raise ModelNotFoundError(f"the model {name!r} is {named.key} at the hub; this cluster serves "
-                                     f"{served.model_id!r}")
+                                     f"{served.key!r}")  # the two commits side by side
         # The served model by the id /v1/models lists it under (not its key: a folder's path, a repo@commit).
         raise ModelNotFoundError(f"the model {name!r} is not served here; this cluster serves {served.model_id!r}")
 
