@@ -1,5 +1,5 @@
-"""How long an instance stays loaded after its last request, in Ollama's terms: `keep_alive` on a request and
-`--keep-alive` on a node (default 5 minutes).
+"""How long an instance stays loaded after its last request, in Ollama's terms (a request's `keep_alive`; Ollama's
+default is 5 minutes).
 
 Ollama's forms: a number of seconds, or a Go duration string ("10m", "1h30m", "500ms"); 0 unloads as soon as the
 request ends; a negative value keeps the model loaded until it is unloaded by name or must make room. A string of
@@ -13,7 +13,6 @@ import re
 
 from exo_like.errors import InvalidRequestError
 
-DEFAULT_KEEP_ALIVE = 300.0  # seconds: Ollama's default
 FOREVER = math.inf
 
 _UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
