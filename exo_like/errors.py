@@ -90,6 +90,13 @@ class DownloadError(ExoLikeError):
     type = "server_error"
 
 
+class InsufficientMemoryError(ServiceUnavailableError):
+    """A model does not fit in the memory the cluster's nodes offer beside the instances serving requests."""
+
+    def __init__(self, message: str, *, param: str | None = "model", code: str | None = "insufficient_memory"):
+        super().__init__(message, param=param, code=code)
+
+
 class InsufficientDiskError(ExoLikeError):
     status = 507
     type = "server_error"

@@ -31,6 +31,7 @@ from exo_like.cluster.protocol import (
     DEFAULT_MAX_FRAME_BYTES,
     Error,
     Forward,
+    MemberAddress,
     Message,
     PlanState,
     Release,
@@ -42,7 +43,10 @@ from exo_like.cluster.speed import SpeedProbe
 from exo_like.cluster.view import cluster_picture
 from exo_like.engines.base import Engine
 from exo_like.engines.choice import create_engine
-from exo_like.errors import ExoLikeError, ModelNotFoundError, ServiceUnavailableError
+from exo_like.errors import ExoLikeError, ServiceUnavailableError
+from exo_like.instances.instance import Instance
+from exo_like.instances.manager import DEFAULT_KEEP_ALIVE, Instances
+from exo_like.instances.runtime import InstancePart, NodeServices
 from exo_like.models.hub.download import ShardDownloader
 from exo_like.models.hub.progress import DownloadProgress, show_progress
 from exo_like.models.hub.repo import default_cache_dir
@@ -51,18 +55,14 @@ from exo_like.models.names.resolver import LoadedModel
 from exo_like.models.shard import Shard
 from exo_like.serving.generation import TokenGenerator
 from exo_like.serving.metrics import Metrics
-from exo_like.serving.ring import RingGenerator
 from exo_like.serving.scheduler import SchedulerLimits
-from exo_like.serving.shard_holder import ShardHolder
-from exo_like.serving.grammar import GrammarVocabularies, GrammarVocabulary
-from exo_like.serving.stage import StageWorker
+from exo_like.serving.grammar import GrammarVocabularies
 from exo_like.tensor_parallel import control as group_control
 from exo_like.tensor_parallel.messages import Ready
 from exo_like.tensor_parallel.supervisor import GroupSpec, GroupSupervisor
 from partitioning.tensor import group_key
 from partitioning.plan import Plan
 from partitioning.speed_figures import RTT_SAMPLES
-from exo_like.cluster.protocol import MemberAddress
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +101,7 @@ class NodeOptions:
     placement: str = "compute"  # place layers by measured speed ("compute") or by memory alone ("memory")
     parallel: str = "auto"  # --parallel: tensor-parallel groups where every member asks ("tensor"), or not
     remeasure: bool = False  # measure this node's speed again instead of reading it from <home>
+    keep_alive: float = DEFAULT_KEEP_ALIVE  # --keep-alive: seconds a model stays loaded after its last request
 
 
 class Node:
@@ -109,14 +110,15 @@ class Node:
         self.home = options.home
         self.identity = claim_identity(options.home)
         self.node_id = self.identity.node_id
+        # This node's engine for what is not an instance's: measuring its speed, naming its device. Each
+        # instance's part has an engine of its own (instances/runtime.py); all share the one engine thread.
         self.engine: Engine = create_engine(options.engine, options.device, options.dtype)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self.cache_dir = default_cache_dir(options.home, options.hub_cache)
         self.models = ModelRegistry(options.home, self.cache_dir, self.node_id, self._model_prepared)
         self.download_progress = DownloadProgress()
         self.downloader = ShardDownloader(self.cache_dir, self.node_id, self.download_progress)
-        self.shards = ShardHolder(self.node_id, self.engine, self.executor, self.models, self.downloader,
-                                  options.kv_cache_gb, options.limits)
+        self.groups: GroupSupervisor | None = None
         disable_progress_bars()  # huggingface_hub's per-file bars: the node draws one bar of its own
         self._tasks: set[asyncio.Task] = set()
         self.started = time.time()
@@ -124,12 +126,12 @@ class Node:
         self.info: NodeInfo | None = None
         self.peers: PeerNetwork | None = None
         self.cluster: Cluster | None = None
-        self.stage: StageWorker | None = None
-        self.generator: TokenGenerator | None = None
+        self.instances: Instances | None = None
         self.finder: PeerFinder | None = None
         self.speed: SpeedProbe | None = None
         self.metrics = Metrics(self.current_load, self._peer_rtts)
         self.grammars = GrammarVocabularies()
+        self._replays = 0
 
     # -- models -------------------------------------------------------------------------------------------
 
@@ -139,46 +141,34 @@ class Node:
         return self.models.resolve(spec)
 
     def _model_prepared(self, spec: str) -> None:
-        if self.cluster is not None and self.cluster.model_id == spec:
-            self.cluster.replan()  # the plan, or the problem, can be worked out now
+        if self.instances is not None and self.instances.get(spec) is not None:
+            self.instances.replan()  # the plan, or the problem, can be worked out now
 
-    @property
-    def model(self) -> LoadedModel | None:
-        """The model the cluster serves, if any (and if this node has its description)."""
-        if self.cluster is None or self.cluster.model_id is None:
-            return None
-        return self.models.known(self.cluster.model_id)
+    def served(self) -> list[LoadedModel]:
+        """The models the cluster serves (those this node has the description of), oldest first."""
+        if self.instances is None:
+            return []
+        models = []
+        for key in self.instances.instances:
+            try:
+                model = self.models.known(key)
+            except ExoLikeError:
+                continue  # the model cannot be read here: its instance's problem says why
+            if model is not None:
+                models.append(model)
+        return models
 
-    def grammar_vocabulary(self) -> GrammarVocabulary | None:
-        """The served model's tokens as the grammar engine sees them (built on first use: call it off the loop)."""
-        model = self.model
-        return None if model is None else self.grammars.get(model)
-
-    async def require_model(self, name: str) -> tuple[LoadedModel, TokenGenerator]:
-        """The served model a request names, with the generator that runs it; 404 for any other name.
-
-        With no model chosen yet, the first request's model becomes the cluster's model."""
-        if self.cluster is None or self.generator is None:
-            raise ModelNotFoundError(f"the model {name!r} does not exist: the node is still starting")
+    async def require_model(self, name: str, keep_alive: float | None = None) -> tuple[LoadedModel, TokenGenerator]:
+        """The model a request names, with the generator that runs it: the cluster serves it from now on if it did
+        not (placed, fetched and loaded while the request waits for it)."""
+        if self.instances is None:
+            raise ServiceUnavailableError("the node is still starting", code="starting")
         if self.stopping:
             raise ServiceUnavailableError("the node is shutting down; send the request to another node of the "
                                           "cluster", code="shutting_down")
-        if self.cluster.model_id is None:
-            current = await self.models.prepare(name)
-            if self.cluster.model_id is None:  # still: no other request chose while this one was fetching
-                self.cluster.set_model(current.key)
-        else:
-            current = await self.models.prepare(self.cluster.model_id)
-        served = self.cluster.model_id
-        if current.key != served:
-            known = self.models.known(served)  # named as /v1/models lists it, not by its key (a path, repo@commit)
-            raise ModelNotFoundError(f"the model {name!r} is not served here; this cluster serves "
-                                     f"{known.model_id if known is not None else served!r}")
-        return await self.models.by_name(name, current), self.generator
-
-    async def _load_shard(self, plan: Plan, shard: Shard | None) -> None:
-        assert self.stage is not None
-        await self.shards.hold(plan, shard, self.stage)
+        model = await self.models.prepare(name)
+        instance = self.instances.require(model.key, keep_alive)
+        return model, instance.part.generator
 
     # -- start and stop -----------------------------------------------------------------------------------
 
@@ -191,16 +181,11 @@ class Node:
         self.speed = SpeedProbe(self.node_id, self.engine, self.executor, self.home, self.options.placement,
                                 self.options.remeasure, self.models.files,
                                 lambda: self.peers.lowest_round_trips(RTT_SAMPLES),
-                                lambda: self.cluster and self.cluster.replan(), self.options.parallel,
+                                lambda: self.instances and self.instances.replan(), self.options.parallel,
                                 self.peers.bandwidths)
-        self.cluster = Cluster(self.info, self.peers, self.models.describe, self._load_shard, self._members_changed,
-                               self.current_load, lambda: self.shards.serving.kv_size, self.speed)
-        self.stage = StageWorker(self.node_id, self, self.executor, self.cluster.ring_resources, self.options.limits,
-                                 self.metrics.observe_step, self.grammar_vocabulary)
-        if self.options.request_wait is not None:
-            self.cluster.plan_wait_seconds = self.options.request_wait
-        self.generator = RingGenerator(self.node_id, self, self.cluster.wait_ready, self.stage, self.cluster.name_of,
-                                       self.cluster.plan_wait_seconds, self.metrics.request_replays.inc)
+        self.cluster = Cluster(self.info, self.peers, self.current_load)
+        self.instances = Instances(self.cluster, self.models.describe, self._make_part, self.speed,
+                                   self.options.keep_alive, self.options.request_wait)
         self._spawn(show_progress(self.download_progress, self.node_id))
         self._spawn(self._watch_steps())
         self._spawn(self._watch_group())
@@ -216,11 +201,27 @@ class Node:
                  self.info.name, self.engine.name, self.engine.device_name, self.info.memory_bytes / 2**30,
                  "set" if self.options.cluster_key != DEFAULT_CLUSTER_KEY else "default")
         self.cluster.start()
+        self.instances.start()
         await self.finder.start()
         if self.options.model:
-            self.cluster.set_model(self.resolve(self.options.model).key)
+            self.instances.pin(self.resolve(self.options.model).key)
         else:
-            self.cluster.replan()
+            self.instances.replan()
+
+    def _make_part(self, instance: Instance) -> InstancePart:
+        """This node's part of an instance: an engine, a stage and a generator of its own."""
+        assert self.cluster is not None
+        services = NodeServices(self.node_id, self, self.executor, self.models, self.downloader, self.grammars,
+                                (self.options.engine, self.options.device, self.options.dtype),
+                                self.options.kv_cache_gb, self.options.limits, self.cluster.name_of,
+                                instance.plan_wait_seconds if self.options.request_wait is None
+                                else self.options.request_wait,
+                                self.metrics.observe_step, self._replayed, self.groups, self._group_spec)
+        return InstancePart(instance, services)
+
+    def _replayed(self) -> None:
+        self._replays += 1
+        self.metrics.request_replays.inc()
 
     def _start_groups(self) -> None:
         """Where this node's tensor-parallel workers take a leader's control channel: one listening socket for the
@@ -229,9 +230,8 @@ class Node:
         listener = group_control.listen((self.info.host, 0))
         self.info = replace(self.info, tp_port=listener.getsockname()[1])
         key = hashlib.sha256(b"exo-like tensor-parallel|" + self.options.cluster_key.encode()).digest()
-        self.shards.groups = GroupSupervisor(self.node_id, key, self.info.host, listener, self.engine,
-                                             self.options.step_timeout, self._group_formed)
-        self.shards.group_spec = self._group_spec
+        self.groups = GroupSupervisor(self.node_id, key, self.info.host, listener, self.engine,
+                                      self.options.step_timeout, self._group_formed)
 
     def _group_formed(self, spec: GroupSpec, ready: Ready) -> None:
         """A group's leader announces the group's measured all-reduce: the planner weighs it from then on."""
@@ -258,10 +258,8 @@ class Node:
 
     async def close(self) -> None:
         self.stopping = True
-        if self.generator is not None:
-            await self.generator.close()
-        if self.stage is not None:
-            await self.stage.close()
+        if self.instances is not None:
+            await self.instances.close()
         if self.finder is not None:
             await self.finder.stop()
         if self.cluster is not None:
@@ -274,7 +272,8 @@ class Node:
             task.cancel()
         self.downloader.close()
         loop = asyncio.get_running_loop()
-        self.shards.close()  # this node's group worker, if any
+        if self.groups is not None:
+            self.groups.stop()  # this node's group worker, if any
         await loop.run_in_executor(self.executor, self.engine.close)
         await loop.run_in_executor(None, self.executor.shutdown, True)
         self.identity.release()
@@ -292,10 +291,10 @@ class Node:
 
     async def _on_peer_message(self, link: PeerLink, message: Message) -> None:
         if isinstance(message, PlanState):
-            assert self.cluster is not None
+            assert self.cluster is not None and self.instances is not None
             self.cluster.receive(link.remote.node_id, message)
-            if self.stage is not None:
-                self.stage.wake()  # a stage's KV pool may have become known: the first stage can schedule
+            for instance in self.instances.instances.values():
+                instance.part.stage.wake()  # a stage's KV pool may have become known: the first stage can schedule
         else:
             # Not awaited: a stage's compute must not stop this link from reading (tasks start in arrival
             # order, and each submits to the single engine thread first, so per-request order is kept).
@@ -305,15 +304,41 @@ class Node:
         self._deliver(message, sender)
 
     def _deliver(self, message: Message, sender: str | None = None) -> None:
-        """The one place a ring message goes to the part of this node that handles it (all of them queue work or
-        wake a loop, none blocks)."""
-        assert self.stage is not None and self.generator is not None
-        if isinstance(message, (Tokens, Error)):  # Tokens first: it is a kind of Sampled
-            self.generator.handle(message)
-        elif isinstance(message, (Submit, Forward, Sampled, Release)):
-            self.stage.handle(message)
+        """The one place a ring message goes to the part of this node that handles it: by its plan's digest to
+        the instance of that plan, a request's tokens and errors to the generator running it (all of them queue
+        work or wake a loop, none blocks)."""
+        assert self.instances is not None
+        parts = [instance.part for instance in self.instances.instances.values()]
+        if isinstance(message, Tokens):  # first: it is a kind of Sampled
+            for part in parts:
+                if any(part.generator.expects(token.rid) for token in message.tokens[:1]):
+                    part.generator.handle(message)
+        elif isinstance(message, Error):
+            for part in parts:
+                if part.generator.expects(message.rid):
+                    part.generator.handle(message)
+        elif isinstance(message, Release):
+            for part in parts:  # whichever stage holds the request frees it; the others know no such id
+                part.stage.handle(message)
+        elif isinstance(message, (Submit, Forward, Sampled)):
+            instance = self.instances.by_digest(message.digest)
+            if instance is not None:
+                instance.part.stage.handle(message)
+            else:
+                self._spawn(self._refuse(message))
         else:
             log.warning("node %s: unexpected %s message from %s", self.node_id, message.type, sender or "itself")
+
+    async def _refuse(self, message: Submit | Forward | Sampled) -> None:
+        """Work for a plan no instance here has (any more): its requests' origins replay them."""
+        requests = {(message.rid, message.origin)} if isinstance(message, Submit) else \
+            {(item.rid, item.origin) for item in message.items} if isinstance(message, Forward) else set()
+        for rid, origin in requests:
+            try:
+                await self.send(origin, Error(rid, f"node {self.node_id} holds no plan {message.digest} (the "
+                                               "cluster re-planned); retry once the ring is ready", "plan_changed"))
+            except (ConnectionError, OSError):
+                pass  # the origin is gone, and its request with it
 
     async def _dial(self, host: str, port: int) -> str | None:
         assert self.peers is not None
@@ -334,13 +359,18 @@ class Node:
         if self.cluster is not None:
             self.cluster.links_changed()
 
+    def _parts(self) -> list[InstancePart]:
+        if self.instances is None:
+            return []
+        return [instance.part for instance in self.instances.instances.values()]  # type: ignore[misc]
+
     async def _watch_steps(self) -> None:
         """Stop requests whose ring has a hung stage: one whose node is alive (so its link stays up) while its
         engine has been inside one step for longer than --step-timeout."""
         while True:
             await asyncio.sleep(STEP_WATCH_SECONDS)
-            if isinstance(self.generator, RingGenerator):
-                self.generator.fail_stalled(self._step_seconds, self.options.step_timeout)
+            for part in self._parts():
+                part.generator.fail_stalled(self._step_seconds, self.options.step_timeout)
 
     async def _watch_group(self) -> None:
         """Re-form this node's tensor-parallel group when its worker exits while the plan stands (a crash, or the
@@ -348,25 +378,23 @@ class Node:
         handled: int | None = None  # the exited worker already acted on
         while True:
             await asyncio.sleep(GROUP_WATCH_SECONDS)
-            groups = self.shards.groups
+            groups = self.groups
             worker = groups.worker if groups is not None else None
-            if worker is None or worker.pid == handled or not groups.broken() or self.cluster is None:
+            if worker is None or worker.pid == handled or not groups.broken() or self.instances is None:
                 continue
             handled = worker.pid
             log.warning("node %s: the worker of its tensor-parallel rank (process %d) exited with code %s; the "
                         "group forms anew", self.node_id, worker.pid, worker.process.returncode)
-            self.cluster.reload()
+            for instance in self.instances.instances.values():
+                if instance.part.shards.grouped:  # type: ignore[attr-defined]
+                    instance.reload()
 
     def _step_seconds(self, node_id: str) -> float:
         """How long a member's engine has been inside its current step: ours now, a peer's as last announced."""
         if node_id == self.node_id:
-            return self.stage.step_seconds() if self.stage is not None else 0.0
-        announcement = self.cluster.announcement_of(node_id) if self.cluster is not None else None
+            return max((part.stage.step_seconds() for part in self._parts()), default=0.0)
+        announcement = self.cluster.announcements.get(node_id) if self.cluster is not None else None
         return announcement.load.step_seconds if announcement is not None else 0.0
-
-    def _members_changed(self, live: set[str]) -> None:
-        if isinstance(self.generator, RingGenerator):
-            self.generator.members_changed(live)
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
@@ -376,48 +404,59 @@ class Node:
     # -- reporting ----------------------------------------------------------------------------------------
 
     def generation_stats(self) -> dict[str, object]:
-        if self.generator is None:
-            return {"in_flight_requests": 0, "active_kv_caches": 0, "requests_total": 0, "tokens_generated_total": 0}
-        return self.generator.stats()
+        totals = {"in_flight_requests": 0, "active_kv_caches": 0, "requests_total": 0, "tokens_generated_total": 0,
+                  "replays_total": self._replays}
+        for part in self._parts():
+            for key, value in part.generator.stats().items():
+                if key != "replays_total":
+                    totals[key] += int(value)  # type: ignore[call-overload]
+        return totals
 
     def status(self) -> dict[str, object]:
         """What /health reports (and what a dashboard shows about this node)."""
-        model = self.model
-        engine = self.shards.serving
+        served = self.served()
+        engines = [part.serving for part in self._parts()]
         return {
             "status": "stopping" if self.stopping else "ok",
             "node_id": self.node_id,
-            "model": model.model_id if model else None,
-            "engine": engine.name,
-            "device": engine.device_name,
-            "dtype": engine.dtype_name,
+            "model": served[0].model_id if served else None,
+            "models": [model.model_id for model in served],
+            "engine": self.engine.name,
+            "device": self.engine.device_name,
+            "dtype": engines[0].dtype_name if engines else self.engine.dtype_name,
             # The bytes this node's layers hold; of a quantized model, the matrices run quantized and those
             # dequantized for want of a kernel.
-            "weights": {"parameter_bytes": engine.parameter_bytes(),
-                        "quantized": engine.weight_forms.quantized,
-                        "dequantized": engine.weight_forms.dequantized},
+            "weights": {"parameter_bytes": sum(engine.parameter_bytes() for engine in engines),
+                        "quantized": _added(engine.weight_forms.quantized for engine in engines),
+                        "dequantized": _added(engine.weight_forms.dequantized for engine in engines)},
             "uptime_seconds": round(time.time() - self.started, 1),
-            "cluster_ready": bool(self.cluster and self.cluster.ready),
+            "cluster_ready": bool(self.instances and any(i.ready for i in self.instances.instances.values())),
             **self.generation_stats(),
         }
 
     def current_load(self) -> NodeLoad:
         """What this node is doing now (shared with peers in its announcements)."""
-        engine = self.shards.serving
-        forms = engine.weight_forms
-        weights = {"quantized_weights": forms.quantized, "dequantized_weights": forms.dequantized,
-                   "numerics": engine.numerics()}
-        if self.generator is None or self.stage is None:
+        parts = self._parts()
+        engines = [part.serving for part in parts]
+        numerics = next((engine.numerics() for engine in engines if engine.shard is not None), None)
+        weights = {"quantized_weights": _added(engine.weight_forms.quantized for engine in engines),
+                   "dequantized_weights": _added(engine.weight_forms.dequantized for engine in engines),
+                   "numerics": numerics if numerics is not None else self.engine.numerics()}
+        if not parts:
             return NodeLoad(download=self.download_progress.status(), **weights)
-        decode_step = self.stage.decode_step_seconds.median()
-        replays = {"replays": self.generator.replays_total, "recovering": self.generator.recovering()} \
-            if isinstance(self.generator, RingGenerator) else {}
-        return NodeLoad(self.stage.throughput.rate(), self.generator.throughput.rate(),
-                        len(self.generator.in_flight), self.stage.busy(),
-                        self.download_progress.status(), self.stage.step_seconds(),
-                        None if decode_step is None else decode_step * 1000, engine.kv_blocks,
-                        kv_window_blocks=(engine.kv_size and engine.kv_size.window_blocks) or 0,
-                        **self.stage.scheduler_counts(), **weights, **replays)
+        steps = [s for part in parts if (s := part.stage.decode_step_seconds.median()) is not None]
+        counts: dict[str, int] = {}
+        for part in parts:
+            for key, value in part.stage.scheduler_counts().items():
+                counts[key] = counts.get(key, 0) + value
+        return NodeLoad(sum(p.stage.throughput.rate() for p in parts),
+                        sum(p.generator.throughput.rate() for p in parts),
+                        sum(len(p.generator.in_flight) for p in parts), any(p.stage.busy() for p in parts),
+                        self.download_progress.status(), max(p.stage.step_seconds() for p in parts),
+                        max(steps) * 1000 if steps else None, sum(engine.kv_blocks for engine in engines),
+                        kv_window_blocks=sum((e.kv_size and e.kv_size.window_blocks) or 0 for e in engines),
+                        **counts, **weights, replays=self._replays,
+                        recovering=_added(p.generator.recovering() for p in parts))
 
     def _peer_rtts(self) -> dict[str, float]:
         """Seconds of the last measured round trip on each peer link (by peer node id)."""
@@ -426,28 +465,20 @@ class Node:
         return {node_id: link.rtt for node_id, link in self.peers.links.items() if link.rtt is not None}
 
     def models_json(self) -> list[dict[str, object]]:
-        """GET /v1/models: the served model first, then local folders, downloaded repos and the catalog."""
-        return self.models.listing(self._served_or_none(), int(self.started))
+        """GET /v1/models: the served models first, then local folders, downloaded repos and the catalog."""
+        served = self.served()
+        return self.models.listing(served[0] if served else None, int(self.started))
 
     def model_entry(self, name: str) -> dict[str, object]:
-        return self.models.entry(name, self._served_or_none(), int(self.started))
-
-    def _served_or_none(self) -> LoadedModel | None:
-        try:
-            return self.model
-        except ExoLikeError:
-            return None  # the model cannot be read here: the cluster's `problem` says why
+        served = self.served()
+        return self.models.entry(name, served[0] if served else None, int(self.started))
 
     def cluster_json(self) -> dict[str, object] | None:
         """GET /v1/cluster and the dashboard's picture: the cluster, plus what only this node knows about it."""
-        if self.cluster is None:
+        if self.cluster is None or self.instances is None:
             return None  # still starting
-        try:
-            model = self.model
-            model_name = model.model_id if model else None
-        except ExoLikeError:
-            model_name = None  # the model cannot be read here: the cluster's `problem` says why
-        return {**cluster_picture(self.cluster), "model_name": model_name,
+        served = {model.key: model.model_id for model in self.served()}
+        return {**cluster_picture(self.cluster, self.instances, served),
                 # Whether the key is set, never the key: with the default, anyone on the network can join.
                 "cluster_key": "default" if self.options.cluster_key == DEFAULT_CLUSTER_KEY else "set"}
 
@@ -458,6 +489,13 @@ class Node:
             await self.cluster.wait_change(timeout)
 
     def in_flight(self) -> list[dict[str, object]]:
-        if self.generator is None:
-            return []
-        return [progress.to_json() for progress in self.generator.in_flight.values()]
+        return [progress.to_json() for part in self._parts() for progress in part.generator.in_flight.values()]
+
+
+def _added(counts: Any) -> dict[str, int]:
+    """Maps of counts added key by key."""
+    total: dict[str, int] = {}
+    for each in counts:
+        for key, value in each.items():
+            total[key] = total.get(key, 0) + value
+    return total

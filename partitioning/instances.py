@@ -14,7 +14,7 @@ save.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from exo_like.models.footprint import ModelFootprint
@@ -47,8 +47,11 @@ class Offered:
     memory_bytes: int
 
 
-# What decides one instance's plan over some members: decision.Placer.decide with the ask's fields.
-Decide = Callable[[InstanceAsk, list[Member]], Decision]
+# Each member's announced figures (None: none yet), by node id; and those of each model, by model.
+NodeFigures = Mapping[str, SpeedFigures | None]
+Figures = Mapping[str, NodeFigures]
+# What decides one instance's plan over some members from their figures: decision.Placer.decide with the ask's fields.
+Decide = Callable[[InstanceAsk, list[Member], NodeFigures], Decision]
 
 
 def held_bytes(plan: Plan, footprint: ModelFootprint, members: Sequence[Member]) -> dict[str, int]:
@@ -58,7 +61,7 @@ def held_bytes(plan: Plan, footprint: ModelFootprint, members: Sequence[Member])
             for node_id in plan.member_ids if (shard := plan.shard_for(node_id)) is not None}
 
 
-def ranked(ask: InstanceAsk, members: Sequence[Member], figures: dict[str, SpeedFigures | None]) -> list[Member]:
+def ranked(ask: InstanceAsk, members: Sequence[Member], figures: NodeFigures) -> list[Member]:
     """The members an instance may run on, in the order placement takes them: the chosen ones if any (in the order
     given), else every member with memory left, fastest first where all have measured the model, else the most
     memory first (ties by node id, so every node ranks alike)."""
@@ -73,15 +76,14 @@ def ranked(ask: InstanceAsk, members: Sequence[Member], figures: dict[str, Speed
     return sorted(free, key=lambda m: (-m.memory_bytes, m.node_id))
 
 
-def place_one(ask: InstanceAsk, members: Sequence[Member], figures: dict[str, SpeedFigures | None],
-              decide: Decide) -> Decision:
+def place_one(ask: InstanceAsk, members: Sequence[Member], figures: NodeFigures, decide: Decide) -> Decision:
     """The plan of one instance over the ranked members (the planner leaves out those that do not pay: placement by
     speed weighs each hop against the layers a node would take)."""
     order = ranked(ask, members, figures)
     if not order:
         chosen = ", ".join(ask.nodes)
         raise NoRoom(f"none of the chosen nodes ({chosen}) is a member" if ask.nodes else "no node has memory left")
-    return decide(ask, order)
+    return decide(ask, order, figures)
 
 
 class NoRoom(Exception):
@@ -91,31 +93,34 @@ class NoRoom(Exception):
 @dataclass(frozen=True)
 class Placed:
     """An instance's decision, or why it has none (a model that does not fit beside the ones placed before it), and
-    the cluster's members when it was decided."""
+    the cluster's members and their figures for the model when it was decided."""
 
     ask: InstanceAsk
     decision: Decision | None
     problem: str | None
     members: frozenset[str] = frozenset()
+    figures: tuple[tuple[str, SpeedFigures | None], ...] = ()
 
     @property
     def plan(self) -> Plan | None:
         return self.decision.plan if self.decision is not None and self.decision.problem is None else None
 
 
-def place_instances(asks: Sequence[InstanceAsk], members: Sequence[Member],
-                    figures: dict[str, SpeedFigures | None], decide: Decide,
-                    current: dict[str, Placed] | None = None) -> dict[str, Placed]:
+def place_instances(asks: Sequence[InstanceAsk], members: Sequence[Member], figures: Figures, decide: Decide,
+                    current: Mapping[str, Placed] | None = None) -> dict[str, Placed]:
     """Each asked instance's placement, oldest first, each on the memory the ones before it left.
 
-    An instance placed before (`current`) keeps its plan while the members are the same and its nodes still have
-    the memory for it: loading or unloading another model does not move it (its requests would replay)."""
+    An instance placed before (`current`) keeps its plan while the members and their figures are the same and its
+    nodes still have the memory for it: loading or unloading another model does not move it (its requests would
+    replay)."""
     left = {m.node_id: m.memory_bytes for m in members}
     ids = frozenset(left)
     placed: dict[str, Placed] = {}
     for ask in asks:
         before = (current or {}).get(ask.model)
-        if before is not None and before.plan is not None and before.members == ids and before.ask == ask:
+        seen = tuple(sorted((figures.get(ask.model) or {}).items()))
+        if before is not None and before.plan is not None and before.members == ids and before.ask == ask \
+                and before.figures == seen:
             used = held_bytes(before.plan, ask.footprint, members)
             if all(left[node_id] >= need for node_id, need in used.items()):
                 placed[ask.model] = before
@@ -124,11 +129,11 @@ def place_instances(asks: Sequence[InstanceAsk], members: Sequence[Member],
                 continue
         offered = [Offered(m.node_id, m.name, m.engine, m.device, m.dtype, left[m.node_id]) for m in members]
         try:
-            decision = place_one(ask, offered, figures, decide)
+            decision = place_one(ask, offered, figures.get(ask.model) or {}, decide)
         except NoRoom as exc:
-            placed[ask.model] = Placed(ask, None, f"cannot place {ask.model}: {exc}", ids)
+            placed[ask.model] = Placed(ask, None, f"cannot place {ask.model}: {exc}", ids, seen)
             continue
-        result = Placed(ask, decision, decision.problem, ids)
+        result = Placed(ask, decision, decision.problem, ids, seen)
         placed[ask.model] = result
         if result.plan is not None:
             for node_id, need in held_bytes(result.plan, ask.footprint, members).items():
@@ -137,10 +142,10 @@ def place_instances(asks: Sequence[InstanceAsk], members: Sequence[Member],
 
 
 def to_unload(ask: InstanceAsk, loaded: Sequence[InstanceAsk], idle: Sequence[str], members: Sequence[Member],
-              figures: dict[str, SpeedFigures | None], decide: Decide,
-              current: dict[str, Placed] | None = None) -> list[str] | None:
+              figures: Figures, decide: Decide, current: Mapping[str, Placed] | None = None) -> list[str] | None:
     """The idle instances to unload, least recently used first, so that `ask` fits beside what stays: [] when it
-    fits as things are; None when it does not fit even with every idle instance gone (a busy one is never taken).
+    fits as things are (or its plan waits for the members' speed figures); None when it does not fit even with
+    every idle instance gone (a busy one is never taken).
 
     `loaded`: the instances placed now, oldest first; `idle`: the models of those with no request running, least
     recently used first."""
@@ -150,6 +155,6 @@ def to_unload(ask: InstanceAsk, loaded: Sequence[InstanceAsk], idle: Sequence[st
             gone.append(victim)
         staying = [a for a in loaded if a.model not in gone]
         placed = place_instances([*staying, ask], members, figures, decide, current)
-        if placed[ask.model].plan is not None:
+        if placed[ask.model].problem is None:  # a plan, or one pending while members measure their speed
             return gone
     return None

@@ -29,8 +29,8 @@ async def test_a_load_cancelled_by_a_newer_plan_does_not_leave_its_range_behind(
     node = Node(NodeOptions(home=tmp_path, engine="torch", dtype="float32", mdns=False, model=str(checkpoint)))
     async with TestClient(TestServer(create_app(node))) as client:
         await node.start("127.0.0.1", client.port)
-        assert node.cluster is not None
-        plan = await node.cluster.wait_ready(60)
+        assert node.instances is not None
+        plan = await node.instances.oldest().wait_ready(60)
         whole = plan.shard_for(node.node_id)
         # A peer appears (the node starts loading its half) and vanishes again before that load is done.
         with_peer = make_plan(plan.model_id, plan.n_layers, [NodeCapacity(node.node_id, 2 * GIB),
@@ -38,7 +38,7 @@ async def test_a_load_cancelled_by_a_newer_plan_does_not_leave_its_range_behind(
         half = with_peer.shard_for(node.node_id)
         assert whole is not None and half is not None and half != whole
         loading = threading.Event()
-        real_load = node.engine.load
+        real_load = node.instances.oldest().part.engine.load
         outcomes: list[str] = []
 
         def slow_load(*args: object) -> None:
@@ -51,17 +51,17 @@ async def test_a_load_cancelled_by_a_newer_plan_does_not_leave_its_range_behind(
                 raise
             outcomes.append("loaded")
 
-        node.engine.load = slow_load  # type: ignore[method-assign]
-        superseded = asyncio.ensure_future(node._load_shard(with_peer, half))
+        node.instances.oldest().part.engine.load = slow_load  # type: ignore[method-assign]
+        superseded = asyncio.ensure_future(node.instances.oldest().part.hold(with_peer, half))
         assert await asyncio.get_running_loop().run_in_executor(None, loading.wait, 10)
         superseded.cancel()
-        await node._load_shard(plan, whole)
+        await node.instances.oldest().part.hold(plan, whole)
         await asyncio.get_running_loop().run_in_executor(node.executor, lambda: None)  # engine thread idle
-        assert node.engine.shard == whole
+        assert node.instances.oldest().part.engine.shard == whole
         assert outcomes == ["cancelled", "loaded"]  # the superseded load gave up; the newest plan's range loaded
 
         response = await client.post("/v1/chat/completions", json={
-            "model": node.model.model_id, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3})
+            "model": node.served()[0].model_id, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3})
         assert response.status == 200, await response.text()
     await node.close()
 

@@ -298,7 +298,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
 async def count_tokens(request: web.Request) -> web.Response:
     """The prompt's tokens, as rendered for generation (the same count as the reply's usage.input_tokens)."""
     parsed = parse_messages_request(await read_json(request), counting=True)
-    model, _ = await request.app[NODE_KEY].require_model(parsed.options.model)
+    model = await request.app[NODE_KEY].models.prepare(parsed.options.model)  # its tokenizer: nothing loads
     tools = parsed.tool_use.as_template_tools() if parsed.tool_use else None  # as start_chat renders them
     return web.json_response({"input_tokens": len(model.tokenizer.encode_chat(parsed.messages, tools=tools))})
 

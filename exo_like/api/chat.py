@@ -46,7 +46,7 @@ async def start_chat(node: Node, request: ChatRequest, tools_param: str = "tools
     tool_format = _tool_format(model, request.tool_use, tools_param)
     tools = request.tool_use.as_template_tools() if request.tool_use else None
     prompt = model.tokenizer.encode_chat(request.messages, tools=tools)
-    options = await structured(node, request.options)
+    options = await structured(node, model, request.options)
     use = request.tool_use
     if use is not None and use.forced:
         assert tool_format is not None
@@ -55,7 +55,7 @@ async def start_chat(node: Node, request: ChatRequest, tools_param: str = "tools
                                       "response format", param=choice_param, code="invalid_value")
         special = model.tokenizer.special_token_ids(tool_format.markers)
         grammar = tool_format.forced_grammar(use.tools, use.name, use.parallel, special=special)
-        options = await with_grammar(node, options, grammar, tools_param)
+        options = await with_grammar(node, model, options, grammar, tools_param)
     parsed_format = tool_format if use is not None and use.parses else None
     return _start(model, generator, prompt, options, "messages", parsed_format)
 
@@ -63,7 +63,8 @@ async def start_chat(node: Node, request: ChatRequest, tools_param: str = "tools
 async def start_completion(node: Node, request: CompletionRequest) -> Started:
     model, generator = await node.require_model(request.options.model)
     prompt = completion_prompt_tokens(model.tokenizer, request.prompt)
-    return _start(model, generator, prompt, await structured(node, request.options), "prompt", None)
+    return _start(model, generator, prompt, await structured(node, model, request.options), "prompt",
+                  None)
 
 
 def _tool_format(model: LoadedModel, use: ToolUse | None, param: str) -> ToolFormat | None:

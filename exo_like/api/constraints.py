@@ -10,20 +10,20 @@ from dataclasses import replace
 from exo_like.api.openai_requests import GenerationOptions
 from exo_like.cluster.protocol import MAX_GRAMMAR
 from exo_like.errors import InvalidRequestError
-from exo_like.node import Node
+from exo_like.node import LoadedModel, Node
 from exo_like.serving.grammar import GrammarError, json_schema_grammar
 
 
-async def with_grammar(node: Node, options: GenerationOptions, grammar: str | None, param: str) -> GenerationOptions:
-    """`options` sampling under `grammar` (checked; `param` names what it came from in errors)."""
+async def with_grammar(node: Node, model: LoadedModel, options: GenerationOptions, grammar: str | None,
+                       param: str) -> GenerationOptions:
+    """`options` sampling under `grammar` (checked against `model`'s tokens; `param` names what it came from in
+    errors)."""
     if grammar is None:
         return options
     if len(grammar) > MAX_GRAMMAR:
         raise InvalidRequestError(f"{param} is too large to enforce: its grammar has {len(grammar)} characters, at "
                                   f"most {MAX_GRAMMAR}", param=param, code="invalid_value")
-    vocabulary = await asyncio.to_thread(node.grammar_vocabulary)
-    if vocabulary is None:
-        raise InvalidRequestError("no model is served yet", param="model", code="model_not_found")
+    vocabulary = await asyncio.to_thread(node.grammars.get, model)
     try:
         await asyncio.to_thread(vocabulary.check, grammar)
     except GrammarError as e:
@@ -31,7 +31,7 @@ async def with_grammar(node: Node, options: GenerationOptions, grammar: str | No
     return replace(options, sampling=replace(options.sampling, grammar=grammar))
 
 
-async def structured(node: Node, options: GenerationOptions) -> GenerationOptions:
+async def structured(node: Node, model: LoadedModel, options: GenerationOptions) -> GenerationOptions:
     """`options` with its response format's schema enforced (unchanged without one)."""
     if options.json_schema is None:
         return options
@@ -40,4 +40,4 @@ async def structured(node: Node, options: GenerationOptions) -> GenerationOption
     except GrammarError as e:
         raise InvalidRequestError(f"response_format's schema is not valid: {e}", param="response_format",
                                   code="invalid_schema") from None
-    return await with_grammar(node, options, grammar, "response_format")
+    return await with_grammar(node, model, options, grammar, "response_format")

@@ -14,6 +14,7 @@ import asyncio
 import hashlib
 import json
 import math
+import time
 from datetime import datetime, timezone
 from typing import Any
 
@@ -23,7 +24,7 @@ from exo_like import __version__
 from exo_like.api.fields import checked_text, json_type, require_object
 from exo_like.api.lifecycle import NODE_KEY, read_json
 from exo_like.api.tool_calls.detect import detect
-from exo_like.errors import ExoLikeError, InvalidRequestError, ModelNotFoundError, UnsupportedModelError
+from exo_like.errors import InvalidRequestError, ModelNotFoundError, UnsupportedModelError
 from exo_like.models.gguf.file import GGUF_SUFFIX, open_gguf
 from exo_like.models.names.resolver import LoadedModel
 from exo_like.models.parameters import count_parameters
@@ -82,15 +83,20 @@ def _shown_by_name(entry: dict[str, Any]) -> dict[str, Any]:
 
 
 async def ps(request: web.Request) -> web.Response:
-    """The served model once the cluster has loaded it (its layers spread over the ring), else none."""
+    """The models the cluster has loaded (each instance's layers spread over its nodes), with when each is
+    unloaded if no request comes (its keep_alive)."""
     node = request.app[NODE_KEY]
-    served = served_model(node)
-    if served is None or node.cluster is None or not node.cluster.ready:
-        return web.json_response({"models": []})
-    summary = await _summary(served)
-    loaded = {key: summary[key] for key in ("name", "model", "size", "digest", "details")}
-    return web.json_response({"models": [{**loaded, "expires_at": LOADED_UNTIL, "size_vram": 0,
-                                          "context_length": served.args.context_length}]})
+    loaded = []
+    for model in node.served():
+        instance = node.instances.get(model.key) if node.instances is not None else None
+        if instance is None or not instance.ready:
+            continue
+        summary = await _summary(model)
+        expires = node.instances.expires_in(model.key)
+        loaded.append({**{key: summary[key] for key in ("name", "model", "size", "digest", "details")},
+                       "expires_at": LOADED_UNTIL if expires is None else timestamp(time.time() + expires),
+                       "size_vram": 0, "context_length": model.args.context_length})
+    return web.json_response({"models": loaded})
 
 
 async def version(request: web.Request) -> web.Response:
@@ -98,10 +104,9 @@ async def version(request: web.Request) -> web.Response:
 
 
 def served_model(node: Node) -> LoadedModel | None:
-    try:
-        return node.model
-    except ExoLikeError:
-        return None  # the model cannot be read here: the cluster's `problem` says why
+    """The oldest model the cluster serves (None: none yet)."""
+    served = node.served()
+    return served[0] if served else None
 
 
 def capabilities(model: LoadedModel) -> list[str]:

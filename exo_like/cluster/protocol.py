@@ -49,7 +49,9 @@ DEFAULT_MAX_FRAME_BYTES = 64 * 1024 * 1024
 # 6: a request's sampling carries min-p, penalties, logit bias and how many log-probabilities it wants (and its
 #    token history where the penalties need it); sampled tokens carry their log-probabilities.
 # 7: a request's sampling may carry a grammar (structured output, forced tool calls), sent with its history.
-PROTOCOL = 7
+# 8: several models at once: plan announcements carry the replicated instance registers, each instance's plan
+#    digest and readiness, and speed figures per model.
+PROTOCOL = 8
 # Entries in a list of members (addresses shared, linked peers announced): far above any real cluster, and a bound
 # on what one peer can make this node remember or dial.
 MAX_MEMBERS = 256
@@ -252,45 +254,95 @@ def bounded(values: list[Any], key: str) -> list[Any]:
     return values
 
 
-# Cluster state (cluster.py): sent to every peer on change and every second; doubles as the heartbeat.
+# Cluster state (membership.py, instances/): sent to every peer on change and every second; doubles as the heartbeat.
+
+KEEP_FOREVER = -1.0  # InstanceState.keep_seconds of a request that asked to stay loaded (a negative keep_alive)
+
 
 @dataclass(frozen=True)
-class PlanState(Message):
-    type: ClassVar[str] = "plan_state"
-    model: str | None
+class Wish:
+    """One model's register in the replicated set of instances (instances/wishes.py): whether the cluster serves
+    it and on which nodes (empty: placement chooses), written with a Lamport clock (counter, writer's node id)."""
+
+    model: str
     clock: tuple[int, str]
-    digest: str | None
-    ready: bool
-    problem: str | None
-    load: dict[str, Any]  # NodeLoad.to_json(); NodeLoad.from_json reads it tolerantly
-    kv_blocks: int | None = None  # KV cache blocks this node's pool holds for its layers, once loaded
-    figures: dict[str, Any] | None = None  # SpeedFigures.to_json(): placement, measured speed, link round trips
-    linked: tuple[str, ...] = ()  # node ids of the announcer's linked peers: plans need a membership all members see
-    kv_window_blocks: int | None = None  # the sliding-window layers' pool beside kv_blocks (None: it has none)
+    loaded: bool
+    nodes: tuple[str, ...] = ()
 
     def to_wire(self) -> dict[str, Any]:
-        return {"model": self.model, "clock": list(self.clock), "digest": self.digest, "ready": self.ready,
-                "problem": self.problem, "load": self.load, "kv_blocks": self.kv_blocks,
-                "kv_window_blocks": self.kv_window_blocks, "figures": self.figures,
-                "linked": list(self.linked)}
+        return {"model": self.model, "clock": list(self.clock), "loaded": self.loaded, "nodes": list(self.nodes)}
 
     @classmethod
-    def from_wire(cls, data: dict[str, Any]) -> "PlanState":
-        clock = array(data, "clock")
-        if len(clock) != 2:
-            raise ProtocolError("field 'clock' must be [counter, node id]")
-        counter = check_int(clock[0], "clock", 0, INT64 - 1)
-        writer = string({"clock": clock[1]}, "clock")
-        return cls(string(data, "model", 1024, optional=True), (counter, writer),
-                   string(data, "digest", optional=True), boolean(data, "ready"),
-                   string(data, "problem", MAX_TEXT, optional=True), node_load(data.get("load")),
-                   integer(data, "kv_blocks", 0, optional=True), speed_figures(data.get("figures")),
-                   tuple(string({"linked": peer}, "linked") for peer in bounded(array(data, "linked"), "linked")),
-                   integer(data, "kv_window_blocks", 0, optional=True))
+    def from_wire(cls, data: Any) -> "Wish":
+        data = mapping(data, "wishes")
+        return cls(string(data, "model", 1024), _clock(data), boolean(data, "loaded"),
+                   tuple(string({"nodes": n}, "nodes") for n in bounded(array(data, "nodes"), "nodes")))
+
+
+def _clock(data: dict[str, Any]) -> tuple[int, str]:
+    clock = array(data, "clock")
+    if len(clock) != 2:
+        raise ProtocolError("field 'clock' must be [counter, node id]")
+    return check_int(clock[0], "clock", 0, INT64 - 1), string({"clock": clock[1]}, "clock")
+
+
+@dataclass(frozen=True)
+class InstanceState:
+    """One instance as its announcer holds it: the plan it agreed to, whether its part of it is loaded (and the KV
+    pool it holds for that part), why it cannot serve it, and its own clients' use of the model."""
+
+    model: str
+    digest: str | None = None
+    ready: bool = False
+    problem: str | None = None
+    kv_blocks: int | None = None  # KV cache blocks of the announcer's pool for its layers, once loaded
+    kv_window_blocks: int | None = None  # the sliding-window layers' pool beside kv_blocks (None: it has none)
+    in_flight: int = 0  # the announcer's requests for the model, running or waiting for it
+    # Seconds until the keep_alive of the announcer's last request for the model runs out (KEEP_FOREVER: keep it
+    # loaded; None: none of its requests used the model since it was loaded).
+    keep_seconds: float | None = None
 
     @property
     def kv_size(self) -> KVPoolSize | None:
         return None if self.kv_blocks is None else KVPoolSize(self.kv_blocks, self.kv_window_blocks)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"model": self.model, "digest": self.digest, "ready": self.ready, "problem": self.problem,
+                "kv_blocks": self.kv_blocks, "kv_window_blocks": self.kv_window_blocks,
+                "in_flight": self.in_flight, "keep_seconds": self.keep_seconds}
+
+    @classmethod
+    def from_wire(cls, data: Any) -> "InstanceState":
+        data = mapping(data, "instances")
+        keep = number(data, "keep_seconds", KEEP_FOREVER, 1e12, optional=True)
+        return cls(string(data, "model", 1024), string(data, "digest", optional=True), boolean(data, "ready"),
+                   string(data, "problem", MAX_TEXT, optional=True), integer(data, "kv_blocks", 0, optional=True),
+                   integer(data, "kv_window_blocks", 0, optional=True), integer(data, "in_flight", 0),
+                   keep if keep is None or keep >= 0 else KEEP_FOREVER)
+
+
+@dataclass(frozen=True)
+class PlanState(Message):
+    type: ClassVar[str] = "plan_state"
+    wishes: tuple[Wish, ...]  # the announcer's copy of the instance registers
+    instances: tuple[InstanceState, ...]  # the instances it places, as it holds them
+    load: dict[str, Any]  # NodeLoad.to_json(); NodeLoad.from_json reads it tolerantly
+    # SpeedFigures.to_json() for each model it places (its placement, measured speed, links' round trips); one
+    # without a model when it places none.
+    figures: tuple[dict[str, Any], ...] = ()
+    linked: tuple[str, ...] = ()  # node ids of the announcer's linked peers: plans need a membership all members see
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"wishes": [w.to_wire() for w in self.wishes], "instances": [i.to_wire() for i in self.instances],
+                "load": self.load, "figures": list(self.figures), "linked": list(self.linked)}
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> "PlanState":
+        figures = tuple(speed_figures(f) for f in bounded(array(data, "figures"), "figures"))
+        return cls(tuple(Wish.from_wire(w) for w in bounded(array(data, "wishes"), "wishes")),
+                   tuple(InstanceState.from_wire(i) for i in bounded(array(data, "instances"), "instances")),
+                   node_load(data.get("load")), tuple(f for f in figures if f is not None),
+                   tuple(string({"linked": peer}, "linked") for peer in bounded(array(data, "linked"), "linked")))
 
 
 # The ring (ring.py, scheduler.py).

@@ -6,40 +6,74 @@ predicted time per token against the measured one)."""
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Mapping, Protocol
 
 from exo_like.cluster.membership import DEPARTED_SHOWN_SECONDS, Cluster
 from exo_like.cluster.node_info import NodeInfo
 from exo_like.cluster.node_load import NodeLoad
+from exo_like.models.footprint import ModelDescription
 from exo_like.models.shard import Shard
 from partitioning.decision import PlacementReport
-from partitioning.plan import Holder, needed_bytes
+from partitioning.plan import Holder, Plan, needed_bytes
+from partitioning.speed_figures import SpeedFigures
 
 
-def cluster_picture(cluster: Cluster, now: float | None = None) -> dict[str, Any]:
-    """What GET /v1/cluster returns and the dashboard shows: the same picture on every node. `now`: the cluster's
-    monotonic clock, which departures are timed by."""
+class InstanceView(Protocol):
+    """What the picture reads of an instance (instances/instance.py)."""
+
+    model: str
+    plan: Plan | None
+    problem: str | None
+    placement: PlacementReport | None
+
+    @property
+    def agreed(self) -> bool: ...
+    @property
+    def ready(self) -> bool: ...
+    def why_not_ready(self) -> str: ...
+    def node_status(self, node_id: str) -> str: ...
+
+
+class InstancesView(Protocol):
+    """What the picture reads of the cluster's instances (instances/manager.py)."""
+
+    @property
+    def instances(self) -> Mapping[str, InstanceView]: ...
+    def figures_of(self, node_id: str, model: str | None) -> SpeedFigures | None: ...
+    def description(self, model: str) -> ModelDescription | None: ...
+    def in_flight(self, model: str) -> int: ...
+    def expires_in(self, model: str) -> float | None: ...
+
+
+def cluster_picture(cluster: Cluster, instances: InstancesView, names: Mapping[str, str] | None = None,
+                    now: float | None = None) -> dict[str, Any]:
+    """What GET /v1/cluster returns and the dashboard shows: the same picture on every node. `names`: each served
+    model's name as /v1/models lists it, by key; `now`: the cluster's monotonic clock, which departures are timed
+    by. The fields outside `instances` describe the oldest instance (a cluster serving one model: that one)."""
     now = time.monotonic() if now is None else now
+    names = names or {}
     members = sorted(cluster.members(), key=lambda m: (-m.memory_bytes, m.node_id))
-    placement = cluster.placement or PlacementReport("memory", "no plan yet")
-    nodes = [_member_json(cluster, m, placement) for m in members]
+    pictures = [_instance_json(cluster, instances, instance, members, names)
+                for instance in instances.instances.values()]
+    first = next(iter(instances.instances.values()), None)
+    placement = (first.placement if first else None) or PlacementReport("memory", "no plan yet")
+    nodes = [_member_json(cluster, instances, first, m, placement) for m in members]
+    oldest = pictures[0] if pictures else {}
     return {
         "node_id": cluster.me.node_id,
-        "model": cluster.model_id,
+        "model": first.model if first else None,
+        "model_name": oldest.get("model_name"),
         "nodes": nodes,
         "departed": [{**info_json(info), "status": "unreachable", "lost_seconds_ago": round(now - lost, 1)}
                      for info, lost in cluster.departed.values() if now - lost <= DEPARTED_SHOWN_SECONDS],
         # This node's own view (unlike the rest): peers it knows of but could not link with, and why.
         "unlinked": cluster.peers.problems.to_json(),
-        "plan": cluster.plan.to_json() if cluster.plan else None,
-        "placement": {**placement.to_json({m.node_id: m.name for m in members}),
-                      "measured_time_per_token_ms": _measured_ms(cluster, nodes)} if cluster.placement else None,
-        "agreed": cluster.agreed,
-        "ready": cluster.ready,
-        "problem": cluster.problem,
-        "waiting_for": None if cluster.ready else cluster.why_not_ready(),
-        "model_bytes": _model_bytes(cluster),
-        **_model_kind(cluster),
+        **{key: oldest.get(key) for key in ("plan", "placement", "agreed", "ready", "problem", "model_bytes",
+                                            "architecture", "parameters")},
+        "agreed": bool(oldest.get("agreed")),
+        "ready": bool(oldest.get("ready")),
+        "waiting_for": oldest.get("waiting_for", "no model selected"),
+        "instances": pictures,
         "total_memory_bytes": sum(m.memory_bytes for m in members),
         # Each token counted once, by the node that streams it to its client.
         "tokens_per_second": round(sum(n["generated_per_second"] for n in nodes), 2),
@@ -47,22 +81,53 @@ def cluster_picture(cluster: Cluster, now: float | None = None) -> dict[str, Any
     }
 
 
-def _member_json(cluster: Cluster, member: NodeInfo, placement: PlacementReport) -> dict[str, Any]:
+def _instance_json(cluster: Cluster, instances: InstancesView, instance: InstanceView, members: list[NodeInfo],
+                   names: Mapping[str, str]) -> dict[str, Any]:
+    description = instances.description(instance.model)
+    nodes = {m.node_id: {"status": instance.node_status(m.node_id), **_part_json(instance.plan, m.node_id),
+                         "used_bytes": _used_bytes(description, instance.plan, m)} for m in members}
+    placement = instance.placement
+    stage_steps = _stage_steps(cluster, instance.plan)
+    return {
+        "model": instance.model,
+        "model_name": names.get(instance.model),
+        "plan": instance.plan.to_json() if instance.plan else None,
+        "placement": {**placement.to_json({m.node_id: m.name for m in members}),
+                      "measured_time_per_token_ms": stage_steps} if placement else None,
+        "agreed": instance.agreed,
+        "ready": instance.ready,
+        "problem": instance.problem,
+        "waiting_for": None if instance.ready else instance.why_not_ready(),
+        "model_bytes": _model_bytes(description),
+        **_model_kind(description),
+        "in_flight": instances.in_flight(instance.model),
+        "expires_in_seconds": _rounded(instances.expires_in(instance.model)),
+        "nodes": nodes,
+    }
+
+
+def _member_json(cluster: Cluster, instances: InstancesView, first: InstanceView | None, member: NodeInfo,
+                 placement: PlacementReport) -> dict[str, Any]:
     announcement = cluster.announcement_of(member.node_id)
     load = announcement.load if announcement else NodeLoad()
-    return {**info_json(member), "status": cluster.node_status(member.node_id),
-            "used_bytes": _used_bytes(cluster, member), **load.to_json(),
+    model = first.model if first else None
+    problems = [state.problem for state in (announcement.instances.values() if announcement else ())
+                if state.problem]
+    used = 0
+    for instance in instances.instances.values():
+        used += _used_bytes(instances.description(instance.model), instance.plan, member)
+    return {**info_json(member), "status": first.node_status(member.node_id) if first else "idle",
+            "used_bytes": used, **load.to_json(),
             "download": load.download.to_json() if load.download is not None else None,
-            "problem": announcement.problem if announcement else None,
-            **placement.node_json(member.node_id, cluster.figures_of(member.node_id), cluster.model_id),
-            **_part_json(cluster, member.node_id)}
+            "problem": problems[0] if problems else None,
+            **placement.node_json(member.node_id, instances.figures_of(member.node_id, model), model),
+            **_part_json(first.plan if first else None, member.node_id)}
 
 
-def _part_json(cluster: Cluster, node_id: str) -> dict[str, Any]:
+def _part_json(plan: Plan | None, node_id: str) -> dict[str, Any]:
     """The member's part in the plan: the stage it runs (its index in the pipeline), its layers, and in a
     tensor-parallel stage its rank (a follower runs its slice of every layer of its leader's range; the stage's
     predicted time (stage_ms) and its measured step (decode_step_ms) are on the leader's entry)."""
-    plan = cluster.plan
     for index, stage in enumerate(plan.stages if plan else ()):
         if node_id in stage.members:
             tp = {"rank": stage.members.index(node_id), "size": len(stage.members), "leader": stage.node_id} \
@@ -71,40 +136,44 @@ def _part_json(cluster: Cluster, node_id: str) -> dict[str, Any]:
     return {"stage": None, "start_layer": None, "end_layer": None, "tp": None}
 
 
-def _measured_ms(cluster: Cluster, nodes: list[dict[str, Any]]) -> float | None:
+def _stage_steps(cluster: Cluster, plan: Plan | None) -> float | None:
     """A token's measured time through the plan's layers: the stages' recent decode steps added (a tensor-parallel
     stage's is its leader's). The hops between stages are not in it. None until every stage has one."""
-    steps = {node["id"]: node["decode_step_ms"] for node in nodes}
-    stage_steps = [steps.get(stage.node_id) for stage in cluster.plan.stages] if cluster.plan else []
-    known = [step for step in stage_steps if step is not None]
-    if not stage_steps or len(known) < len(stage_steps):
+    if plan is None:
         return None
-    return round(sum(known), 2)
+    steps = []
+    for stage in plan.stages:
+        announcement = cluster.announcement_of(stage.node_id)
+        steps.append(announcement.load.decode_step_ms if announcement is not None else None)
+    if not steps or any(step is None for step in steps):
+        return None
+    return round(sum(steps), 2)  # type: ignore[arg-type]
 
 
-def _used_bytes(cluster: Cluster, member: NodeInfo) -> int:
-    """Parameter bytes of the member's layers in the current plan, as its engine and dtype hold them (what the fit
-    check counts)."""
-    description = cluster.description()
-    shard = cluster.plan.shard_for(member.node_id) if cluster.plan else None
+def _used_bytes(description: ModelDescription | None, plan: Plan | None, member: NodeInfo) -> int:
+    """Parameter bytes of the member's layers in an instance's plan, as its engine and dtype hold them (what the
+    fit check counts)."""
+    shard = plan.shard_for(member.node_id) if plan else None
     if description is None or shard is None:
         return 0
     return needed_bytes(description.footprint, Holder(member.engine, member.dtype, member.device), shard)
 
 
-def _model_bytes(cluster: Cluster) -> int | None:
-    description = cluster.description()
+def _model_bytes(description: ModelDescription | None) -> int | None:
     if description is None:
         return None
     return description.footprint.shard_bytes(Shard("whole", 0, description.n_layers, description.n_layers))
 
 
-def _model_kind(cluster: Cluster) -> dict[str, Any]:
+def _model_kind(description: ModelDescription | None) -> dict[str, Any]:
     """The model's architecture and parameters (total, and active per token), once it is described."""
-    description = cluster.description()
     if description is None:
         return {"architecture": None, "parameters": None}
     return {"architecture": description.architecture, "parameters": description.parameters}
+
+
+def _rounded(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds, 1)
 
 
 def info_json(m: NodeInfo) -> dict[str, Any]:

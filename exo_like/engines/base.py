@@ -150,6 +150,12 @@ class Engine(ABC):
         """Called on the engine thread after each load: settle where the framework's compute threads run.
         Most engines leave that to the operating system."""
 
+    def unload(self) -> None:
+        """Drop the loaded shard and its KV pool, and give their memory back (an instance this node no longer
+        takes part in: its memory goes to another). Call on the engine thread."""
+        self.shard, self.args, self.weight_forms = None, None, WeightForms()
+        free_replaced_shard()
+
     def close(self) -> None:
         """Called on the engine thread when the node stops, before that thread ends: release what the framework
         keeps per thread. The engine is not used afterwards. Most engines keep nothing there."""

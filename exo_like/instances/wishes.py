@@ -9,29 +9,9 @@ Registers of unloaded models stay (a late, older write must not bring a model ba
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from exo_like.cluster.protocol import Wish
 
 Clock = tuple[int, str]
-
-
-@dataclass(frozen=True)
-class Wish:
-    """One model's register: whether the cluster serves it and on which nodes (empty: placement chooses)."""
-
-    model: str
-    clock: Clock
-    loaded: bool
-    nodes: tuple[str, ...] = ()
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"model": self.model, "clock": list(self.clock), "loaded": self.loaded, "nodes": list(self.nodes)}
-
-    @classmethod
-    def from_wire(cls, data: dict[str, Any]) -> "Wish":
-        """Fields as protocol.decode checked them (strings, a [counter, writer] clock, a bool, node ids)."""
-        counter, writer = data["clock"]
-        return cls(data["model"], (int(counter), str(writer)), bool(data["loaded"]), tuple(data.get("nodes", ())))
 
 
 class Wishes:

@@ -106,17 +106,23 @@ class Constraint:
 
 
 class GrammarVocabularies:
-    """The served model's vocabulary for the grammar engine, built on first use and kept (the API's checks and the
-    last stage's sampling, on the engine thread, may ask at once)."""
+    """Each served model's vocabulary for the grammar engine, built on first use and kept while the model is among
+    the last few used (the API's checks and the last stage's sampling, on the engine thread, may ask at once)."""
+
+    KEPT = 4
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._built: tuple[str, GrammarVocabulary] | None = None
+        self._built: dict[str, GrammarVocabulary] = {}  # by model key, least recently used first
 
     def get(self, model: LoadedModel) -> GrammarVocabulary:
         with self._lock:
-            if self._built is None or self._built[0] != model.key:
+            vocabulary = self._built.pop(model.key, None)
+            if vocabulary is None:
                 tokenizer = model.tokenizer
-                self._built = (model.key, GrammarVocabulary(tokenizer.tokenizer.to_str(), tokenizer.vocab_size,
-                                                            model.args.vocab_size, model.args.eos_token_ids))
-            return self._built[1]
+                vocabulary = GrammarVocabulary(tokenizer.tokenizer.to_str(), tokenizer.vocab_size,
+                                               model.args.vocab_size, model.args.eos_token_ids)
+            self._built[model.key] = vocabulary
+            while len(self._built) > self.KEPT:
+                self._built.pop(next(iter(self._built)))
+            return vocabulary

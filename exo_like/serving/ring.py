@@ -85,9 +85,13 @@ class RingGenerator(TokenGenerator):
             raise ValueError("generation needs at least one prompt token")
         if request_id in self.in_flight:
             raise ValueError(f"request id {request_id!r} is already generating")
-        plan = await self.wait_for_plan(None)
         progress = self.in_flight[request_id] = RequestProgress(request_id, len(prompt_tokens), max_tokens)
         self.requests_total += 1
+        try:
+            plan = await self.wait_for_plan(None)  # in flight meanwhile: its instance is not unloaded under it
+        except BaseException:
+            del self.in_flight[request_id]
+            raise
         # Without a seed, a random one: sampling is a function of (seed, token index), see sampling.py.
         seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
         spec = SampleSpec(replace(sampling, seed=seed % 2**63), max_tokens, tuple(int(t) for t in eos_ids),
@@ -231,9 +235,13 @@ class RingGenerator(TokenGenerator):
     def stats(self) -> dict[str, object]:
         return {**super().stats(), "replays_total": self.replays_total}
 
-    async def close(self) -> None:
+    async def close(self, reason: str = "the node is shutting down", code: str = "shutting_down") -> None:
         for attempt in self._attempts.values():
-            attempt.queue.put_nowait(ServiceUnavailableError("the node is shutting down", code="shutting_down"))
+            attempt.queue.put_nowait(ServiceUnavailableError(reason, code=code))
+
+    def expects(self, wire_rid: str) -> bool:
+        """Whether a request of this generator runs under that id on the wire (its tokens and errors come here)."""
+        return wire_rid in self._attempts
 
 
 def _error(message: Error) -> Exception:

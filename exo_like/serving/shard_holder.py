@@ -49,6 +49,12 @@ class ShardHolder:
         self.serving: Engine = engine  # the engine holding this node's shard: its own, or its group worker's
         # (model key, shard, which worker: 0 for the node's own engine) the serving engine holds
         self.held: tuple[str, Shard, int] | None = None
+        self._grouped = False  # this holder's shard is a rank of the supervisor's group (one per node)
+
+    @property
+    def grouped(self) -> bool:
+        """Whether this holder's shard is a rank of the node's tensor-parallel group."""
+        return self._grouped
 
     async def hold(self, plan: Plan, shard: Shard | None, stage: StageWorker) -> None:
         """Hold this plan's shard (reloading only if the range or the group changed), then let the stage serve
@@ -74,6 +80,7 @@ class ShardHolder:
         if self.groups.spec != spec or self.groups.broken():
             stage.activate(None, None)  # the old worker's steps end here
         loop = asyncio.get_running_loop()
+        self._grouped = True
         try:
             return await loop.run_in_executor(None, self.groups.engine_for, spec)
         except asyncio.CancelledError:
@@ -81,12 +88,20 @@ class ShardHolder:
             raise
 
     def _leave_group(self) -> None:
-        if self.groups is not None and self.groups.spec is not None:
+        if self.groups is not None and self._grouped and self.groups.spec is not None:
             self.groups.stop()
+        self._grouped = False
         self.serving = self.engine
 
+    async def unload(self, stage: StageWorker) -> None:
+        """Hold nothing: the stage serves no plan, the group (if this holder's) ends, the engine frees its shard."""
+        stage.activate(None, None)
+        self._leave_group()
+        self.held = None
+        await asyncio.get_running_loop().run_in_executor(self.executor, self.engine.unload)
+
     def close(self) -> None:
-        if self.groups is not None:
+        if self.groups is not None and self._grouped:
             self.groups.stop()
 
     async def _load(self, holding: tuple[str, Shard, int], engine: Engine) -> None:

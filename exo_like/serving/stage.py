@@ -24,7 +24,6 @@ from typing import Protocol
 
 import numpy as np
 
-from exo_like.cluster.membership import RingResources
 from exo_like.cluster.protocol import (Error, Forward, Message, Release, SampleSpec, Sampled, SampledToken, Submit,
                                        Tokens)
 from exo_like.engines.activations import Activations
@@ -45,6 +44,13 @@ class Router(Protocol):
 
     async def send(self, node_id: str, message: Message) -> None:
         """Deliver to a node (this one included). Raises ConnectionError if it cannot be reached."""
+
+
+@dataclass(frozen=True)
+class RingResources:
+    kv_blocks: int  # the smallest KV pool of the plan's stages: what the first stage may hand out
+    pipeline_depth: int  # batches worth keeping in flight (stages on separate machines)
+    kv_window_blocks: int | None = None  # the same for the sliding-window layers' pools (None: the model has none)
 
 
 class StepAbandoned(Exception):

@@ -22,8 +22,8 @@ class EngineFault:
     """Makes the node's real engine raise on its `fail_at`-th step from now on."""
 
     def __init__(self, node: Node):
-        assert node.engine is not None
-        self.engine = node.engine
+        assert node.instances.oldest().part.engine is not None
+        self.engine = node.instances.oldest().part.engine
         self.real_step = self.engine.step
         self.calls = 0
         self.fail_at: int | None = None
@@ -45,8 +45,8 @@ async def served(checkpoint: Path, tmp_path: Path) -> AsyncIterator[tuple[TestCl
     node = Node(NodeOptions(home=tmp_path, engine="torch", dtype="float32", mdns=False, model=str(checkpoint)))
     async with TestClient(TestServer(create_app(node))) as client:
         await node.start("127.0.0.1", client.port)
-        assert node.cluster is not None
-        await node.cluster.wait_ready(60)
+        assert node.instances is not None
+        await node.instances.oldest().wait_ready(60)
         yield client, node, EngineFault(node)
     await node.close()
 
@@ -58,7 +58,7 @@ def chat_body(model: str, **fields: object) -> dict[str, object]:
 
 async def test_failure_in_a_whole_response_is_a_logged_json_500(served, caplog: pytest.LogCaptureFixture) -> None:
     client, node, fault = served
-    model = node.model.model_id
+    model = node.served()[0].model_id
     fault.arm(fail_at=4)
     with caplog.at_level(logging.ERROR, logger="exo_like.api.routes"):
         response = await client.post("/v1/chat/completions", json=chat_body(model))
@@ -78,7 +78,7 @@ async def test_failure_in_a_whole_response_is_a_logged_json_500(served, caplog: 
 async def test_failure_mid_stream_is_an_error_event_then_done(served) -> None:
     client, node, fault = served
     fault.arm(fail_at=5)
-    response = await client.post("/v1/chat/completions", json=chat_body(node.model.model_id, stream=True))
+    response = await client.post("/v1/chat/completions", json=chat_body(node.served()[0].model_id, stream=True))
     assert response.status == 200
     events = [line[len("data: "):] for line in (await response.text()).splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
@@ -88,7 +88,7 @@ async def test_failure_mid_stream_is_an_error_event_then_done(served) -> None:
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
     assert len(chunks) > 1  # text was streamed before the failure
     await _wait_for_no_caches(node)
-    assert node.stage.scheduler is not None and node.stage.scheduler.pool.available == node.engine.kv_blocks
+    assert node.instances.oldest().part.stage.scheduler is not None and node.instances.oldest().part.stage.scheduler.pool.available == node.instances.oldest().part.engine.kv_blocks
 
 
 async def _wait_for_no_caches(node: Node) -> None:

@@ -84,7 +84,7 @@ async def test_the_official_clients_work_with_the_key_and_are_told_without_it(gu
     import openai
 
     node, http = guarded
-    await node.cluster.wait_ready(60)
+    await node.instances.oldest().wait_ready(60)
     base = f"http://127.0.0.1:{http.port}"
     ask = [{"role": "user", "content": "Hi"}]
 

@@ -239,8 +239,8 @@ async def test_a_failure_mid_stream_is_an_error_event(tools_checkpoint: Path, tm
     node = Node(NodeOptions(home=tmp_path, engine="torch", dtype="float32", mdns=False, model=str(tools_checkpoint)))
     async with TestClient(TestServer(create_app(node))) as http:
         await node.start("127.0.0.1", http.port)
-        await node.cluster.wait_ready(60)
-        real_step, steps = node.engine.step, []
+        await node.instances.oldest().wait_ready(60)
+        real_step, steps = node.instances.oldest().part.engine.step, []
 
         def failing_step(*args: object):  # noqa: ANN202
             steps.append(1)
@@ -248,7 +248,7 @@ async def test_a_failure_mid_stream_is_an_error_event(tools_checkpoint: Path, tm
                 raise RuntimeError("simulated device failure")
             return real_step(*args)
 
-        node.engine.step = failing_step
+        node.instances.oldest().part.engine.step = failing_step
         response = await http.post("/v1/responses", json={"model": str(tools_checkpoint), "input": "Hi",
                                                            "stream": True, "max_output_tokens": 10})
         events = [json.loads(line[len("data: "):]) for line in (await response.text()).splitlines()

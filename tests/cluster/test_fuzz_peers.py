@@ -31,6 +31,7 @@ from exo_like.cluster.node_load import NodeLoad
 from partitioning.speed_figures import SpeedFigures
 from exo_like.cluster.peers import PeerLink, PeerNetwork
 from exo_like.cluster.protocol import (
+    InstanceState,
     _TYPES, PROTOCOL, Auth, Error, Forward, Hello, Info, MemberAddress, Message, PeerAddresses, Ping, PlanState,
     Pong, ProtocolError, Refused, Release, Retire, Sampled, SampledToken, Submit, Tokens, Welcome, decode, encode,
 )
@@ -118,7 +119,7 @@ def prototypes(digest: str, hidden: int = 8) -> dict[str, Message]:
     return {message.type: message for message in [
         Hello(b"n" * 16, PROTOCOL, "0"), Auth(b"n" * 16, PROTOCOL, "0", b"p" * 32),
         Welcome(_info(), b"p" * 32), Info(_info()), Refused("why"), Retire(), Ping(1.0), Pong(1.0),
-        PlanState(None, (0, ""), digest, False, None, NodeLoad().to_json()),
+        PlanState((), (InstanceState("m", digest),), NodeLoad().to_json()),
         Submit("r1", FUZZER, digest, (1, 2, 3), sample),
         Forward(digest, (item,), Activations("float32", (1, hidden), bytes(4 * hidden))),
         Sampled(digest, (SampledToken("r1", 5, False),)), Tokens(digest, (SampledToken("r1", 5, True),)),
@@ -222,15 +223,16 @@ def frames(digest: str, hidden: int) -> st.SearchStrategy[bytes]:
 
 
 def harmless(frame: bytes, model: str) -> bytes:
-    """A frame as sent. The one valid frame that would change the node for good is a PlanState that names a newer
-    model: the cluster rightly adopts it. Such an announcement keeps the served model (any clock, as generated).
-    A valid PeerAddresses makes the node dial the members it names: they are all said to listen at NOBODY."""
+    """A frame as sent. The one valid frame that would change the node for good is a PlanState whose instance
+    registers ask for other models or unload the served one: the cluster rightly follows them. Such an announcement
+    asks for nothing. A valid PeerAddresses makes the node dial the members it names: they are all said to listen
+    at NOBODY."""
     try:
         message = decode(frame)
     except ProtocolError:
         return frame
-    if isinstance(message, PlanState) and message.model not in (None, model):
-        return encode(dataclasses.replace(message, model=model))
+    if isinstance(message, PlanState) and message.wishes:
+        return encode(dataclasses.replace(message, wishes=()))
     if isinstance(message, PeerAddresses):  # the node dials what it names: only ever a closed port on loopback
         return encode(PeerAddresses(tuple(dataclasses.replace(m, host=NOBODY[0], port=NOBODY[1])
                                           for m in message.members)))
@@ -282,11 +284,12 @@ def test_generated_frames_are_refused_and_the_node_goes_on(peer_node: NodeProces
         # Agree on the node's plan and say this side is loaded, so frames with its digest reach its scheduler. The
         # fuzzer places by memory (it measures nothing), so the ring is split by memory and it holds layers.
         linked = (link.remote.node_id,)  # the fuzzer's links, as a member announces them
-        fuzzer.run(link.send(PlanState(model, (0, ""), None, True, None, NodeLoad().to_json(), None,
-                                       SpeedFigures("memory").to_json(), linked)))
+        fuzzer.run(link.send(PlanState((), (InstanceState(model, None, True),), NodeLoad().to_json(),
+                                       (SpeedFigures("memory").to_json(),), linked)))
         digest = wait_for(lambda: stage_digest(node, FUZZER))
-        fuzzer.run(link.send(PlanState(model, (0, ""), digest, True, None, NodeLoad(kv_blocks=64).to_json(), 64,
-                                       SpeedFigures("memory").to_json(), linked)))
+        fuzzer.run(link.send(PlanState((), (InstanceState(model, digest, True, kv_blocks=64),),
+                                       NodeLoad(kv_blocks=64).to_json(), (SpeedFigures("memory").to_json(),),
+                                       linked)))
 
         @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
                   suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -299,7 +302,7 @@ def test_generated_frames_are_refused_and_the_node_goes_on(peer_node: NodeProces
 
         run()
         # Read to the end, on the same link: an announcement sent after every frame arrives.
-        fuzzer.run(link.send(PlanState(None, (0, ""), None, False, None, NodeLoad(tokens_per_second=7.5).to_json())))
+        fuzzer.run(link.send(PlanState((), (), NodeLoad(tokens_per_second=7.5).to_json())))
         assert wait_for(lambda: (cluster_member(node, FUZZER) or {}).get("tokens_per_second") == 7.5), node.log()
         assert not link.closed and fuzzer.net.links.get(link.remote.node_id) is link
         assert wait_for(lambda: refusals(node) - before == sent["refused"]), (refusals(node) - before, sent)

@@ -294,8 +294,7 @@ def bad_frames(limit: int) -> list[tuple[str, bytes, str]]:
 
 
 def more_bad_frames() -> list[tuple[str, bytes, str]]:
-    plan_state = {"type": "plan_state", "model": None, "clock": [0, ""], "digest": None, "ready": False,
-                  "problem": None}
+    plan_state = {"type": "plan_state", "wishes": [], "instances": [], "figures": [], "linked": []}
     forward = {"type": "forward", "digest": "d", "kv_used": 0,
                "items": [{"rid": "r", "origin": "o", "start": 0, "count": 2, "blocks": [0]}],
                "hidden": {"dtype": "float32", "shape": [1, 4], "data": b"\0" * 16}}
@@ -603,7 +602,7 @@ async def test_a_running_node_refuses_invalid_frames_and_goes_on_serving(checkpo
         cases = bad_frames(DEFAULT_MAX_FRAME_BYTES)
         for _, frame, _ in cases:
             await link.ws.send_bytes(frame)
-        await link.send(PlanState(None, (0, ""), None, False, None, NodeLoad(tokens_per_second=12.5).to_json()))
+        await link.send(PlanState((), (), NodeLoad(tokens_per_second=12.5).to_json()))
         assert await asyncio.to_thread(node_wait_for, lambda: _announced_rate(node, "frame-tester") == 12.5)
         assert net.linked(link.remote.node_id) and not link.closed  # the same link all along
         refused = [line for line in node.log().splitlines() if "refused a frame from frame-tester" in line]

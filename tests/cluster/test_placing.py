@@ -4,25 +4,18 @@ figures, a ring that goes on while a newcomer measures, and what GET /v1/cluster
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
 
-from exo_like.cluster.link_problems import LinkProblems
-from exo_like.cluster.membership import Cluster
 from exo_like.cluster.node_info import NodeInfo
-from exo_like.cluster.node_load import NodeLoad
-from exo_like.cluster.protocol import PlanState
 from exo_like.cluster.speed import rtt_bucket_us
 from exo_like.cluster.view import cluster_picture
 from exo_like.models.footprint import ModelDescription, ModelFootprint
-from exo_like.models.shard import Shard
-from partitioning.plan import Plan
 from partitioning.speed_figures import SpeedFigures, SpeedSource
+from tests.cluster.one_model import MODEL, FakeLink, OneModel, peer_state
 
 GIB = 1 << 30
 MS = 1_000_000
 # 24 layers of 10 bytes, 100 bytes of embeddings, 50 of head (untied, so the head costs 5 layers' time).
 FOOTPRINT = ModelFootprint(layer_bytes=(10,) * 24, embed_bytes=100, head_bytes=50, tied=False, stored_dtype_bytes=4)
-MODEL = "m"
 
 
 class FakeSpeed(SpeedSource):
@@ -42,45 +35,34 @@ class FakeSpeed(SpeedSource):
         self.asked.append(model)
 
 
-class FakeLink:
-    def __init__(self, remote: NodeInfo):
-        self.remote, self.closed, self.sent = remote, False, []
-
-    async def send(self, message: PlanState) -> None:
-        self.sent.append(message)
-
-
 def info(node_id: str, memory_gib: int) -> NodeInfo:
     return NodeInfo(node_id, f"name-{node_id}", "127.0.0.1", 1, "torch", "cpu", "test", memory_gib * GIB, "0")
 
 
-async def no_load(plan: Plan, shard: Shard | None) -> None:
-    pass
-
-
-def make_cluster(speed: FakeSpeed, peers_memory: dict[str, int], memory_gib: int = 8) -> Cluster:
-    peers = SimpleNamespace(links={}, problems=LinkProblems("a"))
-    cluster = Cluster(info("a", memory_gib), peers, lambda key: ModelDescription(24, FOOTPRINT), no_load,
-                      lambda live: None, NodeLoad, speed=speed)
+def make_cluster(speed: FakeSpeed, peers_memory: dict[str, int], memory_gib: int = 8) -> OneModel:
+    cluster = OneModel(info("a", memory_gib), lambda key: ModelDescription(24, FOOTPRINT), speed=speed)
     for node_id, memory in peers_memory.items():
-        peers.links[node_id] = FakeLink(info(node_id, memory))
+        cluster.peers.links[node_id] = FakeLink(info(node_id, memory))
     cluster.links_changed()
     cluster.set_model(MODEL)
     return cluster
 
 
-def announce(cluster: Cluster, node_id: str, figures: SpeedFigures | None, digest: str | None = None) -> None:
+def announce(cluster: OneModel, node_id: str, figures: SpeedFigures | None, digest: str | None = None) -> None:
     """Peer `node_id`'s announcement: linked with every other member, as once the mesh is complete."""
     linked = tuple(sorted(cluster.member_ids() - {node_id}))
-    cluster.receive(node_id, PlanState(MODEL, cluster.clock, digest, digest is not None, None, {}, None,
-                                       None if figures is None else figures.to_json(), linked))
+    cluster.receive(node_id, peer_state(cluster.wishes(), digest, digest is not None, linked, figures))
+
+
+def picture_of(cluster: OneModel) -> dict:
+    return cluster_picture(cluster.cluster, cluster.instances)
 
 
 def measured(decode_ns: int, placement: str = "compute", rtt_us: dict[str, int] | None = None) -> SpeedFigures:
     return SpeedFigures(placement, MODEL, decode_ns, 1000, 0.9, False, None, rtt_us or {})
 
 
-def layers(cluster: Cluster) -> dict[str, int]:
+def layers(cluster: OneModel) -> dict[str, int]:
     assert cluster.plan is not None
     return {s.node_id: s.layer_count for s in cluster.plan.stages}
 
@@ -96,7 +78,7 @@ async def test_a_slow_node_gets_fewer_layers_and_the_picture_says_why() -> None:
     split = layers(cluster)
     assert split["b"] < split["a"] and split["b"] < split["c"] and sum(split.values()) == 24
     assert cluster.plan.stages[-1].node_id != "b"  # the head (5 layers' worth) goes to a fast node
-    picture = cluster_picture(cluster)
+    picture = picture_of(cluster)
     placement = picture["placement"]
     assert placement["mode"] == "compute" and "measured speed" in placement["why"]
     nodes = {n["id"]: n for n in picture["nodes"]}
@@ -109,7 +91,7 @@ async def test_a_slow_node_gets_fewer_layers_and_the_picture_says_why() -> None:
     assert placement["left_out"] == []
     await asyncio.sleep(0)
     sent = cluster.peers.links["b"].sent[-1]
-    assert SpeedFigures.from_json(sent.figures).decode_ns == 2 * MS  # this node's figures go to every peer
+    assert SpeedFigures.from_json(sent.figures[0]).decode_ns == 2 * MS  # this node's figures go to every peer
 
 
 def pytest_approx(value: float):  # type: ignore[no-untyped-def]
@@ -132,7 +114,7 @@ async def test_a_node_asking_for_memory_placement_makes_the_memory_split() -> No
     announce(cluster, "b", measured(8 * MS))
     announce(cluster, "c", SpeedFigures("memory"))
     assert layers(cluster) == {"a": 8, "b": 8, "c": 8}
-    picture = cluster_picture(cluster)["placement"]
+    picture = picture_of(cluster)["placement"]
     assert picture["mode"] == "memory" and picture["why"] == "split by memory: name-c runs with --placement memory"
     assert picture["time_per_token_ms"] is None  # c measured nothing: no stage times to show
 
@@ -166,7 +148,7 @@ async def test_a_ring_goes_on_while_a_newcomer_measures_then_takes_it_in() -> No
     announce(cluster, "b", measured(2 * MS), serving.digest)  # b is linked with n too
     announce(cluster, "n", SpeedFigures("compute", MODEL))  # announced: still measuring
     assert cluster.plan == serving and cluster.agreed  # the ring goes on without it
-    left_out = cluster_picture(cluster)["placement"]["left_out"]
+    left_out = picture_of(cluster)["placement"]["left_out"]
     assert left_out == [{"node_id": "n", "name": "name-n",
                          "reason": "measuring its speed: it joins the ring once measured"}]
     announce(cluster, "n", measured(2 * MS))
@@ -178,7 +160,7 @@ async def test_a_node_that_only_slows_the_ring_is_left_out_and_named() -> None:
     cluster = make_cluster(FakeSpeed(decode_ns=MS), {"slow": 8})
     announce(cluster, "slow", measured(400 * MS))
     assert layers(cluster) == {"a": 24}
-    (left,) = cluster_picture(cluster)["placement"]["left_out"]
+    (left,) = picture_of(cluster)["placement"]["left_out"]
     assert left["node_id"] == "slow" and left["reason"].startswith("with it the slowest stage takes")
 
 
@@ -197,7 +179,7 @@ async def test_a_refined_figure_that_keeps_the_stages_keeps_the_plan_and_its_req
     cluster = make_cluster(FakeSpeed(decode_ns=2 * MS), {"b": 8})
     announce(cluster, "b", measured(8 * MS))
     serving = cluster.plan
-    before = cluster_picture(cluster)["placement"]["time_per_token_ms"]
+    before = picture_of(cluster)["placement"]["time_per_token_ms"]
     announce(cluster, "b", measured(8 * MS, rtt_us={"a": 4096}))
     assert cluster.plan is serving
-    assert cluster_picture(cluster)["placement"]["time_per_token_ms"] > before  # the picture follows the figures
+    assert picture_of(cluster)["placement"]["time_per_token_ms"] > before  # the picture follows the figures

@@ -22,6 +22,9 @@ from exo_like.cluster.node_info import NodeInfo
 from exo_like.cluster.node_load import NodeLoad
 from partitioning.speed_figures import SpeedFigures
 from exo_like.cluster.protocol import (
+    KEEP_FOREVER,
+    InstanceState,
+    Wish,
     MAX_MEMBERS, PROTOCOL, Auth, Error, Forward, Hello, Info, MemberAddress, Message, PeerAddresses, Ping,
     PlanState, Pong, ProtocolError, Refused, Release, Retire, Sampled, SampledToken, Submit, Tokens, Welcome,
     decode, encode, handshake_protocol,
@@ -40,8 +43,10 @@ WELCOME = Welcome(INFO.to_dict(), b"p" * 32)
 REFUSED = Refused("cluster key mismatch")
 # Round trips by peer are a map of counts like a load's weight counts (checked in test_announced_speed_figures...).
 FIGURES = SpeedFigures("compute", "org/model@abc", 2_310_000, 120_000, 1.25, False, None, {})
-PLAN = PlanState("org/model@abc", (3, "node-a"), "d1g3st", True, None, NodeLoad(1.5, 2.0, 1, True).to_json(), 512,
-                 FIGURES.to_json(), ("node-b", "node-c"), kv_window_blocks=96)
+WISHES = (Wish("org/model@abc", (3, "node-a"), True), Wish("org/other@def", (4, "node-b"), False, ("node-b",)))
+PLAN = PlanState(WISHES, (InstanceState("org/model@abc", "d1g3st", True, None, 512, 96, 2, 30.0),),
+                 NodeLoad(1.5, 2.0, 1, True).to_json(), (FIGURES.to_json(), SpeedFigures("memory").to_json()),
+                 ("node-b", "node-c"))
 ADDRESSES = PeerAddresses((MemberAddress("node-b", "10.0.0.6", 52415), MemberAddress("node-c", "192.168.1.9", 7)))
 SUBMIT = Submit("req-1", "node-a", "d1g3st", (1, 2, 3, 4, 5), SAMPLE)
 # req-3 of a model with sliding-window layers: their table holds its blocks 1 and 2 (positions 16-47).
@@ -54,11 +59,11 @@ RELEASE = Release("req-1")
 ERROR = Error("req-1", "node b left the ring \u2603", "stage_failed")
 DOWNLOAD = DownloadStatus("org/model layers [0, 12)", "downloading", 10, 100, 1, 4, 6.0, "a file failed once")
 # Its load holds a download, whose percent and ETA do not cross the wire (worked out again): not a round trip.
-PLAN_DOWNLOADING = PlanState("m", (1, "a"), "d", False, None, NodeLoad(download=DOWNLOAD).to_json())
+PLAN_DOWNLOADING = PlanState((), (), NodeLoad(download=DOWNLOAD).to_json())
 EXAMPLES: list[Message] = [
     HELLO, Auth(b"n" * 16, PROTOCOL, "0.1.0", b"p" * 32), WELCOME, Info(INFO.to_dict()), REFUSED,
     Refused("different exo-like versions", PROTOCOL, "0.1.0"), Retire(),
-    PLAN, PlanState(None, (0, ""), None, False, "the model does not fit", {}),
+    PLAN, PlanState((), (InstanceState("m", problem="the model does not fit", keep_seconds=KEEP_FOREVER),), {}),
     SUBMIT, FORWARD, SAMPLED, Tokens("d1g3st", (SampledToken("req-3", 5, False),)), RELEASE, ERROR,
     Ping(12345.678), Ping(12345.678, b"\0" * 64), Pong(12345.678), ADDRESSES, PeerAddresses(()),
 ]
@@ -66,9 +71,9 @@ EXAMPLES: list[Message] = [
 # Fields a frame may leave out (older peers, or nothing to say; a nullable field left out reads as None), and maps
 # whose every field may be (an announced load: a field left out reads as its default); any other missing field
 # refuses the frame.
-OPTIONAL = {"protocol@refused", "version@refused", "model@plan_state", "digest@plan_state", "problem@plan_state",
-            "kv_blocks@plan_state", "load@plan_state", "figures@plan_state", "sample@items", "dtype@info",
-            "tp_port@info", "kv_window_blocks@plan_state", "window_blocks@items", "padding@ping",
+OPTIONAL = {"protocol@refused", "version@refused", "digest@instances", "problem@instances", "kv_blocks@instances",
+            "kv_window_blocks@instances", "keep_seconds@instances", "load@plan_state", "sample@items", "dtype@info",
+            "tp_port@info", "window_blocks@items", "padding@ping",
             "logprobs@sample", "history@sample", "grammar@sample"}
 ALL_OPTIONAL = {"load", "download", "figures"}
 IGNORED = {"percent", "eta_seconds"}  # sent in a download, and worked out again by the receiver
@@ -142,7 +147,7 @@ def test_every_field_of_an_announced_load_crosses_the_wire() -> None:
         values[name] = plain[base]
     load = NodeLoad(**values)
     assert load != NodeLoad()
-    received = decode(encode(PlanState("m", (1, "a"), "d", True, None, load.to_json())))
+    received = decode(encode(PlanState((), (), load.to_json())))
     assert NodeLoad.from_json(received.load) == load
 
 
@@ -163,10 +168,10 @@ def test_an_item_that_samples_before_its_prompt_ends_is_refused() -> None:
 def test_every_field_of_announced_speed_figures_crosses_the_wire() -> None:
     """SpeedFigures are checked against their own fields, as a load is: a field added later is carried too."""
     figures = SpeedFigures("memory", "m", 1, 2, 0.5, True, "cannot measure its speed: no", {"b": 512, "c": 1024})
-    received = decode(encode(PlanState("m", (1, "a"), None, False, None, {}, None, figures.to_json())))
-    assert SpeedFigures.from_json(received.figures) == figures
+    received = decode(encode(PlanState((), (), {}, (figures.to_json(),))))
+    assert [SpeedFigures.from_json(f) for f in received.figures] == [figures]
     assert set(FIGURES.to_json()) == set(typing.get_type_hints(SpeedFigures))
-    assert decode(encode(PlanState("m", (1, "a"), None, False, None, {}))).figures is None  # said nothing yet
+    assert decode(encode(PlanState((), (), {}))).figures == ()  # said nothing yet
 
 
 @pytest.mark.parametrize("figures, why", [({"placement": "fastest"}, "must be one of compute, memory"),
@@ -176,7 +181,7 @@ def test_every_field_of_announced_speed_figures_crosses_the_wire() -> None:
                                           ({"rtt_us": {"b": -1}}, "field 'rtt_us'"),
                                           ({"cached": "yes"}, "field 'cached'"), ("fast", "must be a map")])
 def test_announced_speed_figures_are_checked(figures: Any, why: str) -> None:
-    assert why in refusal({**wire_of(PLAN), "figures": figures})
+    assert why in refusal({**wire_of(PLAN), "figures": [figures]})
 
 
 @pytest.mark.parametrize("counts, why", [({"Q4_K": -1}, "must be an integer"), ({"Q4_K": 1.5}, "must be an integer"),
@@ -241,11 +246,20 @@ OUT_OF_RANGE: list[tuple[Message, tuple, Any, str]] = [
     (WELCOME, ("info", "memory_bytes"), -1, "memory_bytes"),
     (WELCOME, ("info", "node_id"), 12, "node_id"),
     (REFUSED, ("reason",), "r" * (64 * 1024 + 1), "reason"),
-    (PLAN, ("clock",), [-1, "a"], "clock"),
-    (PLAN, ("clock",), [1, "a", 2], "clock"),
-    (PLAN, ("clock",), [1, 2], "clock"),
-    (PLAN, ("kv_blocks",), -1, "kv_blocks"),
-    (PLAN, ("ready",), 1, "ready"),
+    (PLAN, ("wishes", 0, "clock"), [-1, "a"], "clock"),
+    (PLAN, ("wishes", 0, "clock"), [1, "a", 2], "clock"),
+    (PLAN, ("wishes", 0, "clock"), [1, 2], "clock"),
+    (PLAN, ("wishes", 0, "loaded"), 1, "loaded"),
+    (PLAN, ("wishes", 1, "nodes"), ["node-b", 5], "nodes"),
+    (PLAN, ("wishes",), [{"model": "m"}], "clock"),
+    (PLAN, ("wishes",), {"model": "m"}, "wishes"),
+    (PLAN, ("instances", 0, "kv_blocks"), -1, "kv_blocks"),
+    (PLAN, ("instances", 0, "ready"), 1, "ready"),
+    (PLAN, ("instances", 0, "in_flight"), -2, "in_flight"),
+    (PLAN, ("instances", 0, "keep_seconds"), math.inf, "keep_seconds"),
+    (PLAN, ("instances", 0, "keep_seconds"), -7, "keep_seconds"),
+    (PLAN, ("instances", 0, "model"), "m" * 1025, "model"),
+    (PLAN, ("instances",), ["m"], "instances"),
     (PLAN, ("load", "tokens_per_second"), math.nan, "tokens_per_second"),
     (PLAN, ("load", "tokens_per_second"), math.inf, "tokens_per_second"),
     (PLAN, ("load", "step_seconds"), -0.5, "step_seconds"),

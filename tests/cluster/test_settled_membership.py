@@ -3,17 +3,11 @@ and three nodes' clusters through a join by one member's address (links forming 
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 
-from exo_like.cluster.membership import Cluster, ModelDescription
-from exo_like.models.footprint import ModelFootprint
-from exo_like.cluster.link_problems import LinkProblems
-from exo_like.cluster.settled import meshed, unsettled
 from exo_like.cluster.node_info import NodeInfo
-from exo_like.cluster.node_load import NodeLoad
-from partitioning.plan import Plan
-from exo_like.cluster.protocol import PlanState
-from exo_like.models.shard import Shard
+from exo_like.cluster.settled import meshed, unsettled
+from exo_like.models.footprint import ModelDescription, ModelFootprint
+from tests.cluster.one_model import FakeLink, OneModel
 
 GIB = 1 << 30
 FOOTPRINT = ModelFootprint(layer_bytes=(10,) * 12, embed_bytes=100, head_bytes=50, tied=False, stored_dtype_bytes=4)
@@ -48,20 +42,8 @@ def test_nodes_are_meshed_when_each_is_linked_with_every_other() -> None:
 
 # -- three clusters through a join ----------------------------------------------------------------------------
 
-class FakeLink:
-    def __init__(self, remote: NodeInfo):
-        self.remote, self.closed, self.sent = remote, False, []
-
-    async def send(self, message: PlanState) -> None:
-        self.sent.append(message)
-
-
 def info(node_id: str) -> NodeInfo:
     return NodeInfo(node_id, f"name-{node_id}", "127.0.0.1", 1, "torch", "cpu", "test", MEMORY[node_id] * GIB, "0")
-
-
-async def no_load(plan: Plan, shard: Shard | None) -> None:
-    pass
 
 
 class Nodes:
@@ -69,11 +51,9 @@ class Nodes:
 
     def __init__(self, *node_ids: str, without_model: tuple[str, ...] = ()):
         """without_model: nodes started without --model (they adopt the cluster's)."""
-        self.clusters: dict[str, Cluster] = {}
+        self.clusters: dict[str, OneModel] = {}
         for node_id in node_ids:
-            peers = SimpleNamespace(links={}, problems=LinkProblems(node_id))
-            self.clusters[node_id] = Cluster(info(node_id), peers, lambda key: ModelDescription(12, FOOTPRINT),
-                                             no_load, lambda live: None, NodeLoad)
+            self.clusters[node_id] = OneModel(info(node_id), lambda key: ModelDescription(12, FOOTPRINT))
             if node_id not in without_model:
                 self.clusters[node_id].set_model("m")
 
@@ -89,8 +69,7 @@ class Nodes:
 
     def announce(self, sender: str) -> None:
         """What `sender` announces now, delivered to each peer it is linked with."""
-        mine = self.clusters[sender].my_announcement()
-        message = PlanState(mine.model, mine.clock, mine.digest, mine.ready, None, {}, linked=tuple(mine.linked))
+        message = self.clusters[sender].announcement()
         for peer in self.clusters[sender].peers.links:
             self.clusters[peer].receive(sender, message)
 

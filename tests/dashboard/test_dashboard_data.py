@@ -11,19 +11,18 @@ from typing import Callable
 import pytest
 
 import exo_like.cluster.membership as cluster_module
-from exo_like.cluster.link_problems import LinkProblems
-from exo_like.cluster.membership import DEPARTED_SHOWN_SECONDS, Cluster
+from exo_like.cluster.membership import DEPARTED_SHOWN_SECONDS
 from exo_like.cluster.node_info import NodeInfo
 from exo_like.cluster.node_load import NodeLoad
 from exo_like.cluster.protocol import PlanState
 from exo_like.cluster.view import cluster_picture
 from exo_like.meter import RateMeter, RecentMedian
 from exo_like.models.footprint import ModelDescription, ModelFootprint
-from exo_like.models.shard import Shard
 from partitioning import Stage
 from partitioning.decision import PlacementReport
 from partitioning.plan import Plan
 from partitioning.speed_figures import SpeedFigures
+from tests.cluster.one_model import FakeLink, OneModel, peer_state
 
 GIB = 1 << 30
 # 7 layers of 10 bytes, 100 bytes of embeddings, 50 of final norm + head (untied).
@@ -78,36 +77,24 @@ def test_node_load_round_trips_and_tolerates_old_peers() -> None:
     assert NodeLoad.from_json(None) == NodeLoad()
 
 
-class FakeLink:
-    def __init__(self, remote: NodeInfo):
-        self.remote = remote
-        self.closed = False
-        self.sent: list[PlanState] = []
-
-    async def send(self, message: PlanState) -> None:
-        self.sent.append(message)
-
-
 def info(node_id: str, memory: int) -> NodeInfo:
     return NodeInfo(node_id, f"name-{node_id}", "127.0.0.1", 1, "torch", "cpu", "test", memory, "0")
 
 
-async def no_load(plan: Plan, shard: Shard | None) -> None:
-    pass
-
-
-def make_cluster(local_load: NodeLoad | Callable[[], NodeLoad]) -> tuple[Cluster, SimpleNamespace]:
-    peers = SimpleNamespace(links={}, problems=LinkProblems("a"))
+def make_cluster(local_load: NodeLoad | Callable[[], NodeLoad]) -> tuple[OneModel, SimpleNamespace]:
     current = local_load if callable(local_load) else lambda: local_load
-    cluster = Cluster(info("a", 2 * GIB), peers, lambda key: ModelDescription(7, FOOTPRINT), no_load,
-                      lambda live: None, current)
-    return cluster, peers
+    cluster = OneModel(info("a", 2 * GIB), lambda key: ModelDescription(7, FOOTPRINT), current_load=current)
+    return cluster, cluster.peers
 
 
-def announcement_from(cluster: Cluster, load: NodeLoad) -> PlanState:
-    """What peer b sends once it has the same plan (built from our own announcement: same model and digest)."""
-    mine = cluster.my_announcement()
-    return PlanState(mine.model, mine.clock, mine.digest, True, None, load.to_json(), linked=(cluster.me.node_id,))
+def announcement_from(cluster: OneModel, load: NodeLoad) -> PlanState:
+    """What peer b sends once it has the same plan (built from our own: same instances and digest)."""
+    digest = cluster.plan.digest if cluster.plan is not None else None
+    return peer_state(cluster.wishes(), digest, True, (cluster.cluster.me.node_id,), load=load)
+
+
+def picture_of(cluster: OneModel, now: float | None = None) -> dict:
+    return cluster_picture(cluster.cluster, cluster.instances, now=now)
 
 
 async def test_picture_has_bytes_per_node_and_every_members_shared_load() -> None:
@@ -116,7 +103,7 @@ async def test_picture_has_bytes_per_node_and_every_members_shared_load() -> Non
     cluster.links_changed()
     cluster.set_model("m")
     cluster.receive("b", announcement_from(cluster, NodeLoad(tokens_per_second=8.0, busy=True)))
-    picture = cluster_picture(cluster)
+    picture = picture_of(cluster)
     stages = {s["node_id"]: (s["start_layer"], s["end_layer"]) for s in picture["plan"]["stages"]}
     assert stages == {"a": (0, 5), "b": (5, 7)}  # 7 layers over 2 and 1 GiB
     nodes = {n["id"]: n for n in picture["nodes"]}
@@ -139,7 +126,7 @@ async def test_picture_has_bytes_per_node_and_every_members_shared_load() -> Non
                                                  "recovering": {}}
 
 
-def tensor_parallel_cluster() -> Cluster:
+def tensor_parallel_cluster() -> OneModel:
     """Four members (this node "a" among them) on a plan of two stages: d alone runs layers [0, 3), a
     tensor-parallel group led by b (followers a and c) runs [3, 7); placed by the auto rule, which predicted the
     groups 5 ms per token against the pipeline's 7.5 ms. The stages' leaders have measured decode steps (a
@@ -155,12 +142,12 @@ def tensor_parallel_cluster() -> Cluster:
     for node_id, step in steps.items():
         load = NodeLoad(decode_step_ms=step)
         figures = SpeedFigures(model="m", decode_ns=700_000 if node_id == "d" else 1_100_000, measure_seconds=0.4)
-        cluster.receive(node_id, PlanState("m", cluster.clock, plan.digest, True, None, load.to_json(),
-                                           figures=figures.to_json(),
-                                           linked=tuple(sorted({"a", "b", "c", "d"} - {node_id}))))
+        cluster.receive(node_id, peer_state(cluster.wishes(), plan.digest, True,
+                                            tuple(sorted({"a", "b", "c", "d"} - {node_id})), figures, load))
     # The plan and its report as the placer would give them (the fakes announce no speed figures to place by).
-    cluster.plan, cluster.problem, cluster.loaded_digest = plan, None, plan.digest
-    cluster.placement = PlacementReport(
+    instance = cluster.instance
+    instance.plan, instance.problem, instance.loaded_digest = plan, None, plan.digest
+    instance.placement = PlacementReport(
         "tensor", "tensor parallel: 5.0 ms per token predicted against 7.5 ms for the pipeline",
         {"d": 2_000_000, "b": 3_000_000}, "b", predicted={"pipeline": 7_500_000, "tensor": 5_000_000})
     return cluster
@@ -168,7 +155,7 @@ def tensor_parallel_cluster() -> Cluster:
 
 async def test_picture_gives_every_member_its_part_in_a_plan_with_a_tensor_parallel_group() -> None:
     cluster = tensor_parallel_cluster()
-    picture = cluster_picture(cluster)
+    picture = picture_of(cluster)
     assert picture["ready"] and picture["agreed"]
     assert picture["plan"]["stages"] == [{"node_id": "d", "start_layer": 0, "end_layer": 3},
                                          {"node_id": "b", "start_layer": 3, "end_layer": 7, "group": ["b", "a", "c"]}]
@@ -202,15 +189,15 @@ async def test_a_member_outside_the_plan_has_no_part_and_the_measured_time_waits
     peers.links["b"] = FakeLink(info("b", GIB))
     cluster.links_changed()
     cluster.set_model("m")
-    cluster.plan = Plan("m", 7, (Stage("a", 0, 7),), (("a", 2 * GIB), ("b", GIB)))
-    cluster.placement = PlacementReport("memory", "split by memory: this node runs with --placement memory",
+    cluster.instance.plan = Plan("m", 7, (Stage("a", 0, 7),), (("a", 2 * GIB), ("b", GIB)))
+    cluster.instance.placement = PlacementReport("memory", "split by memory: this node runs with --placement memory",
                                         {"a": 2_000_000}, "a")
-    picture = cluster_picture(cluster)
+    picture = picture_of(cluster)
     parts = {n["id"]: (n["stage"], n["start_layer"], n["end_layer"], n["tp"]) for n in picture["nodes"]}
     assert parts == {"a": (0, 0, 7, None), "b": (None, None, None, None)}
     assert picture["placement"]["measured_time_per_token_ms"] == 2.0
-    cluster.plan = Plan("m", 7, (Stage("a", 0, 4), Stage("b", 4, 7)), (("a", 2 * GIB), ("b", GIB)))
-    assert cluster_picture(cluster)["placement"]["measured_time_per_token_ms"] is None  # b has no step yet
+    cluster.instance.plan = Plan("m", 7, (Stage("a", 0, 4), Stage("b", 4, 7)), (("a", 2 * GIB), ("b", GIB)))
+    assert picture_of(cluster)["placement"]["measured_time_per_token_ms"] is None  # b has no step yet
 
 
 async def test_lost_member_is_listed_unreachable_for_a_while_then_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -219,23 +206,23 @@ async def test_lost_member_is_listed_unreachable_for_a_while_then_dropped(monkey
     cluster, peers = make_cluster(NodeLoad())
     peers.links["b"] = FakeLink(info("b", GIB))
     cluster.links_changed()
-    assert cluster_picture(cluster, clock())["departed"] == []
+    assert picture_of(cluster, clock())["departed"] == []
     del peers.links["b"]
     cluster.links_changed()
     clock.now += 3.0
-    picture = cluster_picture(cluster, clock())
+    picture = picture_of(cluster, clock())
     assert [n["id"] for n in picture["nodes"]] == ["a"]  # members only: the lost node is not in the ring
     assert [(n["id"], n["name"], n["status"], n["lost_seconds_ago"]) for n in picture["departed"]] == [
         ("b", "name-b", "unreachable", 3.0)]
     clock.now += DEPARTED_SHOWN_SECONDS
-    assert cluster_picture(cluster, clock())["departed"] == []
+    assert picture_of(cluster, clock())["departed"] == []
     peers.links["b"] = FakeLink(info("b", GIB))  # back again: a member, not departed
     cluster.links_changed()
     del peers.links["b"]
     cluster.links_changed()
     peers.links["b"] = FakeLink(info("b", GIB))
     cluster.links_changed()
-    assert cluster_picture(cluster, clock())["departed"] == []
+    assert picture_of(cluster, clock())["departed"] == []
 
 
 async def test_wait_change_wakes_every_watcher_on_an_announcement() -> None:
@@ -244,7 +231,7 @@ async def test_wait_change_wakes_every_watcher_on_an_announcement() -> None:
     cluster.links_changed()
     await asyncio.sleep(0)
     # No timeout can end the wait while the test runs: ending at all means the announcement woke them.
-    watchers = [asyncio.ensure_future(cluster.wait_change(3600.0)) for _ in range(3)]
+    watchers = [asyncio.ensure_future(cluster.cluster.wait_change(3600.0)) for _ in range(3)]
     await asyncio.sleep(0)
     cluster.receive("b", announcement_from(cluster, NodeLoad()))
     await asyncio.wait_for(asyncio.gather(*watchers), HANG_SECONDS)
@@ -257,7 +244,7 @@ async def test_a_node_announces_at_once_when_it_starts_or_stops_working(monkeypa
     cluster, peers = make_cluster(lambda: load)
     link = peers.links["b"] = FakeLink(info("b", GIB))
     cluster.links_changed()
-    cluster.start()
+    cluster.cluster.start()
     try:
         for working in (True, False):
             await asyncio.sleep(0.05)
@@ -267,4 +254,4 @@ async def test_a_node_announces_at_once_when_it_starts_or_stops_working(monkeypa
                 assert time.monotonic() - changed < HANG_SECONDS, "not announced by the activity poll"
                 await asyncio.sleep(0.01)
     finally:
-        await cluster.stop()
+        await cluster.cluster.stop()

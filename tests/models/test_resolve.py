@@ -9,7 +9,6 @@ and /v1/models/{id}, a request's model) answers from the cache and sends the hub
 from __future__ import annotations
 
 import asyncio
-import re
 from pathlib import Path
 from typing import Iterator
 
@@ -105,14 +104,11 @@ def test_a_name_is_resolved_once_and_nothing_downstream_asks_the_hub_again(hub: 
         for name in [first, *others, model.key, model.model_id]:
             assert registry.resolve(name).key == model.key, name
             assert registry.known(name).key == model.key, name
-            assert asyncio.run(registry.by_name(name, model)).key == model.key, name  # a request's model
+            assert asyncio.run(registry.prepare(name)).key == model.key, name  # a request's model
         description = registry.describe(model.key)  # planning
         assert (description.n_layers, description.footprint) == (2, model.manifest.footprint)
         assert registry.files(model.key) == (model.path, model.args)  # the speed probe
         assert registry.listing(model, 0)[0]["id"] == model.model_id  # GET /v1/models
         assert registry.entry(model.key, model, 0)["id"] == model.model_id  # GET /v1/models/{id}
         assert hub.requests(since=seen) == [], f"{first}: asked the hub again"
-        # Any text a request sends: a 404 that names the served model as /v1/models lists it (not a path or a key)
-        with pytest.raises(ModelNotFoundError, match=re.escape(f"is not served here; this cluster serves "
-                                                               f"{model.model_id!r}")):
-            asyncio.run(registry.by_name("x" * 300, model))
+        assert registry.entry(model.model_id, model, 0)["id"] == model.model_id

@@ -28,12 +28,12 @@ class Hang:
     """Makes a node's engine block inside its next step until `release()` (or HANG_LIMIT)."""
 
     def __init__(self, node: Node):
-        self.real_step = node.engine.step
+        self.real_step = node.instances.oldest().part.engine.step
         self.armed = False
         self.entered = threading.Event()
         self.released = threading.Event()
         self.over = threading.Event()  # the hung step has stopped waiting (released, or HANG_LIMIT passed)
-        node.engine.step = self._step  # type: ignore[method-assign]
+        node.instances.oldest().part.engine.step = self._step  # type: ignore[method-assign]
 
     def arm(self) -> None:
         self.entered.clear()
@@ -71,23 +71,27 @@ async def ring(checkpoint: Path, tmp_path: Path) -> AsyncIterator[list[tuple[Tes
         first = await start_node(stack, tmp_path / "first", checkpoint, 2.0, [])
         last = await start_node(stack, tmp_path / "last", checkpoint, 1.0, [PeerAddress("127.0.0.1", first[0].port)])
         for _, node in (first, last):
-            assert node.cluster is not None
-            plan = await node.cluster.wait_ready(60)
+            assert node.instances is not None
+            plan = await node.instances.oldest().wait_ready(60)
         assert plan.node_ids == [first[1].node_id, last[1].node_id]
         yield [first, last]
 
 
 def chat_body(node: Node) -> dict[str, object]:
-    assert node.model is not None
-    return {"model": node.model.model_id, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 8,
+    assert node.served()
+    return {"model": node.served()[0].model_id, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 8,
             "temperature": 0}
+
+
+def active_requests(nodes: list[Node]) -> int:
+    return sum(i.part.stage.active_requests() for n in nodes for i in n.instances.instances.values())
 
 
 async def wait_for_no_caches(nodes: list[Node]) -> None:
     deadline = time.monotonic() + 10
-    while any(n.stage is not None and n.stage.active_requests() for n in nodes) and time.monotonic() < deadline:
+    while active_requests(nodes) and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
-    assert all(n.stage is not None and n.stage.active_requests() == 0 for n in nodes)
+    assert active_requests(nodes) == 0
 
 
 @pytest.mark.parametrize("hung_stage", [0, 1], ids=["origin's own stage", "a peer's stage"])

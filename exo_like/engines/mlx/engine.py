@@ -173,6 +173,11 @@ class MLXEngine(Engine):
 
     # ---- loading -------------------------------------------------------------------------------------------
 
+    def unload(self) -> None:
+        self._model, self._pools, self._kv_size = None, [], None
+        super().unload()
+        mx.clear_cache()  # MLX keeps freed buffers for reuse: they go back to the system
+
     def load(self, model_dir: Path, args: ModelArgs, shard: Shard, cancel: threading.Event | None = None) -> None:
         if shard.n_layers != args.num_hidden_layers:
             raise ValueError(f"shard {shard} does not match the model's {args.num_hidden_layers} layers")

@@ -124,6 +124,10 @@ class TorchEngine(Engine):
         self._numerics = cpu_numerics() if self.device.type == "cpu" else {}
         self._numerics_logged = False
 
+    def unload(self) -> None:
+        self.model, self.pool = None, None
+        super().unload()
+
     def load(self, model_dir: Path, args: ModelArgs, shard: Shard, cancel: threading.Event | None = None) -> None:
         if shard.n_layers != args.num_hidden_layers:
             raise ValueError(f"shard {shard} does not match the model's {args.num_hidden_layers} layers")

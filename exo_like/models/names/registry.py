@@ -77,28 +77,6 @@ class ModelRegistry:
             return known
         return await asyncio.shield(self._preparation(text))
 
-    async def by_name(self, name: str, served: LoadedModel) -> LoadedModel:
-        """`served` if a request's model `name` refers to it, else ModelNotFoundError. Besides the served model's
-        own names (in any spelling), `org/name@revision` of its repo counts when the revision is the served
-        commit: another node may have been started with that name. Such a revision is resolved once, then kept as
-        a name."""
-        if served.answers_to(name):
-            return served
-        found = self._find_quietly(name)
-        if isinstance(found, LoadedModel):
-            if found.key == served.key:  # another spelling of one of its names
-                return served
-            found = self._parse_quietly(name)  # another model's name: a revision of the served repo, maybe
-        if (found is not None and found.revision is not None and served.manifest is not None
-                and served.answers_to(found.repos[0])):
-            named = await self.prepare(name)
-            if named.key == served.key:
-                return named
-            raise ModelNotFoundError(f"the model {name!r} is {named.key} at the hub; this cluster serves "
-                                     f"{served.key!r}")  # the two commits side by side
-        # The served model by the id /v1/models lists it under (not its key: a folder's path, a repo@commit).
-        raise ModelNotFoundError(f"the model {name!r} is not served here; this cluster serves {served.model_id!r}")
-
     def describe(self, key: str) -> ModelDescription:
         """What planning needs. A hub model not described yet is fetched in the background meanwhile."""
         model = self.known(key)
@@ -152,12 +130,6 @@ class ModelRegistry:
     def _spelling_of(self, text: str, model: LoadedModel) -> bool:
         found = self._find_quietly(text)
         return isinstance(found, LoadedModel) and found.key == model.key
-
-    def _parse_quietly(self, text: str) -> ModelName | None:
-        try:
-            return parse_model_name(text, self.home)
-        except ModelNotFoundError:
-            return None
 
     def _remember(self, model: LoadedModel, name: ModelName) -> LoadedModel:
         known = self._models.get(model.key)

@@ -1,0 +1,366 @@
+"""The instances of this node's cluster: which models it serves (the replicated registers, wishes.py), where each
+runs (partitioning/instances.py places them all, oldest first, from state every node shares), this node's part in
+each, and when an idle one goes (its keep_alive ran out, or a model that needs its memory came).
+
+A request names a model; require() makes the cluster serve it if it does not yet (writing its register, after
+unloading idle instances if it does not fit beside them), and returns its instance, whose generator runs the
+request. Every node then places it alike, and the nodes its plan names load their parts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from exo_like.cluster.membership import Announcement, Cluster
+from exo_like.cluster.node_load import NodeLoad
+from exo_like.cluster.protocol import KEEP_FOREVER, Wish
+from exo_like.errors import ExoLikeError, InsufficientMemoryError, ModelPendingError
+from exo_like.instances.instance import Instance, Part
+from exo_like.instances.keep_alive import FOREVER
+from exo_like.instances.wishes import Wishes
+from exo_like.models.footprint import ModelDescription
+from partitioning.decision import Decision, Member, Placer
+from partitioning.instances import InstanceAsk, NodeFigures, Placed, place_instances, to_unload
+from partitioning.speed_figures import SpeedFigures, SpeedSource
+
+log = logging.getLogger(__name__)
+
+DEFAULT_KEEP_ALIVE = 300.0  # Ollama's: an instance stays loaded 5 minutes after its last request
+KEEP_WATCH_SECONDS = 0.25
+# A request counts as running from the moment it named its model until its generation starts (its prompt is being
+# rendered): an instance is not unloaded under it meanwhile.
+STARTING_SECONDS = 5.0
+
+
+@dataclass
+class Use:
+    """This node's clients' use of one instance."""
+
+    keep_for: float = DEFAULT_KEEP_ALIVE  # the last request's keep_alive
+    keep_until: float = 0.0  # monotonic time its keep_alive runs out (counted from when the last request ran)
+    started: float = -math.inf  # when a request last named the model
+    seen: int = 0  # the generator's requests by then: one more means that request began generating
+
+
+class Instances:
+    def __init__(self, cluster: Cluster, describe: Callable[[str], ModelDescription],
+                 make_part: Callable[[Instance], Part], speed: SpeedSource | None = None,
+                 keep_alive: float = DEFAULT_KEEP_ALIVE, plan_wait: float | None = None):
+        self.cluster = cluster
+        self.me = cluster.me.node_id
+        self._describe = describe
+        self._make_part = make_part
+        self._speed = speed or SpeedSource()
+        self.keep_alive = keep_alive  # --keep-alive: a request's, unless it says otherwise
+        self.plan_wait = plan_wait
+        self.wishes = Wishes(self.me)
+        self.instances: dict[str, Instance] = {}  # by model key, in the order they were asked for
+        self.pinned: set[str] = set()  # models this node keeps loaded whatever keep_alive says (--model, load API)
+        self._uses: dict[str, Use] = {}
+        self._placer = Placer(self.me)
+        self._placed: dict[str, Placed] = {}
+        self.unsettled: str | None = None  # why this node's view of the members is not one they all see yet
+        self._closing: set[asyncio.Task] = set()
+        self._watch: asyncio.Task | None = None
+        cluster.state = self.announcement
+        cluster.on_announcement = self._announced
+        cluster.on_members = self._members_changed
+
+    def start(self) -> None:
+        self._watch = asyncio.ensure_future(self._watch_keep_alive())
+
+    async def close(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+        for instance in list(self.instances.values()):
+            instance.stop()
+            await instance.part.close("the node is shutting down", "shutting_down")
+        self.instances.clear()
+
+    # -- what requests see --------------------------------------------------------------------------------
+
+    def get(self, model: str) -> Instance | None:
+        return self.instances.get(model)
+
+    def oldest(self) -> Instance:
+        """The instance asked for first (a cluster serving one model: that one)."""
+        if not self.instances:
+            raise LookupError("the cluster serves no model")
+        return next(iter(self.instances.values()))
+
+    def require(self, model: str, keep_alive: float | None = None) -> Instance:
+        """The instance serving `model` (described on this node already), asked for now if it is not; a model
+        that does not fit beside the busy instances raises InsufficientMemoryError and changes nothing."""
+        use = self._uses.setdefault(model, Use())
+        use.keep_for = self.keep_alive if keep_alive is None else keep_alive
+        use.started = time.monotonic()
+        use.keep_until = max(use.keep_until, use.started + use.keep_for)
+        wish = self.wishes.get(model)
+        if wish is None or not wish.loaded:
+            for victim in self._make_room(model):
+                log.info("node %s: unloading idle %s to make room for %s", self.me, victim, model)
+                self.wishes.unload(victim)
+            self.wishes.load(model)
+            log.info("node %s: %s asked for", self.me, model)
+            self.replan()
+        instance = self.instances[model]
+        use.seen = instance.part.generator.requests_total
+        return instance
+
+    def pin(self, model: str, nodes: tuple[str, ...] = ()) -> Instance:
+        """Serve `model` (on `nodes`) until it is unloaded by name: --model, or the load API."""
+        self.pinned.add(model)
+        if not self._make_room(model) and self.wishes.load(model, nodes) is not None:
+            log.info("node %s: %s asked for%s", self.me, model, f" on {', '.join(nodes)}" if nodes else "")
+        self.replan()
+        return self.instances[model]
+
+    def unload(self, model: str) -> bool:
+        """Stop serving `model` on every node (its running requests end); whether it was served."""
+        self.pinned.discard(model)
+        if self.wishes.unload(model) is None:
+            return False
+        log.info("node %s: %s unloaded", self.me, model)
+        self.replan()
+        return True
+
+    def _make_room(self, model: str) -> list[str]:
+        """The idle instances to unload, least recently used first, so that `model` fits beside the rest. Judged on
+        the memory split (the most any split fits): a model waiting for speed figures is placed by them later."""
+        ask = self._ask(model, self._describe(model), first=not self.instances)
+        loaded = [self._placed[m].ask for m in self.instances if m in self._placed]
+        members = self.cluster.members()
+        figures = {**self._figures(), model: {m.node_id: SpeedFigures("memory") for m in members}}
+        idle = self._idle()
+        gone = to_unload(ask, loaded, idle, members, figures, self._decide, self._placed)
+        if gone is not None:
+            return gone
+        busy = [a for a in loaded if a.model not in idle]
+        problem = place_instances([*busy, ask], members, figures, self._decide, self._placed)[model].problem
+        beside = f" beside {', '.join(a.model for a in busy)} (serving requests)" if busy else ""
+        raise InsufficientMemoryError(f"{model} cannot be loaded{beside}: {problem}; free memory (unload other "
+                                      "models, give the nodes more with --memory-gb) or add a node")
+
+    def _idle(self) -> list[str]:
+        """The instances no node has a request for, the soonest to expire first (the least recently used)."""
+        idle = [m for m in self.instances if self.in_flight(m) == 0 and not self._starting(m)]
+        return sorted(idle, key=lambda m: (self._deadline(m), m))
+
+    # -- placement ----------------------------------------------------------------------------------------
+
+    def replan(self) -> None:
+        wished = [wish.model for wish in self.wishes.loaded()]
+        for model in [m for m in self.instances if m not in wished]:
+            self._remove(model)
+        for model in wished:
+            if model not in self.instances:
+                instance = Instance(model, self.cluster, self._make_part, self.cluster.announce_soon)
+                self.instances[model] = instance
+                if self.plan_wait is not None:
+                    instance.plan_wait_seconds = self.plan_wait
+        self._check_membership(bool(wished))
+        if self.unsettled is not None:
+            for instance in self.instances.values():
+                if instance.plan is None or not self.cluster.meshed(instance.plan.member_ids):
+                    instance.settle(None, None, f"waiting for the members to link with each other "
+                                    f"({self.unsettled})", None)
+            self.cluster.announce_soon()
+            return
+        asks = []
+        for index, model in enumerate(wished):
+            instance = self.instances[model]
+            try:
+                asks.append(self._ask(model, self._describe(model), first=index == 0))
+            except ModelPendingError as exc:
+                instance.settle(None, None, exc.message, None)  # re-planned once the description is here
+            except ExoLikeError as exc:
+                instance.settle(None, f"cannot serve {model}: {exc.message}", None, None)
+        self._placed = place_instances(asks, self.cluster.members(), self._figures(), self._decide, self._placed)
+        for model, placed in self._placed.items():
+            decision = placed.decision
+            self.instances[model].settle(placed.plan, placed.problem, decision.pending if decision else None,
+                                         decision.report if decision else None)
+        self.cluster.announce_soon()
+
+    def _ask(self, model: str, description: ModelDescription, first: bool) -> InstanceAsk:
+        wish = self.wishes.get(model)
+        # Tensor-parallel groups for the oldest instance only: a node runs one group worker at a time.
+        return InstanceAsk(model, description.n_layers, description.footprint,
+                           wish.nodes if wish is not None and wish.loaded else (),
+                           description.tensor_sizes if first else (), description.tensor_engines)
+
+    def _figures(self) -> dict[str, dict[str, SpeedFigures | None]]:
+        """Each member's announced figures for each instance's model (this node's measured as it goes)."""
+        members = self.cluster.members()
+        figures: dict[str, dict[str, SpeedFigures | None]] = {}
+        for wish in self.wishes.loaded():
+            model = wish.model
+            mine = {m.node_id: self._figures_of(m.node_id, model) for m in members}
+            # Slices for tensor-parallel groups only once every member has its layer figure: nodes of one host
+            # measure one at a time, and the plan waits for those figures, not for the slices.
+            everyone = all(f is not None and f.measured_for(model) for f in mine.values())
+            same_engine = sum(m.engine == self.cluster.me.engine for m in members) if everyone else 1
+            self._speed.measure(model, same_engine)  # a no-op once measured (or when placing by memory)
+            mine[self.me] = self._speed.figures(model)
+            figures[model] = mine
+        return figures
+
+    def _figures_of(self, node_id: str, model: str | None) -> SpeedFigures | None:
+        if node_id == self.me:
+            return self._speed.figures(model)
+        announcement = self.cluster.announcements.get(node_id)
+        return announcement.figures_for(model) if announcement is not None else None
+
+    def description(self, model: str) -> ModelDescription | None:
+        """A model's layer count and bytes, if this node has them (else its instance's problem says why)."""
+        try:
+            return self._describe(model)
+        except ExoLikeError:
+            return None
+
+    def figures_of(self, node_id: str, model: str | None) -> SpeedFigures | None:
+        """A member's figures for `model` as announced (this node's: as it announces them)."""
+        return self._figures_of(node_id, model)
+
+    def _decide(self, ask: InstanceAsk, members: list[Member], figures: NodeFigures) -> Decision:
+        instance = self.instances.get(ask.model)
+        return self._placer.decide(ask.model, ask.n_layers, ask.footprint, members, figures,
+                                   instance.plan if instance is not None else None, ask.tensor_sizes,
+                                   ask.tensor_engines)
+
+    def _check_membership(self, wanted: bool) -> None:
+        """Note whether some linked peer is linked with other members than this node is (see settled.py)."""
+        before = self.unsettled
+        self.unsettled = self.cluster.unsettled() if wanted else None
+        if self.unsettled != before:
+            if self.unsettled is None:
+                log.info("node %s: every member is linked with every other", self.me)
+            else:
+                log.info("node %s: waiting for the members to link with each other: %s", self.me, self.unsettled)
+
+    def _remove(self, model: str) -> None:
+        instance = self.instances.pop(model)
+        self._placed.pop(model, None)
+        instance.stop()
+        task = asyncio.ensure_future(instance.part.close(f"{model} was unloaded during the request",
+                                                         "model_unloaded"))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    # -- announcements ------------------------------------------------------------------------------------
+
+    def announcement(self, load: NodeLoad) -> Announcement:
+        """What this node announces (its links aside): the registers, each instance, its figures."""
+        states = {model: instance.state(self.local_in_flight(model), self._keep_seconds(model))
+                  for model, instance in self.instances.items()}
+        models = [wish.model for wish in self.wishes.loaded()] or [None]
+        figures = {model: self._speed.figures(model) for model in models}
+        return Announcement(tuple(self.wishes.all()), states, load, figures)
+
+    def _announced(self, node_id: str, before: Announcement | None) -> None:
+        """A peer's announcement arrived (or this node's own state changed: node_id is this node's)."""
+        after = self.cluster.announcement_of(node_id)
+        if after is None:
+            return
+        if node_id != self.me and self._merge(after.wishes):
+            self.replan()
+        elif before is None or before.figures != after.figures or before.linked != after.linked:
+            self.replan()  # plans are made from every member's announced figures and links
+        for instance in self.instances.values():
+            instance.wake()
+
+    def _merge(self, wishes: tuple[Wish, ...]) -> bool:
+        """A peer's registers; a model this node's clients still use that a peer unloaded is asked for again."""
+        changed = self.wishes.merge(list(wishes))
+        for model in self.instances:
+            wish = self.wishes.get(model)
+            if wish is not None and not wish.loaded and (self.local_in_flight(model) or model in self.pinned):
+                log.info("node %s: %s was unloaded while this node's requests use it; asking for it again",
+                         self.me, model)
+                self.wishes.load(model, wish.nodes)
+                changed = True
+        return changed
+
+    def _members_changed(self, live: set[str]) -> None:
+        for instance in self.instances.values():
+            instance.part.generator.members_changed(live)
+        self.replan()
+
+    # -- keep_alive ---------------------------------------------------------------------------------------
+
+    def local_in_flight(self, model: str) -> int:
+        """This node's requests for `model`: generating, waiting for it, or about to."""
+        instance = self.instances.get(model)
+        running = len(instance.part.generator.in_flight) if instance is not None else 0
+        return running + (1 if self._starting(model) and not running else 0)
+
+    def _starting(self, model: str) -> bool:
+        """Whether a request named `model` moments ago and has not begun generating yet."""
+        use, instance = self._uses.get(model), self.instances.get(model)
+        return (use is not None and instance is not None and time.monotonic() - use.started < STARTING_SECONDS
+                and instance.part.generator.requests_total == use.seen)
+
+    def in_flight(self, model: str) -> int:
+        """Requests for `model` on every node, as announced."""
+        total = self.local_in_flight(model)
+        for announcement in self.cluster.announcements.values():
+            state = announcement.instance(model)
+            total += state.in_flight if state is not None else 0
+        return total
+
+    def _keep_seconds(self, model: str) -> float | None:
+        if model in self.pinned:
+            return KEEP_FOREVER
+        use = self._uses.get(model)
+        if use is None:
+            return None
+        if use.keep_for == FOREVER:
+            return KEEP_FOREVER
+        return round(max(0.0, use.keep_until - time.monotonic()), 1)
+
+    def _deadline(self, model: str) -> float:
+        """When `model`'s keep_alive runs out cluster-wide (monotonic; inf: kept, or no node's request set one)."""
+        now = time.monotonic()
+        said = [self._keep_seconds(model)] + [state.keep_seconds for a in self.cluster.announcements.values()
+                                               if (state := a.instance(model)) is not None]
+        known = [s for s in said if s is not None]
+        if not known or KEEP_FOREVER in known:
+            return math.inf
+        return now + max(known)
+
+    def expires_in(self, model: str) -> float | None:
+        """Seconds until `model` is unloaded if no request comes (None: kept until unloaded by name)."""
+        deadline = self._deadline(model)
+        return None if deadline == math.inf else max(0.0, deadline - time.monotonic())
+
+    async def _watch_keep_alive(self) -> None:
+        while True:
+            await asyncio.sleep(KEEP_WATCH_SECONDS)
+            self._expire()
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for model, use in self._uses.items():
+            if model in self.instances and self.local_in_flight(model):
+                use.keep_until = now + use.keep_for  # counted from the last moment a request ran
+        gone = [m for m in self.instances if self.in_flight(m) == 0 and self._deadline(m) <= now]
+        for model in gone:
+            log.info("node %s: %s idle past its keep_alive: unloading it", self.me, model)
+            self.wishes.unload(model)
+        if gone:
+            self.replan()
+
+    # -- routing --------------------------------------------------------------------------------------------
+
+    def by_digest(self, digest: str) -> Instance | None:
+        """The instance whose plan (current or recent) has this digest."""
+        for instance in self.instances.values():
+            if digest in instance.digests:
+                return instance
+        return None
+
