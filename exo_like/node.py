@@ -204,7 +204,7 @@ class Node:
         self.instances.start()
         await self.finder.start()
         if self.options.model:
-            self.instances.pin(self.resolve(self.options.model).key)
+            self.instances.pin(self.resolve(self.options.model).key, admit=False)
         else:
             self.instances.replan()
 

@@ -112,10 +112,20 @@ class Instances:
         use.seen = instance.part.generator.requests_total
         return instance
 
-    def pin(self, model: str, nodes: tuple[str, ...] = ()) -> Instance:
-        """Serve `model` (on `nodes`) until it is unloaded by name: --model, or the load API."""
+    def pin(self, model: str, nodes: tuple[str, ...] = (), admit: bool = True) -> Instance:
+        """Serve `model` (on `nodes`) until it is unloaded by name: the load API, or --model (admit=False: it waits
+        for nodes with the memory it lacks to join, its instance saying what it lacks meanwhile)."""
+        try:
+            victims = self._make_room(model)
+        except InsufficientMemoryError:
+            if admit:
+                raise
+            victims = []
         self.pinned.add(model)
-        if not self._make_room(model) and self.wishes.load(model, nodes) is not None:
+        for victim in victims:
+            log.info("node %s: unloading idle %s to make room for %s", self.me, victim, model)
+            self.wishes.unload(victim)
+        if self.wishes.load(model, nodes) is not None:
             log.info("node %s: %s asked for%s", self.me, model, f" on {', '.join(nodes)}" if nodes else "")
         self.replan()
         return self.instances[model]

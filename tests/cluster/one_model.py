@@ -66,7 +66,7 @@ class OneModel:
         self.instances = Instances(self.cluster, describe, lambda instance: FakePart(load, kv), speed)
 
     def set_model(self, model: str = MODEL) -> None:
-        self.instances.pin(model)
+        self.instances.pin(model, admit=False)
 
     @property
     def instance(self) -> Instance | None:

@@ -32,6 +32,7 @@ from partitioning.speed_figures import SpeedFigures
 from exo_like.cluster.peers import PeerLink, PeerNetwork
 from exo_like.cluster.protocol import (
     InstanceState,
+    Wish,
     _TYPES, PROTOCOL, Auth, Error, Forward, Hello, Info, MemberAddress, Message, PeerAddresses, Ping, PlanState,
     Pong, ProtocolError, Refused, Release, Retire, Sampled, SampledToken, Submit, Tokens, Welcome, decode, encode,
 )
@@ -209,9 +210,14 @@ def valid_messages(digest: str, hidden: int) -> st.SearchStrategy[Message]:
         forward, st.builds(Sampled, digests, sampled), st.builds(Tokens, digests, sampled),
         st.builds(Release, rid), st.builds(Error, rid, st.text(max_size=20), st.text(max_size=10)),
         st.builds(Ping, st.floats(0, 1e12)), st.builds(Pong, st.floats(0, 1e12)),
-        st.builds(PlanState, st.none(), st.tuples(st.integers(0, 2**63 - 1), st.text(max_size=8)), digests | st.none(),
-                  st.booleans(), st.none() | st.text(max_size=20), st.just(NodeLoad().to_json()),
-                  st.none() | st.integers(0, 2**63 - 1)))
+        st.builds(PlanState,
+                  st.lists(st.builds(Wish, st.text(max_size=8), st.tuples(st.integers(0, 2**63 - 1),
+                                                                           st.text(max_size=8)), st.booleans()),
+                           max_size=2).map(tuple),
+                  st.lists(st.builds(InstanceState, st.text(max_size=8), digests | st.none(), st.booleans(),
+                                     st.none() | st.text(max_size=20), st.none() | st.integers(0, 2**63 - 1)),
+                           max_size=2).map(tuple),
+                  st.just(NodeLoad().to_json())))
 
 
 def frames(digest: str, hidden: int) -> st.SearchStrategy[bytes]:
