@@ -21,6 +21,7 @@ from exo_like.cluster.peers import DEFAULT_PEER_TIMEOUT
 from exo_like.engines.torch.openmp import limit_worker_spin
 from exo_like.errors import ExoLikeError
 from exo_like.models.hub.repo import refuse_downloads
+from exo_like.instances.keep_alive import parse_keep_alive
 from exo_like.node import DEFAULT_CLUSTER_KEY, DEFAULT_STEP_TIMEOUT, Node, NodeOptions, default_home
 from partitioning.speed_figures import PARALLEL_MODES
 from exo_like.serving.scheduler import (
@@ -59,8 +60,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="folder for models downloaded from the hub (default: $HF_HUB_CACHE if set, "
                              "else <home>/hub); HF_ENDPOINT, HF_TOKEN and HF_HUB_OFFLINE are honoured")
     parser.add_argument("--request-wait", type=float, default=None,
-                        help="seconds a request waits for the cluster to be ready (e.g. while layers download) "
-                             "before a 503 that says what it waits for (default: 30)")
+                        help="seconds a request waits for its model to be ready (e.g. while layers download) before "
+                             "a 503 that says what it waits for (default: 30 for a ring re-forming under running "
+                             "requests; a model's first load: as long as it takes for a streamed request, 120 for "
+                             "one not streamed, then a 503 with Retry-After)")
+    parser.add_argument("--keep-alive", default="5m", type=_keep_alive,
+                        help="how long a model stays loaded after its last request, as Ollama's keep_alive: seconds "
+                             "or a duration (\"10m\", \"1h\"); 0 unloads it at once, a negative value keeps it "
+                             "(default: 5m; a request's keep_alive overrides it; --model's model stays)")
     parser.add_argument("--step-timeout", type=float, default=DEFAULT_STEP_TIMEOUT,
                         help="seconds a stage may spend in one engine step (a token, or a prefill chunk) before "
                              "requests through it fail with a 504: a hung engine (default: %(default)g)")
@@ -138,6 +145,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if any(n is not None and n < 1 for n in (args.max_batch_tokens, args.interleave_tokens, args.max_running)):
         parser.error("--max-batch-tokens, --interleave-tokens and --max-running must be at least 1")
     return args
+
+
+def _keep_alive(text: str) -> float:
+    try:
+        return parse_keep_alive(text, "--keep-alive")
+    except ExoLikeError as e:
+        raise argparse.ArgumentTypeError(e.message) from None
 
 
 class NodeIdFilter(logging.Filter):
@@ -226,6 +240,7 @@ def main(argv: list[str] | None = None) -> None:
                           node_name=args.node_name, memory_gb=args.memory_gb, peers=args.peers,
                           mdns=not args.no_mdns, cluster_key=args.cluster_key or DEFAULT_CLUSTER_KEY, model=args.model,
                           hub_cache=args.hub_cache, request_wait=args.request_wait, step_timeout=args.step_timeout,
+                          keep_alive=args.keep_alive,
                           peer_timeout=args.peer_timeout, kv_cache_gb=args.kv_cache_gb,
                           limits=SchedulerLimits(args.max_batch_tokens, args.max_running, not args.no_prefix_cache,
                                                  args.interleave_tokens),

@@ -49,6 +49,7 @@ class AuthenticationError(ExoLikeError):
 class ServiceUnavailableError(ExoLikeError):
     status = 503
     type = "service_unavailable"
+    retry_after: int | None = None  # seconds the client may wait before asking again (the Retry-After header)
 
 
 class StageFailedError(ExoLikeError):
@@ -88,6 +89,15 @@ class DownloadError(ExoLikeError):
 
     status = 502
     type = "server_error"
+
+
+class ModelLoadingError(ServiceUnavailableError):
+    """A non-streamed request's model is still being fetched and loaded after the wait such requests are given."""
+
+    def __init__(self, message: str, retry_after: int, *, param: str | None = "model",
+                 code: str | None = "model_loading"):
+        super().__init__(message, param=param, code=code)
+        self.retry_after = retry_after
 
 
 class InsufficientMemoryError(ServiceUnavailableError):

@@ -158,9 +158,11 @@ class Node:
                 models.append(model)
         return models
 
-    async def require_model(self, name: str, keep_alive: float | None = None) -> tuple[LoadedModel, TokenGenerator]:
+    async def require_model(self, name: str, keep_alive: float | None = None,
+                            streamed: bool = True) -> tuple[LoadedModel, TokenGenerator]:
         """The model a request names, with the generator that runs it: the cluster serves it from now on if it did
-        not (placed, fetched and loaded while the request waits for it)."""
+        not (placed, fetched and loaded while the request waits: a streamed one as long as the load takes, its
+        connection open; a non-streamed one up to a limit, then a 503 with Retry-After)."""
         if self.instances is None:
             raise ServiceUnavailableError("the node is still starting", code="starting")
         if self.stopping:
@@ -168,7 +170,25 @@ class Node:
                                           "cluster", code="shutting_down")
         model = await self.models.prepare(name)
         instance = self.instances.require(model.key, keep_alive)
+        if not streamed and not instance.ever_ready:
+            await instance.wait_loaded()
         return model, instance.part.generator
+
+    async def load_model(self, name: str, keep_alive: float | None = None) -> LoadedModel:
+        """The model a name refers to, once the cluster has loaded it (asked for now if it was not)."""
+        model, _ = await self.require_model(name, keep_alive)
+        assert self.instances is not None
+        instance = self.instances.get(model.key)
+        assert instance is not None
+        await instance.wait_ready()
+        return model
+
+    async def unload_model(self, name: str) -> bool:
+        """Stop serving the model a name refers to, on every node; whether it was served."""
+        if self.instances is None:
+            return False
+        model = await self.models.prepare(name)
+        return self.instances.unload(model.key)
 
     # -- start and stop -----------------------------------------------------------------------------------
 

@@ -6,10 +6,11 @@ objects, streamed as NDJSON lines. Ollama's conventions are kept: `stream` defau
 `options` (num_predict, a cap that ends at the context's end; repeat_penalty; ...), with Ollama's defaults when
 absent (temperature 0.8, top_k 40, top_p 0.9; no repeat penalty: this server's counts every earlier token, Ollama's
 the last 64 only); `format` is "json" or a JSON schema; tool calls carry no ids (see CallLinker); a request without
-prompt or messages is the "load the model" call; errors are {"error": message} with the status unchanged, and an
-NDJSON line mid-stream. Rejected (400): images, thinking, generate's suffix, template and context. Ignored, as Ollama
-ignores options it does not know: keep_alive, num_ctx (the context is the model's own) and options such as mirostat
-or num_thread.
+prompt or messages is the "load the model" call (with keep_alive 0, "unload" it); `keep_alive` says how long the model
+stays loaded after the request (instances/keep_alive.py reads it as Ollama does); errors are {"error": message} with
+the status unchanged, and an NDJSON line mid-stream. Rejected (400): images, thinking, generate's suffix, template and
+context. Ignored, as Ollama ignores options it does not know: num_ctx (the context is the model's own) and options
+such as mirostat or num_thread.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from exo_like.api.openai_requests import ChatRequest, CompletionRequest, Generat
 from exo_like.api.tool_calls import Tool, ToolCall
 from exo_like.api.tool_requests import ToolUse, check_tool, link_tool_results, template_call, unique_tools
 from exo_like.errors import InvalidRequestError, ModelNotFoundError
+from exo_like.instances.keep_alive import parse_keep_alive
 from exo_like.serving.sampling import Choice, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -63,8 +65,8 @@ async def chat(request: web.Request) -> web.StreamResponse:
     began = time.monotonic()
     body = require_object(await read_json(request))
     options = _options(body)
-    if body.get("messages") in (None, []):  # Ollama's "load the model" call
-        return await _load(request, options.model, chat=True)
+    if body.get("messages") in (None, []):  # Ollama's "load the model" (or, with keep_alive 0, unload) call
+        return await _load(request, options, chat=True)
     messages, tools, node = _messages(body["messages"]), _tools(body.get("tools")), request.app[NODE_KEY]
     started = await _start(lambda capped: start_chat(node, ChatRequest(capped, messages, tools)), options)
     return await _respond(request, started, Replies(True, options.model, began, started.token_text(options)),
@@ -79,8 +81,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
         if body.get(name) not in (None, "", []):
             raise invalid(f"{name} is not supported by this server", name, "unsupported_parameter")
     prompt, system = text(body, "prompt"), text(body, "system")
-    if not prompt:  # Ollama's "load the model" call
-        return await _load(request, options.model, chat=False)
+    if not prompt:  # Ollama's "load the model" (or, with keep_alive 0, unload) call
+        return await _load(request, options, chat=False)
     node = request.app[NODE_KEY]
     if optional_bool(body, "raw"):  # the prompt goes to the model as is
         if system:
@@ -113,13 +115,19 @@ def ollama_errors(model: str) -> Iterator[None]:
         raise invalid(e.message.replace(e.param or "", renamed), renamed, e.code or "invalid_value") from None
 
 
-async def _load(request: web.Request, model: str, chat: bool) -> web.Response:
-    """The model is ready (it is the one served, or becomes it): done at once, done_reason "load"."""
-    with ollama_errors(model):
-        await request.app[NODE_KEY].require_model(model)
+async def _load(request: web.Request, options: GenerationOptions, chat: bool) -> web.Response:
+    """Load the model and answer once it is ready (done_reason "load"); with keep_alive 0, unload it ("unload")."""
+    node = request.app[NODE_KEY]
+    with ollama_errors(options.model):
+        if options.keep_alive == 0:
+            await node.unload_model(options.model)
+            reason = "unload"
+        else:
+            await node.load_model(options.model, options.keep_alive)
+            reason = "load"
     empty = {"message": {"role": "assistant", "content": ""}} if chat else {"response": ""}
-    return web.json_response({"model": model, "created_at": timestamp(), **empty, "done": True,
-                              "done_reason": "load"})
+    return web.json_response({"model": options.model, "created_at": timestamp(), **empty, "done": True,
+                              "done_reason": reason})
 
 
 # -- requests -----------------------------------------------------------------------------------------------------
@@ -136,10 +144,12 @@ def _options(body: dict[str, Any]) -> GenerationOptions:
     if not isinstance(options, dict):
         raise invalid("options must be an object", "options", "invalid_type")
     stream = optional_bool(body, "stream")
+    keep_alive = body.get("keep_alive")
     return GenerationOptions(model=model, max_tokens=_num_predict(options), sampling=_sampling(options, body),
                              stop=_stop(options.get("stop")), stream=True if stream is None else stream,
                              include_usage=False, ignore_eos=False, json_schema=_format(body.get("format")),
-                             max_tokens_is_cap=True)
+                             max_tokens_is_cap=True,
+                             keep_alive=None if keep_alive is None else parse_keep_alive(keep_alive))
 
 
 def _sampling(options: dict[str, Any], body: dict[str, Any]) -> SamplingParams:

@@ -55,6 +55,7 @@ class GenerationOptions:
     # max_tokens past the context's end means "to the end" (Anthropic's and Ollama's clients ask for more than small
     # models hold: Claude Code sends 32000), not a 400 as in OpenAI's dialect
     max_tokens_is_cap: bool = False
+    keep_alive: float | None = None  # seconds its model stays loaded after it (Ollama's keep_alive; None: --keep-alive)
 
 
 @dataclass(frozen=True)

@@ -138,7 +138,9 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except ExoLikeError as e:
         # The path as sent (percent-encoded): decoded, a %0A in it would start a forged line of this log.
         log.info("%s %s -> %d %s", request.method, request.rel_url.raw_path, e.status, e.message)
-        return _error(request, e.status, e.message, e.type, e.param, e.code)
+        retry_after = getattr(e, "retry_after", None)
+        return _error(request, e.status, e.message, e.type, e.param, e.code,
+                      {"Retry-After": str(retry_after)} if retry_after is not None else None)
     except web.HTTPException as e:
         if e.status < 400:
             raise

@@ -201,5 +201,5 @@ def _changed(said: Announcement, now: Announcement) -> bool:
 
 
 def _steady(instances: dict[str, InstanceState]) -> dict[str, InstanceState]:
-    """The instances without what counts down by itself (a keep_alive's seconds left): said every second."""
-    return {model: replace(state, keep_seconds=None) for model, state in instances.items()}
+    """The instances without what counts up by itself (how long ago a request ran): said every second anyway."""
+    return {model: replace(state, idle_seconds=None) for model, state in instances.items()}

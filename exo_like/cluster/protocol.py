@@ -256,7 +256,7 @@ def bounded(values: list[Any], key: str) -> list[Any]:
 
 # Cluster state (membership.py, instances/): sent to every peer on change and every second; doubles as the heartbeat.
 
-KEEP_FOREVER = -1.0  # InstanceState.keep_seconds of a request that asked to stay loaded (a negative keep_alive)
+KEEP_FOREVER = -1.0  # InstanceState.keep_alive of a request that asked to stay loaded (a negative keep_alive)
 
 
 @dataclass(frozen=True)
@@ -298,9 +298,12 @@ class InstanceState:
     kv_blocks: int | None = None  # KV cache blocks of the announcer's pool for its layers, once loaded
     kv_window_blocks: int | None = None  # the sliding-window layers' pool beside kv_blocks (None: it has none)
     in_flight: int = 0  # the announcer's requests for the model, running or waiting for it
-    # Seconds until the keep_alive of the announcer's last request for the model runs out (KEEP_FOREVER: keep it
-    # loaded; None: none of its requests used the model since it was loaded).
-    keep_seconds: float | None = None
+    # Its clients' last request for the model: its keep_alive in seconds (KEEP_FOREVER: keep it loaded; None: no
+    # request there since the model was loaded) and how long ago it ran; and whether the announcer keeps the model
+    # loaded until it is unloaded by name (--model, the load API).
+    keep_alive: float | None = None
+    idle_seconds: float | None = None
+    pinned: bool = False
 
     @property
     def kv_size(self) -> KVPoolSize | None:
@@ -309,16 +312,18 @@ class InstanceState:
     def to_wire(self) -> dict[str, Any]:
         return {"model": self.model, "digest": self.digest, "ready": self.ready, "problem": self.problem,
                 "kv_blocks": self.kv_blocks, "kv_window_blocks": self.kv_window_blocks,
-                "in_flight": self.in_flight, "keep_seconds": self.keep_seconds}
+                "in_flight": self.in_flight, "keep_alive": self.keep_alive, "idle_seconds": self.idle_seconds,
+                "pinned": self.pinned}
 
     @classmethod
     def from_wire(cls, data: Any) -> "InstanceState":
         data = mapping(data, "instances")
-        keep = number(data, "keep_seconds", KEEP_FOREVER, 1e12, optional=True)
+        keep = number(data, "keep_alive", KEEP_FOREVER, 1e12, optional=True)
         return cls(string(data, "model", 1024), string(data, "digest", optional=True), boolean(data, "ready"),
                    string(data, "problem", MAX_TEXT, optional=True), integer(data, "kv_blocks", 0, optional=True),
                    integer(data, "kv_window_blocks", 0, optional=True), integer(data, "in_flight", 0),
-                   keep if keep is None or keep >= 0 else KEEP_FOREVER)
+                   keep if keep is None or keep >= 0 else KEEP_FOREVER,
+                   number(data, "idle_seconds", 0.0, 1e12, optional=True), boolean(data, "pinned"))
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from typing import Callable, Protocol
 from exo_like.cluster.membership import ANNOUNCE_INTERVAL, Cluster
 from exo_like.cluster.protocol import InstanceState
 from exo_like.engines.work import KVPoolSize
-from exo_like.errors import ExoLikeError, ServiceUnavailableError
+from exo_like.errors import ExoLikeError, ModelLoadingError, ServiceUnavailableError
 from exo_like.models.hub.progress import DownloadStatus
 from exo_like.models.shard import Shard
 from exo_like.serving.ring import RingGenerator
@@ -26,6 +26,11 @@ from partitioning.plan import Plan
 log = logging.getLogger(__name__)
 
 PLAN_WAIT_SECONDS = 30.0
+# A model's first load (its files fetched, its layers loaded on every node of its plan): a streamed request waits for
+# it this long, its connection open; a non-streamed one this long, then a 503 with Retry-After (the load goes on).
+LOAD_WAIT_SECONDS = 1800.0
+NON_STREAMED_LOAD_WAIT_SECONDS = 120.0
+RETRY_AFTER_SECONDS = 10
 
 
 class Part(Protocol):
@@ -54,7 +59,9 @@ class Instance:
         self.placement: PlacementReport | None = None  # why the plan is what it is (GET /v1/cluster)
         self.loaded_digest: str | None = None
         self.digests: list[str] = []  # this instance's plans on this node, newest last (messages are routed by them)
-        self.plan_wait_seconds = PLAN_WAIT_SECONDS
+        self.plan_wait_seconds = PLAN_WAIT_SECONDS  # a re-formed ring (--request-wait)
+        self.load_wait_seconds = LOAD_WAIT_SECONDS  # its first load
+        self.ever_ready = False  # whether it was ready once: a wait after that is for a re-formed ring
         self._load_task: asyncio.Task | None = None
         self._changed = asyncio.Event()
         self.part = make_part(self)
@@ -128,13 +135,14 @@ class Instance:
 
     # -- agreement ----------------------------------------------------------------------------------------
 
-    def state(self, in_flight: int = 0, keep_seconds: float | None = None) -> InstanceState:
-        """This node's state of the instance, as it announces it."""
+    def state(self, in_flight: int = 0, keep_alive: float | None = None, idle_seconds: float | None = None,
+              pinned: bool = False) -> InstanceState:
+        """This node's state of the instance, as it announces it (its use of it as the instances say)."""
         digest = self.plan.digest if self.plan else None
         ready = self.is_loaded()
         kv = self.part.kv_size() if ready else None
         return InstanceState(self.model, digest, ready, self.problem, kv.blocks if kv else None,
-                             kv.window_blocks if kv else None, in_flight, keep_seconds)
+                             kv.window_blocks if kv else None, in_flight, keep_alive, idle_seconds, pinned)
 
     def is_loaded(self) -> bool:
         return self.plan is not None and self.loaded_digest == self.plan.digest
@@ -205,21 +213,41 @@ class Instance:
                              min(windows, default=None))
 
     async def wait_ready(self, timeout: float | None = None) -> Plan:
-        deadline = time.monotonic() + (self.plan_wait_seconds if timeout is None else timeout)
+        """The plan once the instance is ready. Default timeout: its first load's, else a re-formed ring's."""
+        limit = timeout if timeout is not None else \
+            self.plan_wait_seconds if self.ever_ready else max(self.plan_wait_seconds, self.load_wait_seconds)
+        try:
+            return await self._wait(limit)
+        except TimeoutError:
+            raise ServiceUnavailableError(f"no agreed plan for {self.model} after {limit:.0f}s: "
+                                          f"{self.why_not_ready()}", code="plan_unavailable") from None
+
+    async def wait_loaded(self, limit: float = NON_STREAMED_LOAD_WAIT_SECONDS) -> None:
+        """Wait for the instance's first load up to `limit` seconds; then a 503 that asks the client to come back
+        (the load goes on meanwhile)."""
+        try:
+            await self._wait(limit)
+        except TimeoutError:
+            raise ModelLoadingError(f"{self.model} is still loading after {limit:.0f}s ({self.why_not_ready()}); "
+                                    "it goes on loading: retry shortly, or stream the request to wait for it",
+                                    RETRY_AFTER_SECONDS) from None
+
+    async def _wait(self, limit: float) -> Plan:
+        deadline = time.monotonic() + limit
         while not self.ready:
             problem = self.problem or self.peer_problem()
             if problem:
                 raise ServiceUnavailableError(problem, code="plan_unavailable")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise ServiceUnavailableError(f"no agreed plan for {self.model} after {self.plan_wait_seconds:.0f}s: "
-                                              f"{self.why_not_ready()}", code="plan_unavailable")
+                raise TimeoutError
             self._changed.clear()
             try:
                 await asyncio.wait_for(self._changed.wait(), min(remaining, ANNOUNCE_INTERVAL))
             except asyncio.TimeoutError:
                 pass
         assert self.plan is not None
+        self.ever_ready = True
         return self.plan
 
     def node_status(self, node_id: str) -> str:

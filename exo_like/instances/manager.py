@@ -14,6 +14,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from typing import Any
 from dataclasses import dataclass
 
 from exo_like.cluster.membership import Announcement, Cluster
@@ -42,7 +43,7 @@ class Use:
     """This node's clients' use of one instance."""
 
     keep_for: float = DEFAULT_KEEP_ALIVE  # the last request's keep_alive
-    keep_until: float = 0.0  # monotonic time its keep_alive runs out (counted from when the last request ran)
+    ran: float = -math.inf  # monotonic time a request last ran (named the model, or was generating)
     started: float = -math.inf  # when a request last named the model
     seen: int = 0  # the generator's requests by then: one more means that request began generating
 
@@ -98,8 +99,7 @@ class Instances:
         that does not fit beside the busy instances raises InsufficientMemoryError and changes nothing."""
         use = self._uses.setdefault(model, Use())
         use.keep_for = self.keep_alive if keep_alive is None else keep_alive
-        use.started = time.monotonic()
-        use.keep_until = max(use.keep_until, use.started + use.keep_for)
+        use.started = use.ran = time.monotonic()
         wish = self.wishes.get(model)
         if wish is None or not wish.loaded:
             for victim in self._make_room(model):
@@ -171,8 +171,8 @@ class Instances:
             if model not in self.instances:
                 instance = Instance(model, self.cluster, self._make_part, self.cluster.announce_soon)
                 self.instances[model] = instance
-                if self.plan_wait is not None:
-                    instance.plan_wait_seconds = self.plan_wait
+                if self.plan_wait is not None:  # --request-wait: every wait of its requests
+                    instance.plan_wait_seconds = instance.load_wait_seconds = self.plan_wait
         self._check_membership(bool(wished))
         if self.unsettled is not None:
             for instance in self.instances.values():
@@ -266,7 +266,7 @@ class Instances:
 
     def announcement(self, load: NodeLoad) -> Announcement:
         """What this node announces (its links aside): the registers, each instance, its figures."""
-        states = {model: instance.state(self.local_in_flight(model), self._keep_seconds(model))
+        states = {model: instance.state(self.local_in_flight(model), **self._use_state(model))
                   for model, instance in self.instances.items()}
         models = [wish.model for wish in self.wishes.loaded()] or [None]
         figures = {model: self._speed.figures(model) for model in models}
@@ -323,25 +323,28 @@ class Instances:
             total += state.in_flight if state is not None else 0
         return total
 
-    def _keep_seconds(self, model: str) -> float | None:
-        if model in self.pinned:
-            return KEEP_FOREVER
+    def _use_state(self, model: str) -> dict[str, Any]:
+        """This node's use of `model` as it announces it: its last request's keep_alive and how long ago it ran."""
         use = self._uses.get(model)
-        if use is None:
-            return None
-        if use.keep_for == FOREVER:
-            return KEEP_FOREVER
-        return round(max(0.0, use.keep_until - time.monotonic()), 1)
+        return {"pinned": model in self.pinned,
+                "keep_alive": None if use is None else KEEP_FOREVER if use.keep_for == FOREVER else use.keep_for,
+                "idle_seconds": None if use is None else round(max(0.0, time.monotonic() - use.ran), 1)}
 
     def _deadline(self, model: str) -> float:
-        """When `model`'s keep_alive runs out cluster-wide (monotonic; inf: kept, or no node's request set one)."""
+        """When `model`'s keep_alive runs out (monotonic; inf: kept). A node that keeps it loaded keeps it; else the
+        cluster's last request for it decides, as in Ollama: its keep_alive, counted from when it ran."""
         now = time.monotonic()
-        said = [self._keep_seconds(model)] + [state.keep_seconds for a in self.cluster.announcements.values()
-                                               if (state := a.instance(model)) is not None]
-        known = [s for s in said if s is not None]
-        if not known or KEEP_FOREVER in known:
+        states = [self.instances[model].state(**self._use_state(model))] if model in self.instances else []
+        states += [state for a in self.cluster.announcements.values() if (state := a.instance(model)) is not None]
+        if any(state.pinned for state in states):
             return math.inf
-        return now + max(known)
+        used = [state for state in states if state.keep_alive is not None and state.idle_seconds is not None]
+        if not used:
+            return math.inf  # asked for by no request (the load API of a node gone since): kept
+        last = min(used, key=lambda state: state.idle_seconds)  # type: ignore[arg-type, return-value]
+        if last.keep_alive == KEEP_FOREVER:
+            return math.inf
+        return now - last.idle_seconds + last.keep_alive  # type: ignore[operator]
 
     def expires_in(self, model: str) -> float | None:
         """Seconds until `model` is unloaded if no request comes (None: kept until unloaded by name)."""
@@ -357,7 +360,7 @@ class Instances:
         now = time.monotonic()
         for model, use in self._uses.items():
             if model in self.instances and self.local_in_flight(model):
-                use.keep_until = now + use.keep_for  # counted from the last moment a request ran
+                use.ran = now  # keep_alive counts from the last moment a request ran
         gone = [m for m in self.instances if self.in_flight(m) == 0 and self._deadline(m) <= now]
         for model in gone:
             log.info("node %s: %s idle past its keep_alive: unloading it", self.me, model)

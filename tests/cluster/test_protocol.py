@@ -44,7 +44,7 @@ REFUSED = Refused("cluster key mismatch")
 # Round trips by peer are a map of counts like a load's weight counts (checked in test_announced_speed_figures...).
 FIGURES = SpeedFigures("compute", "org/model@abc", 2_310_000, 120_000, 1.25, False, None, {})
 WISHES = (Wish("org/model@abc", (3, "node-a"), True), Wish("org/other@def", (4, "node-b"), False, ("node-b",)))
-PLAN = PlanState(WISHES, (InstanceState("org/model@abc", "d1g3st", True, None, 512, 96, 2, 30.0),),
+PLAN = PlanState(WISHES, (InstanceState("org/model@abc", "d1g3st", True, None, 512, 96, 2, 30.0, 4.5),),
                  NodeLoad(1.5, 2.0, 1, True).to_json(), (FIGURES.to_json(), SpeedFigures("memory").to_json()),
                  ("node-b", "node-c"))
 ADDRESSES = PeerAddresses((MemberAddress("node-b", "10.0.0.6", 52415), MemberAddress("node-c", "192.168.1.9", 7)))
@@ -63,7 +63,7 @@ PLAN_DOWNLOADING = PlanState((), (), NodeLoad(download=DOWNLOAD).to_json())
 EXAMPLES: list[Message] = [
     HELLO, Auth(b"n" * 16, PROTOCOL, "0.1.0", b"p" * 32), WELCOME, Info(INFO.to_dict()), REFUSED,
     Refused("different exo-like versions", PROTOCOL, "0.1.0"), Retire(),
-    PLAN, PlanState((), (InstanceState("m", problem="the model does not fit", keep_seconds=KEEP_FOREVER),), {}),
+    PLAN, PlanState((), (InstanceState("m", problem="the model does not fit", keep_alive=KEEP_FOREVER, pinned=True),), {}),
     SUBMIT, FORWARD, SAMPLED, Tokens("d1g3st", (SampledToken("req-3", 5, False),)), RELEASE, ERROR,
     Ping(12345.678), Ping(12345.678, b"\0" * 64), Pong(12345.678), ADDRESSES, PeerAddresses(()),
 ]
@@ -72,7 +72,7 @@ EXAMPLES: list[Message] = [
 # whose every field may be (an announced load: a field left out reads as its default); any other missing field
 # refuses the frame.
 OPTIONAL = {"protocol@refused", "version@refused", "digest@instances", "problem@instances", "kv_blocks@instances",
-            "kv_window_blocks@instances", "keep_seconds@instances", "load@plan_state", "sample@items", "dtype@info",
+            "kv_window_blocks@instances", "keep_alive@instances", "idle_seconds@instances", "load@plan_state", "sample@items", "dtype@info",
             "tp_port@info", "window_blocks@items", "padding@ping",
             "logprobs@sample", "history@sample", "grammar@sample"}
 ALL_OPTIONAL = {"load", "download", "figures"}
@@ -256,8 +256,10 @@ OUT_OF_RANGE: list[tuple[Message, tuple, Any, str]] = [
     (PLAN, ("instances", 0, "kv_blocks"), -1, "kv_blocks"),
     (PLAN, ("instances", 0, "ready"), 1, "ready"),
     (PLAN, ("instances", 0, "in_flight"), -2, "in_flight"),
-    (PLAN, ("instances", 0, "keep_seconds"), math.inf, "keep_seconds"),
-    (PLAN, ("instances", 0, "keep_seconds"), -7, "keep_seconds"),
+    (PLAN, ("instances", 0, "keep_alive"), math.inf, "keep_alive"),
+    (PLAN, ("instances", 0, "keep_alive"), -7, "keep_alive"),
+    (PLAN, ("instances", 0, "idle_seconds"), -0.5, "idle_seconds"),
+    (PLAN, ("instances", 0, "pinned"), "yes", "pinned"),
     (PLAN, ("instances", 0, "model"), "m" * 1025, "model"),
     (PLAN, ("instances",), ["m"], "instances"),
     (PLAN, ("load", "tokens_per_second"), math.nan, "tokens_per_second"),
