@@ -43,13 +43,13 @@ from exo_like.cluster.speed import SpeedProbe
 from exo_like.cluster.view import cluster_picture
 from exo_like.engines.base import Engine
 from exo_like.engines.choice import create_engine
-from exo_like.errors import ExoLikeError, ServiceUnavailableError
+from exo_like.errors import ExoLikeError, InvalidRequestError, ModelNotFoundError, ServiceUnavailableError
 from exo_like.instances.instance import Instance
 from exo_like.instances.manager import DEFAULT_KEEP_ALIVE, Instances
 from exo_like.instances.runtime import InstancePart, NodeServices
 from exo_like.models.hub.download import ShardDownloader
 from exo_like.models.hub.progress import DownloadProgress, show_progress
-from exo_like.models.hub.repo import default_cache_dir
+from exo_like.models.hub.repo import default_cache_dir, delete_revision
 from exo_like.models.names.registry import ModelRegistry
 from exo_like.models.names.resolver import LoadedModel
 from exo_like.models.shard import Shard
@@ -182,6 +182,37 @@ class Node:
         assert instance is not None
         await instance.wait_ready()
         return model
+
+    async def pin_model(self, name: str, nodes: tuple[str, ...] = ()) -> LoadedModel:
+        """Serve the model a name refers to (on `nodes`) until it is unloaded by name: the load API. A model that
+        cannot fit beside the busy ones is refused (InsufficientMemoryError), nothing else disturbed."""
+        if self.instances is None:
+            raise ServiceUnavailableError("the node is still starting", code="starting")
+        model = await self.models.prepare(name)
+        self.instances.pin(model.key, nodes)
+        return model
+
+    async def pull_model(self, model: LoadedModel) -> None:
+        """Every weight file of a hub model in this node's cache (Ollama's pull); a model on disk has nothing to
+        fetch."""
+        if model.manifest is not None:
+            whole = Shard.whole(model.key, model.args.num_hidden_layers)
+            await self.downloader.ensure(model.manifest, model.path, whole, model.args.tie_word_embeddings)
+
+    async def delete_model(self, name: str) -> None:
+        """Remove a downloaded model from this node's cache (unloaded first, on every node, if it is served)."""
+        model = self.models.known(name)
+        if model is None or model.manifest is None:
+            if model is not None:
+                raise InvalidRequestError(f"{model.model_id} is a folder on this node's disk ({model.path}), not a "
+                                          "download: remove it yourself", param="model", code="not_downloaded")
+            raise ModelNotFoundError(f"the model {name!r} is not downloaded on this node")
+        await self.unload_model(model.key)
+        removed = await asyncio.to_thread(delete_revision, self.cache_dir, model.manifest.repo_id,
+                                          model.manifest.commit)
+        if not removed:
+            raise ModelNotFoundError(f"{model.model_id} has no files in this node's cache {self.cache_dir}")
+        log.info("node %s: deleted %s@%s from its cache", self.node_id, model.manifest.repo_id, model.manifest.commit)
 
     async def unload_model(self, name: str) -> bool:
         """Stop serving the model a name refers to, on every node; whether it was served."""
@@ -486,12 +517,16 @@ class Node:
 
     def models_json(self) -> list[dict[str, object]]:
         """GET /v1/models: the served models first, then local folders, downloaded repos and the catalog."""
-        served = self.served()
-        return self.models.listing(served[0] if served else None, int(self.started))
+        return self.models.listing(self._served_states(), int(self.started))
 
     def model_entry(self, name: str) -> dict[str, object]:
-        served = self.served()
-        return self.models.entry(name, served[0] if served else None, int(self.started))
+        return self.models.entry(name, self._served_states(), int(self.started))
+
+    def _served_states(self) -> list[tuple[LoadedModel, str]]:
+        """Each served model with its state: serving once its instance is ready, loading until then."""
+        assert self.instances is not None or not self.served()
+        return [(model, "serving" if (instance := self.instances.get(model.key)) is not None and instance.ready
+                 else "loading") for model in self.served()]  # type: ignore[union-attr]
 
     def cluster_json(self) -> dict[str, object] | None:
         """GET /v1/cluster and the dashboard's picture: the cluster, plus what only this node knows about it."""

@@ -75,8 +75,9 @@ def test_demo_node_streams_to_curl_without_content_type(demo_node: NodeProcess) 
 
 
 def test_models_health_and_index(demo_node: NodeProcess) -> None:
+    assert wait_for(lambda: demo_node.get_json("/v1/models")["data"][0]["state"] == "serving", timeout=60)
     models = demo_node.get_json("/v1/models")["data"]
-    assert (models[0]["id"], models[0]["state"]) == ("demo", "serving")  # the served model first
+    assert models[0]["id"] == "demo"  # the served model first, "serving" once loaded
     assert [m["id"] for m in models].count("demo") == 1  # not listed again as a local folder
     assert {m["id"]: m["state"] for m in models if m["source"] == "catalog"}["llama-3.2-1b"] == "not_downloaded"
     health = demo_node.get_json("/health")

@@ -46,12 +46,13 @@ def add_routes(app: web.Application) -> None:
 
 
 async def tags(request: web.Request) -> web.Response:
-    """The listing in Ollama's shape; entries naming the served model (by any of its names) describe it."""
+    """The listing in Ollama's shape; entries naming a served model (by any of its names) describe it."""
     node = request.app[NODE_KEY]
-    served = served_model(node)
-    summary = await _summary(served) if served is not None else None
-    models = [{**summary, "name": entry["id"], "model": entry["id"]} if summary and _serving(entry)
-              else _listed(entry) for entry in node.models_json()]
+    models = []
+    for entry in node.models_json():
+        served = _served_by(node, entry)
+        models.append({**await _summary(served), "name": entry["id"], "model": entry["id"]} if served is not None
+                      else _listed(entry))
     return web.json_response({"models": models})
 
 
@@ -65,13 +66,25 @@ async def show(request: web.Request) -> web.Response:
         entry = node.model_entry(name)
     except ModelNotFoundError:
         raise ModelNotFoundError(f"model '{name}' not found") from None
-    served = served_model(node)
-    if served is None or not _serving(entry):
+    served = _served_by(node, entry)
+    if served is None:
         return web.json_response(_shown_by_name(entry))
     summary = await _summary(served)
     return web.json_response({"modelfile": "", "parameters": "", "template": served.tokenizer.chat_template_source
                               or "", "details": summary["details"], "model_info": _model_info(served),
                               "capabilities": capabilities(served), "modified_at": summary["modified_at"]})
+
+
+def _served_by(node: Node, entry: dict[str, Any]) -> LoadedModel | None:
+    """The served model a listing entry names (None: the entry is not one the cluster serves)."""
+    if entry.get("state") not in ("serving", "loading"):
+        return None
+    names = {entry["id"], entry.get("repo"), entry.get("path")} - {None}
+    for model in node.served():
+        listed = model.listing()
+        if names & {listed["id"], listed.get("repo"), listed.get("path")}:
+            return model
+    return None
 
 
 def _shown_by_name(entry: dict[str, Any]) -> dict[str, Any]:
@@ -103,20 +116,10 @@ async def version(request: web.Request) -> web.Response:
     return web.json_response({"version": VERSION})
 
 
-def served_model(node: Node) -> LoadedModel | None:
-    """The oldest model the cluster serves (None: none yet)."""
-    served = node.served()
-    return served[0] if served else None
-
-
 def capabilities(model: LoadedModel) -> list[str]:
     """completion always; tools when the chat template can show them to the model."""
     tools = detect(model.args.model_type, model.tokenizer.chat_template_source) is not None
     return ["completion", *(["tools"] if tools else [])]
-
-
-def _serving(entry: dict[str, Any]) -> bool:
-    return entry.get("state") == "serving"
 
 
 async def _summary(model: LoadedModel) -> dict[str, Any]:

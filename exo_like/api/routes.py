@@ -22,7 +22,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
 import dashboard
-from exo_like.api import anthropic_api, ollama_api, responses_api
+from exo_like.api import anthropic_api, instances_api, ollama_api, responses_api
 from exo_like.api.chat import start_chat, start_completion
 from exo_like.api.choices import ChoiceSet
 from exo_like.api.lifecycle import (ERROR_SHAPES_KEY, GENERATING_KEY, NODE_KEY, error_shape, generating,
@@ -58,7 +58,7 @@ def create_app(node: Node, api_key: str | None = None) -> web.Application:
     app.router.add_get("/metrics", metrics)
     app.router.add_get(PEER_PATH, peer_link)
     app.router.add_get("/", index)
-    for dialect in (anthropic_api, responses_api, ollama_api):
+    for dialect in (anthropic_api, responses_api, ollama_api, instances_api):
         dialect.add_routes(app)
     dashboard.add_routes(app, node.cluster_json, node.wait_cluster_change)
     return app

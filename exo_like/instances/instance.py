@@ -63,6 +63,7 @@ class Instance:
         self.load_wait_seconds = LOAD_WAIT_SECONDS  # its first load
         self.ever_ready = False  # whether it was ready once: a wait after that is for a re-formed ring
         self._load_task: asyncio.Task | None = None
+        self._stopped = False
         self._changed = asyncio.Event()
         self.part = make_part(self)
 
@@ -98,7 +99,7 @@ class Instance:
 
     def _start_loading(self) -> None:
         plan = self.plan
-        if plan is None or self.problem:
+        if plan is None or self.problem or self._stopped:
             return
         if self._load_task is not None:
             self._load_task.cancel()
@@ -121,6 +122,8 @@ class Instance:
         self.changed()
 
     def stop(self) -> None:
+        """The instance is unloaded (or the node stops): no load from here on."""
+        self._stopped = True
         if self._load_task is not None:
             self._load_task.cancel()
 

@@ -68,6 +68,7 @@ class Instances:
         self.unsettled: str | None = None  # why this node's view of the members is not one they all see yet
         self._closing: set[asyncio.Task] = set()
         self._watch: asyncio.Task | None = None
+        self._closed = False
         cluster.state = self.announcement
         cluster.on_announcement = self._announced
         cluster.on_members = self._members_changed
@@ -76,6 +77,7 @@ class Instances:
         self._watch = asyncio.ensure_future(self._watch_keep_alive())
 
     async def close(self) -> None:
+        self._closed = True  # no plan made from here on (a speed measurement ending would make one)
         if self._watch is not None:
             self._watch.cancel()
         for instance in list(self.instances.values()):
@@ -164,6 +166,8 @@ class Instances:
     # -- placement ----------------------------------------------------------------------------------------
 
     def replan(self) -> None:
+        if self._closed:
+            return
         wished = [wish.model for wish in self.wishes.loaded()]
         for model in [m for m in self.instances if m not in wished]:
             self._remove(model)

@@ -45,7 +45,10 @@ def chat(client: openai.OpenAI, model: str, content: str, **kwargs):  # type: ig
 
 def test_models_lists_the_served_model(client: openai.OpenAI, model_id: str, checkpoint: Path) -> None:  # noqa: F811
     models = list(client.models.list())
-    assert (models[0].id, models[0].state) == (model_id, "serving")  # first; the catalog follows
+    assert (models[0].id, models[0].state) in ((model_id, "loading"), (model_id, "serving"))  # first; the catalog
+    # follows; "serving" once its instance is loaded
+    assert wait_for(lambda: list(client.models.list())[0].state == "serving", timeout=60)
+    models = list(client.models.list())
     assert [m.id for m in models if m.state == "serving"] == [model_id]
     assert client.models.retrieve(model_id).id == model_id
     # The path the node was started with is accepted as the model name as well.

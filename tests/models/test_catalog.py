@@ -53,7 +53,7 @@ def test_v1_models_lists_what_home_models_holds_under_names_that_parse_as_local(
     for name in ("a.gguf", "b-00001-of-00002.gguf", "b-00002-of-00002.gguf", "one-gguf/m.gguf", "two-ggufs/x.gguf",
                  "two-ggufs/y.gguf", "notes.txt"):
         (models / name).write_bytes(b"GGUF")
-    listed = [m["id"] for m in list_models(tmp_path, tmp_path / "hub", None, 0) if m["source"] == "local"]
+    listed = [m["id"] for m in list_models(tmp_path, tmp_path / "hub", [], 0) if m["source"] == "local"]
     assert listed == ["a.gguf", "b-00001-of-00002.gguf", "hf", "one-gguf"]
     assert all(parse_model_name(name, tmp_path).kind == "local" for name in listed)
 

@@ -302,3 +302,45 @@ def test_no_network_is_a_clear_503(tmp_path: Path) -> None:
         assert node.get_json("/health")["status"] == "ok"
     finally:
         stop_cleanly([node])
+
+
+def test_a_model_is_pulled_loaded_and_unloaded_by_the_api_then_deleted(hub: HubServer, oracle: Oracle,
+                                                                       tmp_path: Path) -> None:
+    """Ollama's pull (its progress lines) and delete, and this project's load API, on one node started without a
+    model: the pull fetches every weight file once, the load that follows fetches nothing more."""
+    import ollama
+
+    node = start_node(tmp_path / "home", None, "--no-mdns", "--dtype", "float32",
+                      env=hub_env(hub.endpoint, "puller", tmp_path))
+    try:
+        client = ollama.Client(host=node.base_url)
+        statuses = [progress.status for progress in client.pull(REPO, stream=True)]
+        assert statuses[0] == "pulling manifest" and statuses[-3:] == ["verifying sha256 digest", "writing manifest",
+                                                                        "success"], statuses
+        files = {name for name in hub.repos[REPO].files if name.endswith(".safetensors")}
+        assert {r.path.removeprefix("/cdn/") for r in hub.weight_downloads("puller")} == \
+            {hub.repos[REPO].files[name].sha256 for name in files}
+        assert {m["id"]: m["state"] for m in node.get_json("/v1/models")["data"]}[REPO] == "downloaded"
+        fetched = len(hub.weight_downloads("puller"))
+
+        headers = {"Content-Type": "application/json"}
+        status, _, raw = node.request("POST", "/v1/instances", json.dumps({"model": REPO}).encode(), headers)
+        assert status == 202, raw
+        status, _, raw = node.request("POST", "/v1/instances", json.dumps({"model": REPO, "nodes": ["x"]}).encode(),
+                                      headers)
+        assert status == 400 and b"no member of the cluster has the id x" in raw, raw
+        assert wait_for(lambda: [i["ready"] for i in node.get_json("/v1/instances")["data"]] == [True], timeout=60)
+        assert answer(node, REPO) == expected_text(oracle)
+        assert len(hub.weight_downloads("puller")) == fetched  # loaded from what the pull fetched
+        status, _, raw = node.request("DELETE", f"/v1/instances/{REPO}")
+        assert status == 200 and node.get_json("/v1/instances")["data"] == [], raw
+        status, _, raw = node.request("DELETE", f"/v1/instances/{REPO}")
+        assert status == 404 and b"is not loaded" in raw, raw
+
+        client.delete(REPO)
+        assert {m["id"]: m["state"] for m in node.get_json("/v1/models")["data"]}.get(REPO) is None
+        with pytest.raises(ollama.ResponseError) as missing:
+            client.delete(REPO)
+        assert missing.value.status_code == 404 and "has no files in this node's cache" in missing.value.error
+    finally:
+        stop_cleanly([node])

@@ -108,7 +108,7 @@ def test_a_name_is_resolved_once_and_nothing_downstream_asks_the_hub_again(hub: 
         description = registry.describe(model.key)  # planning
         assert (description.n_layers, description.footprint) == (2, model.manifest.footprint)
         assert registry.files(model.key) == (model.path, model.args)  # the speed probe
-        assert registry.listing(model, 0)[0]["id"] == model.model_id  # GET /v1/models
-        assert registry.entry(model.key, model, 0)["id"] == model.model_id  # GET /v1/models/{id}
+        assert registry.listing([(model, "serving")], 0)[0]["id"] == model.model_id  # GET /v1/models
+        assert registry.entry(model.key, [(model, "serving")], 0)["id"] == model.model_id  # GET /v1/models/{id}
         assert hub.requests(since=seen) == [], f"{first}: asked the hub again"
-        assert registry.entry(model.model_id, model, 0)["id"] == model.model_id
+        assert registry.entry(model.model_id, [(model, "serving")], 0)["id"] == model.model_id

@@ -74,7 +74,7 @@ async def test_a_new_plan_fetches_only_the_files_it_adds(hub: HubServer, checkpo
     seen = len(hub.requests())
     await downloader.ensure(model.manifest, model.folder, first, tied=True)
     assert {r.file for r in hub.weight_downloads(since=seen)} == needed(checkpoint, first)
-    listed = {m["id"]: m for m in list_models(online.parent, online, None, 0)}[REPO]
+    listed = {m["id"]: m for m in list_models(online.parent, online, [], 0)}[REPO]
     assert (listed["state"], listed["weight_files_present"]) == ("partial", len(needed(checkpoint, first)))
     seen = len(hub.requests())
     await downloader.ensure(model.manifest, model.folder, second, tied=True)
@@ -84,7 +84,7 @@ async def test_a_new_plan_fetches_only_the_files_it_adds(hub: HubServer, checkpo
     await downloader.ensure(model.manifest, model.folder, first, tied=True)  # back to the smaller range: all here
     assert hub.weight_downloads(since=seen) == []
     await downloader.ensure(model.manifest, model.folder, Shard(REPO, 0, 5, 5), tied=True)
-    assert {m["id"]: m for m in list_models(online.parent, online, None, 0)}[REPO]["state"] == "downloaded"
+    assert {m["id"]: m for m in list_models(online.parent, online, [], 0)}[REPO]["state"] == "downloaded"
     downloader.close()
 
 

@@ -287,3 +287,20 @@ def _root_cause(exc: BaseException) -> str:
     while exc.__cause__ is not None:
         exc = exc.__cause__
     return f"{type(exc).__name__}: {exc}".splitlines()[0]
+
+
+def delete_revision(cache_dir: Path, repo_id: str, commit: str) -> bool:
+    """Remove a repo's commit from the cache (its snapshot, and the blobs no other commit uses); whether it was
+    there."""
+    from huggingface_hub import scan_cache_dir
+    from huggingface_hub.errors import CacheNotFound
+
+    try:
+        info = scan_cache_dir(cache_dir)
+    except CacheNotFound:
+        return False
+    for repo in info.repos:
+        if repo.repo_id == repo_id and any(revision.commit_hash == commit for revision in repo.revisions):
+            info.delete_revisions(commit).execute()
+            return True
+    return False

@@ -17,19 +17,21 @@ from exo_like.models.hub.repo import cached_snapshot
 from exo_like.models.names.catalog import CATALOG
 
 
-def list_models(home: Path, cache_dir: Path, served: dict[str, Any] | None, created: int) -> list[dict[str, Any]]:
-    """GET /v1/models: the model being served first, then local folders, downloaded repos and the catalog."""
+def list_models(home: Path, cache_dir: Path, served: list[dict[str, Any]], created: int) -> list[dict[str, Any]]:
+    """GET /v1/models: the models the cluster serves first (each entry with its `state`: serving, or loading), then
+    local folders, downloaded repos and the catalog."""
     entries = [*_local_entries(home), *_downloaded_entries(cache_dir), *_catalog_entries(cache_dir)]
     for entry in entries:
         entry.update({"object": "model", "created": created, "owned_by": "exo-like"})
-    if served is None:
-        return entries
-    names = {served["id"], served.get("repo"), served.get("path")} - {None}
+    names: dict[str, str] = {}  # every name of a served model -> its state
+    for model in served:
+        for name in {model["id"], model.get("repo"), model.get("path")} - {None}:
+            names.setdefault(name, model["state"])
     others = [entry for entry in entries if entry["id"] not in names or entry["source"] == "catalog"]
     for entry in others:
         if entry.get("repo") in names:
-            entry["state"] = "serving"  # the catalog name of the served repo
-    return [{**served, "state": "serving"}, *others]
+            entry["state"] = names[entry["repo"]]  # the catalog name of a served repo
+    return [*({"object": "model", "created": created, "owned_by": "exo-like", **model} for model in served), *others]
 
 
 def _local_entries(home: Path) -> list[dict[str, Any]]:

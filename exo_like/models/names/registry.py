@@ -89,18 +89,21 @@ class ModelRegistry:
         model = self.loaded(key)
         return model.path, model.args
 
-    def listing(self, served: LoadedModel | None, created: int) -> list[dict[str, Any]]:
-        """GET /v1/models: the served model first, then local folders, downloaded repos and the catalog."""
-        return list_models(self.home, self.cache_dir, served.listing() if served else None, created)
+    def listing(self, served: list[tuple[LoadedModel, str]], created: int) -> list[dict[str, Any]]:
+        """GET /v1/models: the served models first (each with its state), then local folders, downloaded repos and
+        the catalog."""
+        return list_models(self.home, self.cache_dir, [{**model.listing(), "state": state} for model, state in served],
+                           created)
 
-    def entry(self, name: str, served: LoadedModel | None, created: int) -> dict[str, Any]:
-        """GET /v1/models/{name}: the listed model the name refers to (the served model by any of its names)."""
+    def entry(self, name: str, served: list[tuple[LoadedModel, str]], created: int) -> dict[str, Any]:
+        """GET /v1/models/{name}: the listed model the name refers to (a served model by any of its names)."""
         entries = self.listing(served, created)
         for entry in entries:
             if name in (entry["id"], entry.get("repo"), entry.get("path")):
                 return entry
-        if served is not None and (served.answers_to(name) or self._spelling_of(name, served)):
-            return entries[0]
+        for index, (model, _) in enumerate(served):
+            if model.answers_to(name) or self._spelling_of(name, model):
+                return entries[index]
         raise ModelNotFoundError(f"the model {name!r} does not exist: GET /v1/models lists the models")
 
     # -- internals ------------------------------------------------------------------------------------------
