@@ -225,9 +225,10 @@ class Instance:
             raise ServiceUnavailableError(f"no agreed plan for {self.model} after {limit:.0f}s: "
                                           f"{self.why_not_ready()}", code="plan_unavailable") from None
 
-    async def wait_loaded(self, limit: float = NON_STREAMED_LOAD_WAIT_SECONDS) -> None:
-        """Wait for the instance's first load up to `limit` seconds; then a 503 that asks the client to come back
-        (the load goes on meanwhile)."""
+    async def wait_loaded(self) -> None:
+        """Wait for the instance's first load as long as a non-streamed request may (at most --request-wait, where
+        set); then a 503 that asks the client to come back (the load goes on meanwhile)."""
+        limit = min(NON_STREAMED_LOAD_WAIT_SECONDS, self.load_wait_seconds)
         try:
             await self._wait(limit)
         except TimeoutError:

@@ -208,6 +208,6 @@ def test_errors_come_in_ollamas_shape(tools_node: NodeProcess, tools_checkpoint:
         assert error.status_code == 400 and words in error.error, error
     status, _, raw = post_json(tools_node, "/api/chat", {"model": model, "messages": ASK, "format": "xml"})
     assert status == 400 and json.loads(raw) == {"error": 'format must be "json" or a JSON schema object'}
-    for method, path, status in (("POST", "/api/pull", 404), ("GET", "/api/chat", 405)):
+    for method, path, status in (("POST", "/api/push", 404), ("GET", "/api/chat", 405)):
         got, _, raw = tools_node.request(method, path)
         assert got == status and set(json.loads(raw)) == {"error"}, raw

@@ -279,10 +279,14 @@ def test_hub_errors_are_clear_and_the_node_keeps_serving(hub: HubServer, tmp_pat
             assert (got, body["error"]["code"]) == (status, code), body
             assert model.partition("@")[0] in body["error"]["message"] and words in body["error"]["message"], body
             assert body["error"]["message"] in node.log()  # and in the node's log
-        # A request that has to wait for the download says what it waits for.
+        # A request that has to wait for the download says what it waits for (and that the load goes on).
         hub.throttle = 100_000  # per transfer: the 1.5 MB take several seconds, longer than --request-wait
-        got, body = chat(node, REPO)
-        assert got == 503 and body["error"]["code"] == "plan_unavailable", body
+        request = json.dumps({"model": REPO, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 4})
+        got, headers, raw = node.request("POST", "/v1/chat/completions", request.encode(),
+                                         {"Content-Type": "application/json"})
+        body = json.loads(raw)
+        assert got == 503 and body["error"]["code"] == "model_loading", body
+        assert int(headers["Retry-After"]) > 0, headers
         message = body["error"]["message"]
         assert f"{REPO} layers [0, 7): downloading" in message and "% (" in message and "files" in message, message
         assert node.get_json("/health")["status"] == "ok"
