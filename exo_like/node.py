@@ -149,7 +149,7 @@ class Node:
         if self.instances is None:
             return []
         models = []
-        for key in self.instances.instances:
+        for key in dict.fromkeys(instance.model for instance in self.instances.instances.values()):
             try:
                 model = self.models.known(key)
             except ExoLikeError:
@@ -176,11 +176,10 @@ class Node:
 
     async def load_model(self, name: str, keep_alive: float | None = None) -> LoadedModel:
         """The model a name refers to, once the cluster has loaded it (asked for now if it was not)."""
-        model, _ = await self.require_model(name, keep_alive)
-        assert self.instances is not None
-        instance = self.instances.get(model.key)
-        assert instance is not None
-        await instance.wait_ready()
+        if self.instances is None:
+            raise ServiceUnavailableError("the node is still starting", code="starting")
+        model = await self.models.prepare(name)
+        await self.instances.require(model.key, keep_alive).wait_ready()
         return model
 
     async def pin_model(self, name: str, nodes: tuple[str, ...] = ()) -> LoadedModel:
@@ -525,8 +524,8 @@ class Node:
     def _served_states(self) -> list[tuple[LoadedModel, str]]:
         """Each served model with its state: serving once its instance is ready, loading until then."""
         assert self.instances is not None or not self.served()
-        return [(model, "serving" if (instance := self.instances.get(model.key)) is not None and instance.ready
-                 else "loading") for model in self.served()]  # type: ignore[union-attr]
+        return [(model, "serving" if any(i.ready for i in self.instances.of(model.key))  # type: ignore[union-attr]
+                 else "loading") for model in self.served()]
 
     def cluster_json(self) -> dict[str, object] | None:
         """GET /v1/cluster and the dashboard's picture: the cluster, plus what only this node knows about it."""

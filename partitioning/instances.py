@@ -33,6 +33,11 @@ class InstanceAsk:
     nodes: tuple[str, ...] = ()  # the nodes the user chose for it (empty: placement chooses)
     tensor_sizes: tuple[int, ...] = ()
     tensor_engines: tuple[str, ...] = ("torch", "mlx")
+    instance: str = ""  # which instance of the model (several may serve one model, each on its own nodes)
+
+    @property
+    def key(self) -> str:
+        return self.instance or self.model
 
 
 @dataclass(frozen=True)
@@ -117,13 +122,13 @@ def place_instances(asks: Sequence[InstanceAsk], members: Sequence[Member], figu
     ids = frozenset(left)
     placed: dict[str, Placed] = {}
     for ask in asks:
-        before = (current or {}).get(ask.model)
+        before = (current or {}).get(ask.key)
         seen = tuple(sorted((figures.get(ask.model) or {}).items()))
         if before is not None and before.plan is not None and before.members == ids and before.ask == ask \
                 and before.figures == seen:
             used = held_bytes(before.plan, ask.footprint, members)
             if all(left[node_id] >= need for node_id, need in used.items()):
-                placed[ask.model] = before
+                placed[ask.key] = before
                 for node_id, need in used.items():
                     left[node_id] -= need
                 continue
@@ -131,10 +136,10 @@ def place_instances(asks: Sequence[InstanceAsk], members: Sequence[Member], figu
         try:
             decision = place_one(ask, offered, figures.get(ask.model) or {}, decide)
         except NoRoom as exc:
-            placed[ask.model] = Placed(ask, None, f"cannot place {ask.model}: {exc}", ids, seen)
+            placed[ask.key] = Placed(ask, None, f"cannot place {ask.key}: {exc}", ids, seen)
             continue
         result = Placed(ask, decision, decision.problem, ids, seen)
-        placed[ask.model] = result
+        placed[ask.key] = result
         if result.plan is not None:
             for node_id, need in held_bytes(result.plan, ask.footprint, members).items():
                 left[node_id] -= need
@@ -147,14 +152,14 @@ def to_unload(ask: InstanceAsk, loaded: Sequence[InstanceAsk], idle: Sequence[st
     fits as things are (or its plan waits for the members' speed figures); None when it does not fit even with
     every idle instance gone (a busy one is never taken).
 
-    `loaded`: the instances placed now, oldest first; `idle`: the models of those with no request running, least
+    `loaded`: the instances placed now, oldest first; `idle`: the keys of those with no request running, least
     recently used first."""
     gone: list[str] = []
     for victim in [None, *idle]:
         if victim is not None:
             gone.append(victim)
-        staying = [a for a in loaded if a.model not in gone]
+        staying = [a for a in loaded if a.key not in gone]
         placed = place_instances([*staying, ask], members, figures, decide, current)
-        if placed[ask.model].problem is None:  # a plan, or one pending while members measure their speed
+        if placed[ask.key].problem is None:  # a plan, or one pending while members measure their speed
             return gone
     return None

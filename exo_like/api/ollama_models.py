@@ -101,11 +101,12 @@ async def ps(request: web.Request) -> web.Response:
     node = request.app[NODE_KEY]
     loaded = []
     for model in node.served():
-        instance = node.instances.get(model.key) if node.instances is not None else None
-        if instance is None or not instance.ready:
+        ready = [i for i in node.instances.of(model.key) if i.ready] if node.instances is not None else []
+        if not ready:
             continue
         summary = await _summary(model)
-        expires = node.instances.expires_in(model.key)
+        left = [node.instances.expires_in(i.key) for i in ready]
+        expires = None if None in left else max(left)  # type: ignore[type-var]
         loaded.append({**{key: summary[key] for key in ("name", "model", "size", "digest", "details")},
                        "expires_at": LOADED_UNTIL if expires is None else timestamp(time.time() + expires),
                        "size_vram": 0, "context_length": model.args.context_length})

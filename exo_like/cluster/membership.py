@@ -33,13 +33,13 @@ DEPARTED_SHOWN_SECONDS = 10.0  # a lost node stays listed as unreachable this lo
 @dataclass(frozen=True)
 class Announcement:
     wishes: tuple[Wish, ...] = ()
-    instances: dict[str, InstanceState] = field(default_factory=dict)  # by model
+    instances: dict[str, InstanceState] = field(default_factory=dict)  # by instance key
     load: NodeLoad = field(default_factory=NodeLoad)
     figures: dict[str | None, SpeedFigures] = field(default_factory=dict)  # by model (None: links only)
     linked: frozenset[str] = frozenset()  # the peers it is linked with
 
-    def instance(self, model: str) -> InstanceState | None:
-        return self.instances.get(model)
+    def instance(self, key: str) -> InstanceState | None:
+        return self.instances.get(key)
 
     def figures_for(self, model: str | None) -> SpeedFigures | None:
         """Its figures for `model`, or (placing by memory, or not measured yet) its links' alone."""
@@ -52,7 +52,7 @@ class Announcement:
     @classmethod
     def from_message(cls, message: PlanState) -> "Announcement":
         figures = [SpeedFigures.from_json(f) for f in message.figures]
-        return cls(message.wishes, {i.model: i for i in message.instances}, NodeLoad.from_json(message.load),
+        return cls(message.wishes, {i.key: i for i in message.instances}, NodeLoad.from_json(message.load),
                    {f.model: f for f in figures}, frozenset(message.linked))
 
 

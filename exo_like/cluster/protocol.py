@@ -268,15 +268,22 @@ class Wish:
     clock: tuple[int, str]
     loaded: bool
     nodes: tuple[str, ...] = ()
+    instance: str = ""  # the register's key: the model's first instance has none, another "<model>#<n>"
+
+    @property
+    def key(self) -> str:
+        return self.instance or self.model
 
     def to_wire(self) -> dict[str, Any]:
-        return {"model": self.model, "clock": list(self.clock), "loaded": self.loaded, "nodes": list(self.nodes)}
+        return {"model": self.model, "clock": list(self.clock), "loaded": self.loaded, "nodes": list(self.nodes),
+                "instance": self.instance}
 
     @classmethod
     def from_wire(cls, data: Any) -> "Wish":
         data = mapping(data, "wishes")
         return cls(string(data, "model", 1024), _clock(data), boolean(data, "loaded"),
-                   tuple(string({"nodes": n}, "nodes") for n in bounded(array(data, "nodes"), "nodes")))
+                   tuple(string({"nodes": n}, "nodes") for n in bounded(array(data, "nodes"), "nodes")),
+                   string(data, "instance", 1040))
 
 
 def _clock(data: dict[str, Any]) -> tuple[int, str]:
@@ -304,6 +311,11 @@ class InstanceState:
     keep_alive: float | None = None
     idle_seconds: float | None = None
     pinned: bool = False
+    instance: str = ""  # which instance of the model (Wish.instance)
+
+    @property
+    def key(self) -> str:
+        return self.instance or self.model
 
     @property
     def kv_size(self) -> KVPoolSize | None:
@@ -313,7 +325,7 @@ class InstanceState:
         return {"model": self.model, "digest": self.digest, "ready": self.ready, "problem": self.problem,
                 "kv_blocks": self.kv_blocks, "kv_window_blocks": self.kv_window_blocks,
                 "in_flight": self.in_flight, "keep_alive": self.keep_alive, "idle_seconds": self.idle_seconds,
-                "pinned": self.pinned}
+                "pinned": self.pinned, "instance": self.instance}
 
     @classmethod
     def from_wire(cls, data: Any) -> "InstanceState":
@@ -323,7 +335,8 @@ class InstanceState:
                    string(data, "problem", MAX_TEXT, optional=True), integer(data, "kv_blocks", 0, optional=True),
                    integer(data, "kv_window_blocks", 0, optional=True), integer(data, "in_flight", 0),
                    keep if keep is None or keep >= 0 else KEEP_FOREVER,
-                   number(data, "idle_seconds", 0.0, 1e12, optional=True), boolean(data, "pinned"))
+                   number(data, "idle_seconds", 0.0, 1e12, optional=True), boolean(data, "pinned"),
+                   string(data, "instance", 1040))
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ class InstanceView(Protocol):
     """What the picture reads of an instance (instances/instance.py)."""
 
     model: str
+    key: str
     plan: Plan | None
     problem: str | None
     placement: PlacementReport | None
@@ -89,6 +90,7 @@ def _instance_json(cluster: Cluster, instances: InstancesView, instance: Instanc
     placement = instance.placement
     stage_steps = _stage_steps(cluster, instance.plan)
     return {
+        "id": instance.key,
         "model": instance.model,
         "model_name": names.get(instance.model),
         "plan": instance.plan.to_json() if instance.plan else None,
@@ -100,8 +102,8 @@ def _instance_json(cluster: Cluster, instances: InstancesView, instance: Instanc
         "waiting_for": None if instance.ready else instance.why_not_ready(),
         "model_bytes": _model_bytes(description),
         **_model_kind(description),
-        "in_flight": instances.in_flight(instance.model),
-        "expires_in_seconds": _rounded(instances.expires_in(instance.model)),
+        "in_flight": instances.in_flight(instance.key),
+        "expires_in_seconds": _rounded(instances.expires_in(instance.key)),
         "nodes": nodes,
     }
 

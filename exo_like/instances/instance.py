@@ -49,8 +49,9 @@ class Part(Protocol):
 
 class Instance:
     def __init__(self, model: str, cluster: Cluster, make_part: Callable[["Instance"], Part],
-                 on_change: Callable[[], None]):
+                 on_change: Callable[[], None], key: str = ""):
         self.model = model
+        self.key = key or model  # its register's key: the model's, or "<model>#<n>" for another instance of it
         self.cluster = cluster
         self._on_change = on_change  # announce: this node's state of the instance changed
         self.plan: Plan | None = None
@@ -145,7 +146,8 @@ class Instance:
         ready = self.is_loaded()
         kv = self.part.kv_size() if ready else None
         return InstanceState(self.model, digest, ready, self.problem, kv.blocks if kv else None,
-                             kv.window_blocks if kv else None, in_flight, keep_alive, idle_seconds, pinned)
+                             kv.window_blocks if kv else None, in_flight, keep_alive, idle_seconds, pinned,
+                             "" if self.key == self.model else self.key)
 
     def is_loaded(self) -> bool:
         return self.plan is not None and self.loaded_digest == self.plan.digest
@@ -155,7 +157,7 @@ class Instance:
         if node_id == self.me:
             return self.state()
         announcement = self.cluster.announcements.get(node_id)
-        return announcement.instance(self.model) if announcement is not None else None
+        return announcement.instance(self.key) if announcement is not None else None
 
     def _plan_members(self) -> set[str]:
         """The live members the plan was made from, other than this node: those that must announce its digest.
@@ -179,7 +181,7 @@ class Instance:
     def peer_problem(self) -> str | None:
         """A problem a member of the cluster announced for this instance (a node that cannot load its part)."""
         for announcement in self.cluster.announcements.values():
-            state = announcement.instance(self.model)
+            state = announcement.instance(self.key)
             if state is not None and state.problem:
                 return state.problem
         return None

@@ -60,9 +60,9 @@ class Instances:
         self.keep_alive = keep_alive  # --keep-alive: a request's, unless it says otherwise
         self.plan_wait = plan_wait
         self.wishes = Wishes(self.me)
-        self.instances: dict[str, Instance] = {}  # by model key, in the order they were asked for
-        self.pinned: set[str] = set()  # models this node keeps loaded whatever keep_alive says (--model, load API)
-        self._uses: dict[str, Use] = {}
+        self.instances: dict[str, Instance] = {}  # by key (a model's, "<model>#<n>" for another instance of it)
+        self.pinned: set[str] = set()  # instances this node keeps loaded whatever keep_alive says (--model, load API)
+        self._uses: dict[str, Use] = {}  # by instance key
         self._placer = Placer(self.me)
         self._placed: dict[str, Placed] = {}
         self.unsettled: str | None = None  # why this node's view of the members is not one they all see yet
@@ -87,8 +87,13 @@ class Instances:
 
     # -- what requests see --------------------------------------------------------------------------------
 
-    def get(self, model: str) -> Instance | None:
-        return self.instances.get(model)
+    def get(self, key: str) -> Instance | None:
+        """The instance of that key, or the first instance of the model of that key."""
+        return self.instances.get(key) or next(iter(self.of(key)), None)
+
+    def of(self, model: str) -> list[Instance]:
+        """The instances serving `model`, oldest first."""
+        return [instance for instance in self.instances.values() if instance.model == model]
 
     def oldest(self) -> Instance:
         """The instance asked for first (a cluster serving one model: that one)."""
@@ -97,84 +102,107 @@ class Instances:
         return next(iter(self.instances.values()))
 
     def require(self, model: str, keep_alive: float | None = None) -> Instance:
-        """The instance serving `model` (described on this node already), asked for now if it is not; a model
-        that does not fit beside the busy instances raises InsufficientMemoryError and changes nothing."""
-        use = self._uses.setdefault(model, Use())
-        use.keep_for = self.keep_alive if keep_alive is None else keep_alive
-        use.started = use.ran = time.monotonic()
-        wish = self.wishes.get(model)
-        if wish is None or not wish.loaded:
+        """An instance serving `model` (described on this node already; of several, the ready one with the fewest
+        requests), asked for now if there is none; a model that does not fit beside the busy instances raises
+        InsufficientMemoryError and changes nothing."""
+        serving = self.of(model)
+        if not serving:
             for victim in self._make_room(model):
                 log.info("node %s: unloading idle %s to make room for %s", self.me, victim, model)
                 self.wishes.unload(victim)
             self.wishes.load(model)
             log.info("node %s: %s asked for", self.me, model)
             self.replan()
-        instance = self.instances[model]
+            serving = self.of(model)
+        instance = min(serving, key=lambda i: (not i.ready, self.in_flight(i.key), i.key))
+        use = self._uses.setdefault(instance.key, Use())
+        use.keep_for = self.keep_alive if keep_alive is None else keep_alive
+        use.started = use.ran = time.monotonic()
         use.seen = instance.part.generator.requests_total
         return instance
 
     def pin(self, model: str, nodes: tuple[str, ...] = (), admit: bool = True) -> Instance:
         """Serve `model` (on `nodes`) until it is unloaded by name: the load API, or --model (admit=False: it waits
-        for nodes with the memory it lacks to join, its instance saying what it lacks meanwhile)."""
-        try:
-            victims = self._make_room(model)
-        except InsufficientMemoryError:
-            if admit:
-                raise
-            victims = []
-        self.pinned.add(model)
-        for victim in victims:
-            log.info("node %s: unloading idle %s to make room for %s", self.me, victim, model)
-            self.wishes.unload(victim)
-        if self.wishes.load(model, nodes) is not None:
-            log.info("node %s: %s asked for%s", self.me, model, f" on {', '.join(nodes)}" if nodes else "")
+        for nodes with the memory it lacks to join, its instance saying what it lacks meanwhile). Asked for on
+        other nodes than its instances run on, it gets another instance there (data parallel: each request goes to
+        one of them)."""
+        serving = self.of(model)
+        same = next((i for i in serving if not nodes or self._nodes_of(i.key) == nodes), None)
+        key = same.key if same is not None else self._new_key(model)
+        if same is None:
+            try:
+                victims = self._make_room(model, nodes, key)
+            except InsufficientMemoryError:
+                if admit:
+                    raise
+                victims = []
+            for victim in victims:
+                log.info("node %s: unloading idle %s to make room for %s", self.me, victim, key)
+                self.wishes.unload(victim)
+        self.pinned.add(key)
+        if self.wishes.load(model, nodes, "" if key == model else key) is not None:
+            log.info("node %s: %s asked for%s", self.me, key, f" on {', '.join(nodes)}" if nodes else "")
         self.replan()
-        return self.instances[model]
+        return self.instances[key]
 
-    def unload(self, model: str) -> bool:
-        """Stop serving `model` on every node (its running requests end); whether it was served."""
-        self.pinned.discard(model)
-        if self.wishes.unload(model) is None:
-            return False
-        log.info("node %s: %s unloaded", self.me, model)
-        self.replan()
-        return True
+    def _nodes_of(self, key: str) -> tuple[str, ...]:
+        wish = self.wishes.get(key)
+        return wish.nodes if wish is not None else ()
 
-    def _make_room(self, model: str) -> list[str]:
+    def _new_key(self, model: str) -> str:
+        """The key of a model's next instance: the model's own for its first, else "<model>#<n>"."""
+        keys = [model, *(f"{model}#{n}" for n in range(2, 2 + len(self.instances) + 1))]
+        return next(key for key in keys if key not in self.instances)
+
+    def unload(self, name: str) -> bool:
+        """Stop serving an instance (by its key), or every instance of a model (by the model's key), on every node
+        (their running requests end); whether any was served."""
+        keys = [name] if "#" in name and name in self.instances else [i.key for i in self.of(name)]
+        gone = [key for key in keys if self.wishes.unload(key) is not None]
+        for key in gone:
+            self.pinned.discard(key)
+            log.info("node %s: %s unloaded", self.me, key)
+        if gone:
+            self.replan()
+        return bool(gone)
+
+    def _make_room(self, model: str, nodes: tuple[str, ...] = (), key: str = "") -> list[str]:
         """The idle instances to unload, least recently used first, so that `model` fits beside the rest. Judged on
         the memory split (the most any split fits): a model waiting for speed figures is placed by them later."""
-        ask = self._ask(model, self._describe(model), first=not self.instances)
-        loaded = [self._placed[m].ask for m in self.instances if m in self._placed]
+        key = key or model
+        ask = self._ask(model, self._describe(model), first=not self.instances, nodes=nodes,
+                        instance="" if key == model else key)
+        loaded = [self._placed[k].ask for k in self.instances if k in self._placed]
         members = self.cluster.members()
         figures = {**self._figures(), model: {m.node_id: SpeedFigures("memory") for m in members}}
         idle = self._idle()
         gone = to_unload(ask, loaded, idle, members, figures, self._decide, self._placed)
         if gone is not None:
             return gone
-        busy = [a for a in loaded if a.model not in idle]
-        problem = place_instances([*busy, ask], members, figures, self._decide, self._placed)[model].problem
-        beside = f" beside {', '.join(a.model for a in busy)} (serving requests)" if busy else ""
+        busy = [a for a in loaded if a.key not in idle]
+        problem = place_instances([*busy, ask], members, figures, self._decide, self._placed)[ask.key].problem
+        beside = f" beside {', '.join(a.key for a in busy)} (serving requests)" if busy else ""
         raise InsufficientMemoryError(f"{model} cannot be loaded{beside}: {problem}; free memory (unload other "
                                       "models, give the nodes more with --memory-gb) or add a node")
 
     def _idle(self) -> list[str]:
         """The instances no node has a request for, the soonest to expire first (the least recently used)."""
-        idle = [m for m in self.instances if self.in_flight(m) == 0 and not self._starting(m)]
-        return sorted(idle, key=lambda m: (self._deadline(m), m))
+        idle = [k for k in self.instances if self.in_flight(k) == 0 and not self._starting(k)]
+        return sorted(idle, key=lambda k: (self._deadline(k), k))
 
     # -- placement ----------------------------------------------------------------------------------------
 
     def replan(self) -> None:
         if self._closed:
             return
-        wished = [wish.model for wish in self.wishes.loaded()]
-        for model in [m for m in self.instances if m not in wished]:
-            self._remove(model)
-        for model in wished:
-            if model not in self.instances:
-                instance = Instance(model, self.cluster, self._make_part, self.cluster.announce_soon)
-                self.instances[model] = instance
+        wished = self.wishes.loaded()
+        keys = [wish.key for wish in wished]
+        for key in [k for k in self.instances if k not in keys]:
+            self._remove(key)
+        for wish in wished:
+            if wish.key not in self.instances:
+                instance = Instance(wish.model, self.cluster, self._make_part, self.cluster.announce_soon, wish.key)
+                self.instances[wish.key] = instance
                 if self.plan_wait is not None:  # --request-wait: every wait of its requests
                     instance.plan_wait_seconds = instance.load_wait_seconds = self.plan_wait
         self._check_membership(bool(wished))
@@ -186,34 +214,33 @@ class Instances:
             self.cluster.announce_soon()
             return
         asks = []
-        for index, model in enumerate(wished):
-            instance = self.instances[model]
+        for index, wish in enumerate(wished):
+            instance = self.instances[wish.key]
             try:
-                asks.append(self._ask(model, self._describe(model), first=index == 0))
+                asks.append(self._ask(wish.model, self._describe(wish.model), first=index == 0, nodes=wish.nodes,
+                                      instance=wish.instance))
             except ModelPendingError as exc:
                 instance.settle(None, None, exc.message, None)  # re-planned once the description is here
             except ExoLikeError as exc:
-                instance.settle(None, f"cannot serve {model}: {exc.message}", None, None)
+                instance.settle(None, f"cannot serve {wish.model}: {exc.message}", None, None)
         self._placed = place_instances(asks, self.cluster.members(), self._figures(), self._decide, self._placed)
-        for model, placed in self._placed.items():
+        for key, placed in self._placed.items():
             decision = placed.decision
-            self.instances[model].settle(placed.plan, placed.problem, decision.pending if decision else None,
-                                         decision.report if decision else None)
+            self.instances[key].settle(placed.plan, placed.problem, decision.pending if decision else None,
+                                       decision.report if decision else None)
         self.cluster.announce_soon()
 
-    def _ask(self, model: str, description: ModelDescription, first: bool) -> InstanceAsk:
-        wish = self.wishes.get(model)
+    def _ask(self, model: str, description: ModelDescription, first: bool, nodes: tuple[str, ...] = (),
+             instance: str = "") -> InstanceAsk:
         # Tensor-parallel groups for the oldest instance only: a node runs one group worker at a time.
-        return InstanceAsk(model, description.n_layers, description.footprint,
-                           wish.nodes if wish is not None and wish.loaded else (),
-                           description.tensor_sizes if first else (), description.tensor_engines)
+        return InstanceAsk(model, description.n_layers, description.footprint, nodes,
+                           description.tensor_sizes if first else (), description.tensor_engines, instance)
 
     def _figures(self) -> dict[str, dict[str, SpeedFigures | None]]:
         """Each member's announced figures for each instance's model (this node's measured as it goes)."""
         members = self.cluster.members()
         figures: dict[str, dict[str, SpeedFigures | None]] = {}
-        for wish in self.wishes.loaded():
-            model = wish.model
+        for model in dict.fromkeys(wish.model for wish in self.wishes.loaded()):
             mine = {m.node_id: self._figures_of(m.node_id, model) for m in members}
             # Slices for tensor-parallel groups only once every member has its layer figure: nodes of one host
             # measure one at a time, and the plan waits for those figures, not for the slices.
@@ -242,7 +269,7 @@ class Instances:
         return self._figures_of(node_id, model)
 
     def _decide(self, ask: InstanceAsk, members: list[Member], figures: NodeFigures) -> Decision:
-        instance = self.instances.get(ask.model)
+        instance = self.instances.get(ask.key)
         return self._placer.decide(ask.model, ask.n_layers, ask.footprint, members, figures,
                                    instance.plan if instance is not None else None, ask.tensor_sizes,
                                    ask.tensor_engines)
@@ -270,8 +297,8 @@ class Instances:
 
     def announcement(self, load: NodeLoad) -> Announcement:
         """What this node announces (its links aside): the registers, each instance, its figures."""
-        states = {model: instance.state(self.local_in_flight(model), **self._use_state(model))
-                  for model, instance in self.instances.items()}
+        states = {key: instance.state(self.local_in_flight(key), **self._use_state(key))
+                  for key, instance in self.instances.items()}
         models = [wish.model for wish in self.wishes.loaded()] or [None]
         figures = {model: self._speed.figures(model) for model in models}
         return Announcement(tuple(self.wishes.all()), states, load, figures)
@@ -291,12 +318,12 @@ class Instances:
     def _merge(self, wishes: tuple[Wish, ...]) -> bool:
         """A peer's registers; a model this node's clients still use that a peer unloaded is asked for again."""
         changed = self.wishes.merge(list(wishes))
-        for model in self.instances:
-            wish = self.wishes.get(model)
-            if wish is not None and not wish.loaded and (self.local_in_flight(model) or model in self.pinned):
+        for key in self.instances:
+            wish = self.wishes.get(key)
+            if wish is not None and not wish.loaded and (self.local_in_flight(key) or key in self.pinned):
                 log.info("node %s: %s was unloaded while this node's requests use it; asking for it again",
-                         self.me, model)
-                self.wishes.load(model, wish.nodes)
+                         self.me, key)
+                self.wishes.load(wish.model, wish.nodes, wish.instance)
                 changed = True
         return changed
 
@@ -307,39 +334,39 @@ class Instances:
 
     # -- keep_alive ---------------------------------------------------------------------------------------
 
-    def local_in_flight(self, model: str) -> int:
-        """This node's requests for `model`: generating, waiting for it, or about to."""
-        instance = self.instances.get(model)
+    def local_in_flight(self, key: str) -> int:
+        """This node's requests for `key`: generating, waiting for it, or about to."""
+        instance = self.instances.get(key)
         running = len(instance.part.generator.in_flight) if instance is not None else 0
-        return running + (1 if self._starting(model) and not running else 0)
+        return running + (1 if self._starting(key) and not running else 0)
 
-    def _starting(self, model: str) -> bool:
-        """Whether a request named `model` moments ago and has not begun generating yet."""
-        use, instance = self._uses.get(model), self.instances.get(model)
+    def _starting(self, key: str) -> bool:
+        """Whether a request named `key` moments ago and has not begun generating yet."""
+        use, instance = self._uses.get(key), self.instances.get(key)
         return (use is not None and instance is not None and time.monotonic() - use.started < STARTING_SECONDS
                 and instance.part.generator.requests_total == use.seen)
 
-    def in_flight(self, model: str) -> int:
-        """Requests for `model` on every node, as announced."""
-        total = self.local_in_flight(model)
+    def in_flight(self, key: str) -> int:
+        """Requests for `key` on every node, as announced."""
+        total = self.local_in_flight(key)
         for announcement in self.cluster.announcements.values():
-            state = announcement.instance(model)
+            state = announcement.instance(key)
             total += state.in_flight if state is not None else 0
         return total
 
-    def _use_state(self, model: str) -> dict[str, Any]:
-        """This node's use of `model` as it announces it: its last request's keep_alive and how long ago it ran."""
-        use = self._uses.get(model)
-        return {"pinned": model in self.pinned,
+    def _use_state(self, key: str) -> dict[str, Any]:
+        """This node's use of `key` as it announces it: its last request's keep_alive and how long ago it ran."""
+        use = self._uses.get(key)
+        return {"pinned": key in self.pinned,
                 "keep_alive": None if use is None else KEEP_FOREVER if use.keep_for == FOREVER else use.keep_for,
                 "idle_seconds": None if use is None else round(max(0.0, time.monotonic() - use.ran), 1)}
 
-    def _deadline(self, model: str) -> float:
-        """When `model`'s keep_alive runs out (monotonic; inf: kept). A node that keeps it loaded keeps it; else the
+    def _deadline(self, key: str) -> float:
+        """When `key`'s keep_alive runs out (monotonic; inf: kept). A node that keeps it loaded keeps it; else the
         cluster's last request for it decides, as in Ollama: its keep_alive, counted from when it ran."""
         now = time.monotonic()
-        states = [self.instances[model].state(**self._use_state(model))] if model in self.instances else []
-        states += [state for a in self.cluster.announcements.values() if (state := a.instance(model)) is not None]
+        states = [self.instances[key].state(**self._use_state(key))] if key in self.instances else []
+        states += [state for a in self.cluster.announcements.values() if (state := a.instance(key)) is not None]
         if any(state.pinned for state in states):
             return math.inf
         used = [state for state in states if state.keep_alive is not None and state.idle_seconds is not None]
@@ -350,9 +377,9 @@ class Instances:
             return math.inf
         return now - last.idle_seconds + last.keep_alive  # type: ignore[operator]
 
-    def expires_in(self, model: str) -> float | None:
-        """Seconds until `model` is unloaded if no request comes (None: kept until unloaded by name)."""
-        deadline = self._deadline(model)
+    def expires_in(self, key: str) -> float | None:
+        """Seconds until `key` is unloaded if no request comes (None: kept until unloaded by name)."""
+        deadline = self._deadline(key)
         return None if deadline == math.inf else max(0.0, deadline - time.monotonic())
 
     async def _watch_keep_alive(self) -> None:
@@ -362,13 +389,13 @@ class Instances:
 
     def _expire(self) -> None:
         now = time.monotonic()
-        for model, use in self._uses.items():
-            if model in self.instances and self.local_in_flight(model):
+        for key, use in self._uses.items():
+            if key in self.instances and self.local_in_flight(key):
                 use.ran = now  # keep_alive counts from the last moment a request ran
-        gone = [m for m in self.instances if self.in_flight(m) == 0 and self._deadline(m) <= now]
-        for model in gone:
-            log.info("node %s: %s idle past its keep_alive: unloading it", self.me, model)
-            self.wishes.unload(model)
+        gone = [k for k in self.instances if self.in_flight(k) == 0 and self._deadline(k) <= now]
+        for key in gone:
+            log.info("node %s: %s idle past its keep_alive: unloading it", self.me, key)
+            self.wishes.unload(key)
         if gone:
             self.replan()
 

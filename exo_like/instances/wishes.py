@@ -22,28 +22,31 @@ class Wishes:
         self._registers: dict[str, Wish] = {}
         self._counter = 0
 
-    def load(self, model: str, nodes: tuple[str, ...] = ()) -> Wish | None:
-        """Ask for `model` (on `nodes`); None when it is asked for like that already (nothing to tell peers)."""
-        current = self._registers.get(model)
+    def load(self, model: str, nodes: tuple[str, ...] = (), instance: str = "") -> Wish | None:
+        """Ask for `model` (on `nodes`; `instance`: another instance of it than its first); None when it is asked
+        for like that already (nothing to tell peers)."""
+        key = instance or model
+        current = self._registers.get(key)
         if current is not None and current.loaded and current.nodes == nodes:
             return None
-        return self._write(Wish(model, self._next_clock(), True, nodes))
+        return self._write(Wish(model, self._next_clock(), True, nodes, instance))
 
-    def unload(self, model: str) -> Wish | None:
-        """Stop serving `model`; None when it is not asked for."""
-        current = self._registers.get(model)
+    def unload(self, key: str) -> Wish | None:
+        """Stop serving the instance `key` (a model's first instance: the model's key); None when it is not asked
+        for."""
+        current = self._registers.get(key)
         if current is None or not current.loaded:
             return None
-        return self._write(Wish(model, self._next_clock(), False, current.nodes))
+        return self._write(Wish(current.model, self._next_clock(), False, current.nodes, current.instance))
 
     def merge(self, wishes: list[Wish]) -> bool:
         """A peer's registers: each newer one replaces ours. Whether anything changed."""
         changed = False
         for wish in wishes:
             self._counter = max(self._counter, wish.clock[0])
-            current = self._registers.get(wish.model)
+            current = self._registers.get(wish.key)
             if current is None or wish.clock > current.clock:
-                self._registers[wish.model] = wish
+                self._registers[wish.key] = wish
                 changed = True
         return changed
 
@@ -51,8 +54,8 @@ class Wishes:
         """The models the cluster serves, in the order they were asked for (placement's order: oldest first)."""
         return sorted((w for w in self._registers.values() if w.loaded), key=lambda w: w.clock)
 
-    def get(self, model: str) -> Wish | None:
-        return self._registers.get(model)
+    def get(self, key: str) -> Wish | None:
+        return self._registers.get(key)
 
     def all(self) -> list[Wish]:
         return sorted(self._registers.values(), key=lambda w: w.clock)
@@ -62,5 +65,5 @@ class Wishes:
         return (self._counter, self.node_id)
 
     def _write(self, wish: Wish) -> Wish:
-        self._registers[wish.model] = wish
+        self._registers[wish.key] = wish
         return wish

@@ -108,8 +108,8 @@ class OneModel:
 
 def peer_state(wishes: tuple[Wish, ...], digest: str | None, ready: bool, linked: tuple[str, ...],
                figures: SpeedFigures | None = None, load: NodeLoad | None = None, kv_blocks: int | None = None,
-               problem: str | None = None, model: str = MODEL) -> PlanState:
-    """A peer's announcement of one instance of `model`."""
-    instance = InstanceState(model, digest, ready, problem, kv_blocks)
-    return PlanState(wishes, (instance,), (load or NodeLoad()).to_json(),
+               problem: str | None = None, model: str = MODEL, instance: str = "") -> PlanState:
+    """A peer's announcement of one instance of `model` (`instance`: its key, if not the model's first)."""
+    state = InstanceState(model, digest, ready, problem, kv_blocks, instance=instance)
+    return PlanState(wishes, (state,), (load or NodeLoad()).to_json(),
                      () if figures is None else (figures.to_json(),), linked)
