@@ -182,14 +182,14 @@ class Node:
         await self.instances.require(model.key, keep_alive).wait_ready()
         return model
 
-    async def pin_model(self, name: str, nodes: tuple[str, ...] = ()) -> LoadedModel:
-        """Serve the model a name refers to (on `nodes`) until it is unloaded by name: the load API. A model that
-        cannot fit beside the busy ones is refused (InsufficientMemoryError), nothing else disturbed."""
+    async def pin_model(self, name: str, nodes: tuple[str, ...] = ()) -> tuple[LoadedModel, str]:
+        """Serve the model a name refers to (on `nodes`) until it is unloaded by name: the load API. The model and
+        its instance's key. A model that cannot fit beside the busy ones is refused (InsufficientMemoryError),
+        nothing else disturbed."""
         if self.instances is None:
             raise ServiceUnavailableError("the node is still starting", code="starting")
         model = await self.models.prepare(name)
-        self.instances.pin(model.key, nodes)
-        return model
+        return model, self.instances.pin(model.key, nodes).key
 
     async def pull_model(self, model: LoadedModel) -> None:
         """Every weight file of a hub model in this node's cache (Ollama's pull); a model on disk has nothing to
@@ -214,9 +214,12 @@ class Node:
         log.info("node %s: deleted %s@%s from its cache", self.node_id, model.manifest.repo_id, model.manifest.commit)
 
     async def unload_model(self, name: str) -> bool:
-        """Stop serving the model a name refers to, on every node; whether it was served."""
+        """Stop serving an instance (by its key, as GET /v1/instances lists it), or every instance of the model a
+        name refers to, on every node; whether any was served."""
         if self.instances is None:
             return False
+        if name in self.instances.instances:
+            return self.instances.unload(name)
         model = await self.models.prepare(name)
         return self.instances.unload(model.key)
 

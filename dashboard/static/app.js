@@ -3,6 +3,7 @@
 // silent), so the page survives its node restarting.
 
 import { Chat } from "./chat.js";
+import { Models } from "./models.js";
 import { ago, leftOutText, recoveryText, renderLayerBar, renderNodeCards, renderRing } from "./topology.js";
 import { assignColours, formatBytes, formatCount, formatRate, h, plural, replace, s } from "./util.js";
 
@@ -13,6 +14,7 @@ const $ = (id) => document.getElementById(id);
 
 const state = { picture: null, lastEventAt: 0, connectedAt: 0, source: null, lostSince: null, history: [] };
 const chat = new Chat($("chat"));
+const models = new Models($("models"), { onLaunched: (name) => chat.prefer(name) });
 
 // --api-key: the page asks for the key when the node answers 401, and keeps it in a SameSite=Strict cookie, which
 // the browser sends with every request of this page, the event stream included (EventSource cannot set headers).
@@ -101,7 +103,6 @@ function setConnection(mode) {
 }
 
 function render(picture) {
-  const modelChanged = !state.picture || state.picture.model !== picture.model;
   state.picture = picture;
   assignColours([...picture.nodes, ...picture.departed].map((node) => node.id));
   setConnection("live");
@@ -112,17 +113,21 @@ function render(picture) {
   renderLayerBar($("layer-bar"), picture);
   $("ring-caption").textContent = ringCaption(picture);
   $("layers-caption").textContent = layersCaption(picture.plan);
-  chat.setCluster(modelChanged);
+  models.update(picture);
+  chat.setCluster(picture);
 }
 
+// With several instances the ring and the layers are the oldest instance's (each node card lists them all): say
+// whose.
 function ringCaption(picture) {
   const count = picture.nodes.length;
   const stages = picture.plan ? picture.plan.stages : [];
+  const whose = (picture.instances || []).length > 1 ? `${picture.model_name || picture.model}'s ring: ` : "";
   if (stages.some((stage) => stage.group)) {
-    return stages.length === 1 ? `${plural(count, "node")} in one stage`
-      : `${plural(count, "node")} in ${stages.length} stages, in pipeline order`;
+    return whose + (stages.length === 1 ? `${plural(count, "node")} in one stage`
+      : `${plural(count, "node")} in ${stages.length} stages, in pipeline order`);
   }
-  return count === 1 ? "a ring of one" : `${count} nodes in pipeline order`;
+  return whose + (count === 1 ? "a ring of one" : `${count} nodes in pipeline order`);
 }
 
 // A tensor-parallel group runs one stage on several nodes.
@@ -166,8 +171,8 @@ function clusterBanners(picture) {
       "The remaining nodes re-planned the layers.", "Node lost"));
   }
   if (!picture.model) {
-    banners.push(banner("info", "Start a node with --model demo (or a model folder), or send a first chat " +
-      "request naming a model: that request chooses the model for the whole cluster.", "No model yet"));
+    banners.push(banner("info", "Launch one from Models below, start a node with --model, or send a chat request " +
+      "naming a model: the cluster loads the models it is asked for, several at once.", "No model yet"));
   } else if (!picture.ready && !picture.problem && picture.waiting_for) {
     banners.push(banner("info", `Waiting: ${picture.waiting_for}.`, "Forming the ring"));
   }
@@ -194,9 +199,11 @@ function banner(kind, text, title = null) {
 function renderSummary(picture) {
   const usedBytes = picture.nodes.reduce((sum, node) => sum + node.used_bytes, 0);
   const plan = picture.plan;
+  const others = (picture.instances || []).length - 1;
   replace($("summary"),
     tile("Model", picture.model_name || "none yet",
-      plan ? [modelKind(picture), `${plural(plan.n_layers, "layer")} · ${formatBytes(picture.model_bytes)}`]
+      plan ? [modelKind(picture), `${plural(plan.n_layers, "layer")} · ${formatBytes(picture.model_bytes)}`,
+        others > 0 ? h("div", { class: "tile-others" }, `and ${plural(others, "more instance")}: see Models`) : null]
         : "no model chosen", "model"),
     tile("Memory", formatBytes(picture.total_memory_bytes),
       `layers take ${formatBytes(usedBytes)} · ${plural(picture.nodes.length, "node")}`, "memory"),

@@ -2,10 +2,11 @@
 // Stop aborts the fetch; the node sees the client go away and frees the request on every stage. On request, each
 // token is shown with its probability (and the likeliest alternatives on hover); tool calls show as they come.
 
-import { formatRate, formatSeconds, h, plural, replace } from "./util.js";
+import { errorText, formatRate, formatSeconds, h, plural, replace } from "./util.js";
 
 const SETTINGS_KEY = "exo-like.chat.settings";
 const TOP_ALTERNATIVES = 5; // alternatives shown beside each token when probabilities are on
+const OTHER_MODEL = ""; // the picker's "another model…" (no model is named with nothing)
 
 // An error the node reported (in the HTTP status, or in-band once the stream had started): its own words.
 class ApiError extends Error {
@@ -32,7 +33,10 @@ export class Chat {
     this.history = []; // finished turns, sent with every request
     this.conversation = 0; // bumped by Clear, so an answer that ends afterwards does not revive the old one
     this.controller = null;
-    this.modelField = null;
+    this.modelField = null; // the model picker (a select), or a text field while nothing is loaded
+    this.otherField = null; // the text field for a model the picker does not list
+    this.offered = undefined; // the models the picker lists, one a line, as last shown
+    this.preferred = null; // a model just launched: chosen as soon as the picker lists it
     this.bind(root);
     this.restoreSettings();
     this.showEmpty();
@@ -57,33 +61,71 @@ export class Chat {
     }
   }
 
-  // Called with every cluster picture; the model list is re-read when the cluster's model changes.
-  setCluster(modelChanged) {
-    if (modelChanged || !this.modelField) this.loadModels();
+  // Called with every cluster picture: the picker offers the models of the cluster's instances (loading ones too:
+  // a streamed request waits for its model's load), and "another model…" for any name (the cluster loads it on
+  // demand). Redrawn only when that list changes, so an open picker is not changed under the pointer.
+  setCluster(picture) {
+    // One entry for a model with several instances: each request goes to the instance the cluster picks.
+    const models = [...new Set((picture.instances || []).map((instance) => instance.model_name || instance.model))];
+    const offered = models.join("\n");
+    if (this.modelField && offered === this.offered) return;
+    this.offered = offered;
+    this.showModels(models);
   }
 
-  async loadModels() {
-    let models = [];
-    try {
-      const response = await fetch("/v1/models");
-      // /v1/models also lists the catalog and cached models; only the one being served can answer now.
-      if (response.ok) {
-        models = (await response.json()).data.filter((model) => model.state === "serving").map((model) => model.id);
-      }
-    } catch (error) {
-      return; // the event stream shows the node as unreachable; keep the current picker
+  // The model just launched from the Models panel is the one to chat with, as soon as the picker lists it.
+  prefer(name) {
+    this.preferred = name;
+    if (this.offered !== undefined) this.showModels(this.offered ? this.offered.split("\n") : []);
+  }
+
+  // The chosen model's name: the picker's, or the text typed for a model it does not list.
+  modelName() {
+    const field = this.typing() ? this.otherField || this.modelField : this.modelField;
+    return field ? field.value.trim() : "";
+  }
+
+  // Whether the model is being named in a text field (nothing loaded yet, or "another model…" picked).
+  typing() {
+    return Boolean(this.modelField) && (this.modelField.tagName === "INPUT" || this.modelField.value === OTHER_MODEL);
+  }
+
+  showModels(models) {
+    const previous = this.modelName();
+    const typed = this.typing() && previous !== "";
+    const focused = document.activeElement === this.modelField || document.activeElement === this.otherField;
+    if (!models.length) {
+      // Nothing loaded: the first request names the model (a hub repo or catalog name every node can fetch, demo,
+      // or a folder every node can read) and the cluster loads it.
+      if (this.modelField && this.modelField.tagName === "INPUT") return; // already the text field, as typed
+      this.modelField = modelText("chat-model", "Model", previous);
+      this.otherField = null;
+      replace(this.modelSlot, this.modelField);
+      if (focused) this.modelField.focus();
+      return;
     }
-    const previous = this.modelField ? this.modelField.value : "";
-    if (models.length) {
-      this.modelField = h("select", { id: "chat-model", "aria-label": "Model" },
-        models.map((id) => h("option", { value: id, selected: id === previous }, id)));
-    } else {
-      // No model yet: the first request names one for the cluster (a hub repo or catalog name every node can
-      // fetch, demo, or a folder every node can read).
-      this.modelField = h("input", { id: "chat-model", "aria-label": "Model", value: previous,
-        placeholder: "model: org/repo, a catalog name, demo or a folder" });
+    if (!this.modelField || this.modelField.tagName !== "SELECT") {
+      this.modelField = h("select", { id: "chat-model", "aria-label": "Model", onchange: () => this.showOther(true) });
+      this.otherField = modelText("chat-model-other", "Another model", "");
+      replace(this.modelSlot, this.modelField, this.otherField);
     }
-    replace(this.modelSlot, this.modelField);
+    // A name the user typed is kept (in "another model…"); a listed model that is gone gives way to the first.
+    const chosen = models.includes(this.preferred) ? this.preferred : models.includes(previous) ? previous
+      : typed ? OTHER_MODEL : models[0];
+    if (models.includes(this.preferred)) this.preferred = null; // applied once: the user's later choice stands
+    replace(this.modelField, models.map((id) => h("option", { value: id }, id)),
+      h("option", { value: OTHER_MODEL }, "another model…"));
+    this.modelField.value = chosen;
+    if (chosen === OTHER_MODEL) this.otherField.value = previous;
+    this.showOther(false);
+    if (focused) (chosen === OTHER_MODEL ? this.otherField : this.modelField).focus();
+  }
+
+  // The text field for another model shows while "another model…" is picked.
+  showOther(focus) {
+    const other = this.modelField.value === OTHER_MODEL;
+    this.otherField.hidden = !other;
+    if (other && focus) this.otherField.focus();
   }
 
   restoreSettings() {
@@ -121,7 +163,7 @@ export class Chat {
   }
 
   requestBody(messages) {
-    const body = { model: this.modelField ? this.modelField.value.trim() : "", messages, stream: true,
+    const body = { model: this.modelName(), messages, stream: true,
       stream_options: { include_usage: true } };
     if (this.temperature.value !== "") body.temperature = Number(this.temperature.value);
     if (this.maxTokens.value !== "") body.max_tokens = Number.parseInt(this.maxTokens.value, 10);
@@ -161,6 +203,12 @@ export class Chat {
     this.sendButton.hidden = streaming;
     this.stopButton.hidden = !streaming;
   }
+}
+
+// A text field for a model's name, suggesting what GET /v1/models lists (the Models panel fills the datalist).
+function modelText(id, label, value) {
+  return h("input", { id, "aria-label": label, value, list: "model-names", autocomplete: "off",
+    placeholder: "model: org/repo, a catalog name, demo or a folder" });
 }
 
 // One assistant answer: its text as it streams, then tokens, speed and time to first token (or the error).
@@ -284,16 +332,6 @@ function tokenSpan(text, entry) {
     `${(Math.exp(top.logprob) * 100).toFixed(1)}%`).join("\n");
   return h("span", { class: "tok", "data-band": band,
     title: `${(probability * 100).toFixed(1)}%${others ? "\n" + others : ""}` }, text);
-}
-
-async function errorText(response) {
-  try {
-    const body = await response.json();
-    if (body.error && body.error.message) return body.error.message;
-  } catch (error) {
-    // not JSON: fall through to the status line
-  }
-  return response.statusText || "no details";
 }
 
 function describeError(error) {

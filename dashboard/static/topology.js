@@ -3,7 +3,7 @@
 // run a slice of every layer of the stage in lockstep, drawn together (one band on the ring, one box of cards, one
 // segment of the bar); its leader (rank 0) is the stage's address on the ring.
 
-import { colourOf, formatBytes, formatLayers, formatRate, h, plural, replace, s } from "./util.js";
+import { colourOf, formatBytes, formatLayers, formatRate, h, instanceName, plural, replace, s } from "./util.js";
 
 const STATUS_LABELS = {
   ready: "ready",
@@ -343,6 +343,7 @@ function nodeCard(node, picture) {
     h("div", { class: "node-row" },
       h("span", { class: "node-layers" }, layersText(stage, nLayers)),
       nLayers ? layerStrip(stage, nLayers) : null),
+    instancesRow(node, picture),
     h("div", { class: "node-row" },
       h("span", { class: "node-memory" }, memoryText(node.used_bytes, node.memory_bytes)),
       meter(node.used_bytes, node.memory_bytes)),
@@ -353,6 +354,29 @@ function nodeCard(node, picture) {
     recoveryLine(node),
     // The cluster-wide problem is in the banner already; only say what is particular to this node.
     node.problem && node.problem !== picture.problem ? h("div", { class: "node-problem" }, node.problem) : null);
+}
+
+// The instances this node runs layers of, as the picture's instances say (the layers above are the oldest
+// instance's): one badge each, with its model and layers, its state in its colour.
+export function heldInstances(picture, nodeId) {
+  return (picture.instances || []).filter((instance) => instance.nodes && instance.nodes[nodeId]
+    && instance.nodes[nodeId].stage != null).map((instance) => ({ instance, part: instance.nodes[nodeId] }));
+}
+
+function instancesRow(node, picture) {
+  const held = heldInstances(picture, node.id);
+  if (!held.length) return null;
+  return h("div", { class: "node-instances", "aria-label": "instances on this node" },
+    held.map(({ instance, part }) => instanceBadge(instance, part)));
+}
+
+function instanceBadge(instance, part) {
+  const layers = formatLayers(part.start_layer, part.end_layer);
+  return h("span", { class: `instance-badge status-${part.status}`, "data-instance-id": instance.id,
+    "data-status": part.status, title: `${instance.model}: layers ${layers} here, `
+      + (STATUS_LABELS[part.status] || part.status) },
+  h("span", { class: "badge-name" }, instanceName(instance)),
+  h("span", { class: "badge-layers" }, `L ${layers}`));
 }
 
 // Which node a ring's tokens spend their time on: its layers' median time per generated token, recently.

@@ -99,3 +99,30 @@ function hash(text) {
   for (const char of text) value = (value * 33 + char.codePointAt(0)) >>> 0;
   return value;
 }
+
+// What an instance is called on the page: its model as GET /v1/models lists it (the key, a path or repo@commit,
+// when the node has no name for it), and "#n" for a second instance of the same model.
+export function instanceName(instance) {
+  const name = instance.model_name || instance.model;
+  const copy = instance.id.startsWith(`${instance.model}#`) ? instance.id.slice(instance.model.length) : "";
+  return `${name}${copy}`;
+}
+
+// Minutes and seconds, for a keep-alive countdown: "4 min 05 s", "42 s".
+export function formatCountdown(seconds) {
+  const whole = Math.max(0, Math.round(seconds));
+  if (whole < 60) return `${whole} s`;
+  if (whole < 3600) return `${Math.floor(whole / 60)} min ${String(whole % 60).padStart(2, "0")} s`;
+  return `${Math.floor(whole / 3600)} h ${String(Math.floor((whole % 3600) / 60)).padStart(2, "0")} min`;
+}
+
+// The message of an error the node answered with (its own words), else the HTTP status line.
+export async function errorText(response) {
+  try {
+    const body = await response.json();
+    if (body.error && body.error.message) return body.error.message;
+  } catch (error) {
+    // not JSON: fall through to the status line
+  }
+  return response.statusText || "no details";
+}

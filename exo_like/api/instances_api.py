@@ -56,8 +56,9 @@ async def load_instance(request: web.Request) -> web.Response:
     if unknown:
         raise InvalidRequestError(f"no member of the cluster has the id {', '.join(unknown)}; GET /v1/cluster lists "
                                   "them", param="nodes", code="invalid_value")
-    loaded = await node.pin_model(model, tuple(nodes))
-    return web.json_response({"model": loaded.model_id, "key": loaded.key, "nodes": nodes}, status=202)
+    loaded, instance = await node.pin_model(model, tuple(nodes))
+    return web.json_response({"model": loaded.model_id, "key": loaded.key, "id": instance, "nodes": nodes},
+                             status=202)
 
 
 async def unload_instance(request: web.Request) -> web.Response:

@@ -205,6 +205,7 @@ class Instances:
                 self.instances[wish.key] = instance
                 if self.plan_wait is not None:  # --request-wait: every wait of its requests
                     instance.plan_wait_seconds = instance.load_wait_seconds = self.plan_wait
+        self.instances = {wish.key: self.instances[wish.key] for wish in wished}  # every node's order: the asking
         self._check_membership(bool(wished))
         if self.unsettled is not None:
             for instance in self.instances.values():

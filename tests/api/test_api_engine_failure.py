@@ -88,7 +88,8 @@ async def test_failure_mid_stream_is_an_error_event_then_done(served) -> None:
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
     assert len(chunks) > 1  # text was streamed before the failure
     await _wait_for_no_caches(node)
-    assert node.instances.oldest().part.stage.scheduler is not None and node.instances.oldest().part.stage.scheduler.pool.available == node.instances.oldest().part.engine.kv_blocks
+    part = node.instances.oldest().part
+    assert part.stage.scheduler is not None and part.stage.scheduler.pool.available == part.engine.kv_blocks
 
 
 async def _wait_for_no_caches(node: Node) -> None:

@@ -63,7 +63,8 @@ PLAN_DOWNLOADING = PlanState((), (), NodeLoad(download=DOWNLOAD).to_json())
 EXAMPLES: list[Message] = [
     HELLO, Auth(b"n" * 16, PROTOCOL, "0.1.0", b"p" * 32), WELCOME, Info(INFO.to_dict()), REFUSED,
     Refused("different exo-like versions", PROTOCOL, "0.1.0"), Retire(),
-    PLAN, PlanState((), (InstanceState("m", problem="the model does not fit", keep_alive=KEEP_FOREVER, pinned=True),), {}),
+    PLAN, PlanState((), (InstanceState("m", problem="the model does not fit", keep_alive=KEEP_FOREVER,
+                                       pinned=True),), {}),
     SUBMIT, FORWARD, SAMPLED, Tokens("d1g3st", (SampledToken("req-3", 5, False),)), RELEASE, ERROR,
     Ping(12345.678), Ping(12345.678, b"\0" * 64), Pong(12345.678), ADDRESSES, PeerAddresses(()),
 ]
@@ -72,7 +73,8 @@ EXAMPLES: list[Message] = [
 # whose every field may be (an announced load: a field left out reads as its default); any other missing field
 # refuses the frame.
 OPTIONAL = {"protocol@refused", "version@refused", "digest@instances", "problem@instances", "kv_blocks@instances",
-            "kv_window_blocks@instances", "keep_alive@instances", "idle_seconds@instances", "load@plan_state", "sample@items", "dtype@info",
+            "kv_window_blocks@instances", "keep_alive@instances",
+            "idle_seconds@instances", "load@plan_state", "sample@items", "dtype@info",
             "tp_port@info", "window_blocks@items", "padding@ping",
             "logprobs@sample", "history@sample", "grammar@sample"}
 ALL_OPTIONAL = {"load", "download", "figures"}

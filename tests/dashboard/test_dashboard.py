@@ -30,7 +30,7 @@ from dashboard import add_routes, page
 from tests.api.test_tools_openai import WEATHER
 from tests.api_server import NodeProcess, start_node, stop_nodes, tools_checkpoint, tools_node, wait_for  # noqa: F401
 from tests.checkpoints import make_checkpoint
-from tests.cluster_harness import cluster_of, free_ports, start_cluster, wait_until_ready
+from tests.cluster_harness import BY_MEMORY, cluster_of, free_ports, start_cluster, wait_until_ready
 from tests.dashboard.test_dashboard_data import picture_of, tensor_parallel_cluster
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -283,6 +283,130 @@ def test_no_model_and_a_model_that_does_not_fit_are_explained(tiny_pair_without_
     assert cluster_of(nodes[0])["instances"] == []  # and nothing else disturbed: no instance was asked for
     assert [c["status"] for c in dashboard.cards()] == ["idle", "idle"]
     dashboard.screenshot("dashboard-does-not-fit-1280x800.png", DESKTOP)
+
+
+@pytest.fixture
+def pair_with_a_model_on_disk(tmp_path: Path) -> Iterator[tuple[list[NodeProcess], Path]]:
+    """Two nodes started with no model, and a small checkpoint in the first one's <home>/models: GET /v1/models
+    lists it there by its folder's name (source local). Placed by memory, so no speed is measured."""
+    checkpoint = make_checkpoint(tmp_path / "home0" / "models" / "pocket", "llama", n_layers=4)
+    nodes = start_cluster(tmp_path, None, [1, 1], extra=BY_MEMORY)
+    yield nodes, checkpoint
+    stop_nodes(nodes)
+
+
+# Every data-status an instance's row takes, in order (a load on loopback may be over before a picture shows it).
+WATCH_INSTANCE_ROWS = """() => {
+    window.instanceStates = [];
+    const note = () => document.querySelectorAll('#instances .instance').forEach(row => {
+        const last = window.instanceStates[window.instanceStates.length - 1];
+        if (last !== row.dataset.status) window.instanceStates.push(row.dataset.status);
+    });
+    new MutationObserver(note).observe(document.getElementById('instances'),
+                                       {subtree: true, childList: true, attributes: true});
+}"""
+
+
+def test_a_model_launched_from_the_picker_loads_answers_in_the_chat_and_unloads(
+        pair_with_a_model_on_disk: tuple[list[NodeProcess], Path], open_page) -> None:
+    """The acceptance path, in the page alone: the picker lists the folder on the node's disk; a launch on a node
+    ticked there shows the instance loading then ready (on that node's card as a badge), a launch on the other node a
+    second instance there; the chat picker offers the model and answers with the API's greedy text; Unload takes
+    them off the page and off /v1/instances. A name the node does not know is refused in the server's words."""
+    nodes, checkpoint = pair_with_a_model_on_disk
+    dashboard = open_page(nodes[0])
+    page = dashboard.page
+    dashboard.wait_for("() => document.querySelectorAll('#launch-nodes input').length === 2", timeout=10)
+    ids = {node["name"]: node["id"] for node in cluster_of(nodes[0])["nodes"]}
+    assert "Nothing loaded" in page.inner_text("#instances")
+    assert page.get_attribute("#chat-model", "placeholder").startswith("model:")  # nothing to pick in the chat yet
+
+    # A name no node knows: refused, the server's reason shown, nothing loaded.
+    dashboard.expected_errors.append(re.compile(r"404 \(Not Found\)"))  # the browser's note of the answer
+    page.fill("#launch-model", "no-such-model")
+    page.click("#launch")
+    dashboard.wait_for("() => document.querySelector('#launch-status').dataset.state === 'error'", timeout=30)
+    refusal = page.inner_text("#launch-status")
+    assert refusal.startswith("Could not launch no-such-model: model 'no-such-model' not found"), refusal
+    assert nodes[0].get_json("/v1/instances")["data"] == []
+
+    # Picked from the list (the folder, on this node's disk) and launched on node1 alone.
+    page.wait_for_selector('#launch-pick option[value="pocket"]', state="attached")
+    assert page.text_content('#launch-pick option[value="pocket"]') == "pocket · on disk"
+    page.select_option("#launch-pick", "pocket")
+    assert page.input_value("#launch-model") == "pocket"
+    page.check(f'#launch-nodes input[value="{ids["node1"]}"]')
+    page.evaluate(WATCH_INSTANCE_ROWS)
+    page.click("#launch")
+    dashboard.wait_for("() => document.querySelector('#instances .instance[data-status=ready]') !== null",
+                       timeout=60)  # a guard, not a bound
+    assert page.inner_text("#launch-status") == "Launched pocket on node1: its instance below shows its load."
+    states = page.evaluate("window.instanceStates")
+    assert states in (["loading", "ready"], ["ready"]), states  # loading shown while a picture caught it
+    [instance] = nodes[0].get_json("/v1/instances")["data"]
+    assert instance["model_name"] == "pocket" and instance["model"] == str(checkpoint.resolve())
+    assert [stage["node_id"] for stage in instance["plan"]["stages"]] == [ids["node1"]]
+    row = page.inner_text("#instances .instance")
+    assert "pocket" in row and "ready" in row and "llama" in row and "4 layers" in row, row
+    assert "idle · kept until unloaded" in row, row  # launched: kept until unloaded, no keep-alive
+    assert page.eval_on_selector_all("#instances .instance-node", "rows => rows.map(r => [r.dataset.nodeId, "
+                                     "r.textContent])") == [[ids["node1"], "node1layers 0–3ready"]]
+    # The topology: node1's card carries the instance's badge, node0's none.
+    badges = page.eval_on_selector_all("#nodes .node", "cards => cards.map(c => [c.dataset.nodeId, "
+                                       "[...c.querySelectorAll('.instance-badge')].map(b => b.textContent)])")
+    assert dict(badges) == {ids["node0"]: [], ids["node1"]: ["pocketL 0–3"]}
+
+    # Launched again, on node0: a second instance of it there (data parallel), with its own row and badge.
+    page.uncheck(f'#launch-nodes input[value="{ids["node1"]}"]')
+    page.check(f'#launch-nodes input[value="{ids["node0"]}"]')
+    page.click("#launch")
+    dashboard.wait_for("() => document.querySelectorAll('#instances .instance[data-status=ready]').length === 2",
+                       timeout=60)
+    key = instance["id"]
+    rows = page.eval_on_selector_all("#instances .instance", "rows => rows.map(r => [r.dataset.instanceId, "
+                                     "r.querySelector('.instance-name').textContent, r.querySelector('.unload')"
+                                     ".textContent])")
+    # The first instance's id is the model's key, which unloads every instance of the model: its button says so.
+    assert rows == [[key, "pocket", "Unload all 2"], [f"{key}#2", "pocket#2", "Unload"]]
+    badges = page.eval_on_selector_all("#nodes .node", "cards => cards.map(c => [c.dataset.nodeId, "
+                                       "[...c.querySelectorAll('.instance-badge')].map(b => b.textContent)])")
+    assert dict(badges) == {ids["node0"]: ["pocket#2L 0–3"], ids["node1"]: ["pocketL 0–3"]}
+
+    # The chat offers the model once (the cluster picks the instance), and any other name; it answers with the
+    # API's greedy text.
+    page.wait_for_selector('#chat-model option[value="pocket"]', state="attached")
+    assert page.eval_on_selector_all("#chat-model option", "options => options.map(o => o.value)") == ["pocket", ""]
+    assert page.input_value("#chat-model") == "pocket" and page.is_hidden("#chat-model-other")
+    page.select_option("#chat-model", "")  # another model…: a field for its name, suggesting what the node lists
+    assert page.is_visible("#chat-model-other") and page.get_attribute("#chat-model-other", "list") == "model-names"
+    page.select_option("#chat-model", "pocket")
+    open_settings(dashboard, temperature="0", max_tokens="8")
+    page.fill("#chat-input", PROMPT)
+    page.press("#chat-input", "Enter")
+    page.wait_for_selector(".msg.assistant[data-state=done]", timeout=60_000)
+    streamed = page.eval_on_selector(".msg.assistant .msg-text", "e => e.textContent")
+    assert streamed and streamed == greedy_chat(nodes[0], "pocket", PROMPT, 8)["choices"][0]["message"]["content"]
+    dashboard.wait_for("() => [...document.querySelectorAll('#instances .instance-use')]"
+                       ".every(use => use.textContent.startsWith('idle'))", timeout=30)
+    dashboard.screenshot("dashboard-instances-1280x800.png", DESKTOP)
+    dashboard.screenshot("dashboard-instances-390-full.png", PHONE, full_page=True)
+    page.set_viewport_size(DESKTOP)
+
+    # Unloaded from the page: the second instance alone by its own button (its key has a "#": sent encoded), then
+    # the rest; gone from the page and from the cluster; the picker lists the folder on disk again.
+    page.click(f"#instances .instance[data-instance-id='{key}#2'] button.unload")
+    dashboard.wait_for("() => document.querySelectorAll('#instances .instance').length === 1", timeout=30)
+    assert [i["id"] for i in nodes[0].get_json("/v1/instances")["data"]] == [key]
+    dashboard.wait_for("() => document.querySelector('#instances .instance button.unload').textContent === 'Unload'",
+                       timeout=10)
+    page.click("#instances .instance button.unload")
+    dashboard.wait_for("() => document.querySelector('#instances .instance') === null", timeout=30)
+    assert nodes[0].get_json("/v1/instances")["data"] == []
+    assert "Nothing loaded" in page.inner_text("#instances")
+    assert page.locator("#nodes .instance-badge").count() == 0
+    dashboard.wait_for("() => document.querySelector('#launch-pick option[value=pocket]')?.dataset.state === 'local'",
+                       timeout=10)
+    dashboard.wait_for("() => document.querySelector('#chat-model').tagName === 'INPUT'")  # nothing to pick again
 
 
 def test_page_reconnects_by_itself_when_its_node_restarts_and_names_a_peer_it_cannot_link(
@@ -614,6 +738,59 @@ def test_a_downloading_node_says_how_far_it_is(three_nodes: list[NodeProcess], o
         return [status, m.statusLabel(downloading, status), m.displayStatus(finished), m.displayStatus(failing)];
     }""")
     assert result == ["downloading", "downloading 42 %", "loading", "problem"]
+
+
+def test_the_models_panel_shows_each_instance_and_its_nodes(three_nodes: list[NodeProcess], open_page,
+                                                             seven_layers: Path) -> None:
+    """The --model instance on three nodes: listed ready in the Models panel with each node's layers, and a badge on
+    every card; a loading instance (the panel's own functions, on what /v1/instances reports) says what each node
+    does, a download's progress included, and a kept-alive one when it unloads."""
+    dashboard = open_page(three_nodes[0])
+    wait_for_ready_cards(dashboard, 3)
+    page = dashboard.page
+    view = cluster_of(three_nodes[0])
+    [instance] = view["instances"]
+    names = {node["id"]: node["name"] for node in view["nodes"]}
+    dashboard.wait_for("() => ['ready', 'busy'].includes(document.querySelector('#instances .instance')"
+                       "?.dataset.status)")
+    assert page.get_attribute("#instances .instance", "data-instance-id") == instance["id"]
+    nodes = page.eval_on_selector_all("#instances .instance-node", "rows => rows.map(r => r.dataset.nodeId)")
+    assert nodes == [stage["node_id"] for stage in instance["plan"]["stages"]]
+    badges = page.eval_on_selector_all("#nodes .node", "cards => cards.map(c => [c.dataset.nodeId, "
+                                       "[...c.querySelectorAll('.instance-badge')].map(b => b.textContent)])")
+    spans = {stage["node_id"]: format_layers(stage["start_layer"], stage["end_layer"]).split(" ")[1]  # "4–5", "6"
+             for stage in instance["plan"]["stages"]}
+    assert dict(badges) == {node_id: [f"{seven_layers.name}L {span}"] for node_id, span in spans.items()}
+    assert page.inner_text("#ring-caption") == "3 nodes in pipeline order"  # one instance: no need to say whose
+
+    loading = {**instance, "ready": False, "agreed": True, "in_flight": 0, "expires_in_seconds": 283.4,
+               "waiting_for": "nodes x are still loading their layers",
+               "nodes": {node_id: {**part, "status": "ready" if part["stage"] == 0 else "loading"}
+                         for node_id, part in instance["nodes"].items()}}
+    downloading = {"label": "m layers [4, 6)", "state": "downloading", "done_bytes": 40 << 20,
+                   "total_bytes": 100 << 20, "percent": 40.0}
+    members = [{**node, "download": downloading if part["stage"] == 1 else None}
+               for node in view["nodes"] for part in [instance["nodes"][node["id"]]]]
+    result = page.evaluate("""async ([instance, members]) => {
+        const m = await import('/dashboard/models.js');
+        const byId = new Map(members.map(node => [node.id, node]));
+        return [m.instanceStatus(instance), m.useText(instance),
+                m.nodeStates(instance, byId).map(s => [s.name, s.layers, s.text, s.percent]),
+                m.useText({...instance, in_flight: 2, expires_in_seconds: null}),
+                m.instanceStatus({...instance, problem: 'cannot load'}),
+                m.modelText({id: 'llama-3.2-1b', state: 'not_downloaded', parameters: 1235814400,
+                             size_bytes: 2471628800})];
+    }""", [loading, members])
+    stages = instance["plan"]["stages"]
+    assert result == [
+        "loading", "idle · unloads in 4 min 43 s if idle",
+        [[names[stages[0]["node_id"]], format_layers(stages[0]["start_layer"], stages[0]["end_layer"]), "ready", None],
+         [names[stages[1]["node_id"]], format_layers(stages[1]["start_layer"], stages[1]["end_layer"]),
+          "downloading 40 % (40.0 MiB of 100.0 MiB)", 40],
+         [names[stages[2]["node_id"]], format_layers(stages[2]["start_layer"], stages[2]["end_layer"]),
+          "loading layers", None]],
+        "2 requests in flight · kept until unloaded", "problem",
+        "llama-3.2-1b · not downloaded · 1.2B parameters · 2.3 GiB"]
 
 
 def test_a_node_long_inside_one_step_says_so(three_nodes: list[NodeProcess], open_page) -> None:

@@ -59,3 +59,19 @@ async def test_a_request_goes_to_the_ready_instance_with_the_fewest_requests() -
                                       model="m", instance="m#2"))
     assert second.ready and not first.ready
     assert node.instances.require("m") is second
+
+
+async def test_two_nodes_asked_for_different_models_at_once_converge_on_one_set_of_instances() -> None:
+    nodes = {node_id: OneModel(info(node_id), lambda key: ModelDescription(8, FOOTPRINT)) for node_id in "ab"}
+    for here, there in (("a", "b"), ("b", "a")):
+        nodes[here].peers.links[there] = FakeLink(info(there))
+        nodes[here].links_changed()
+    nodes["a"].instances.require("x")  # at the same moment, before either heard of the other's
+    nodes["b"].instances.require("y")
+    for _ in range(2):
+        for here, there in (("a", "b"), ("b", "a")):
+            nodes[there].receive(here, nodes[here].announcement())
+    for node in nodes.values():
+        assert [i.key for i in node.instances.instances.values()] == ["x", "y"]  # by (clock, writer): a's first
+    plans = [{key: i.plan.digest for key, i in node.instances.instances.items()} for node in nodes.values()]
+    assert plans[0] == plans[1] and None not in plans[0].values()
