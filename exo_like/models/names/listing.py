@@ -14,13 +14,14 @@ from exo_like.errors import ModelNotFoundError
 from exo_like.models.checkpoint import INDEX_FILE, SINGLE_FILE
 from exo_like.models.gguf.file import find_gguf, is_later_part
 from exo_like.models.hub.repo import cached_snapshot
-from exo_like.models.names.catalog import CATALOG
+from exo_like.models.names.catalog import CATALOG, PACKAGED
 
 
 def list_models(home: Path, cache_dir: Path, served: list[dict[str, Any]], created: int) -> list[dict[str, Any]]:
     """GET /v1/models: the models the cluster serves first (each entry with its `state`: serving, or loading), then
     local folders, downloaded repos and the catalog."""
-    entries = [*_local_entries(home), *_downloaded_entries(cache_dir), *_catalog_entries(cache_dir)]
+    entries = [*_packaged_entries(), *_local_entries(home), *_downloaded_entries(cache_dir),
+               *_catalog_entries(cache_dir)]
     for entry in entries:
         entry.update({"object": "model", "created": created, "owned_by": "exo-like"})
     names: dict[str, str] = {}  # every name of a served model -> its state
@@ -32,6 +33,12 @@ def list_models(home: Path, cache_dir: Path, served: list[dict[str, Any]], creat
         if entry.get("repo") in names:
             entry["state"] = names[entry["repo"]]  # the catalog name of a served repo
     return [*({"object": "model", "created": created, "owned_by": "exo-like", **model} for model in served), *others]
+
+
+def _packaged_entries() -> list[dict[str, Any]]:
+    """The models shipped in Python packages that are installed here (smollm2-135m)."""
+    return [{"id": name, "source": "packaged", "path": str(path), "state": "local"}
+            for name, packaged in PACKAGED.items() if (path := packaged.path()) is not None]
 
 
 def _local_entries(home: Path) -> list[dict[str, Any]]:
