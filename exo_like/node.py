@@ -34,10 +34,8 @@ from exo_like.cluster.protocol import (
     MemberAddress,
     Message,
     PlanState,
-    Release,
     Sampled,
     Submit,
-    Tokens,
 )
 from exo_like.cluster.speed import SpeedProbe
 from exo_like.cluster.view import cluster_picture
@@ -46,6 +44,7 @@ from exo_like.engines.choice import create_engine
 from exo_like.errors import ExoLikeError, InvalidRequestError, ModelNotFoundError, ServiceUnavailableError
 from exo_like.instances.instance import Instance
 from exo_like.instances.manager import DEFAULT_KEEP_ALIVE, Instances
+from exo_like.instances.router import Router
 from exo_like.instances.runtime import InstancePart, NodeServices
 from exo_like.models.hub.download import ShardDownloader
 from exo_like.models.hub.progress import DownloadProgress, show_progress
@@ -127,6 +126,7 @@ class Node:
         self.peers: PeerNetwork | None = None
         self.cluster: Cluster | None = None
         self.instances: Instances | None = None
+        self.router: Router | None = None
         self.finder: PeerFinder | None = None
         self.speed: SpeedProbe | None = None
         self.metrics = Metrics(self.current_load, self._peer_rtts)
@@ -239,6 +239,7 @@ class Node:
         self.cluster = Cluster(self.info, self.peers, self.current_load)
         self.instances = Instances(self.cluster, self.models.describe, self._make_part, self.speed,
                                    self.options.keep_alive, self.options.request_wait)
+        self.router = Router(self.node_id, self.instances, lambda message: self._spawn(self._refuse(message)))
         self._spawn(show_progress(self.download_progress, self.node_id))
         self._spawn(self._watch_steps())
         self._spawn(self._watch_group())
@@ -357,30 +358,8 @@ class Node:
         self._deliver(message, sender)
 
     def _deliver(self, message: Message, sender: str | None = None) -> None:
-        """The one place a ring message goes to the part of this node that handles it: by its plan's digest to
-        the instance of that plan, a request's tokens and errors to the generator running it (all of them queue
-        work or wake a loop, none blocks)."""
-        assert self.instances is not None
-        parts = [instance.part for instance in self.instances.instances.values()]
-        if isinstance(message, Tokens):  # first: it is a kind of Sampled
-            for part in parts:
-                if any(part.generator.expects(token.rid) for token in message.tokens[:1]):
-                    part.generator.handle(message)
-        elif isinstance(message, Error):
-            for part in parts:
-                if part.generator.expects(message.rid):
-                    part.generator.handle(message)
-        elif isinstance(message, Release):
-            for part in parts:  # whichever stage holds the request frees it; the others know no such id
-                part.stage.handle(message)
-        elif isinstance(message, (Submit, Forward, Sampled)):
-            instance = self.instances.by_digest(message.digest)
-            if instance is not None:
-                instance.part.stage.handle(message)
-            else:
-                self._spawn(self._refuse(message))
-        else:
-            log.warning("node %s: unexpected %s message from %s", self.node_id, message.type, sender or "itself")
+        assert self.router is not None
+        self.router.deliver(message, sender)
 
     async def _refuse(self, message: Submit | Forward | Sampled) -> None:
         """Work for a plan no instance here has (any more): its requests' origins replay them."""
