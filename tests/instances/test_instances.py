@@ -75,3 +75,18 @@ async def test_two_nodes_asked_for_different_models_at_once_converge_on_one_set_
         assert [i.key for i in node.instances.instances.values()] == ["x", "y"]  # by (clock, writer): a's first
     plans = [{key: i.plan.digest for key, i in node.instances.instances.items()} for node in nodes.values()]
     assert plans[0] == plans[1] and None not in plans[0].values()
+
+
+async def test_a_lost_node_re_plans_only_the_instances_it_was_part_of() -> None:
+    node = four_nodes()
+    x = node.instances.pin("x", ("a", "b"))
+    y = node.instances.pin("y", ("c", "d"))
+    before = (x.plan.digest, y.plan.digest)
+    del node.peers.links["d"]  # d is lost
+    node.links_changed()
+    assert x.plan.digest == before[0]  # x never ran on d: its requests go on undisturbed
+    assert y.plan is None  # until the others say they lost d too
+    for peer in "bc":
+        node.receive(peer, peer_state(node.wishes(), None, False, tuple(sorted(set("abc") - {peer}))))
+    assert x.plan.digest == before[0]
+    assert y.plan is not None and y.plan.digest != before[1] and set(y.plan.node_ids) == {"c"}
