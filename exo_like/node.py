@@ -196,7 +196,11 @@ class Node:
         fetch."""
         if model.manifest is not None:
             whole = Shard.whole(model.key, model.args.num_hidden_layers)
-            await self.downloader.ensure(model.manifest, model.path, whole, model.args.tie_word_embeddings)
+            try:
+                await self.downloader.ensure(model.manifest, model.path, whole, model.args.tie_word_embeddings,
+                                             f"pull:{model.key}")
+            finally:
+                self.downloader.forget(f"pull:{model.key}")
 
     async def delete_model(self, name: str) -> None:
         """Remove a downloaded model from this node's cache (unloaded first, on every node, if it is served)."""

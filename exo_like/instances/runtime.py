@@ -56,7 +56,7 @@ class InstancePart:
         self.engine: Engine = create_engine(*services.engine)
         self.shards = ShardHolder(services.node_id, self.engine, services.executor, services.models,
                                   services.downloader, services.kv_cache_gb, services.limits, services.groups,
-                                  services.group_spec)
+                                  services.group_spec, instance.key)
         self.stage = StageWorker(services.node_id, services.router, services.executor, instance.ring_resources,
                                  services.limits, services.on_step, self.grammar_vocabulary)
         self.generator = RingGenerator(services.node_id, services.router, instance.wait_ready, self.stage,

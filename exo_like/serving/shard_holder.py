@@ -36,7 +36,7 @@ class ShardHolder:
     def __init__(self, node_id: str, engine: Engine, executor: ThreadPoolExecutor, models: ModelRegistry,
                  downloader: ShardDownloader, kv_cache_gb: float | None, limits: SchedulerLimits,
                  groups: GroupSupervisor | None = None,
-                 group_spec: Callable[[Plan, Shard], GroupSpec] | None = None):
+                 group_spec: Callable[[Plan, Shard], GroupSpec] | None = None, owner: str = ""):
         self.node_id = node_id
         self.engine = engine
         self.executor = executor
@@ -49,6 +49,7 @@ class ShardHolder:
         self.serving: Engine = engine  # the engine holding this node's shard: its own, or its group worker's
         # (model key, shard, which worker: 0 for the node's own engine) the serving engine holds
         self.held: tuple[str, Shard, int] | None = None
+        self.owner = owner  # whose shard this is, to the node's downloader (the instance's key)
         self._grouped = False  # this holder's shard is a rank of the supervisor's group (one per node)
 
     @property
@@ -98,6 +99,7 @@ class ShardHolder:
         stage.activate(None, None)
         self._leave_group()
         self.held = None
+        self.downloader.forget(self.owner)
         await asyncio.get_running_loop().run_in_executor(self.executor, self.engine.unload)
 
     def close(self) -> None:
@@ -113,7 +115,8 @@ class ShardHolder:
         self.held = None
         self.serving = engine
         if model.manifest is not None:  # a hub model: fetch the files this shard needs that are not here yet
-            await self.downloader.ensure(model.manifest, model.path, shard, model.args.tie_word_embeddings)
+            await self.downloader.ensure(model.manifest, model.path, shard, model.args.tie_word_embeddings,
+                                         self.owner)
         loop = asyncio.get_running_loop()
         cancel = threading.Event()
         try:

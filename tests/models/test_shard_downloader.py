@@ -201,3 +201,21 @@ def test_the_cache_is_the_hubs_layout_and_the_layer_sizes_match_the_local_header
     assert model.manifest.footprint == model_footprint(checkpoint, 5, True)  # planned before any weight file
     assert not list(model.folder.glob("*.safetensors"))
     shutil.rmtree(online)
+
+
+async def test_two_holders_download_at_once_without_stopping_each_other(hub: HubServer, wide: Path,
+                                                                        online: Path) -> None:
+    """Two instances loading on one node at once (each holder its own owner): neither's transfers count as an
+    earlier plan's; forgotten, an owner's transfers stop."""
+    model = prepare(WIDE, online)
+    first, last = Shard(WIDE, 0, 1, 4), Shard(WIDE, 3, 4, 4)
+    downloader = ShardDownloader(online, "n", DownloadProgress())
+    hub.throttle = 4 * WRITE_CHUNK  # long enough that the two overlap
+    try:
+        await asyncio.gather(downloader.ensure(model.manifest, model.folder, first, False, owner="x"),
+                             downloader.ensure(model.manifest, model.folder, last, False, owner="y"))
+    finally:
+        hub.throttle = None
+        downloader.close()
+    needed = files_for_shard(weight_map(wide), first, False) | files_for_shard(weight_map(wide), last, False)
+    assert all((model.folder / name).read_bytes() == (wide / name).read_bytes() for name in needed)

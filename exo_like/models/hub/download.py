@@ -75,15 +75,16 @@ class ShardDownloader:
         self._stopped = threading.Event()  # set at shutdown: transfers stop at their next chunk, resumable later
         constants.DOWNLOAD_CHUNK_SIZE = WRITE_CHUNK  # read by http_get at each call
         self._running: dict[str, concurrent.futures.Future[None]] = {}  # by file key (repo@commit/name)
-        # The files the latest shard needs. A transfer of any other file (an earlier plan's) stops at its next
-        # chunk; its partial file stays, so a later plan that needs it again resumes it.
-        self._wanted: frozenset[str] = frozenset()
+        # The files each holder's latest shard needs (by owner: one per instance a node holds a part of). A transfer
+        # of a file no holder wants any more (an earlier plan's) stops at its next chunk; its partial file stays, so
+        # a later plan that needs it again resumes it.
+        self._wanted: dict[str, frozenset[str]] = {}
 
-    async def ensure(self, manifest: RepoManifest, folder: Path, shard: Shard, tied: bool) -> None:
+    async def ensure(self, manifest: RepoManifest, folder: Path, shard: Shard, tied: bool, owner: str = "") -> None:
         """Return once every file the shard needs is in the snapshot folder; fetch only the missing ones. For a
         GGUF model `folder` is its first part, and the shard's byte ranges are what is fetched."""
         if manifest.gguf:
-            return await self._ensure_ranges(manifest, folder, shard, tied)
+            return await self._ensure_ranges(manifest, folder, shard, tied, owner)
         names = shard_files(folder, manifest, shard, tied)
         missing = [name for name in names if not (folder / name).exists()]
         label = f"{manifest.repo_id} layers [{shard.start_layer}, {shard.end_layer})"
@@ -96,7 +97,7 @@ class ShardDownloader:
                 f"{why} and {len(missing)} of the {len(names)} weight files of {label} are not in the cache "
                 f"{self.cache_dir} ({', '.join(missing)}): {remedy} so the node can download them",
                 code="model_not_cached")
-        self._wanted = frozenset(_key(manifest, name) for name in names)
+        self._wanted[owner] = frozenset(_key(manifest, name) for name in names)
         on_disk = {name: self._bytes_on_disk(manifest, folder, name) for name in names}
         self._check_disk(label, sum(manifest.files[n].size - on_disk[n] for n in missing))
         self.progress.start(label, {n: manifest.files[n].size for n in names}, on_disk)
@@ -104,7 +105,8 @@ class ShardDownloader:
                  len(names), sum(manifest.files[n].size - on_disk[n] for n in missing))
         await self._run_all(label, {_key(manifest, n): functools.partial(self._fetch, manifest, n) for n in missing})
 
-    async def _ensure_ranges(self, manifest: RepoManifest, first: Path, shard: Shard, tied: bool) -> None:
+    async def _ensure_ranges(self, manifest: RepoManifest, first: Path, shard: Shard, tied: bool,
+                             owner: str) -> None:
         """A GGUF model: the byte ranges of the shard's tensors in every part, into the parts' sparse files."""
         # In a thread: after the last download changed the file, its header is parsed again (seconds for a large
         # vocabulary).
@@ -125,7 +127,7 @@ class ShardDownloader:
                 f"{remedy} so the node can download them", code="model_not_cached")
         # A key per part and set of ranges: a transfer of the same part for an earlier plan stops at its next chunk.
         keys = {name: f"{_key(manifest, name)}#{hash(tuple(ranges)):x}" for name, (_, ranges) in wanted.items()}
-        self._wanted = frozenset(keys.values())
+        self._wanted[owner] = frozenset(keys.values())
         self._check_disk(label, absent)
         self.progress.start(label, needed, {n: needed[n] - total(missing[n]) for n in wanted})
         log.info("node %s: %s: downloading %d bytes in %d ranges of %d GGUF part(s)", self.node_id, label, absent,
@@ -158,6 +160,13 @@ class ShardDownloader:
         self.progress.finish()
         log.info("node %s: %s: download complete", self.node_id, label)
 
+    def forget(self, owner: str) -> None:
+        """The owner holds nothing any more (its instance was unloaded): its files' transfers stop."""
+        self._wanted.pop(owner, None)
+
+    def _is_wanted(self, key: str) -> bool:
+        return any(key in files for files in list(self._wanted.values()))
+
     def close(self) -> None:
         self._stopped.set()
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -172,7 +181,7 @@ class ShardDownloader:
     def _fetch(self, manifest: RepoManifest, name: str) -> None:
         """One file, in a download thread; every failure becomes an error that says what to do."""
         remote = manifest.files[name]
-        if _key(manifest, name) not in self._wanted:  # queued for a plan that has changed since
+        if not self._is_wanted(_key(manifest, name)):  # queued for a plan that has changed since
             raise DownloadStopped(f"the plan changed and no longer needs {name}")
         with self._transfer_errors(manifest, name):
             fetch_file(self.cache_dir, manifest.repo_id, manifest.commit, name, remote,
@@ -182,7 +191,7 @@ class ShardDownloader:
 
     def _fetch_ranges(self, manifest: RepoManifest, name: str, part: Path, ranges: list[Range], key: str) -> None:
         """The shard's byte ranges of one GGUF part, in a download thread."""
-        if key not in self._wanted:
+        if not self._is_wanted(key):
             raise DownloadStopped(f"the plan changed and no longer needs these ranges of {name}")
         with self._transfer_errors(manifest, name):
             fetch_ranges(manifest.repo_id, manifest.commit, name, manifest.files[name], part, ranges,
@@ -208,7 +217,7 @@ class ShardDownloader:
     def _received(self, key: str, name: str, count: int) -> None:
         if self._stopped.is_set():
             raise DownloadStopped(f"the node is stopping: {name} resumes from here on the next start")
-        if key not in self._wanted:
+        if not self._is_wanted(key):
             raise DownloadStopped(f"the plan changed and no longer needs {name}")
         self.progress.add(name, count)
 
