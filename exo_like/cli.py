@@ -215,7 +215,7 @@ async def serve(node: Node, host: str, port: int, api_key: str | None = None) ->
         bound_port = runner.addresses[0][1] if runner.addresses else port
         await node.start(host, bound_port)
         log.info("serving the OpenAI API on http://%s:%d/v1 (model: %s)", host, bound_port,
-                 ", ".join(model.model_id for model in node.served()) or "none")
+                 ", ".join(model.model_id for model in node.lifecycle.served()) or "none")
         await stop.wait()
         node.stopping = True  # before the log line: from here on, new requests are refused (503 shutting_down)
         log.info("shutting down (press Ctrl-C again to stop at once)")

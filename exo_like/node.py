@@ -41,18 +41,17 @@ from exo_like.cluster.speed import SpeedProbe
 from exo_like.cluster.view import cluster_picture
 from exo_like.engines.base import Engine
 from exo_like.engines.choice import create_engine
-from exo_like.errors import ExoLikeError, InvalidRequestError, ModelNotFoundError, ServiceUnavailableError
 from exo_like.instances.instance import Instance
+from exo_like.instances.model_lifecycle import ModelLifecycle
 from exo_like.instances.manager import DEFAULT_KEEP_ALIVE, Instances
 from exo_like.instances.router import Router
 from exo_like.instances.runtime import InstancePart, NodeServices
 from exo_like.models.hub.download import ShardDownloader
 from exo_like.models.hub.progress import DownloadProgress, show_progress
-from exo_like.models.hub.repo import default_cache_dir, delete_revision
+from exo_like.models.hub.repo import default_cache_dir
 from exo_like.models.names.registry import ModelRegistry
 from exo_like.models.names.resolver import LoadedModel
 from exo_like.models.shard import Shard
-from exo_like.serving.generation import TokenGenerator
 from exo_like.serving.metrics import Metrics
 from exo_like.serving.scheduler import SchedulerLimits
 from exo_like.serving.grammar import GrammarVocabularies
@@ -103,6 +102,20 @@ class NodeOptions:
     keep_alive: float = DEFAULT_KEEP_ALIVE  # --keep-alive: seconds a model stays loaded after its last request
 
 
+@dataclass(frozen=True)
+class Joined:
+    """What a node builds once its port is bound: its address in the cluster and every part that needs it."""
+
+    info: NodeInfo
+    groups: GroupSupervisor  # its tensor-parallel rank's worker (the listening socket workers take a leader on)
+    peers: PeerNetwork
+    speed: SpeedProbe
+    cluster: Cluster
+    instances: Instances
+    router: Router
+    finder: PeerFinder
+
+
 class Node:
     def __init__(self, options: NodeOptions):
         self.options = options
@@ -117,18 +130,13 @@ class Node:
         self.models = ModelRegistry(options.home, self.cache_dir, self.node_id, self._model_prepared)
         self.download_progress = DownloadProgress()
         self.downloader = ShardDownloader(self.cache_dir, self.node_id, self.download_progress)
-        self.groups: GroupSupervisor | None = None
         disable_progress_bars()  # huggingface_hub's per-file bars: the node draws one bar of its own
         self._tasks: set[asyncio.Task] = set()
         self.started = time.time()
         self.stopping = False  # set when shutdown begins: requests cancelled from then on are not the client's doing
-        self.info: NodeInfo | None = None
-        self.peers: PeerNetwork | None = None
-        self.cluster: Cluster | None = None
-        self.instances: Instances | None = None
-        self.router: Router | None = None
-        self.finder: PeerFinder | None = None
-        self.speed: SpeedProbe | None = None
+        self.joined: Joined | None = None  # the parts built once the port is bound (start)
+        self.lifecycle = ModelLifecycle(self.node_id, self.models, self.downloader, self.cache_dir,
+                                        lambda: self.instances, lambda: self.stopping, int(self.started))
         self.metrics = Metrics(self.current_load, self._peer_rtts)
         self.grammars = GrammarVocabularies()
         self._replays = 0
@@ -144,127 +152,86 @@ class Node:
         if self.instances is not None and self.instances.get(spec) is not None:
             self.instances.replan()  # the plan, or the problem, can be worked out now
 
-    def served(self) -> list[LoadedModel]:
-        """The models the cluster serves (those this node has the description of), oldest first."""
-        if self.instances is None:
-            return []
-        models = []
-        for key in dict.fromkeys(instance.model for instance in self.instances.instances.values()):
-            try:
-                model = self.models.known(key)
-            except ExoLikeError:
-                continue  # the model cannot be read here: its instance's problem says why
-            if model is not None:
-                models.append(model)
-        return models
-
-    async def require_model(self, name: str, keep_alive: float | None = None,
-                            streamed: bool = True) -> tuple[LoadedModel, TokenGenerator]:
-        """The model a request names, with the generator that runs it: the cluster serves it from now on if it did
-        not (placed, fetched and loaded while the request waits: a streamed one as long as the load takes, its
-        connection open; a non-streamed one up to a limit, then a 503 with Retry-After)."""
-        if self.instances is None:
-            raise ServiceUnavailableError("the node is still starting", code="starting")
-        if self.stopping:
-            raise ServiceUnavailableError("the node is shutting down; send the request to another node of the "
-                                          "cluster", code="shutting_down")
-        model = await self.models.prepare(name)
-        instance = self.instances.require(model.key, keep_alive)
-        if not streamed and not instance.ever_ready:
-            await instance.wait_loaded()
-        return model, instance.part.generator
-
-    async def load_model(self, name: str, keep_alive: float | None = None) -> LoadedModel:
-        """The model a name refers to, once the cluster has loaded it (asked for now if it was not)."""
-        if self.instances is None:
-            raise ServiceUnavailableError("the node is still starting", code="starting")
-        model = await self.models.prepare(name)
-        await self.instances.require(model.key, keep_alive).wait_ready()
-        return model
-
-    async def pin_model(self, name: str, nodes: tuple[str, ...] = ()) -> tuple[LoadedModel, str]:
-        """Serve the model a name refers to (on `nodes`) until it is unloaded by name: the load API. The model and
-        its instance's key. A model that cannot fit beside the busy ones is refused (InsufficientMemoryError),
-        nothing else disturbed."""
-        if self.instances is None:
-            raise ServiceUnavailableError("the node is still starting", code="starting")
-        model = await self.models.prepare(name)
-        return model, self.instances.pin(model.key, nodes).key
-
-    async def pull_model(self, model: LoadedModel) -> None:
-        """Every weight file of a hub model in this node's cache (Ollama's pull); a model on disk has nothing to
-        fetch."""
-        if model.manifest is not None:
-            whole = Shard.whole(model.key, model.args.num_hidden_layers)
-            try:
-                await self.downloader.ensure(model.manifest, model.path, whole, model.args.tie_word_embeddings,
-                                             f"pull:{model.key}")
-            finally:
-                self.downloader.forget(f"pull:{model.key}")
-
-    async def delete_model(self, name: str) -> None:
-        """Remove a downloaded model from this node's cache (unloaded first, on every node, if it is served)."""
-        model = self.models.known(name)
-        if model is None or model.manifest is None:
-            if model is not None:
-                raise InvalidRequestError(f"{model.model_id} is a folder on this node's disk ({model.path}), not a "
-                                          "download: remove it yourself", param="model", code="not_downloaded")
-            raise ModelNotFoundError(f"the model {name!r} is not downloaded on this node")
-        await self.unload_model(model.key)
-        removed = await asyncio.to_thread(delete_revision, self.cache_dir, model.manifest.repo_id,
-                                          model.manifest.commit)
-        if not removed:
-            raise ModelNotFoundError(f"{model.model_id} has no files in this node's cache {self.cache_dir}")
-        log.info("node %s: deleted %s@%s from its cache", self.node_id, model.manifest.repo_id, model.manifest.commit)
-
-    async def unload_model(self, name: str) -> bool:
-        """Stop serving an instance (by its key, as GET /v1/instances lists it), or every instance of the model a
-        name refers to, on every node; whether any was served."""
-        if self.instances is None:
-            return False
-        if name in self.instances.instances:
-            return self.instances.unload(name)
-        model = await self.models.prepare(name)
-        return self.instances.unload(model.key)
-
     # -- start and stop -----------------------------------------------------------------------------------
 
     async def start(self, host: str, port: int) -> None:
         """Join the cluster: identity, peer links, discovery and plan agreement (call once the port is bound)."""
-        self.info = self._node_info(host, port)
-        self._start_groups()
-        self.peers = PeerNetwork(self.info, self.options.cluster_key, self._on_peer_message, self._links_changed,
-                                 self.options.max_frame_bytes, self.options.peer_timeout, self._peers_of_peers)
-        self.speed = SpeedProbe(self.node_id, self.engine, self.executor, self.home, self.options.placement,
-                                self.options.remeasure, self.models.files,
-                                lambda: self.peers.lowest_round_trips(RTT_SAMPLES),
-                                lambda: self.instances and self.instances.replan(), self.options.parallel,
-                                self.peers.bandwidths)
-        self.cluster = Cluster(self.info, self.peers, self.current_load)
-        self.instances = Instances(self.cluster, self.models.describe, self._make_part, self.speed,
-                                   self.options.keep_alive, self.options.request_wait)
-        self.router = Router(self.node_id, self.instances, lambda message: self._spawn(self._refuse(message)))
+        self.joined = joined = self._join(host, port)
         self._spawn(show_progress(self.download_progress, self.node_id))
         self._spawn(self._watch_steps())
         self._spawn(self._watch_group())
+        log.info("node %s (%s): %s engine on %s, %.1f GiB for layers, cluster key %s", self.node_id,
+                 joined.info.name, self.engine.name, self.engine.device_name, joined.info.memory_bytes / 2**30,
+                 "set" if self.options.cluster_key != DEFAULT_CLUSTER_KEY else "default")
+        joined.cluster.start()
+        joined.instances.start()
+        await joined.finder.start()
+        if self.options.model:
+            joined.instances.pin(self.resolve(self.options.model).key, admit=False)
+        else:
+            joined.instances.replan()
+
+    def _join(self, host: str, port: int) -> Joined:
+        """Every part that needs the node's address, built whole (the callbacks reach the others through
+        self.joined, set before any of them runs)."""
+        info = self._node_info(host, port)
+        listener = group_control.listen((info.host, 0))
+        info = replace(info, tp_port=listener.getsockname()[1])
+        key = hashlib.sha256(b"exo-like tensor-parallel|" + self.options.cluster_key.encode()).digest()
+        groups = GroupSupervisor(self.node_id, key, info.host, listener, self.engine, self.options.step_timeout,
+                                 self._group_formed)
+        peers = PeerNetwork(info, self.options.cluster_key, self._on_peer_message, self._links_changed,
+                            self.options.max_frame_bytes, self.options.peer_timeout, self._peers_of_peers)
+        speed = SpeedProbe(self.node_id, self.engine, self.executor, self.home, self.options.placement,
+                           self.options.remeasure, self.models.files, lambda: peers.lowest_round_trips(RTT_SAMPLES),
+                           lambda: self.instances and self.instances.replan(), self.options.parallel,
+                           peers.bandwidths)
+        cluster = Cluster(info, peers, self.current_load)
+        instances = Instances(cluster, self.models.describe, self._make_part, speed, self.options.keep_alive,
+                              self.options.request_wait)
+        router = Router(self.node_id, instances, lambda message: self._spawn(self._refuse(message)))
         mdns = None
         if self.options.mdns:
             mdns = MdnsDiscovery(self.node_id, port, cluster_key_digest(self.options.cluster_key), __version__,
                                  lambda peer: self.finder and self.finder.found_on_mdns(peer),
                                  on_other_cluster=lambda peer: self.finder and self.finder.found_other_cluster(peer),
                                  on_removed=lambda node_id: self.finder and self.finder.gone_from_mdns(node_id))
-        self.finder = PeerFinder(self.node_id, self._dial, self.peers.linked, self.options.peers, mdns,
-                                 self._report_unlinked)
-        log.info("node %s (%s): %s engine on %s, %.1f GiB for layers, cluster key %s", self.node_id,
-                 self.info.name, self.engine.name, self.engine.device_name, self.info.memory_bytes / 2**30,
-                 "set" if self.options.cluster_key != DEFAULT_CLUSTER_KEY else "default")
-        self.cluster.start()
-        self.instances.start()
-        await self.finder.start()
-        if self.options.model:
-            self.instances.pin(self.resolve(self.options.model).key, admit=False)
-        else:
-            self.instances.replan()
+        finder = PeerFinder(self.node_id, self._dial, peers.linked, self.options.peers, mdns, self._report_unlinked)
+        return Joined(info, groups, peers, speed, cluster, instances, router, finder)
+
+    # The joined parts by name (None until start): what the API and the watchdogs read.
+
+    @property
+    def info(self) -> NodeInfo | None:
+        return self.joined.info if self.joined is not None else None
+
+    @property
+    def groups(self) -> GroupSupervisor | None:
+        return self.joined.groups if self.joined is not None else None
+
+    @property
+    def peers(self) -> PeerNetwork | None:
+        return self.joined.peers if self.joined is not None else None
+
+    @property
+    def speed(self) -> SpeedProbe | None:
+        return self.joined.speed if self.joined is not None else None
+
+    @property
+    def cluster(self) -> Cluster | None:
+        return self.joined.cluster if self.joined is not None else None
+
+    @property
+    def instances(self) -> Instances | None:
+        return self.joined.instances if self.joined is not None else None
+
+    @property
+    def router(self) -> Router | None:
+        return self.joined.router if self.joined is not None else None
+
+    @property
+    def finder(self) -> PeerFinder | None:
+        return self.joined.finder if self.joined is not None else None
 
     def _make_part(self, instance: Instance) -> InstancePart:
         """This node's part of an instance: an engine, a stage and a generator of its own."""
@@ -280,16 +247,6 @@ class Node:
     def _replayed(self) -> None:
         self._replays += 1
         self.metrics.request_replays.inc()
-
-    def _start_groups(self) -> None:
-        """Where this node's tensor-parallel workers take a leader's control channel: one listening socket for the
-        node's life, handed to each worker it starts (tensor_parallel/supervisor.py)."""
-        assert self.info is not None
-        listener = group_control.listen((self.info.host, 0))
-        self.info = replace(self.info, tp_port=listener.getsockname()[1])
-        key = hashlib.sha256(b"exo-like tensor-parallel|" + self.options.cluster_key.encode()).digest()
-        self.groups = GroupSupervisor(self.node_id, key, self.info.host, listener, self.engine,
-                                      self.options.step_timeout, self._group_formed)
 
     def _group_formed(self, spec: GroupSpec, ready: Ready) -> None:
         """A group's leader announces the group's measured all-reduce: the planner weighs it from then on."""
@@ -450,7 +407,7 @@ class Node:
 
     def status(self) -> dict[str, object]:
         """What /health reports (and what a dashboard shows about this node)."""
-        served = self.served()
+        served = self.lifecycle.served()
         engines = [part.serving for part in self._parts()]
         return {
             "status": "stopping" if self.stopping else "ok",
@@ -500,24 +457,11 @@ class Node:
             return {}
         return {node_id: link.rtt for node_id, link in self.peers.links.items() if link.rtt is not None}
 
-    def models_json(self) -> list[dict[str, object]]:
-        """GET /v1/models: the served models first, then local folders, downloaded repos and the catalog."""
-        return self.models.listing(self._served_states(), int(self.started))
-
-    def model_entry(self, name: str) -> dict[str, object]:
-        return self.models.entry(name, self._served_states(), int(self.started))
-
-    def _served_states(self) -> list[tuple[LoadedModel, str]]:
-        """Each served model with its state: serving once its instance is ready, loading until then."""
-        assert self.instances is not None or not self.served()
-        return [(model, "serving" if any(i.ready for i in self.instances.of(model.key))  # type: ignore[union-attr]
-                 else "loading") for model in self.served()]
-
     def cluster_json(self) -> dict[str, object] | None:
         """GET /v1/cluster and the dashboard's picture: the cluster, plus what only this node knows about it."""
         if self.cluster is None or self.instances is None:
             return None  # still starting
-        served = {model.key: model.model_id for model in self.served()}
+        served = {model.key: model.model_id for model in self.lifecycle.served()}
         return {**cluster_picture(self.cluster, self.instances, served),
                 # Whether the key is set, never the key: with the default, anyone on the network can join.
                 "cluster_key": "default" if self.options.cluster_key == DEFAULT_CLUSTER_KEY else "set"}

@@ -61,7 +61,8 @@ async def test_a_load_cancelled_by_a_newer_plan_does_not_leave_its_range_behind(
         assert outcomes == ["cancelled", "loaded"]  # the superseded load gave up; the newest plan's range loaded
 
         response = await client.post("/v1/chat/completions", json={
-            "model": node.served()[0].model_id, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3})
+            "model": node.lifecycle.served()[0].model_id, "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 3})
         assert response.status == 200, await response.text()
     await node.close()
 

@@ -42,7 +42,7 @@ class Started:
 async def start_chat(node: Node, request: ChatRequest, tools_param: str = "tools",
                      choice_param: str = "tool_choice") -> Started:
     """Render, constrain and start a chat request; the params name the dialect's fields in errors."""
-    model, generator = await node.require_model(request.options.model, request.options.keep_alive,
+    model, generator = await node.lifecycle.require(request.options.model, request.options.keep_alive,
                                                 request.options.stream)
     tool_format = _tool_format(model, request.tool_use, tools_param)
     tools = request.tool_use.as_template_tools() if request.tool_use else None
@@ -62,7 +62,7 @@ async def start_chat(node: Node, request: ChatRequest, tools_param: str = "tools
 
 
 async def start_completion(node: Node, request: CompletionRequest) -> Started:
-    model, generator = await node.require_model(request.options.model, request.options.keep_alive,
+    model, generator = await node.lifecycle.require(request.options.model, request.options.keep_alive,
                                                 request.options.stream)
     prompt = completion_prompt_tokens(model.tokenizer, request.prompt)
     return _start(model, generator, prompt, await structured(node, model, request.options), "prompt",

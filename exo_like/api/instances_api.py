@@ -56,14 +56,14 @@ async def load_instance(request: web.Request) -> web.Response:
     if unknown:
         raise InvalidRequestError(f"no member of the cluster has the id {', '.join(unknown)}; GET /v1/cluster lists "
                                   "them", param="nodes", code="invalid_value")
-    loaded, instance = await node.pin_model(model, tuple(nodes))
+    loaded, instance = await node.lifecycle.pin(model, tuple(nodes))
     return web.json_response({"model": loaded.model_id, "key": loaded.key, "id": instance, "nodes": nodes},
                              status=202)
 
 
 async def unload_instance(request: web.Request) -> web.Response:
     name = request.match_info["model"]
-    if not await request.app[NODE_KEY].unload_model(name):
+    if not await request.app[NODE_KEY].lifecycle.unload(name):
         raise ModelNotFoundError(f"the model {name!r} is not loaded: GET /v1/instances lists the loaded ones")
     return web.json_response({"model": name, "unloaded": True})
 
@@ -77,7 +77,7 @@ async def pull(request: web.Request) -> web.StreamResponse:
     node = request.app[NODE_KEY]
     with ollama_errors(name):
         model = await node.models.prepare(name)  # the name resolved (the hub asked once) before anything streams
-    fetching = asyncio.ensure_future(node.pull_model(model))
+    fetching = asyncio.ensure_future(node.lifecycle.pull(model))
     if stream is False:
         with ollama_errors(name):
             await fetching
@@ -114,5 +114,5 @@ async def delete(request: web.Request) -> web.Response:
     if not name:
         raise invalid("model is required: a non-empty string", "model", "missing_required_parameter")
     with ollama_errors(name):
-        await request.app[NODE_KEY].delete_model(name)
+        await request.app[NODE_KEY].lifecycle.delete(name)
     return web.Response(status=200)

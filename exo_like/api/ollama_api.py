@@ -120,10 +120,10 @@ async def _load(request: web.Request, options: GenerationOptions, chat: bool) ->
     node = request.app[NODE_KEY]
     with ollama_errors(options.model):
         if options.keep_alive == 0:
-            await node.unload_model(options.model)
+            await node.lifecycle.unload(options.model)
             reason = "unload"
         else:
-            await node.load_model(options.model, options.keep_alive)
+            await node.lifecycle.load(options.model, options.keep_alive)
             reason = "load"
     empty = {"message": {"role": "assistant", "content": ""}} if chat else {"response": ""}
     return web.json_response({"model": options.model, "created_at": timestamp(), **empty, "done": True,

@@ -49,7 +49,7 @@ async def tags(request: web.Request) -> web.Response:
     """The listing in Ollama's shape; entries naming a served model (by any of its names) describe it."""
     node = request.app[NODE_KEY]
     models = []
-    for entry in node.models_json():
+    for entry in node.lifecycle.listing():
         served = _served_by(node, entry)
         models.append({**await _summary(served), "name": entry["id"], "model": entry["id"]} if served is not None
                       else _listed(entry))
@@ -63,7 +63,7 @@ async def show(request: web.Request) -> web.Response:
         raise invalid("model is required: a non-empty string", "model", "missing_required_parameter")
     node = request.app[NODE_KEY]
     try:
-        entry = node.model_entry(name)
+        entry = node.lifecycle.entry(name)
     except ModelNotFoundError:
         raise ModelNotFoundError(f"model '{name}' not found") from None
     served = _served_by(node, entry)
@@ -80,7 +80,7 @@ def _served_by(node: Node, entry: dict[str, Any]) -> LoadedModel | None:
     if entry.get("state") not in ("serving", "loading"):
         return None
     names = {entry["id"], entry.get("repo"), entry.get("path")} - {None}
-    for model in node.served():
+    for model in node.lifecycle.served():
         listed = model.listing()
         if names & {listed["id"], listed.get("repo"), listed.get("path")}:
             return model
@@ -100,7 +100,7 @@ async def ps(request: web.Request) -> web.Response:
     unloaded if no request comes (its keep_alive)."""
     node = request.app[NODE_KEY]
     loaded = []
-    for model in node.served():
+    for model in node.lifecycle.served():
         ready = [i for i in node.instances.of(model.key) if i.ready] if node.instances is not None else []
         if not ready:
             continue

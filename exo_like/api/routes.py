@@ -228,11 +228,11 @@ async def _chunks(request: web.Request, choices: ChoiceSet, fmt: ResponseFormat)
 
 async def list_models(request: web.Request) -> web.Response:
     """The served model first, then local folders, downloaded repos and the catalog, each with its `state`."""
-    return web.json_response({"object": "list", "data": request.app[NODE_KEY].models_json()})
+    return web.json_response({"object": "list", "data": request.app[NODE_KEY].lifecycle.listing()})
 
 
 async def get_model(request: web.Request) -> web.Response:
-    return web.json_response(request.app[NODE_KEY].model_entry(request.match_info["model_id"]))
+    return web.json_response(request.app[NODE_KEY].lifecycle.entry(request.match_info["model_id"]))
 
 
 async def health(request: web.Request) -> web.Response:

@@ -1,4 +1,6 @@
-"""Models on demand: the instances the cluster is asked to serve (a replicated set every node merges alike), where
-each runs (partitioning/instances.py decides), and which idle ones go to make room.
+"""Models on demand: the instances the cluster is asked to serve (a replicated set every node merges alike,
+wishes.py), where each runs (partitioning/instances.py decides, manager.py), each one's plan agreement
+(instance.py) and this node's part in it (runtime.py: an engine, a stage, a generator), keep_alive, making room,
+the router of ring messages (router.py) and the models' lifecycle the API drives (model_lifecycle.py).
 
-May import: cluster, partitioning, models, errors."""
+May import: cluster, serving, engines, tensor_parallel, partitioning, models, errors."""

@@ -58,7 +58,7 @@ def chat_body(model: str, **fields: object) -> dict[str, object]:
 
 async def test_failure_in_a_whole_response_is_a_logged_json_500(served, caplog: pytest.LogCaptureFixture) -> None:
     client, node, fault = served
-    model = node.served()[0].model_id
+    model = node.lifecycle.served()[0].model_id
     fault.arm(fail_at=4)
     with caplog.at_level(logging.ERROR, logger="exo_like.api.routes"):
         response = await client.post("/v1/chat/completions", json=chat_body(model))
@@ -78,7 +78,8 @@ async def test_failure_in_a_whole_response_is_a_logged_json_500(served, caplog: 
 async def test_failure_mid_stream_is_an_error_event_then_done(served) -> None:
     client, node, fault = served
     fault.arm(fail_at=5)
-    response = await client.post("/v1/chat/completions", json=chat_body(node.served()[0].model_id, stream=True))
+    model = node.lifecycle.served()[0].model_id
+    response = await client.post("/v1/chat/completions", json=chat_body(model, stream=True))
     assert response.status == 200
     events = [line[len("data: "):] for line in (await response.text()).splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"

@@ -58,7 +58,8 @@ class Steps:
     """One engine run: requests keep blocks of their own, each step's rows all give logits."""
 
     def __init__(self, path: Path, n_requests: int):
-        self.args = ModelArgs.from_dict(open_gguf(path).config()) if path.suffix == ".gguf" else ModelArgs.from_dir(path)
+        self.args = ModelArgs.from_dict(open_gguf(path).config()) if path.suffix == ".gguf" else \
+            ModelArgs.from_dir(path)
         self.engine = TorchEngine(device="cpu")
         self.engine.load(path, self.args, Shard.whole("t", self.args.num_hidden_layers))
         self.engine.allocate_kv(BLOCKS_EACH * n_requests)

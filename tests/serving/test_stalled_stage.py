@@ -78,9 +78,9 @@ async def ring(checkpoint: Path, tmp_path: Path) -> AsyncIterator[list[tuple[Tes
 
 
 def chat_body(node: Node) -> dict[str, object]:
-    assert node.served()
-    return {"model": node.served()[0].model_id, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 8,
-            "temperature": 0}
+    assert node.lifecycle.served()
+    return {"model": node.lifecycle.served()[0].model_id, "messages": [{"role": "user", "content": "Hello!"}],
+            "max_tokens": 8, "temperature": 0}
 
 
 def active_requests(nodes: list[Node]) -> int:
