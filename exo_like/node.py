@@ -47,6 +47,7 @@ from exo_like.instances.manager import DEFAULT_KEEP_ALIVE, Instances
 from exo_like.instances.router import Router
 from exo_like.instances.runtime import InstancePart, NodeServices
 from exo_like.models.hub.download import ShardDownloader
+from exo_like.models.hub.peer_files import PeerSource
 from exo_like.models.hub.progress import DownloadProgress, show_progress
 from exo_like.models.hub.repo import default_cache_dir
 from exo_like.models.names.registry import ModelRegistry
@@ -129,7 +130,7 @@ class Node:
         self.cache_dir = default_cache_dir(options.home, options.hub_cache)
         self.models = ModelRegistry(options.home, self.cache_dir, self.node_id, self._model_prepared)
         self.download_progress = DownloadProgress()
-        self.downloader = ShardDownloader(self.cache_dir, self.node_id, self.download_progress)
+        self.downloader = ShardDownloader(self.cache_dir, self.node_id, self.download_progress, self._peer_sources)
         disable_progress_bars()  # huggingface_hub's per-file bars: the node draws one bar of its own
         self._tasks: set[asyncio.Task] = set()
         self.started = time.time()
@@ -450,6 +451,14 @@ class Node:
                         kv_window_blocks=sum((e.kv_size and e.kv_size.window_blocks) or 0 for e in engines),
                         **counts, **weights, replays=self._replays,
                         recovering=_added(p.generator.recovering() for p in parts))
+
+    def _peer_sources(self) -> list[PeerSource]:
+        """The linked peers, as sources of the weight files their caches hold (asked before the hub)."""
+        if self.peers is None:
+            return []
+        return [PeerSource(node_id, f"http://{link.remote.host}:{link.remote.port}", self.node_id,
+                           self.options.cluster_key)
+                for node_id, link in sorted(self.peers.links.items()) if not link.closed]
 
     def _peer_rtts(self) -> dict[str, float]:
         """Seconds of the last measured round trip on each peer link (by peer node id)."""

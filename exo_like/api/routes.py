@@ -30,6 +30,8 @@ from exo_like.api.lifecycle import (ERROR_SHAPES_KEY, GENERATING_KEY, NODE_KEY, 
 from exo_like.api.openai_requests import parse_chat_request, parse_completion_request
 from exo_like.api.openai_responses import ResponseFormat, error_body
 from exo_like.cluster.peers import PEER_PATH
+from exo_like.models.hub.peer_files import NODE_HEADER, PEER_FILES_PATH, PROOF_HEADER, held_file, proven
+from exo_like.models.hub.repo import storage_folder
 from exo_like.errors import AuthenticationError, ExoLikeError, ServiceUnavailableError
 from exo_like.node import Node
 from exo_like.serving.metrics import CONTENT_TYPE
@@ -57,6 +59,7 @@ def create_app(node: Node, api_key: str | None = None) -> web.Application:
     app.router.add_get("/v1/cluster", cluster_view)
     app.router.add_get("/metrics", metrics)
     app.router.add_get(PEER_PATH, peer_link)
+    app.router.add_get(PEER_FILES_PATH + "/{org}/{repo}/{commit}/{name:.+}", peer_file)
     app.router.add_get("/", index)
     for dialect in (anthropic_api, responses_api, ollama_api, instances_api):
         dialect.add_routes(app)
@@ -75,7 +78,7 @@ def create_app(node: Node, api_key: str | None = None) -> web.Application:
 
 COOKIE = "exo_like_api_key"
 OPEN_PATHS = frozenset({"/", "/health", PEER_PATH})
-OPEN_PREFIXES = ("/dashboard/",)
+OPEN_PREFIXES = ("/dashboard/", PEER_FILES_PATH + "/")  # peer files: peers prove the cluster key instead
 
 
 def presented_keys(request: web.Request) -> Iterator[str]:
@@ -256,6 +259,21 @@ async def cluster_view(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     """Prometheus text format, vLLM's metric names with the prefix exo_like: (see exo_like/serving/metrics.py)."""
     return web.Response(body=request.app[NODE_KEY].metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+
+async def peer_file(request: web.Request) -> web.StreamResponse:
+    """A weight file this node's cache holds whole, to a peer that proves the cluster key (models/hub/peer_files.py);
+    404 for one it does not hold, so the peer asks another source."""
+    node = request.app[NODE_KEY]
+    if not proven(node.options.cluster_key, request.headers.get(NODE_HEADER, ""), request.rel_url.raw_path,
+                  request.headers.get(PROOF_HEADER, "")):
+        raise web.HTTPForbidden(reason="no proof of the cluster key")
+    info = request.match_info
+    held = held_file(storage_folder(node.cache_dir, f"{info['org']}/{info['repo']}") / "snapshots", info["commit"],
+                     info["name"])
+    if held is None:
+        raise web.HTTPNotFound(reason="not held here")
+    return web.FileResponse(held)
 
 
 async def peer_link(request: web.Request) -> web.StreamResponse:

@@ -19,7 +19,9 @@ import pytest
 
 from exo_like.models.checkpoint import files_for_shard, weight_map
 from exo_like.models.hub.download import WRITE_CHUNK
+from exo_like.models.hub.peer_files import NODE_HEADER, PROOF_HEADER, file_path, proof
 from exo_like.models.shard import Shard
+from exo_like.node import DEFAULT_CLUSTER_KEY
 from tests.api_server import NodeProcess, exo_like_command, launch_node, start_node, stop_nodes, wait_for
 from tests.checkpoints import make_checkpoint
 from tests.cluster_harness import cluster_of, free_ports, start_cluster, wait_until_ready
@@ -115,17 +117,21 @@ def test_three_nodes_each_fetch_only_their_layers_files_and_match_transformers(h
         view = cluster_of(nodes[0])
         stages = {s["node_id"]: Shard(REPO, s["start_layer"], s["end_layer"], 7) for s in view["plan"]["stages"]}
         weights, sizes = weight_map(llama7), {p.name: p.stat().st_size for p in llama7.glob("*.safetensors")}
+        from_hub: set[str] = set()
         for i, node in enumerate(nodes):
             node_id = cluster_of(node)["node_id"]
             needed = files_for_shard(weights, stages[node_id], tied_embeddings=False)
             assert 0 < len(needed) < len(sizes)  # a real subset: fetching everything would fail this test
             fetched = hub.weight_downloads(f"node{i}")
-            assert sorted(r.file for r in fetched) == sorted(needed)  # each needed file once, nothing else
+            # Each needed file at most once, nothing else; one a peer already held whole came from that peer.
+            assert len({r.file for r in fetched}) == len(fetched) and {r.file for r in fetched} <= needed
             assert all(r.range_start is None and r.bytes_sent == sizes[r.file] for r in fetched)
             assert {p.name for p in snapshot(tmp_path / f"home{i}", hub).glob("*.safetensors")} == needed
+            from_hub |= {r.file for r in fetched}
             download = next(n for n in view["nodes"] if n["id"] == node_id)["download"]
             assert download["state"] == "complete" and download["files_total"] == len(needed)
             assert download["done_bytes"] == download["total_bytes"] == sum(sizes[f] for f in needed)
+        assert from_hub == set().union(*(files_for_shard(weights, shard, False) for shard in stages.values()))
         for node in (nodes[0], nodes[2]):
             assert answer(node, REPO) == expected
         models = nodes[0].get_json("/v1/models")["data"]
@@ -220,8 +226,9 @@ def test_a_node_that_joins_after_a_new_commit_fetches_the_commit_the_cluster_ser
             assert answer(node, EVOLVING) == expected
         joiner_cache = tmp_path / "home1" / "hub" / "models--test-org--evolving" / "snapshots"
         assert [p.name for p in joiner_cache.iterdir()] == [first.commit]
-        fetched = {r.path.removeprefix("/cdn/") for r in hub.weight_downloads("joiner")}
-        assert fetched and fetched <= {f.sha256 for f in first.files.values()}  # the first commit's blobs only
+        # Every weight file the joiner needs came from the first node, which holds them all: none from the hub.
+        assert hub.weight_downloads("joiner") == []
+        assert "fetched from peer" in nodes[1].log()
         served = nodes[1].get_json("/v1/models")["data"][0]
         assert (served["id"], served["repo"], served["revision"]) == (EVOLVING, EVOLVING, first.commit)
         # A revision of the served repo is answered on every node when it names the served commit (say, the
@@ -308,8 +315,8 @@ def test_no_network_is_a_clear_503(tmp_path: Path) -> None:
         stop_cleanly([node])
 
 
-def test_a_model_is_pulled_loaded_and_unloaded_by_the_api_then_deleted(hub: HubServer, oracle: Oracle,
-                                                                       tmp_path: Path) -> None:
+def test_a_model_is_pulled_loaded_and_unloaded_by_the_api_then_deleted(hub: HubServer, llama7: Path,
+                                                                       oracle: Oracle, tmp_path: Path) -> None:
     """Ollama's pull (its progress lines) and delete, and this project's load API, on one node started without a
     model: the pull fetches every weight file once, the load that follows fetches nothing more."""
     import ollama
@@ -326,6 +333,21 @@ def test_a_model_is_pulled_loaded_and_unloaded_by_the_api_then_deleted(hub: HubS
             {hub.repos[REPO].files[name].sha256 for name in files}
         assert {m["id"]: m["state"] for m in node.get_json("/v1/models")["data"]}[REPO] == "downloaded"
         fetched = len(hub.weight_downloads("puller"))
+
+        # What it holds whole it serves to peers that prove the cluster key (the default key here), with Range.
+        name = sorted(files)[0]
+        path = file_path(REPO, hub.repos[REPO].commit, name)
+        status, _, _ = node.request("GET", path, None, {NODE_HEADER: "x", PROOF_HEADER: "0" * 64})
+        assert status == 403
+        proved = {NODE_HEADER: "x", PROOF_HEADER: proof(DEFAULT_CLUSTER_KEY, "x", path)}
+        status, _, body = node.request("GET", path, None, proved)
+        assert status == 200 and body == (llama7 / name).read_bytes()
+        status, _, body = node.request("GET", path, None, {**proved, "Range": "bytes=10-19"})
+        assert status == 206 and body == (llama7 / name).read_bytes()[10:20]
+        elsewhere = file_path(REPO, hub.repos[REPO].commit, "../../x")
+        status, _, _ = node.request("GET", elsewhere, None, {NODE_HEADER: "x",
+                                                            PROOF_HEADER: proof(DEFAULT_CLUSTER_KEY, "x", elsewhere)})
+        assert status == 404
 
         headers = {"Content-Type": "application/json"}
         status, _, raw = node.request("POST", "/v1/instances", json.dumps({"model": REPO}).encode(), headers)

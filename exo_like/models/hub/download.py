@@ -26,7 +26,7 @@ import logging
 import os
 import shutil
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -41,6 +41,7 @@ from exo_like.errors import DownloadError, ExoLikeError, HubUnavailableError, In
 from exo_like.models.checkpoint import INDEX_FILE, files_for_shard, local_tensor_name, weight_map
 from exo_like.models.gguf.file import open_gguf
 from exo_like.models.gguf.hub import fetch_ranges, gguf_folder, shard_ranges
+from exo_like.models.hub.peer_files import PeerSource
 from exo_like.models.hub.progress import DownloadProgress
 from exo_like.models.hub.repo import (LIBRARY, RemoteFile, RepoManifest, cache_only, endpoint, hub_errors, offline,
                                       storage_folder)
@@ -67,8 +68,10 @@ def shard_files(folder: Path, manifest: RepoManifest, shard: Shard, tied: bool) 
 class ShardDownloader:
     """Fetches shards' weight files into the hub cache; one per node, shared by every plan it is given."""
 
-    def __init__(self, cache_dir: Path, node_id: str, progress: DownloadProgress):
+    def __init__(self, cache_dir: Path, node_id: str, progress: DownloadProgress,
+                 peers: Callable[[], list[PeerSource]] = list):
         self.cache_dir = cache_dir
+        self.peers = peers  # the linked peers, asked for a file before the hub
         self.node_id = node_id
         self.progress = progress
         self._pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="download")
@@ -185,7 +188,7 @@ class ShardDownloader:
             raise DownloadStopped(f"the plan changed and no longer needs {name}")
         with self._transfer_errors(manifest, name):
             fetch_file(self.cache_dir, manifest.repo_id, manifest.commit, name, remote,
-                       lambda count: self._received(_key(manifest, name), name, count))
+                       lambda count: self._received(_key(manifest, name), name, count), self.peers())
         self.progress.file_done(name)
         log.info("node %s: %s: %s fetched and verified (%d bytes)", self.node_id, manifest.repo_id, name, remote.size)
 
@@ -246,8 +249,9 @@ class DownloadStopped(Exception):
 
 
 def fetch_file(cache_dir: Path, repo_id: str, commit: str, name: str, remote: RemoteFile,
-               on_bytes: Callable[[int], None]) -> None:
-    """Put one file of the repo at `commit` into the cache: resume its partial blob, verify it, link it."""
+               on_bytes: Callable[[int], None], peers: Sequence[PeerSource] = ()) -> None:
+    """Put one file of the repo at `commit` into the cache: resume its partial blob from a peer that holds it, else
+    from the hub; verify it, link it."""
     pointer = storage_folder(cache_dir, repo_id) / "snapshots" / commit / name
     if pointer.exists():
         return
@@ -261,12 +265,12 @@ def fetch_file(cache_dir: Path, repo_id: str, commit: str, name: str, remote: Re
     # Nodes sharing a cache (same home, or HF_HUB_CACHE) must not append to the same partial file at once.
     with FileLock(str(_blob_path(cache_dir, repo_id, remote.sha256, ".exo-like.lock"))):
         if not (blob.is_file() and blob.stat().st_size == remote.size):
-            _download_blob(repo_id, commit, name, remote, blob, on_bytes)
+            _download_blob(repo_id, commit, name, remote, blob, on_bytes, peers)
         _link(blob, pointer)
 
 
 def _download_blob(repo_id: str, commit: str, name: str, remote: RemoteFile, blob: Path,
-                   on_bytes: Callable[[int], None]) -> None:
+                   on_bytes: Callable[[int], None], peers: Sequence[PeerSource]) -> None:
     assert remote.sha256 is not None
     part = blob.with_name(blob.name + PARTIAL_SUFFIX)
     resume = part.stat().st_size if part.exists() else 0
@@ -277,8 +281,10 @@ def _download_blob(repo_id: str, commit: str, name: str, remote: RemoteFile, blo
         log.info("%s: resuming %s at byte %d of %d", repo_id, name, resume, remote.size)
     with open(part, "ab") as file:
         writer = HashingWriter(file, part, resume, on_bytes)
-        http_get(hf_hub_url(repo_id, name, revision=commit, endpoint=endpoint()), writer, resume_size=resume,
-                 headers=build_hf_headers(**LIBRARY), expected_size=remote.size, displayed_filename=name)
+        if not any(peer.fetch(repo_id, commit, name, writer, remote.size) for peer in peers):
+            http_get(hf_hub_url(repo_id, name, revision=commit, endpoint=endpoint()), writer,
+                     resume_size=writer.size, headers=build_hf_headers(**LIBRARY), expected_size=remote.size,
+                     displayed_filename=name)
     digest = writer.hexdigest()
     if digest != remote.sha256:
         part.unlink()  # corrupt: the next attempt starts this file over
@@ -304,6 +310,11 @@ class HashingWriter:
         self._hash.update(chunk)
         self._size += len(chunk)
         return self._file.write(chunk)
+
+    @property
+    def size(self) -> int:
+        """Bytes of the file so far (resumed ones included)."""
+        return self._size
 
     def tell(self) -> int:
         return self._file.tell()
