@@ -32,7 +32,9 @@ from tests.api.fuzz_dialects import DIALECTS, ODD_TEXT, SHAPED_VALUES, Dialect, 
 from tests.api.test_api_errors import CHAT, JSON, model_id  # noqa: F401  (model_id)
 from tests.api_server import NodeProcess, checkpoint, node  # noqa: F401  (fixtures)
 
-EXAMPLES = int(os.environ.get("EXO_LIKE_FUZZ_EXAMPLES", "1000"))
+# Enough that every one of the node's routes (42 with the models' lifecycle and the peer file route) gets requests and
+# each dialect its share of valid and invalid bodies (the bars below): 1000 left two routes without one.
+EXAMPLES = int(os.environ.get("EXO_LIKE_FUZZ_EXAMPLES", "1500"))
 ENDLESS_STREAMS = {"/v1/events"}  # the dashboard's event stream never ends by itself: read its first event only
 METHODS = ["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS", "TRACE"]
 # No method, and CONNECT (which takes host:port, not a path): aiohttp's HTTP parser answers them (plain text)
@@ -200,6 +202,10 @@ def route_requests(draw: st.DrawFn, model: str) -> FuzzRequest:
     route = draw(st.sampled_from(ROUTES))
     method = draw(st.one_of(st.just(route.method), st.sampled_from(METHODS + NOT_HTTP)))
     path = draw(path_for(route.template, model)) + draw(query())
+    if route.template.startswith("/v1/instances/") and method == "DELETE":
+        # Unloading the served model is the route working, not a fault: its running requests end with a 503, which
+        # this test counts as a server error. Another name goes through the same parsing.
+        path = path.replace(quote(model, safe="/"), "not-" + quote(model, safe="/"))
     body = draw(any_body(model))
     return FuzzRequest(route.template, method, path, body, draw(headers_for(body)))
 
