@@ -128,7 +128,8 @@ class Node:
         self.engine: Engine = create_engine(options.engine, options.device, options.dtype)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self.cache_dir = default_cache_dir(options.home, options.hub_cache)
-        self.models = ModelRegistry(options.home, self.cache_dir, self.node_id, self._model_prepared)
+        self.models = ModelRegistry(options.home, self.cache_dir, self.node_id, self._model_prepared,
+                                    self._peer_sources)
         self.download_progress = DownloadProgress()
         self.downloader = ShardDownloader(self.cache_dir, self.node_id, self.download_progress, self._peer_sources)
         disable_progress_bars()  # huggingface_hub's per-file bars: the node draws one bar of its own
@@ -453,12 +454,13 @@ class Node:
                         recovering=_added(p.generator.recovering() for p in parts))
 
     def _peer_sources(self) -> list[PeerSource]:
-        """The linked peers, as sources of the weight files their caches hold (asked before the hub)."""
+        """The linked peers, as sources of the models their caches hold (asked before the hub). Called from download
+        threads too: the links are copied first (one step for the interpreter)."""
         if self.peers is None:
             return []
         return [PeerSource(node_id, f"http://{link.remote.host}:{link.remote.port}", self.node_id,
                            self.options.cluster_key)
-                for node_id, link in sorted(self.peers.links.items()) if not link.closed]
+                for node_id, link in sorted(list(self.peers.links.items())) if not link.closed]
 
     def _peer_rtts(self) -> dict[str, float]:
         """Seconds of the last measured round trip on each peer link (by peer node id)."""

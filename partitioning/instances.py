@@ -15,7 +15,7 @@ save.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from exo_like.models.footprint import ModelFootprint
 from partitioning.decision import Decision, Member
@@ -124,8 +124,8 @@ def place_instances(asks: Sequence[InstanceAsk], members: Sequence[Member], figu
     for ask in asks:
         before = (current or {}).get(ask.key)
         seen = tuple(sorted((figures.get(ask.model) or {}).items()))
-        if before is not None and before.plan is not None and before.members == ids and before.ask == ask \
-                and before.figures == seen:
+        if before is not None and before.plan is not None and before.members == ids \
+                and _same_ask(before.ask, ask) and before.figures == seen:
             used = held_bytes(before.plan, ask.footprint, members)
             if all(left[node_id] >= need for node_id, need in used.items()):
                 placed[ask.key] = before
@@ -144,6 +144,13 @@ def place_instances(asks: Sequence[InstanceAsk], members: Sequence[Member], figu
             for node_id, need in held_bytes(result.plan, ask.footprint, members).items():
                 left[node_id] -= need
     return placed
+
+
+def _same_ask(before: InstanceAsk, now: InstanceAsk) -> bool:
+    """Whether a placed instance is still asked for as it was. Tensor-parallel slices are offered to the oldest
+    instance only, so they appear when the instances asked before it go: that alone does not move it (its requests
+    would replay on a new plan); the next re-placement (a member joins or leaves) forms the groups."""
+    return replace(before, tensor_sizes=now.tensor_sizes) == now
 
 
 def to_unload(ask: InstanceAsk, loaded: Sequence[InstanceAsk], idle: Sequence[str], members: Sequence[Member],

@@ -14,8 +14,8 @@ import asyncio
 import contextlib
 import hmac
 import logging
-from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any, BinaryIO
 from urllib.parse import unquote
 
 from aiohttp import web
@@ -30,7 +30,18 @@ from exo_like.api.lifecycle import (ERROR_SHAPES_KEY, GENERATING_KEY, NODE_KEY, 
 from exo_like.api.openai_requests import parse_chat_request, parse_completion_request
 from exo_like.api.openai_responses import ResponseFormat, error_body
 from exo_like.cluster.peers import PEER_PATH
-from exo_like.models.hub.peer_files import NODE_HEADER, PEER_FILES_PATH, PROOF_HEADER, held_file, proven
+from exo_like.models.hub.peer_files import (
+    NODE_HEADER,
+    PEER_DESCRIPTIONS_PATH,
+    PEER_FILES_PATH,
+    PEER_NAMES_PATH,
+    PROOF_HEADER,
+    WAIT_HEADER,
+    growing_file,
+    held_description,
+    held_file,
+    proven,
+)
 from exo_like.models.hub.repo import storage_folder
 from exo_like.errors import AuthenticationError, ExoLikeError, ServiceUnavailableError
 from exo_like.node import Node
@@ -60,6 +71,8 @@ def create_app(node: Node, api_key: str | None = None) -> web.Application:
     app.router.add_get("/metrics", metrics)
     app.router.add_get(PEER_PATH, peer_link)
     app.router.add_get(PEER_FILES_PATH + "/{org}/{repo}/{commit}/{name:.+}", peer_file)
+    app.router.add_get(PEER_DESCRIPTIONS_PATH + "/{org}/{repo}/{commit}", peer_description)
+    app.router.add_get(PEER_NAMES_PATH, peer_name)
     app.router.add_get("/", index)
     for dialect in (anthropic_api, responses_api, ollama_api, instances_api):
         dialect.add_routes(app)
@@ -77,8 +90,9 @@ def create_app(node: Node, api_key: str | None = None) -> web.Application:
 # assets (no data: the page asks for the key).
 
 COOKIE = "exo_like_api_key"
-OPEN_PATHS = frozenset({"/", "/health", PEER_PATH})
-OPEN_PREFIXES = ("/dashboard/", PEER_FILES_PATH + "/")  # peer files: peers prove the cluster key instead
+OPEN_PATHS = frozenset({"/", "/health", PEER_PATH, PEER_NAMES_PATH})
+# peer files and descriptions: peers prove the cluster key instead
+OPEN_PREFIXES = ("/dashboard/", PEER_FILES_PATH + "/", PEER_DESCRIPTIONS_PATH + "/")
 
 
 def presented_keys(request: web.Request) -> Iterator[str]:
@@ -261,19 +275,73 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=request.app[NODE_KEY].metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
 
-async def peer_file(request: web.Request) -> web.StreamResponse:
-    """A weight file this node's cache holds whole, to a peer that proves the cluster key (models/hub/peer_files.py);
-    404 for one it does not hold, so the peer asks another source."""
+# -- what peers fetch from this node (models/hub/peer_files.py) --------------------------------------------------
+
+
+def proven_peer(request: web.Request) -> Node:
+    """The node, once the asking peer proved the cluster key for this path."""
     node = request.app[NODE_KEY]
     if not proven(node.options.cluster_key, request.headers.get(NODE_HEADER, ""), request.rel_url.raw_path,
                   request.headers.get(PROOF_HEADER, "")):
         raise web.HTTPForbidden(reason="no proof of the cluster key")
+    return node
+
+
+async def peer_file(request: web.Request) -> web.StreamResponse:
+    """A file this node's cache holds whole; to the peer waiting for this node to fetch it, the file as it grows
+    (503 + Retry-After while queued); 404 otherwise, so the peer asks another source."""
+    node = proven_peer(request)
     info = request.match_info
-    held = held_file(storage_folder(node.cache_dir, f"{info['org']}/{info['repo']}") / "snapshots", info["commit"],
-                     info["name"])
-    if held is None:
+    repo_id, commit, name = f"{info['org']}/{info['repo']}", info["commit"], info["name"]
+    held = held_file(storage_folder(node.cache_dir, repo_id) / "snapshots", commit, name)
+    if held is not None:
+        return web.FileResponse(held)
+    sharing = node.downloader.sharing(repo_id, commit, name) if WAIT_HEADER in request.headers else None
+    if sharing is None:
         raise web.HTTPNotFound(reason="not held here")
-    return web.FileResponse(held)
+    try:
+        part = open(sharing.part, "rb") if sharing.part is not None else None  # noqa: SIM115 - closed below
+    except FileNotFoundError:  # done just now (moved into place), or not begun
+        part = None
+    if part is None:
+        held = held_file(storage_folder(node.cache_dir, repo_id) / "snapshots", commit, name)
+        if held is not None:
+            return web.FileResponse(held)
+        raise web.HTTPServiceUnavailable(reason="fetching it soon", headers={"Retry-After": "1"})
+    with part:
+        return await stream_growing(request, part, sharing.size, sharing.finished)
+
+
+async def stream_growing(request: web.Request, part: BinaryIO, size: int,
+                         finished: Callable[[], bool]) -> web.StreamResponse:
+    start = request.http_range.start or 0
+    response = web.StreamResponse(status=206 if start else 200)
+    response.content_length = size - start
+    if start:
+        response.headers["Content-Range"] = f"bytes {start}-{size - 1}/{size}"
+    await response.prepare(request)
+    async for chunk in growing_file(part, start, size, finished):
+        await response.write(chunk)
+    return response
+
+
+async def peer_description(request: web.Request) -> web.Response:
+    """A commit's description (manifest, small files held), for a peer that would otherwise ask the hub."""
+    node = proven_peer(request)
+    info = request.match_info
+    described = held_description(node.cache_dir, f"{info['org']}/{info['repo']}", info["commit"])
+    if described is None:
+        raise web.HTTPNotFound(reason="not held here")
+    return web.json_response(described)
+
+
+async def peer_name(request: web.Request) -> web.Response:
+    """The key a hub name resolves to on this node without the hub, for a peer that cannot reach it."""
+    node = proven_peer(request)
+    key = node.models.key_on_disk(request.query.get("name", ""))
+    if key is None:
+        raise web.HTTPNotFound(reason="not known here")
+    return web.json_response({"key": key})
 
 
 async def peer_link(request: web.Request) -> web.StreamResponse:

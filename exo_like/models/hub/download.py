@@ -26,9 +26,10 @@ import logging
 import os
 import shutil
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Callable
 
@@ -43,8 +44,8 @@ from exo_like.models.gguf.file import open_gguf
 from exo_like.models.gguf.hub import fetch_ranges, gguf_folder, shard_ranges
 from exo_like.models.hub.peer_files import PeerSource
 from exo_like.models.hub.progress import DownloadProgress
-from exo_like.models.hub.repo import (LIBRARY, RemoteFile, RepoManifest, cache_only, endpoint, hub_errors, offline,
-                                      storage_folder)
+from exo_like.models.hub.repo import (LIBRARY, RemoteFile, RepoManifest, blob_path, cache_only, endpoint, hub_errors,
+                                      link_blob, offline, storage_folder)
 from exo_like.models.hub.sparse_file import Range, present_ranges, subtract, total
 from exo_like.models.shard import Shard
 
@@ -82,10 +83,14 @@ class ShardDownloader:
         # of a file no holder wants any more (an earlier plan's) stops at its next chunk; its partial file stays, so
         # a later plan that needs it again resumes it.
         self._wanted: dict[str, frozenset[str]] = {}
+        self._sizes: dict[str, tuple[str | None, int]] = {}  # by file key: (SHA-256, size), for sharing()
 
-    async def ensure(self, manifest: RepoManifest, folder: Path, shard: Shard, tied: bool, owner: str = "") -> None:
+    async def ensure(self, manifest: RepoManifest, folder: Path, shard: Shard, tied: bool, owner: str = "",
+                     members: Mapping[str, Shard] | None = None) -> None:
         """Return once every file the shard needs is in the snapshot folder; fetch only the missing ones. For a
-        GGUF model `folder` is its first part, and the shard's byte ranges are what is fetched."""
+        GGUF model `folder` is its first part, and the shard's byte ranges are what is fetched. `members`: every
+        plan member's shard (this node's too), so that one member fetches each file from the hub and the others
+        from it."""
         if manifest.gguf:
             return await self._ensure_ranges(manifest, folder, shard, tied, owner)
         names = shard_files(folder, manifest, shard, tied)
@@ -94,19 +99,24 @@ class ShardDownloader:
         if not missing:
             log.info("node %s: %s: all %d weight files are in the cache", self.node_id, label, len(names))
             return
-        if offline():
+        if offline() and not self.peers():
             why, remedy = cache_only()
             raise HubUnavailableError(
-                f"{why} and {len(missing)} of the {len(names)} weight files of {label} are not in the cache "
-                f"{self.cache_dir} ({', '.join(missing)}): {remedy} so the node can download them",
+                f"{why}, no peer is linked, and {len(missing)} of the {len(names)} weight files of {label} are not in "
+                f"the cache {self.cache_dir} ({', '.join(missing)}): {remedy} so the node can download them",
                 code="model_not_cached")
+        fetchers = chosen_fetchers(folder, manifest, tied, members or {self.node_id: shard})
         self._wanted[owner] = frozenset(_key(manifest, name) for name in names)
+        self._sizes.update({_key(manifest, n): (manifest.files[n].sha256, manifest.files[n].size) for n in names})
         on_disk = {name: self._bytes_on_disk(manifest, folder, name) for name in names}
-        self._check_disk(label, sum(manifest.files[n].size - on_disk[n] for n in missing))
+        absent = sum(manifest.files[n].size - on_disk[n] for n in missing)
+        self._check_disk(label, absent)
         self.progress.start(label, {n: manifest.files[n].size for n in names}, on_disk)
-        log.info("node %s: %s: downloading %d of %d weight files (%d bytes)", self.node_id, label, len(missing),
-                 len(names), sum(manifest.files[n].size - on_disk[n] for n in missing))
-        await self._run_all(label, {_key(manifest, n): functools.partial(self._fetch, manifest, n) for n in missing})
+        log.info("node %s: %s: downloading %d of %d weight files (%d bytes; fetched for the plan by this node: %s)",
+                 self.node_id, label, len(missing), len(names), absent,
+                 ", ".join(n for n in missing if fetchers.get(n, self.node_id) == self.node_id) or "none")
+        await self._run_all(label, {_key(manifest, n): functools.partial(self._fetch, manifest, n, fetchers.get(n))
+                                    for n in missing})
 
     async def _ensure_ranges(self, manifest: RepoManifest, first: Path, shard: Shard, tied: bool,
                              owner: str) -> None:
@@ -163,6 +173,20 @@ class ShardDownloader:
         self.progress.finish()
         log.info("node %s: %s: download complete", self.node_id, label)
 
+    def sharing(self, repo_id: str, commit: str, name: str) -> Sharing | None:
+        """For a peer asking for a weight file this node does not hold whole: the transfer of it under way here (its
+        partial file grows), or that one is queued, or None when this node is not fetching it."""
+        key = f"{repo_id}@{commit}/{name}"
+        if not self._is_wanted(key):
+            return None
+        running = self._running.get(key)
+        if running is None or not running.running():
+            return Sharing(None, 0, lambda: False) if running is None or not running.done() else None
+        sha256, size = self._sizes.get(key, (None, 0))
+        if sha256 is None:
+            return None
+        return Sharing(blob_path(self.cache_dir, repo_id, sha256, PARTIAL_SUFFIX), size, running.done)
+
     def forget(self, owner: str) -> None:
         """The owner holds nothing any more (its instance was unloaded): its files' transfers stop."""
         self._wanted.pop(owner, None)
@@ -181,14 +205,17 @@ class ShardDownloader:
             self._running[key] = running
         return running
 
-    def _fetch(self, manifest: RepoManifest, name: str) -> None:
-        """One file, in a download thread; every failure becomes an error that says what to do."""
+    def _fetch(self, manifest: RepoManifest, name: str, fetcher: str | None) -> None:
+        """One file, in a download thread: from the member chosen to fetch it from the hub (waiting for it), else
+        a peer that holds it, else the hub; every failure becomes an error that says what to do."""
         remote = manifest.files[name]
         if not self._is_wanted(_key(manifest, name)):  # queued for a plan that has changed since
             raise DownloadStopped(f"the plan changed and no longer needs {name}")
+        peers = sorted(self.peers(), key=lambda peer: peer.node_id != fetcher)
+        chosen = peers[0] if peers and peers[0].node_id == fetcher else None
         with self._transfer_errors(manifest, name):
             fetch_file(self.cache_dir, manifest.repo_id, manifest.commit, name, remote,
-                       lambda count: self._received(_key(manifest, name), name, count), self.peers())
+                       lambda count: self._received(_key(manifest, name), name, count), peers, chosen)
         self.progress.file_done(name)
         log.info("node %s: %s: %s fetched and verified (%d bytes)", self.node_id, manifest.repo_id, name, remote.size)
 
@@ -230,7 +257,7 @@ class ShardDownloader:
             return remote.size
         if remote.sha256 is None:
             return 0
-        part = _blob_path(self.cache_dir, manifest.repo_id, remote.sha256, PARTIAL_SUFFIX)
+        part = blob_path(self.cache_dir, manifest.repo_id, remote.sha256, PARTIAL_SUFFIX)
         return part.stat().st_size if part.exists() else 0
 
     def _check_disk(self, label: str, needed: int) -> None:
@@ -248,10 +275,32 @@ class DownloadStopped(Exception):
     """Raised inside a transfer to end it early (its partial file stays, to be resumed)."""
 
 
+@dataclass(frozen=True)
+class Sharing:
+    """A weight file this node is fetching, as a peer may read it: its partial file (None: queued, not begun),
+    its size, and whether the transfer has ended."""
+
+    part: Path | None
+    size: int
+    finished: Callable[[], bool]
+
+
+def chosen_fetchers(folder: Path, manifest: RepoManifest, tied: bool, members: Mapping[str, Shard]) -> dict[str, str]:
+    """Which member fetches each weight file from the hub: the lowest node id among those whose shard needs it
+    (every member computes the same from the plan); the others fetch it from that one."""
+    fetchers: dict[str, str] = {}
+    for node_id in sorted(members, reverse=True):
+        for name in shard_files(folder, manifest, members[node_id], tied):
+            fetchers[name] = node_id
+    return fetchers
+
+
 def fetch_file(cache_dir: Path, repo_id: str, commit: str, name: str, remote: RemoteFile,
-               on_bytes: Callable[[int], None], peers: Sequence[PeerSource] = ()) -> None:
-    """Put one file of the repo at `commit` into the cache: resume its partial blob from a peer that holds it, else
-    from the hub; verify it, link it."""
+               on_bytes: Callable[[int], None], peers: Sequence[PeerSource] = (),
+               chosen: PeerSource | None = None) -> None:
+    """Put one file of the repo at `commit` into the cache: resume its partial blob from the peer chosen to fetch
+    it from the hub (waiting while it says the file is coming), else from a peer that holds it, else from the hub
+    (unless offline); verify it, link it."""
     pointer = storage_folder(cache_dir, repo_id) / "snapshots" / commit / name
     if pointer.exists():
         return
@@ -260,17 +309,17 @@ def fetch_file(cache_dir: Path, repo_id: str, commit: str, name: str, remote: Re
         hf_hub_download(repo_id, name, revision=commit, cache_dir=cache_dir, endpoint=endpoint(), **LIBRARY)
         on_bytes(remote.size)
         return
-    blob = _blob_path(cache_dir, repo_id, remote.sha256)
+    blob = blob_path(cache_dir, repo_id, remote.sha256)
     blob.parent.mkdir(parents=True, exist_ok=True)
     # Nodes sharing a cache (same home, or HF_HUB_CACHE) must not append to the same partial file at once.
-    with FileLock(str(_blob_path(cache_dir, repo_id, remote.sha256, ".exo-like.lock"))):
+    with FileLock(str(blob_path(cache_dir, repo_id, remote.sha256, ".exo-like.lock"))):
         if not (blob.is_file() and blob.stat().st_size == remote.size):
-            _download_blob(repo_id, commit, name, remote, blob, on_bytes, peers)
-        _link(blob, pointer)
+            _download_blob(repo_id, commit, name, remote, blob, on_bytes, peers, chosen)
+        link_blob(blob, pointer)
 
 
 def _download_blob(repo_id: str, commit: str, name: str, remote: RemoteFile, blob: Path,
-                   on_bytes: Callable[[int], None], peers: Sequence[PeerSource]) -> None:
+                   on_bytes: Callable[[int], None], peers: Sequence[PeerSource], chosen: PeerSource | None) -> None:
     assert remote.sha256 is not None
     part = blob.with_name(blob.name + PARTIAL_SUFFIX)
     resume = part.stat().st_size if part.exists() else 0
@@ -281,7 +330,11 @@ def _download_blob(repo_id: str, commit: str, name: str, remote: RemoteFile, blo
         log.info("%s: resuming %s at byte %d of %d", repo_id, name, resume, remote.size)
     with open(part, "ab") as file:
         writer = HashingWriter(file, part, resume, on_bytes)
-        if not any(peer.fetch(repo_id, commit, name, writer, remote.size) for peer in peers):
+        if not any(peer.fetch(repo_id, commit, name, writer, remote.size, patient=peer is chosen) for peer in peers):
+            if offline():
+                why, remedy = cache_only()
+                raise HubUnavailableError(f"{why} and no linked peer holds {name} of {repo_id}: {remedy} so the "
+                                          f"node can download it", code="model_not_cached")
             http_get(hf_hub_url(repo_id, name, revision=commit, endpoint=endpoint()), writer,
                      resume_size=writer.size, headers=build_hf_headers(**LIBRARY), expected_size=remote.size,
                      displayed_filename=name)
@@ -334,6 +387,10 @@ class HashingWriter:
     def flush(self) -> None:
         self._file.flush()
 
+    def check(self) -> None:
+        """Raise if the transfer should stop (the progress callback raises then)."""
+        self._on_bytes(0)
+
     def hexdigest(self) -> str:
         return self._hash.hexdigest()
 
@@ -344,18 +401,3 @@ class HashingWriter:
 
 def _key(manifest: RepoManifest, name: str) -> str:
     return f"{manifest.repo_id}@{manifest.commit}/{name}"
-
-
-def _blob_path(cache_dir: Path, repo_id: str, sha256: str, suffix: str = "") -> Path:
-    return storage_folder(cache_dir, repo_id) / "blobs" / f"{sha256}{suffix}"
-
-
-def _link(blob: Path, pointer: Path) -> None:
-    """snapshots/<commit>/<name> -> ../../blobs/<sha256>, as huggingface_hub lays out its cache."""
-    pointer.parent.mkdir(parents=True, exist_ok=True)
-    temporary = pointer.with_name(f"{pointer.name}.{os.getpid()}.link")
-    try:
-        os.symlink(os.path.relpath(blob, pointer.parent), temporary)
-    except OSError:
-        shutil.copyfile(blob, temporary)  # no symlinks on this filesystem
-    os.replace(temporary, pointer)

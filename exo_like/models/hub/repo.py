@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -162,7 +163,7 @@ def repo_manifest(repo_id: str, folder: Path, n_layers: int, tied: bool, cache_d
                   quant: QuantSpec | None = None) -> RepoManifest:
     """The repo's weight files and per-layer bytes at the snapshot's commit: from the cache, else the hub."""
     commit = folder.name
-    path = storage_folder(cache_dir, repo_id) / MANIFEST_FOLDER / f"{commit}.json"
+    path = manifest_path(cache_dir, repo_id, commit)
     if path.is_file():
         return RepoManifest.from_json(json.loads(path.read_text()))
     if offline():
@@ -170,11 +171,35 @@ def repo_manifest(repo_id: str, folder: Path, n_layers: int, tied: bool, cache_d
     else:
         with hub_errors(repo_id, cache_dir, "the layer sizes"):
             manifest = _fetch_manifest(repo_id, commit, folder, n_layers, tied, quant)
+    save_manifest(cache_dir, manifest)
+    return manifest
+
+
+def manifest_path(cache_dir: Path, repo_id: str, commit: str) -> Path:
+    return storage_folder(cache_dir, repo_id) / MANIFEST_FOLDER / f"{commit}.json"
+
+
+def save_manifest(cache_dir: Path, manifest: RepoManifest) -> None:
+    path = manifest_path(cache_dir, manifest.repo_id, manifest.commit)
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     temporary.write_text(json.dumps(manifest.to_json()))
     os.replace(temporary, path)  # atomic: a node sharing the cache never reads half a manifest
-    return manifest
+
+
+def blob_path(cache_dir: Path, repo_id: str, sha256: str, suffix: str = "") -> Path:
+    return storage_folder(cache_dir, repo_id) / "blobs" / f"{sha256}{suffix}"
+
+
+def link_blob(blob: Path, pointer: Path) -> None:
+    """snapshots/<commit>/<name> -> ../../blobs/<sha256>, as huggingface_hub lays out its cache."""
+    pointer.parent.mkdir(parents=True, exist_ok=True)
+    temporary = pointer.with_name(f"{pointer.name}.{os.getpid()}.link")
+    try:
+        os.symlink(os.path.relpath(blob, pointer.parent), temporary)
+    except OSError:
+        shutil.copyfile(blob, temporary)  # no symlinks on this filesystem
+    os.replace(temporary, pointer)
 
 
 def _fetch_manifest(repo_id: str, commit: str, folder: Path, n_layers: int, tied: bool,

@@ -17,13 +17,15 @@ import logging
 import time
 from dataclasses import replace
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any, Callable
 
 from exo_like.errors import ExoLikeError, ModelNotFoundError, ModelPendingError
 from exo_like.models.config import ModelArgs
 from exo_like.models.footprint import ModelDescription
+from exo_like.models.hub.peer_files import PeerSource, held_commit
 from exo_like.models.names.listing import list_models
-from exo_like.models.names.name import ModelName, parse_model_name
+from exo_like.models.names.name import ModelName, parse_model_name, pinned_key
 from exo_like.models.names.resolver import LoadedModel, resolve_model
 
 log = logging.getLogger(__name__)
@@ -32,8 +34,10 @@ RETRY_DESCRIBE_SECONDS = 30.0  # a model whose description could not be fetched 
 
 
 class ModelRegistry:
-    def __init__(self, home: Path, cache_dir: Path, node_id: str, on_prepared: Callable[[str], None]):
+    def __init__(self, home: Path, cache_dir: Path, node_id: str, on_prepared: Callable[[str], None],
+                 peers: Callable[[], Sequence[PeerSource]] = list):
         self.home = home
+        self.peers = peers  # the linked peers: a hub model's description (or a name's commit) is asked of them too
         self.cache_dir = cache_dir
         self.node_id = node_id
         self._on_prepared = on_prepared  # called on the event loop when a hub description arrives (or fails)
@@ -51,7 +55,7 @@ class ModelRegistry:
         found = self._find(text)
         if isinstance(found, LoadedModel):
             return found
-        return self._remember(resolve_model(found, self.home, self.cache_dir), found)
+        return self._remember(resolve_model(found, self.home, self.cache_dir, self.peers()), found)
 
     def known(self, text: str) -> LoadedModel | None:
         """The model if it can be had without the network: known already, or demo / a local folder (disk only)."""
@@ -76,6 +80,21 @@ class ModelRegistry:
         if known is not None:
             return known
         return await asyncio.shield(self._preparation(text))
+
+    def key_on_disk(self, text: str) -> str | None:
+        """For a peer without the hub: the key of the hub model `text` names, if this node has described it or holds
+        its description in its cache (else None: this node would have to ask the hub, which the peer could).
+        GGUF repos aside: their headers are not shared between peers."""
+        found = self._find_quietly(text)
+        if isinstance(found, LoadedModel):
+            return found.key if found.manifest is not None and not found.manifest.gguf else None
+        if found is None or found.kind != "hub" or found.tag is not None:
+            return None
+        for repo in found.repos:
+            commit = held_commit(self.cache_dir, repo, found.revision)
+            if commit is not None:
+                return pinned_key(repo, commit)
+        return None
 
     def describe(self, key: str) -> ModelDescription:
         """What planning needs. A hub model not described yet is fetched in the background meanwhile."""

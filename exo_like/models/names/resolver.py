@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from exo_like.errors import ExoLikeError, ModelNotFoundError, UnsupportedModelError
+from huggingface_hub.file_download import REGEX_COMMIT_HASH
+
+from exo_like.errors import ExoLikeError, HubUnavailableError, ModelNotFoundError, UnsupportedModelError
 from exo_like.models.config import ModelArgs
 from exo_like.models.demo import DEMO_NAME, ensure_demo_model
 from exo_like.models.footprint import ModelDescription, ModelFootprint, model_footprint
@@ -33,7 +36,8 @@ from exo_like.models.hub.repo import (
     repo_manifest,
 )
 from exo_like.models.names.catalog import PACKAGED, entry_for_repo
-from exo_like.models.names.name import ModelName, pinned_key
+from exo_like.models.hub.peer_files import PeerSource, described_by_peers
+from exo_like.models.names.name import ModelName, parse_model_name, pinned_key
 from exo_like.models.parameters import count_parameters
 from exo_like.models.shard import Shard
 from exo_like.models.tensor_split import GGUF_GROUP, group_sizes, split_align
@@ -117,12 +121,26 @@ class HubModel:
         return with_tag(pinned_key(self.repo_id, self.commit), self.tag)
 
 
-def resolve_model(name: ModelName, home: Path, cache_dir: Path) -> LoadedModel:
-    """The model a parsed name refers to, described. Blocking: a hub name may fetch from the hub, so call this
-    before the event loop runs or from a worker thread."""
+def resolve_model(name: ModelName, home: Path, cache_dir: Path, peers: Sequence[PeerSource] = ()) -> LoadedModel:
+    """The model a parsed name refers to, described. Blocking: a hub name may fetch from the hub (or the peers),
+    so call this before the event loop runs or from a worker thread."""
     if name.kind == "hub":
-        return describe_hub_model(fetch_hub_model(name, cache_dir), name)
+        return describe_hub_model(_hub_or_peers(name, home, cache_dir, peers), name)
     return describe_local_model(name, home)
+
+
+def _hub_or_peers(name: ModelName, home: Path, cache_dir: Path, peers: Sequence[PeerSource]) -> HubModel:
+    """A hub name from the hub; when the hub cannot be used (unreachable, offline, --no-downloads), the commit a
+    peer resolved it to, described by that peer."""
+    try:
+        return fetch_hub_model(name, cache_dir, peers)
+    except HubUnavailableError:
+        key = next((key for peer in peers if (key := peer.key_of(name.text)) is not None), None)
+        pinned = parse_model_name(key, home) if key is not None else None
+        if pinned is None or pinned.kind != "hub" or pinned.revision is None:
+            raise
+        log.info("%s: the hub cannot be used; a peer serves it as %s", name.text, key)
+        return fetch_hub_model(pinned, cache_dir, peers)
 
 
 # -- local models: demo, folders, GGUF files, packaged files ------------------------------------------------------
@@ -173,7 +191,7 @@ def describe_hub_model(hub: HubModel, name: ModelName) -> LoadedModel:
                        frozenset(aliases), name, hub.manifest)
 
 
-def fetch_hub_model(name: ModelName, cache_dir: Path) -> HubModel:
+def fetch_hub_model(name: ModelName, cache_dir: Path, peers: Sequence[PeerSource] = ()) -> HubModel:
     """Fetch (or read from the cache) what planning needs, from the first of the name's repos that works.
 
     Repos already in the cache are tried first, so a catalog name keeps meaning the repo a node has."""
@@ -181,7 +199,7 @@ def fetch_hub_model(name: ModelName, cache_dir: Path) -> HubModel:
     failures: list[tuple[str, ExoLikeError]] = []
     for repo in repos:
         try:
-            return _fetch_repo(repo, cache_dir, name.revision, name.tag)
+            return _fetch_repo(repo, cache_dir, name.revision, name.tag, peers)
         except ExoLikeError as exc:
             if len(repos) == 1:
                 raise
@@ -192,13 +210,17 @@ def fetch_hub_model(name: ModelName, cache_dir: Path) -> HubModel:
     raise type(first)(f"no repo of {name.text!r} can be used: {reasons}", code=first.code)
 
 
-def _fetch_repo(repo_id: str, cache_dir: Path, revision: str | None, tag: str | None) -> HubModel:
+def _fetch_repo(repo_id: str, cache_dir: Path, revision: str | None, tag: str | None,
+                peers: Sequence[PeerSource]) -> HubModel:
     """A GGUF repo (named with a tag, or by a name ending in GGUF) by its file's headers; else a transformers repo
-    by its small files and weight headers, falling back to its GGUF files when it has no config.json."""
+    by its small files and weight headers, falling back to its GGUF files when it has no config.json. A commit's
+    description held here or by a peer is taken from there: a commit never changes."""
     if tag is not None or repo_id.lower().endswith("gguf"):
         return HubModel(repo_id, *prepare_gguf_repo(repo_id, cache_dir, revision, tag), tag=tag)
+    pinned = revision is not None and REGEX_COMMIT_HASH.match(revision) is not None
+    held = described_by_peers(cache_dir, repo_id, revision, peers) if revision is not None and pinned else None
     try:
-        folder = download_metadata(repo_id, cache_dir, revision)
+        folder = held or download_metadata(repo_id, cache_dir, revision)
     except NotTransformersRepoError as not_transformers:
         try:
             return HubModel(repo_id, *prepare_gguf_repo(repo_id, cache_dir, revision, None))
