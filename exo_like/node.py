@@ -1,4 +1,6 @@
-"""The node: identity, peers, the agreed plan, this node's shard, and the generator the HTTP API serves.
+"""The node wires its parts: identity, engine, model registry and downloads, peer links and discovery, membership,
+the instances (exo_like/instances/: plans, parts, keep_alive, the router of ring messages), its reports and
+watchdogs. It does none of their work.
 
 One node alone is a ring of one; with peers, the same code runs a stage of a ring that spans machines.
 """
@@ -25,7 +27,6 @@ from exo_like import __version__
 from exo_like.cluster.identity import claim_identity, default_node_name
 from exo_like.cluster.membership import Cluster
 from exo_like.cluster.node_info import NodeInfo
-from exo_like.cluster.node_load import NodeLoad
 from exo_like.cluster.peers import DEFAULT_PEER_TIMEOUT, PeerLink, PeerNetwork, cluster_key_digest
 from exo_like.cluster.protocol import (
     DEFAULT_MAX_FRAME_BYTES,
@@ -43,6 +44,8 @@ from exo_like.engines.base import Engine
 from exo_like.engines.choice import create_engine
 from exo_like.instances.instance import Instance
 from exo_like.instances.model_lifecycle import ModelLifecycle
+from exo_like.instances.reports import NodeReports
+from exo_like.instances.watchdogs import Watchdogs
 from exo_like.instances.manager import DEFAULT_KEEP_ALIVE, Instances
 from exo_like.instances.router import Router
 from exo_like.instances.runtime import InstancePart, NodeServices
@@ -70,8 +73,6 @@ DEFAULT_CLUSTER_KEY = "exo-like-default-cluster-key"
 # A stage inside one engine step (a decode token, or one prefill chunk) for this long is taken to be hung. Generous:
 # a big model's prefill chunk on a slow CPU takes minutes, and a false alarm kills a healthy request.
 DEFAULT_STEP_TIMEOUT = 300.0
-STEP_WATCH_SECONDS = 1.0
-GROUP_WATCH_SECONDS = 0.2
 
 
 def default_home() -> Path:
@@ -139,9 +140,10 @@ class Node:
         self.joined: Joined | None = None  # the parts built once the port is bound (start)
         self.lifecycle = ModelLifecycle(self.node_id, self.models, self.downloader, self.cache_dir,
                                         lambda: self.instances, lambda: self.stopping, int(self.started))
-        self.metrics = Metrics(self.current_load, self._peer_rtts)
+        self.reports = NodeReports(self.node_id, self.engine, self.download_progress, self._parts,
+                                   self.lifecycle.served, self.started)
+        self.metrics = Metrics(self.reports.current_load, self._peer_rtts)
         self.grammars = GrammarVocabularies()
-        self._replays = 0
 
     # -- models -------------------------------------------------------------------------------------------
 
@@ -160,8 +162,10 @@ class Node:
         """Join the cluster: identity, peer links, discovery and plan agreement (call once the port is bound)."""
         self.joined = joined = self._join(host, port)
         self._spawn(show_progress(self.download_progress, self.node_id))
-        self._spawn(self._watch_steps())
-        self._spawn(self._watch_group())
+        watchdogs = Watchdogs(self.node_id, joined.cluster, joined.instances, joined.groups, self._parts,
+                              self.options.step_timeout)
+        self._spawn(watchdogs.watch_steps())
+        self._spawn(watchdogs.watch_group())
         log.info("node %s (%s): %s engine on %s, %.1f GiB for layers, cluster key %s", self.node_id,
                  joined.info.name, self.engine.name, self.engine.device_name, joined.info.memory_bytes / 2**30,
                  "set" if self.options.cluster_key != DEFAULT_CLUSTER_KEY else "default")
@@ -188,7 +192,7 @@ class Node:
                            self.options.remeasure, self.models.files, lambda: peers.lowest_round_trips(RTT_SAMPLES),
                            lambda: self.instances and self.instances.replan(), self.options.parallel,
                            peers.bandwidths)
-        cluster = Cluster(info, peers, self.current_load)
+        cluster = Cluster(info, peers, self.reports.current_load)
         instances = Instances(cluster, self.models.describe, self._make_part, speed, self.options.keep_alive,
                               self.options.request_wait)
         router = Router(self.node_id, instances, lambda message: self._spawn(self._refuse(message)))
@@ -247,7 +251,7 @@ class Node:
         return InstancePart(instance, services)
 
     def _replayed(self) -> None:
-        self._replays += 1
+        self.reports.replays += 1
         self.metrics.request_replays.inc()
 
     def _group_formed(self, spec: GroupSpec, ready: Ready) -> None:
@@ -359,38 +363,6 @@ class Node:
             return []
         return [instance.part for instance in self.instances.instances.values()]  # type: ignore[misc]
 
-    async def _watch_steps(self) -> None:
-        """Stop requests whose ring has a hung stage: one whose node is alive (so its link stays up) while its
-        engine has been inside one step for longer than --step-timeout."""
-        while True:
-            await asyncio.sleep(STEP_WATCH_SECONDS)
-            for part in self._parts():
-                part.generator.fail_stalled(self._step_seconds, self.options.step_timeout)
-
-    async def _watch_group(self) -> None:
-        """Re-form this node's tensor-parallel group when its worker exits while the plan stands (a crash, or the
-        group broke because another member's did): the others' workers exit too, and every member starts anew."""
-        handled: int | None = None  # the exited worker already acted on
-        while True:
-            await asyncio.sleep(GROUP_WATCH_SECONDS)
-            groups = self.groups
-            worker = groups.worker if groups is not None else None
-            if worker is None or worker.pid == handled or not groups.broken() or self.instances is None:
-                continue
-            handled = worker.pid
-            log.warning("node %s: the worker of its tensor-parallel rank (process %d) exited with code %s; the "
-                        "group forms anew", self.node_id, worker.pid, worker.process.returncode)
-            for instance in self.instances.instances.values():
-                if instance.part.shards.grouped:  # type: ignore[attr-defined]
-                    instance.reload()
-
-    def _step_seconds(self, node_id: str) -> float:
-        """How long a member's engine has been inside its current step: ours now, a peer's as last announced."""
-        if node_id == self.node_id:
-            return max((part.stage.step_seconds() for part in self._parts()), default=0.0)
-        announcement = self.cluster.announcements.get(node_id) if self.cluster is not None else None
-        return announcement.load.step_seconds if announcement is not None else 0.0
-
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
@@ -398,60 +370,10 @@ class Node:
 
     # -- reporting ----------------------------------------------------------------------------------------
 
-    def generation_stats(self) -> dict[str, object]:
-        totals = {"in_flight_requests": 0, "active_kv_caches": 0, "requests_total": 0, "tokens_generated_total": 0,
-                  "replays_total": self._replays}
-        for part in self._parts():
-            for key, value in part.generator.stats().items():
-                if key != "replays_total":
-                    totals[key] += int(value)  # type: ignore[call-overload]
-        return totals
-
     def status(self) -> dict[str, object]:
-        """What /health reports (and what a dashboard shows about this node)."""
-        served = self.lifecycle.served()
-        engines = [part.serving for part in self._parts()]
-        return {
-            "status": "stopping" if self.stopping else "ok",
-            "node_id": self.node_id,
-            "model": served[0].model_id if served else None,
-            "models": [model.model_id for model in served],
-            "engine": self.engine.name,
-            "device": self.engine.device_name,
-            "dtype": engines[0].dtype_name if engines else self.engine.dtype_name,
-            # The bytes this node's layers hold; of a quantized model, the matrices run quantized and those
-            # dequantized for want of a kernel.
-            "weights": {"parameter_bytes": sum(engine.parameter_bytes() for engine in engines),
-                        "quantized": _added(engine.weight_forms.quantized for engine in engines),
-                        "dequantized": _added(engine.weight_forms.dequantized for engine in engines)},
-            "uptime_seconds": round(time.time() - self.started, 1),
-            "cluster_ready": bool(self.instances and any(i.ready for i in self.instances.instances.values())),
-            **self.generation_stats(),
-        }
-
-    def current_load(self) -> NodeLoad:
-        """What this node is doing now (shared with peers in its announcements)."""
-        parts = self._parts()
-        engines = [part.serving for part in parts]
-        numerics = next((engine.numerics() for engine in engines if engine.shard is not None), None)
-        weights = {"quantized_weights": _added(engine.weight_forms.quantized for engine in engines),
-                   "dequantized_weights": _added(engine.weight_forms.dequantized for engine in engines),
-                   "numerics": numerics if numerics is not None else self.engine.numerics()}
-        if not parts:
-            return NodeLoad(download=self.download_progress.status(), **weights)
-        steps = [s for part in parts if (s := part.stage.decode_step_seconds.median()) is not None]
-        counts: dict[str, int] = {}
-        for part in parts:
-            for key, value in part.stage.scheduler_counts().items():
-                counts[key] = counts.get(key, 0) + value
-        return NodeLoad(sum(p.stage.throughput.rate() for p in parts),
-                        sum(p.generator.throughput.rate() for p in parts),
-                        sum(len(p.generator.in_flight) for p in parts), any(p.stage.busy() for p in parts),
-                        self.download_progress.status(), max(p.stage.step_seconds() for p in parts),
-                        max(steps) * 1000 if steps else None, sum(engine.kv_blocks for engine in engines),
-                        kv_window_blocks=sum((e.kv_size and e.kv_size.window_blocks) or 0 for e in engines),
-                        **counts, **weights, replays=self._replays,
-                        recovering=_added(p.generator.recovering() for p in parts))
+        """What /health reports."""
+        ready = self.instances is not None and any(i.ready for i in self.instances.instances.values())
+        return self.reports.status(self.stopping, ready)
 
     def _peer_sources(self) -> list[PeerSource]:
         """The linked peers, as sources of the models their caches hold (asked before the hub). Called from download
@@ -483,14 +405,3 @@ class Node:
         else:
             await self.cluster.wait_change(timeout)
 
-    def in_flight(self) -> list[dict[str, object]]:
-        return [progress.to_json() for part in self._parts() for progress in part.generator.in_flight.values()]
-
-
-def _added(counts: Any) -> dict[str, int]:
-    """Maps of counts added key by key."""
-    total: dict[str, int] = {}
-    for each in counts:
-        for key, value in each.items():
-            total[key] = total.get(key, 0) + value
-    return total

@@ -259,7 +259,7 @@ async def health(request: web.Request) -> web.Response:
 async def debug_requests(request: web.Request) -> web.Response:
     """In-flight requests and KV caches: what the dashboard shows, and how tests see a cancelled request."""
     node = request.app[NODE_KEY]
-    return web.json_response({"requests": node.in_flight(), **node.generation_stats()})
+    return web.json_response({"requests": node.reports.in_flight(), **node.reports.generation_stats()})
 
 
 async def cluster_view(request: web.Request) -> web.Response:

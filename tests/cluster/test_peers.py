@@ -600,9 +600,13 @@ async def test_a_running_node_refuses_invalid_frames_and_goes_on_serving(checkpo
         link = await net.dial("127.0.0.1", node.port)
         assert link is not None
         cases = bad_frames(DEFAULT_MAX_FRAME_BYTES)
-        for _, frame, _ in cases:
-            await link.ws.send_bytes(frame)
-        await link.send(PlanState((), (), NodeLoad(tokens_per_second=12.5).to_json()))
+        try:
+            for _, frame, _ in cases:
+                await link.ws.send_bytes(frame)
+            await link.send(PlanState((), (), NodeLoad(tokens_per_second=12.5).to_json()))
+        except ConnectionError as exc:  # the link closed under the frames: say why, as the node saw it
+            pytest.fail(f"the link closed ({exc}; close code {link.ws.close_code}); the node's log ends:\n"
+                        f"{node.log()[-4000:]}")
         assert await asyncio.to_thread(node_wait_for, lambda: _announced_rate(node, "frame-tester") == 12.5)
         assert net.linked(link.remote.node_id) and not link.closed  # the same link all along
         refused = [line for line in node.log().splitlines() if "refused a frame from frame-tester" in line]
