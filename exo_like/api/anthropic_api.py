@@ -309,7 +309,15 @@ def _message(started: Started, response_id: str, content: list[dict[str, Any]]) 
     stop_reason, stop_sequence = _stop_reason(generation) if generation.finish_reason else (None, None)
     return {"id": response_id, "type": "message", "role": "assistant", "model": started.model.model_id,
             "content": content, "stop_reason": stop_reason, "stop_sequence": stop_sequence,
-            "usage": {"input_tokens": len(generation.prompt_tokens), "output_tokens": generation.completion_tokens}}
+            "usage": _usage(generation)}
+
+
+def _usage(generation: TextGeneration) -> dict[str, int]:
+    """Anthropic's usage: input_tokens are the prompt's tokens not read from the cache (the prefix cache's are
+    cache_read_input_tokens; nothing is written to a cache on request, so cache_creation_input_tokens is 0)."""
+    return {"input_tokens": len(generation.prompt_tokens) - generation.cached_tokens,
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": generation.cached_tokens,
+            "output_tokens": generation.completion_tokens}
 
 
 def _stop_reason(generation: TextGeneration) -> tuple[str, str | None]:
@@ -387,5 +395,5 @@ async def _events(request: web.Request, started: Started, response_id: str) -> A
     record(request.app[NODE_KEY], choices)  # before the stream ends, so a client that scrapes /metrics sees it
     stop_reason, stop_sequence = _stop_reason(choices.generations[0])
     yield _event("message_delta", delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                 usage={"output_tokens": choices.generations[0].completion_tokens})
+                 usage=_usage(choices.generations[0]))
     yield _event("message_stop")

@@ -8,6 +8,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from contextlib import aclosing, suppress
 from dataclasses import dataclass
+from typing import Any
 
 from exo_like.api.completion import Piece, TextGeneration, joined
 
@@ -20,11 +21,14 @@ class ChoiceSet:
     def request_id(self) -> str:
         return self.generations[0].request_id
 
-    def usage(self) -> dict[str, int]:
-        """The prompt counted once (its keys and values are computed once), every choice's completion."""
+    def usage(self) -> dict[str, Any]:
+        """OpenAI's usage: the prompt counted once (its keys and values are computed once), every choice's
+        completion, and the prompt tokens the first choice found in the prefix cache (as OpenAI and vLLM report
+        them; the other choices find the whole prompt there by design)."""
         prompt = len(self.generations[0].prompt_tokens)
         completion = sum(g.completion_tokens for g in self.generations)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": self.generations[0].cached_tokens}}
 
     async def pieces(self) -> AsyncIterator[tuple[int, Piece | None]]:
         """(choice index, piece) as they come; (index, None) once that choice has ended (its finish_reason set).

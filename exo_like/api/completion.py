@@ -87,6 +87,7 @@ class TextGeneration:
     request_id: str = ""
     finish_reason: str | None = None
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (known with the first token)
     started: float = field(default_factory=time.monotonic)
     token_times: list[float] = field(default_factory=list)  # when each token arrived (monotonic), for /metrics
     recorded: bool = False  # counted in /metrics already
@@ -97,11 +98,6 @@ class TextGeneration:
 
     def __post_init__(self) -> None:
         self.request_id = self.request_id or uuid.uuid4().hex
-
-    def usage(self) -> dict[str, int]:
-        prompt = len(self.prompt_tokens)
-        return {"prompt_tokens": prompt, "completion_tokens": self.completion_tokens,
-                "total_tokens": prompt + self.completion_tokens}
 
     async def deltas(self) -> AsyncIterator[Piece]:
         """Pieces of text (content and tool calls when the output is read for them), non-empty unless they only
@@ -151,6 +147,8 @@ class TextGeneration:
                                          self.max_tokens, eos)
         async with aclosing(tokens):
             async for choice in tokens:
+                if not self.first_token.is_set():
+                    self.cached_tokens = self.generator.cached_tokens(self.request_id)
                 self.first_token.set()
                 token = choice.token
                 self.completion_tokens += 1

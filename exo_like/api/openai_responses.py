@@ -27,7 +27,7 @@ class ResponseFormat:
     created: int = field(default_factory=lambda: int(time.time()))
     token_text: Callable[[int], str] | None = None  # set when the request asked for log-probabilities
 
-    def whole(self, choices: Sequence[tuple[Piece, str]], usage: dict[str, int]) -> dict[str, Any]:
+    def whole(self, choices: Sequence[tuple[Piece, str]], usage: dict[str, Any]) -> dict[str, Any]:
         """The response to a request: each choice's (whole piece, finish reason)."""
         return {**self._header("chat.completion" if self.chat else "text_completion"),
                 "choices": [self._whole_choice(i, *choice) for i, choice in enumerate(choices)], "usage": usage}
@@ -66,7 +66,7 @@ class ResponseFormat:
     def finish_chunk(self, finish_reason: str, index: int = 0) -> dict[str, Any]:
         return self._chunk(index, {} if self.chat else "", finish_reason)
 
-    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
+    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
         return {**self._header(self._chunk_object), "choices": [], "usage": usage}
 
     @property

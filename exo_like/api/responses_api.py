@@ -294,7 +294,7 @@ class ResponseEvents:
             events += self._close_message("completed") + self._call(call)
         return events
 
-    def finish(self, finish_reason: str, usage: dict[str, int]) -> list[Event]:
+    def finish(self, finish_reason: str, usage: dict[str, Any]) -> list[Event]:
         """The events that end the response; the last one carries the whole response object."""
         cut = finish_reason == "length"
         events = self._close_message("incomplete" if cut else "completed")
@@ -357,9 +357,10 @@ def _text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": []}
 
 
-def _usage(usage: dict[str, int]) -> dict[str, Any]:
+def _usage(usage: dict[str, Any]) -> dict[str, Any]:
     return {"input_tokens": usage["prompt_tokens"],
-            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+            "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+                                     "cache_write_tokens": 0},
             "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": usage["total_tokens"]}
 

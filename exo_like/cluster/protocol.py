@@ -381,6 +381,8 @@ def sample_to_wire(spec: SampleSpec) -> dict[str, Any]:
             "prompt_len": spec.prompt_len}
     if spec.history is not None:
         wire["history"] = list(spec.history)
+    if spec.cached:
+        wire["cached"] = spec.cached
     return wire
 
 
@@ -393,7 +395,10 @@ def sample_from_wire(data: Any) -> SampleSpec:
         number(data, "repetition_penalty", 1 / PENALTY, PENALTY), _logit_bias(data),
         integer(data, "logprobs", 0, MAX_LOGPROBS, optional=True), string(data, "grammar", MAX_GRAMMAR, optional=True))
     spec = SampleSpec(params, integer(data, "max_tokens", 1, INT64 - 1), integers(data, "eos"),
-                      integer(data, "prompt_len", 1), integers(data, "history") if "history" in data else None)
+                      integer(data, "prompt_len", 1), integers(data, "history") if "history" in data else None,
+                      integer(data, "cached", 0, INT64 - 1, optional=True) or 0)
+    if spec.cached >= spec.prompt_len:
+        raise ProtocolError(f"field 'cached': {spec.cached} tokens, not fewer than the prompt's {spec.prompt_len}")
     if spec.history is not None and len(spec.history) < spec.prompt_len:
         raise ProtocolError(f"field 'history': {len(spec.history)} tokens, fewer than the prompt's {spec.prompt_len}")
     return spec
@@ -513,24 +518,27 @@ def _activations(data: Any) -> Activations:
 
 @dataclass(frozen=True)
 class SampledToken:
-    """A token the last stage sampled; with its log-probability and the likeliest tokens' when the request asked."""
+    """A token the last stage sampled; with its log-probability and the likeliest tokens' when the request asked,
+    and (on a request's first token) the prompt tokens the first stage took from its prefix cache."""
 
     rid: str
     token: int
     done: bool
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] = ()
+    cached: int = 0
 
     def to_wire(self) -> list[Any]:
-        if self.logprob is None:
+        if self.logprob is None and not self.cached:
             return [self.rid, self.token, self.done]
-        return [self.rid, self.token, self.done, self.logprob, [list(pair) for pair in self.top_logprobs]]
+        wire = [self.rid, self.token, self.done, self.logprob, [list(pair) for pair in self.top_logprobs]]
+        return wire + [self.cached] if self.cached else wire
 
     @classmethod
     def from_wire(cls, data: Any) -> "SampledToken":
-        if not isinstance(data, list) or len(data) not in (3, 5):
+        if not isinstance(data, list) or len(data) not in (3, 5, 6):
             raise ProtocolError("field 'tokens': each sampled token is [rid, token, done] or [rid, token, done, "
-                                "logprob, top_logprobs]")
+                                "logprob, top_logprobs] or [rid, token, done, logprob, top_logprobs, cached]")
         rid, token, done = data[:3]
         token_fields = (string({"rid": rid}, "rid"), check_int(token, "token", 0, 2**31 - 1),
                         boolean({"done": done}, "done"))
@@ -540,8 +548,9 @@ class SampledToken:
         if not isinstance(top, list) or len(top) > MAX_LOGPROBS or \
                 not all(isinstance(pair, list) and len(pair) == 2 for pair in top):
             raise ProtocolError(f"field 'top_logprobs': at most {MAX_LOGPROBS} [token, logprob] pairs")
-        return cls(*token_fields, _logprob(data[3]),
-                   tuple((check_int(t, "top_logprobs", 0, 2**31 - 1), _logprob(lp)) for t, lp in top))
+        cached = check_int(data[5], "cached", 0, 2**62) if len(data) == 6 else 0
+        return cls(*token_fields, None if data[3] is None and cached else _logprob(data[3]),
+                   tuple((check_int(t, "top_logprobs", 0, 2**31 - 1), _logprob(lp)) for t, lp in top), cached)
 
 
 def _logprob(value: Any) -> float:

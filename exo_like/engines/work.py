@@ -73,6 +73,7 @@ class SampleSpec:
     eos: tuple[int, ...]
     prompt_len: int  # the request's own prompt: tokens past it are generated ones
     history: tuple[int, ...] | None = None
+    cached: int = 0  # prompt tokens the first stage took from its prefix cache (the last stage reports them)
 
 
 @dataclass(frozen=True)

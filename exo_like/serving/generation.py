@@ -39,6 +39,7 @@ class RequestProgress:
     lost_nodes: tuple[str, ...] = ()  # names of the nodes whose loss made it replay, oldest first
     recovery_deadline: float = 0.0  # monotonic time by which a ring must have re-formed under it
     retries: int = 0  # attempts within the current pause on the plan that had just failed
+    cached_tokens: int = 0  # prompt tokens the first stage found in its prefix cache (known with the first token)
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -67,6 +68,11 @@ class TokenGenerator(ABC):
                  eos_ids: Collection[int]) -> AsyncIterator[Choice]:
         """Yield up to max_tokens sampled tokens (with their log-probabilities when `sampling` asks for them); the
         last one is an eos id when generation ended on EOS."""
+
+    def cached_tokens(self, request_id: str) -> int:
+        """The prompt tokens of an in-flight request that came from the prefix cache (0 once it is over)."""
+        progress = self.in_flight.get(request_id)
+        return progress.cached_tokens if progress is not None else 0
 
     @abstractmethod
     def active_kv_caches(self) -> int:

@@ -104,7 +104,9 @@ class RingGenerator(TokenGenerator):
                 try:
                     await self._submit(attempt, tokens, spec)
                     while not finished:
-                        choice, finished = await self._next(attempt)
+                        choice, finished, cached = await self._next(attempt)
+                        if progress.generated_tokens == 0:
+                            progress.cached_tokens = cached
                         tokens.append(choice.token)
                         progress.generated_tokens += 1
                         progress.recovering = None
@@ -135,8 +137,8 @@ class RingGenerator(TokenGenerator):
             raise RingLost(f"the first stage {self._name(first)} is unreachable: {exc}", (first,)) from exc
 
     @staticmethod
-    async def _next(attempt: _Attempt) -> tuple[Choice, bool]:
-        """The attempt's next (token, last); raises what ended it."""
+    async def _next(attempt: _Attempt) -> tuple[Choice, bool, int]:
+        """The attempt's next (token, last, prompt tokens from the prefix cache); raises what ended it."""
         item = await attempt.queue.get()
         if isinstance(item, Exception):
             raise item
@@ -190,7 +192,8 @@ class RingGenerator(TokenGenerator):
             for token in message.tokens:
                 attempt = self._attempts.get(token.rid)
                 if attempt is not None:
-                    attempt.queue.put_nowait((Choice(token.token, token.logprob, token.top_logprobs), token.done))
+                    attempt.queue.put_nowait((Choice(token.token, token.logprob, token.top_logprobs), token.done,
+                                              token.cached))
         elif isinstance(message, Error):
             attempt = self._attempts.get(message.rid)
             if attempt is not None:

@@ -69,6 +69,7 @@ class Sequence:
     registered: int = 0  # leading blocks registered in the prefix cache
     parent_hash: bytes = ROOT_HASH  # hash of the last registered block
     history_sent: bool = False  # the last stage has its sampling state (sent once, see _sample_spec)
+    admitted: bool = False  # admitted once already (a preempted request's own blocks are no cache hit)
     in_flight: bool = False  # a token is being sampled for it: it has nothing to compute until that arrives
     batch: int = -1  # the step whose token it awaits, while in flight
 
@@ -264,6 +265,9 @@ class Scheduler:
         if self.limits.prefix_cache:
             self.prefix_queries += len(seq.tokens)
             self.prefix_hits += seq.registered * BLOCK_SIZE
+            if not seq.admitted and seq.registered:  # the request's usage reports them (its first token brings it)
+                seq.sample = replace(seq.sample, cached=seq.registered * BLOCK_SIZE)
+        seq.admitted = True
         return count
 
     def _grow(self, seq: Sequence, count: int, chosen: list[tuple[Sequence, int]]) -> int:

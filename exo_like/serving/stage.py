@@ -315,7 +315,8 @@ class StageWorker:
                     or (constraint is not None and constraint.finished and not spec.eos))
             if done:
                 self.sampler_states.pop(item.rid, None)
-            sampled.append((item, SampledToken(item.rid, choice.token, done, choice.logprob, choice.top_logprobs)))
+            sampled.append((item, SampledToken(item.rid, choice.token, done, choice.logprob, choice.top_logprobs,
+                                               spec.cached if index == 0 else 0)))
         return sampled
 
     def _state(self, rid: str, spec: SampleSpec) -> SamplerState | None:

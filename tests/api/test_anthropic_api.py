@@ -32,6 +32,11 @@ FORCE_WEATHER = {"type": "tool", "name": "get_weather", "disable_parallel_tool_u
 GREEDY = {"temperature": 0}
 
 
+def prompt_tokens(message) -> int:  # type: ignore[no-untyped-def]
+    """The prompt's tokens as Anthropic counts them in a reply: those read from the cache are apart."""
+    return message.usage.input_tokens + message.usage.cache_read_input_tokens
+
+
 def client(node: NodeProcess) -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=node.base_url, api_key="x", max_retries=0, timeout=120)
 
@@ -105,10 +110,10 @@ def test_a_message_has_text_and_usage_and_counts_its_prompt(tools_node: NodeProc
     assert reply.model == tools_checkpoint.name  # the model id: its folder
     assert [block.type for block in reply.content] in (["text"], [])
     assert reply.stop_reason in ("end_turn", "max_tokens") and reply.stop_sequence is None
-    assert 0 < reply.usage.output_tokens <= 8 and reply.usage.input_tokens > 5
+    assert 0 < reply.usage.output_tokens <= 8 and prompt_tokens(reply) > 5
     assert (reply.stop_reason == "max_tokens") == (reply.usage.output_tokens == 8)
     counted = api.messages.count_tokens(model=str(tools_checkpoint), messages=ASK)
-    assert counted.input_tokens == reply.usage.input_tokens
+    assert counted.input_tokens == prompt_tokens(reply)
     with_tools = api.messages.count_tokens(model=str(tools_checkpoint), messages=ASK, tools=TOOLS)
     assert with_tools.input_tokens > counted.input_tokens + 20  # the template shows the tools
 
@@ -123,7 +128,7 @@ def test_a_stream_accumulates_into_the_same_message(tools_node: NodeProcess,  # 
         streamed = stream.get_final_message()
     assert streamed.content and text_of(streamed) == text_of(whole)
     assert (streamed.stop_reason, streamed.stop_sequence) == (whole.stop_reason, whole.stop_sequence)
-    assert streamed.usage.input_tokens == whole.usage.input_tokens
+    assert prompt_tokens(streamed) == prompt_tokens(whole)
     assert streamed.usage.output_tokens == whole.usage.output_tokens
     assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
     assert kinds[1] == "content_block_start" and kinds[-3] == "content_block_stop"
@@ -137,7 +142,7 @@ def test_a_system_prompt_as_text_or_as_blocks_is_the_same_prompt(tools_node: Nod
     as_text = api.messages.create(**request, system="Answer in one word.")
     as_blocks = api.messages.create(**request, system=[
         {"type": "text", "text": "Answer in one word.", "cache_control": {"type": "ephemeral"}}])
-    assert as_text.usage.input_tokens == as_blocks.usage.input_tokens > plain.usage.input_tokens
+    assert prompt_tokens(as_text) == prompt_tokens(as_blocks) > prompt_tokens(plain)
     assert text_of(as_text) == text_of(as_blocks)
 
 
@@ -169,10 +174,10 @@ def test_a_forced_tool_call_and_its_result_make_a_round_trip(tools_node: NodePro
     second = api.messages.create(model=str(tools_checkpoint), max_tokens=8, messages=conversation, tools=TOOLS,
                                  tool_choice={"type": "none"}, extra_body=GREEDY)
     assert second.stop_reason in ("end_turn", "max_tokens") and not tool_uses(second)
-    assert second.usage.input_tokens > first.usage.input_tokens + 10  # the call and its result are in the prompt
+    assert prompt_tokens(second) > prompt_tokens(first) + 10  # the call and its result are in the prompt
     counted = api.messages.count_tokens(model=str(tools_checkpoint), messages=conversation, tools=TOOLS,
                                         tool_choice={"type": "none"})
-    assert counted.input_tokens == second.usage.input_tokens
+    assert counted.input_tokens == prompt_tokens(second)
 
 
 def test_a_streamed_tool_call_accumulates_into_the_same_input(tools_node: NodeProcess,  # noqa: F811
