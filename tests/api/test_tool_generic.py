@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 
-from exo_like.api.tool_calls import ToolCall
+from exo_like.api.tool_calls import Tool, ToolCall
 from exo_like.api.tool_calls.detect import detect
 from exo_like.api.tool_calls.generic import GENERIC, prompt_messages, tools_text
 from exo_like.models.demo import CHAT_TEMPLATE
@@ -199,3 +200,14 @@ def test_earlier_calls_and_results_become_text() -> None:
         {"role": "user", "content": result_1 + '\n{"tool_result": {"id": "call_2", "name": "now", "content": "noon"}}'},
     ]
     assert summary(run(GENERIC, [prompt_messages(conversation, (), True)[1]["content"]])) == ("", [PARIS])
+
+
+def test_docs_give_the_system_message_exactly() -> None:
+    docs = (Path(__file__).parents[2] / "docs" / "api.md").read_text()
+    section = docs[docs.index("### Tools on models without a tool template"):]
+    shown = section[section.index("```\n") + 4:section.index("\n```", section.index("```\n") + 4)].splitlines()
+    weather = Tool("get_weather", "The weather in a city.", {"type": "object"})
+    written = tools_text([weather], parallel=True).splitlines()
+    # (The tools' line in the docs elides the schema.)
+    assert shown[1] == written[1].replace('{"type": "object"}', "{...}")
+    assert shown[:1] + shown[2:] == written[:1] + written[2:]

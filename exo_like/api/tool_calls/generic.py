@@ -60,22 +60,24 @@ def prompt_messages(messages: Sequence[dict[str, Any]], tools: Sequence[Tool], p
 
 def _history_as_text(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
+    results_open = False  # out[-1] is a user message of tool results, which the next result joins
     for message in messages:
         if message["role"] == "tool":
             line = json.dumps({RESULT_KEY: {"id": message.get("tool_call_id"), "name": message.get("name"),
                                             "content": message["content"]}}, ensure_ascii=False)
-            if out and out[-1].get("tool_results"):
-                out[-1] = {**out[-1], "content": out[-1]["content"] + "\n" + line}
+            if results_open:
+                out[-1]["content"] += "\n" + line
             else:
-                out.append({"role": "user", "content": line, "tool_results": True})
-        elif message.get("tool_calls"):
+                out.append({"role": "user", "content": line})
+            results_open = True
+            continue
+        results_open = False
+        if message.get("tool_calls"):
             written = call_text([(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]])
             content = message["content"] + "\n" + written if message["content"] else written
-            out.append({key: value for key, value in message.items() if key != "tool_calls"} | {"content": content})
-        else:
-            out.append(message)
-    # (The marker that groups results is ours, not the template's.)
-    return [{key: value for key, value in message.items() if key != "tool_results"} for message in out]
+            message = {key: value for key, value in message.items() if key != "tool_calls"} | {"content": content}
+        out.append(message)
+    return out
 
 
 def call_text(calls: Sequence[tuple[str, dict[str, Any]]]) -> str:
