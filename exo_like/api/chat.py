@@ -1,9 +1,11 @@
 """The one core every dialect drives: from an internal request (a ChatRequest or a CompletionRequest, whichever
 dialect parsed it) to the running generations of its choices.
 
-A chat request is rendered through the model's own chat template (with its tools), its output constrained by a
-grammar when it asks for structured output or forces a tool call, and read back for tool calls in the model's own
-format. The dialects (OpenAI chat and completions, Responses, Anthropic, Ollama) only translate shapes.
+A chat request is rendered through the model's own chat template (with its tools; a template that cannot show
+them gets them in the generic format's system message), its output constrained by a grammar when it asks for
+structured output or forces a tool call (and for tool_choice auto in the generic format), and read back for tool
+calls in the model's format. The dialects (OpenAI chat and completions, Responses, Anthropic, Ollama) only translate
+shapes.
 """
 
 from __future__ import annotations

@@ -137,3 +137,22 @@ async def test_auto_is_a_valid_call_when_the_answer_starts_one_and_text_otherwis
                                              temperature=1.0, seed=1, logit_bias={brace: -100})
     assert text.choices[0].message.tool_calls is None and text.choices[0].message.content
     assert not text.choices[0].message.content.lstrip().startswith("{")
+
+
+async def test_a_round_trip_shows_the_call_and_its_result_as_text(served) -> None:  # noqa: ANN001
+    base_url, path = served
+    api = openai_client(base_url)
+    first = await api.chat.completions.create(model=str(path), messages=ASK, tools=TOOLS, max_tokens=400,
+                                              tool_choice={"type": "function", "function": {"name": "get_time"}})
+    call = first.choices[0].message.tool_calls[0]
+    conversation = [*ASK, first.choices[0].message.model_dump(exclude_none=True),
+                    {"role": "tool", "tool_call_id": call.id, "content": "12:00"}]
+    second = await api.chat.completions.create(model=str(path), messages=conversation, tools=TOOLS, max_tokens=4,
+                                               tool_choice="none")
+    assert second.choices[0].message.tool_calls is None
+    # The template saw the call as the assistant's JSON and the result as a user message (no tools: none).
+    shown = [*ASK, {"role": "assistant", "content": '{"tool_call": {"name": "get_time", "arguments": '
+                                                    f'{call.function.arguments}}}}}'},
+             {"role": "user", "content": json.dumps({"tool_result": {"id": call.id, "name": "get_time",
+                                                                     "content": "12:00"}})}]
+    assert second.usage.prompt_tokens == len(ModelTokenizer.from_dir(path).encode_chat(shown))

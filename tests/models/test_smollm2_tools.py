@@ -61,6 +61,7 @@ async def ask(api, tool_choice: object, max_tokens: int = 60):  # noqa: ANN001, 
     return reply.choices[0]
 
 
+@pytest.mark.slow  # (about 15 s: the model's load, its vocabulary's grammar tokenizer, four answers)
 async def test_smollm2_answers_with_tools_for_every_tool_choice(api, smollm2: Path) -> None:  # noqa: ANN001
     template = gguf_tokenizer(open_gguf(smollm2).metadata, smollm2.name).chat_template_source
     assert detect("llama", template) is None  # no format of its own: the generic one
