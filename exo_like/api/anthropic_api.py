@@ -321,9 +321,12 @@ def _usage(generation: TextGeneration) -> dict[str, int]:
 
 
 def _stop_reason(generation: TextGeneration) -> tuple[str, str | None]:
-    """stop_reason and stop_sequence: the core says "stop" both for EOS and for a stop string."""
+    """stop_reason and stop_sequence: the core says "stop" both for EOS and for a stop string, and for the call of
+    a named tool (OpenAI's finish), which Anthropic ends with tool_use as it ends every call."""
     if generation.finish_reason == "stop" and generation.stop_sequence is not None:
         return "stop_sequence", generation.stop_sequence
+    if generation.finish_reason == "stop" and generation.called:
+        return "tool_use", None
     return STOP_REASONS.get(generation.finish_reason or "length", "end_turn"), None
 
 

@@ -1,21 +1,24 @@
 """The one core every dialect drives: from an internal request (a ChatRequest or a CompletionRequest, whichever
 dialect parsed it) to the running generations of its choices.
 
-A chat request is rendered through the model's own chat template (with its tools), its output constrained by a
-grammar when it asks for structured output or forces a tool call, and read back for tool calls in the model's own
-format. The dialects (OpenAI chat and completions, Responses, Anthropic, Ollama) only translate shapes.
+A chat request is rendered through the model's own chat template (with its tools; a template that cannot show
+them gets them in the generic format's system message), its output constrained by a grammar when it asks for
+structured output or forces a tool call (and for tool_choice auto in the generic format), and read back for tool
+calls in the model's format. The dialects (OpenAI chat and completions, Responses, Anthropic, Ollama) only translate
+shapes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 from exo_like.api.choices import ChoiceSet
 from exo_like.api.completion import TextGeneration, check_token_ids, completion_prompt_tokens, resolve_max_tokens
 from exo_like.api.constraints import structured, with_grammar
 from exo_like.api.openai_requests import ChatRequest, CompletionRequest, GenerationOptions
-from exo_like.api.tool_calls import ToolFormat
+from exo_like.api.tool_calls import ToolFormat, generic
 from exo_like.api.tool_calls.detect import detect
 from exo_like.api.tool_requests import ToolUse
 from exo_like.errors import InvalidRequestError
@@ -44,21 +47,14 @@ async def start_chat(node: Node, request: ChatRequest, tools_param: str = "tools
     """Render, constrain and start a chat request; the params name the dialect's fields in errors."""
     model, generator = await node.lifecycle.require(request.options.model, request.options.keep_alive,
                                                 request.options.stream)
-    tool_format = _tool_format(model, request.tool_use, tools_param)
-    tools = request.tool_use.as_template_tools() if request.tool_use else None
-    prompt = model.tokenizer.encode_chat(request.messages, tools=tools)
-    options = await structured(node, model, request.options)
     use = request.tool_use
-    if use is not None and use.forced:
-        assert tool_format is not None
-        if options.sampling.grammar is not None:
-            raise InvalidRequestError(f"{choice_param} forces a tool call, which cannot be combined with a "
-                                      "response format", param=choice_param, code="invalid_value")
-        special = model.tokenizer.special_token_ids(tool_format.markers)
-        grammar = tool_format.forced_grammar(use.tools, use.name, use.parallel, special=special)
-        options = await with_grammar(node, model, options, grammar, tools_param)
+    tool_format = _tool_format(model, use)
+    prompt = model.tokenizer.encode_chat(*_rendered(request.messages, use, tool_format))
+    options = await structured(node, model, request.options)
+    grammar = _tool_grammar(model, use, tool_format, options.sampling.grammar is not None, choice_param)
+    options = await with_grammar(node, model, options, grammar, tools_param)
     parsed_format = tool_format if use is not None and use.parses else None
-    return _start(model, generator, prompt, options, "messages", parsed_format)
+    return _start(model, generator, prompt, options, "messages", parsed_format, use)
 
 
 async def start_completion(node: Node, request: CompletionRequest) -> Started:
@@ -69,27 +65,52 @@ async def start_completion(node: Node, request: CompletionRequest) -> Started:
                   None)
 
 
-def _tool_format(model: LoadedModel, use: ToolUse | None, param: str) -> ToolFormat | None:
+def _tool_format(model: LoadedModel, use: ToolUse | None) -> ToolFormat | None:
+    """The model's own tool format, or the generic one where its template cannot show tools."""
     if use is None or not use.tools:
         return None
-    found = detect(model.args.model_type, model.tokenizer.chat_template_source)
-    if found is None:
-        raise InvalidRequestError(f"{model.model_id} does not support tools: its chat template cannot show them to "
-                                  "the model", param=param, code="tools_unsupported")
-    return found
+    return detect(model.args.model_type, model.tokenizer.chat_template_source) or generic.GENERIC
+
+
+def _rendered(messages: list[dict[str, Any]], use: ToolUse | None,
+              tool_format: ToolFormat | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """The messages and tools the template gets. A template that cannot show tools gets them in a system message
+    (not with tool_choice none: the model is then not to call any), and the conversation's calls and results as
+    text."""
+    if tool_format is not generic.GENERIC:
+        return messages, use.as_template_tools() if use else None
+    assert use is not None
+    return generic.prompt_messages(messages, use.tools if use.parses else (), not use.single), None
+
+
+def _tool_grammar(model: LoadedModel, use: ToolUse | None, tool_format: ToolFormat | None, formatted: bool,
+                  choice_param: str) -> str | None:
+    """The grammar tool use puts on the output (`formatted`: a response format holds it already): a forced
+    call's, or the format's grammar for auto (the response format's instead, when there is one)."""
+    if use is None or tool_format is None or not use.parses or (formatted and not use.forced):
+        return None
+    if formatted:
+        raise InvalidRequestError(f"{choice_param} forces a tool call, which cannot be combined with a "
+                                  "response format", param=choice_param, code="invalid_value")
+    special = model.tokenizer.special_token_ids(tool_format.markers)
+    if use.forced:
+        return tool_format.forced_grammar(use.tools, use.name, not use.single, special=special)
+    return tool_format.auto_grammar(use.tools, not use.single, special=special)
 
 
 def _start(model: LoadedModel, generator: TokenGenerator, prompt: list[int], options: GenerationOptions,
-           prompt_param: str, tool_format: ToolFormat | None) -> Started:
+           prompt_param: str, tool_format: ToolFormat | None, use: ToolUse | None = None) -> Started:
     """The request's n generations. With a seed, choice i samples with seed + i (reproducible, and the choices
     differ); without, each draws its own."""
     check_token_ids(min(model.tokenizer.vocab_size, model.args.vocab_size), options)
     max_tokens = resolve_max_tokens(len(prompt), options.max_tokens, model.args.context_length, prompt_param,
                                     options.max_tokens_is_cap)
     seed = options.sampling.seed
+    one_call, named_call = (use.single, use.choice == "function") if use is not None else (False, False)
     return Started(model, ChoiceSet([
         TextGeneration(generator, model.tokenizer, prompt,
                        options if i == 0 or seed is None else
                        replace(options, sampling=replace(options.sampling, seed=(seed + i) % 2**64)),
-                       max_tokens, model.args.eos_token_ids, tool_format=tool_format)
+                       max_tokens, model.args.eos_token_ids, tool_format=tool_format,
+                       one_call=one_call, named_call=named_call)
         for i in range(options.n)]))

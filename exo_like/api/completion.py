@@ -94,6 +94,8 @@ class TextGeneration:
     first_token: asyncio.Event = field(default_factory=asyncio.Event)  # set once a token arrived, or it ended
     tool_format: ToolFormat | None = None  # set when the output is read for tool calls
     called: bool = False  # a tool call was made (finish_reason tool_calls)
+    one_call: bool = False  # at most one call: the first ends the generation
+    named_call: bool = False  # tool_choice named the tool: finish_reason stays "stop" (OpenAI's, vLLM's)
     stop_sequence: str | None = None  # the stop string that ended the text (finish_reason stop; None: EOS)
 
     def __post_init__(self) -> None:
@@ -112,11 +114,17 @@ class TextGeneration:
         async with aclosing(self._text_deltas()) as pieces:
             async for piece in pieces:
                 held.extend(piece.tokens)
-                if (out := self._parsed(parser.feed(piece.text), held)) is not None:
+                events = parser.feed(piece.text)
+                ended = self.one_call and _cut_after_first_call(events)
+                if (out := self._parsed(events, held)) is not None:
                     yield out
-        if (out := self._parsed(parser.flush(), held)) is not None:
-            yield out
-        if self.called and self.finish_reason == "stop":
+                if ended:  # (closing `pieces` ends the request's generation)
+                    self.finish_reason = "stop"
+                    break
+            else:
+                if (out := self._parsed(parser.flush(), held)) is not None:
+                    yield out
+        if self.called and self.finish_reason == "stop" and not self.named_call:
             self.finish_reason = "tool_calls"
 
     def _parsed(self, events: list[str | ToolCall], held: list[Choice]) -> Piece | None:
@@ -180,6 +188,14 @@ class TextGeneration:
         """All the text, every token it came from, and every call."""
         async with aclosing(self.deltas()) as deltas:
             return joined([piece async for piece in deltas])
+
+
+def _cut_after_first_call(events: list[str | ToolCall]) -> bool:
+    """Drop what follows the first call among `events`; whether there was one."""
+    first = next((i for i, event in enumerate(events) if isinstance(event, ToolCall)), None)
+    if first is not None:
+        del events[first + 1:]
+    return first is not None
 
 
 def joined(pieces: list[Piece]) -> Piece:

@@ -41,6 +41,12 @@ class ToolUse:
         """Whether a call is enforced by the grammar (not left to the model)."""
         return self.choice in ("required", "function")
 
+    @property
+    def single(self) -> bool:
+        """At most one call: parallel calls are off, or tool_choice names the tool (OpenAI then makes exactly one
+        call of it)."""
+        return not self.parallel or self.choice == "function"
+
     def as_template_tools(self) -> list[dict[str, Any]]:
         """The tools as chat templates take them (HF's `tools=`: OpenAI's function-tool objects)."""
         return [{"type": "function", "function": {"name": tool.name, "description": tool.description or "",

@@ -382,15 +382,20 @@ class Vocabulary:
         assert self.llguidance.LLMatcher.validate_grammar(grammar, self.ll_tokenizer) == ""
         return grammar
 
-    def walk(self, grammar: str, seed: int, cap: int = 400) -> list[int]:
-        """Tokens picked uniformly among the allowed ones until the grammar is done (EOS excluded)."""
+    def walk(self, grammar: str, seed: int, cap: int = 400, prefix: Sequence[int] = (),
+             done: bool = True) -> list[int]:
+        """Tokens picked uniformly among the allowed ones until the grammar is done (EOS excluded), after
+        `prefix` (which the grammar must allow); not `done`: `cap` tokens may end the walk before."""
         from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
         matcher = self.llguidance.LLMatcher(self.ll_tokenizer, grammar)
         mask = allocate_token_bitmask(1, self.size)
         rng = np.random.default_rng(seed)
-        tokens: list[int] = []
+        tokens: list[int] = list(prefix)
+        assert all(matcher.consume_token(token) for token in prefix), matcher.get_error()
         while not matcher.is_stopped():
+            if len(tokens) >= cap and not done:
+                return tokens
             assert len(tokens) < cap, self.tokenizer.decode(tokens, skip_special_tokens=False)
             fill_next_token_bitmask(matcher, mask, 0)
             allowed = np.flatnonzero(np.unpackbits(mask[0].view(np.uint8), bitorder="little")[:self.size])

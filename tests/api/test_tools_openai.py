@@ -1,7 +1,8 @@
 """Tool calling through the official `openai` client, on a tiny random checkpoint whose chat template renders tools
 (Hermes / Qwen2.5 style): a forced call (tool_choice required, or a named function) is always a well-formed call of
-an offered tool whose arguments match its schema, streamed or not, as OpenAI shapes it; a full round trip (the
-call, its result sent back) renders through the template and answers."""
+an offered tool whose arguments match its schema, streamed or not, as OpenAI shapes it (a named one exactly one
+call, finish "stop"); a full round trip (the call, its result sent back) renders through the template and
+answers."""
 
 from __future__ import annotations
 
@@ -61,8 +62,24 @@ def test_a_named_call_streams_as_openai_streams_one(tools_node: NodeProcess,  # 
     assert calls[0].id and calls[0].function.name == "get_time" and calls[0].function.arguments == ""
     assert {call.index for call in calls} == {0}
     check_call("get_time", "".join(call.function.arguments or "" for call in calls))
-    assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["tool_calls"]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["stop"]  # OpenAI's
     assert not "".join(delta.content or "" for delta in deltas)
+
+
+def test_a_named_call_is_exactly_one_call_and_stops(tools_node: NodeProcess,  # noqa: F811
+                                                    tools_checkpoint: Path) -> None:  # noqa: F811
+    """Parallel calls allowed or not, a named tool_choice is one call, then the end (before, the grammar let the
+    model go on to more calls until max_tokens)."""
+    for parallel in (True, False):
+        for seed in range(3):
+            reply = client(tools_node).chat.completions.create(
+                model=str(tools_checkpoint), messages=ASK, tools=TOOLS, temperature=1.0, seed=seed, max_tokens=300,
+                tool_choice={"type": "function", "function": {"name": "get_weather"}}, parallel_tool_calls=parallel)
+            choice = reply.choices[0]
+            assert choice.finish_reason == "stop" and choice.message.content is None
+            [call] = choice.message.tool_calls
+            assert call.function.name == "get_weather"
+            check_call(call.function.name, call.function.arguments)
 
 
 def test_a_full_round_trip_answers_after_the_tool_result(tools_node: NodeProcess,  # noqa: F811

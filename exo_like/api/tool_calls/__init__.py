@@ -1,8 +1,9 @@
 """Tool calls as each model family writes them: the shared types here; `detect.detect()` picks a model's format.
 
-One module per format (hermes, llama3, mistral, deepseek, harmony) holds its streaming parser (model text in,
-content deltas and complete calls out) and its forced grammar (an llguidance Lark grammar whose language is that
-format's text for a call of the requested tool(s), the arguments held to the tool's JSON schema).
+One module per format (hermes, llama3, mistral, deepseek, harmony; generic for templates that cannot show tools)
+holds its streaming parser (model text in, content deltas and complete calls out) and its forced grammar (an
+llguidance Lark grammar whose language is that format's text for a call of the requested tool(s), the arguments
+held to the tool's JSON schema).
 Helpers the formats share are in `common`.
 
 Special tokens in grammars: a Lark string literal only ever matches a token's TEXT bytes; llguidance keeps a
@@ -56,7 +57,7 @@ class ToolCallParser(Protocol):
 
 
 class ToolFormat(Protocol):
-    name: str  # "hermes", "llama3_json", "mistral", "deepseek_v3", "harmony"
+    name: str  # "hermes", "llama3_json", "mistral", "deepseek_v3", "harmony", "generic"
     skip_special_tokens: bool  # False when the format's markers are special tokens the text must keep
     markers: tuple[str, ...]  # the marker texts that may be special tokens in a model's vocabulary
 
@@ -66,4 +67,9 @@ class ToolFormat(Protocol):
                        special: Mapping[str, int] | None = None) -> str:
         """Lark grammar for one call (several when `parallel`) of tool `name`, or of any of `tools` when None.
         `special` maps the markers that are special tokens in the model's vocabulary to their ids."""
+        ...
+
+    def auto_grammar(self, tools: Sequence[Tool], parallel: bool, *,
+                     special: Mapping[str, int] | None = None) -> str | None:
+        """Lark grammar for tool_choice auto (text, or calls of any of `tools`); None: the output is left free."""
         ...

@@ -126,6 +126,10 @@ class DeepSeekFormat:
     def parser(self) -> DeepSeekParser:
         return DeepSeekParser()
 
+    def auto_grammar(self, tools: Sequence[Tool], parallel: bool, *,
+                     special: Mapping[str, int] | None = None) -> str | None:
+        return None  # the model's own template taught it this format: its output is left free
+
     def forced_grammar(self, tools: Sequence[Tool], name: str | None, parallel: bool, *,
                        special: Mapping[str, int] | None = None) -> str:
         begin, end, sep = marker(CALL_BEGIN, special), marker(CALL_END, special), marker(SEP, special)

@@ -133,6 +133,10 @@ class HarmonyFormat:
     def parser(self) -> HarmonyParser:
         return HarmonyParser()
 
+    def auto_grammar(self, tools: Sequence[Tool], parallel: bool, *,
+                     special: Mapping[str, int] | None = None) -> str | None:
+        return None  # the model's own template taught it this format: its output is left free
+
     def forced_grammar(self, tools: Sequence[Tool], name: str | None, parallel: bool, *,
                        special: Mapping[str, int] | None = None) -> str:
         """One call whatever `parallel` says: <|call|> is a stop token, so gpt-oss calls one function per turn.

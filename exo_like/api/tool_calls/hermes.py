@@ -74,6 +74,10 @@ class HermesFormat:
     def parser(self) -> HermesParser:
         return HermesParser()
 
+    def auto_grammar(self, tools: Sequence[Tool], parallel: bool, *,
+                     special: Mapping[str, int] | None = None) -> str | None:
+        return None  # the model's own template taught it this format: its output is left free
+
     def forced_grammar(self, tools: Sequence[Tool], name: str | None, parallel: bool, *,
                        special: Mapping[str, int] | None = None) -> str:
         def call(tool: Tool, args: str) -> str:

@@ -112,6 +112,10 @@ class Llama3Format:
     def parser(self) -> Llama3Parser:
         return Llama3Parser()
 
+    def auto_grammar(self, tools: Sequence[Tool], parallel: bool, *,
+                     special: Mapping[str, int] | None = None) -> str | None:
+        return None  # the model's own template taught it this format: its output is left free
+
     def forced_grammar(self, tools: Sequence[Tool], name: str | None, parallel: bool, *,
                        special: Mapping[str, int] | None = None) -> str:
         # No <|python_tag|>: Llama 3.1's template asks for the bare JSON for the caller's own functions (the tag

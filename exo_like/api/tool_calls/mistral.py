@@ -109,6 +109,10 @@ class MistralFormat:
     def parser(self) -> MistralParser:
         return MistralParser()
 
+    def auto_grammar(self, tools: Sequence[Tool], parallel: bool, *,
+                     special: Mapping[str, int] | None = None) -> str | None:
+        return None  # the model's own template taught it this format: its output is left free
+
     def forced_grammar(self, tools: Sequence[Tool], name: str | None, parallel: bool, *,
                        special: Mapping[str, int] | None = None) -> str:
         calls_marker = marker(TOOL_CALLS, special)
