@@ -58,3 +58,20 @@ HERMES_TOOLS_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
 )
+
+# Reasoning templates (the test tokenizer's Llama-3 turn markers; <think> and the harmony markers are plain text).
+_TURNS = ("{{ bos_token }}{% for message in messages %}"
+          "<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n"
+          "{{ (message['content'] or '').split('</think>')[-1] | trim }}<|eot_id|>{% endfor %}")
+# Qwen3's way: the model opens its <think> block itself; enable_thinking=false renders an empty, closed one.
+THINK_TEMPLATE = (_TURNS + "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n"
+                  "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}"
+                  "{% endif %}")
+# DeepSeek R1's way: the prompt opens the block, the model only closes it.
+OPENED_THINK_TEMPLATE = (_TURNS + "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n"
+                         "<think>\n{% endif %}")
+# gpt-oss's harmony: the model writes its channels after <|start|>assistant.
+HARMONY_TEMPLATE = ("{% for message in messages %}{% if message['role'] == 'assistant' %}"
+                    "<|start|>assistant<|channel|>final<|message|>{{ message['content'] }}<|end|>"
+                    "{% else %}<|start|>{{ message['role'] }}<|message|>{{ message['content'] }}<|end|>{% endif %}"
+                    "{% endfor %}{% if add_generation_prompt %}<|start|>assistant{% endif %}")

@@ -4,9 +4,11 @@ under /v1/messages.
 
 An Anthropic request becomes a ChatRequest: `system` a system message first; text blocks the messages' content;
 assistant `tool_use` blocks their tool calls and user `tool_result` blocks tool messages, in the chat-template
-convention of api/tool_requests.py. The models are text-only and one generation answers each request, so image and
-document blocks, extended thinking, structured output and Anthropic's server tools are refused (400), never
-silently dropped. (Earlier turns' thinking blocks are left out of the prompt, as Anthropic leaves them out.)
+convention of api/tool_requests.py. `thinking` switches a reasoning model's thinking (its budget_tokens enforced);
+the reasoning comes back as thinking blocks (streamed as thinking_delta). The models are text-only and one
+generation answers each request, so image and document blocks, structured output and Anthropic's server tools are
+refused (400), never silently dropped. (Earlier turns' thinking blocks are left out of the prompt, as Anthropic
+leaves them out.)
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from exo_like.api.chat import Started, start_chat
 from exo_like.api.completion import Piece, TextGeneration
 from exo_like.api.lifecycle import ERROR_SHAPES_KEY, NODE_KEY, generating, read_json, record, sse, stream_out
 from exo_like.api.fields import checked_text, model_name, optional_bool, optional_float, optional_int, require_object
-from exo_like.api.openai_requests import MAX_STOP_STRINGS, ChatRequest, GenerationOptions
+from exo_like.api.openai_requests import MAX_STOP_STRINGS, ChatRequest, GenerationOptions, structured_outputs_grammar
+from exo_like.api.reasoning import Thinking
 from exo_like.api.tool_calls import Tool, ToolCall
 from exo_like.api.tool_requests import ToolUse, check_choice, check_tool, link_tool_results, template_call, unique_tools
 from exo_like.errors import InvalidRequestError
@@ -62,7 +65,27 @@ def parse_messages_request(body: Any, counting: bool = False) -> ChatRequest:
     """A Messages request as the core's ChatRequest; `counting`: a count_tokens request (no max_tokens)."""
     body = require_object(body)
     return ChatRequest(_options(body, counting), _messages(body.get("system"), body.get("messages")),
-                       _tool_use(body))
+                       _tool_use(body), _thinking(body.get("thinking")))
+
+
+def _thinking(value: Any) -> Thinking:
+    """Anthropic's extended thinking: enabled (with its budget_tokens), adaptive (the model decides, no budget), or
+    disabled; absent, the model's own default. A model that does not reason ignores it."""
+    if value is None:
+        return Thinking()
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "disabled":
+        return Thinking(False)
+    if kind == "adaptive":
+        return Thinking(True)
+    if kind != "enabled":
+        raise InvalidRequestError('thinking must be {"type": "enabled", "budget_tokens": N}, {"type": "adaptive"} '
+                                  'or {"type": "disabled"}', param="thinking", code="invalid_value")
+    budget = optional_int(value, "budget_tokens", minimum=1)
+    if budget is None:
+        raise InvalidRequestError("thinking.budget_tokens is required when thinking is enabled",
+                                  param="thinking.budget_tokens", code="missing_required_parameter")
+    return Thinking(True, budget)
 
 
 def _options(body: dict[str, Any], counting: bool) -> GenerationOptions:
@@ -74,7 +97,7 @@ def _options(body: dict[str, Any], counting: bool) -> GenerationOptions:
     return GenerationOptions(model=model_name(body), max_tokens=max_tokens, sampling=_sampling(body),
                              stop=_stop_sequences(body.get("stop_sequences")),
                              stream=optional_bool(body, "stream") or False, include_usage=False, ignore_eos=False,
-                             max_tokens_is_cap=True)
+                             max_tokens_is_cap=True, grammar=structured_outputs_grammar(body.get("structured_outputs")))
 
 
 def _sampling(body: dict[str, Any]) -> SamplingParams:
@@ -99,10 +122,6 @@ def _stop_sequences(value: Any) -> tuple[str, ...]:
 
 
 def _reject_unsupported(body: dict[str, Any]) -> None:
-    thinking = body.get("thinking")
-    if thinking is not None and (not isinstance(thinking, dict) or thinking.get("type") != "disabled"):
-        raise InvalidRequestError("extended thinking is not supported by this server; omit thinking or set it to "
-                                  '{"type": "disabled"}', param="thinking", code="unsupported_parameter")
     output = body.get("output_config")
     if isinstance(output, dict) and output.get("format") is not None:
         raise InvalidRequestError("structured output (output_config.format) is not supported in this API; use "
@@ -331,8 +350,9 @@ def _stop_reason(generation: TextGeneration) -> tuple[str, str | None]:
 
 
 def _blocks(whole: Piece) -> list[dict[str, Any]]:
+    thinking = [{"type": "thinking", "thinking": whole.reasoning, "signature": ""}] if whole.reasoning else []
     text = [{"type": "text", "text": whole.text}] if whole.text else []
-    return text + [{**_tool_use_block(call), "input": json.loads(call.arguments)} for call in whole.calls]
+    return thinking + text + [{**_tool_use_block(call), "input": json.loads(call.arguments)} for call in whole.calls]
 
 
 def _tool_use_block(call: ToolCall) -> dict[str, Any]:
@@ -341,22 +361,21 @@ def _tool_use_block(call: ToolCall) -> dict[str, Any]:
 
 
 class _StreamedBlocks:
-    """The content blocks of a streamed message as they open and close: a text block stays open while text
-    comes; each tool call is a block of its own (opened with empty input, its arguments one input_json_delta)."""
+    """The content blocks of a streamed message as they open and close: a thinking or text block stays open while
+    its kind of text comes; each tool call is a block of its own (opened with empty input, its arguments one
+    input_json_delta)."""
 
     def __init__(self) -> None:
         self.index = 0  # the block open or to open next
-        self.text_open = False
+        self.open: str | None = None  # the kind of the block open: "thinking", "text", or none
 
     def events(self, piece: Piece) -> list[dict[str, Any]]:
         events = []
+        if piece.reasoning:
+            events += self._delta("thinking", {"type": "thinking_delta", "thinking": piece.reasoning},
+                                  {"type": "thinking", "thinking": "", "signature": ""})
         if piece.text:
-            if not self.text_open:
-                events.append(_event("content_block_start", index=self.index,
-                                     content_block={"type": "text", "text": ""}))
-                self.text_open = True
-            events.append(_event("content_block_delta", index=self.index,
-                                 delta={"type": "text_delta", "text": piece.text}))
+            events += self._delta("text", {"type": "text_delta", "text": piece.text}, {"type": "text", "text": ""})
         for call in piece.calls:
             events += self.close()
             events += [_event("content_block_start", index=self.index, content_block={**_tool_use_block(call),
@@ -367,11 +386,21 @@ class _StreamedBlocks:
             self.index += 1
         return events
 
+    def _delta(self, kind: str, delta: dict[str, Any], empty: dict[str, Any]) -> list[dict[str, Any]]:
+        """A delta of a block of `kind`, opening it (and closing one of the other kind) first if need be."""
+        events = []
+        if self.open != kind:
+            events += self.close()
+            events.append(_event("content_block_start", index=self.index, content_block=empty))
+            self.open = kind
+        events.append(_event("content_block_delta", index=self.index, delta=delta))
+        return events
+
     def close(self) -> list[dict[str, Any]]:
-        """The open text block's end, if one is open."""
-        if not self.text_open:
+        """The open block's end, if one is open."""
+        if self.open is None:
             return []
-        self.text_open = False
+        self.open = None
         self.index += 1
         return [_event("content_block_stop", index=self.index - 1)]
 

@@ -15,10 +15,15 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from exo_like.api.choices import ChoiceSet
-from exo_like.api.completion import TextGeneration, check_token_ids, completion_prompt_tokens, resolve_max_tokens
+from exo_like.api.completion import (ReasoningPlan, TextGeneration, check_token_ids, completion_prompt_tokens,
+                                     resolve_max_tokens)
 from exo_like.api.constraints import structured, with_grammar
 from exo_like.api.openai_requests import ChatRequest, CompletionRequest, GenerationOptions
-from exo_like.api.tool_calls import ToolFormat, generic
+from exo_like.api.reasoning import ReasoningFormat, Thinking
+from exo_like.api.reasoning.detect import detect as detect_reasoning
+from exo_like.api.reasoning.harmony import FINAL as HARMONY_FINAL, HARMONY
+from exo_like.api.reasoning.think import CLOSE as THINK_CLOSE, OPEN as THINK_OPEN, THINK
+from exo_like.api.tool_calls import ToolFormat, generic, harmony
 from exo_like.api.tool_calls.detect import detect
 from exo_like.api.tool_requests import ToolUse
 from exo_like.errors import InvalidRequestError
@@ -49,12 +54,18 @@ async def start_chat(node: Node, request: ChatRequest, tools_param: str = "tools
                                                 request.options.stream)
     use = request.tool_use
     tool_format = _tool_format(model, use)
-    prompt = model.tokenizer.encode_chat(*_rendered(request.messages, use, tool_format))
+    reasoning_format = detect_reasoning(model.args.model_type, model.tokenizer.chat_template_source)
+    messages, tools = _rendered(request.messages, use, tool_format)
+    text = model.tokenizer.render_chat(messages, tools=tools, switches=_switches(request.thinking))
+    text, reasoning = _reasoning(model, reasoning_format, text, request.thinking)
+    prompt = model.tokenizer.encode(text, add_special_tokens=False)
     options = await structured(node, model, request.options)
     grammar = _tool_grammar(model, use, tool_format, options.sampling.grammar is not None, choice_param)
     options = await with_grammar(node, model, options, grammar, tools_param)
     parsed_format = tool_format if use is not None and use.parses else None
-    return _start(model, generator, prompt, options, "messages", parsed_format, use)
+    if parsed_format is None and reasoning_format is HARMONY:
+        parsed_format = harmony.HARMONY  # its answer is read out of the final channel, calls or not
+    return _start(model, generator, prompt, options, "messages", parsed_format, use, reasoning)
 
 
 async def start_completion(node: Node, request: CompletionRequest) -> Started:
@@ -63,6 +74,41 @@ async def start_completion(node: Node, request: CompletionRequest) -> Started:
     prompt = completion_prompt_tokens(model.tokenizer, request.prompt)
     return _start(model, generator, prompt, await structured(node, model, request.options), "prompt",
                   None)
+
+
+def _switches(thinking: Thinking) -> dict[str, Any]:
+    """The template variables a request's reasoning switches set (templates that know none of them ignore them)."""
+    switches: dict[str, Any] = {}
+    if thinking.enabled is not None:
+        switches["enable_thinking"] = switches["thinking"] = thinking.enabled
+    if thinking.effort is not None:
+        switches["reasoning_effort"] = thinking.effort
+    return switches
+
+
+def _reasoning(model: LoadedModel, found: ReasoningFormat | None, prompt: str,
+               thinking: Thinking) -> tuple[str, ReasoningPlan | None]:
+    """The prompt as generation continues it, and how its output is read for reasoning (None: the model does not
+    reason). Thinking off (or a budget of 0) on a template that does not turn it off itself: the prompt gets an
+    empty reasoning block, closed, so the answer begins at once."""
+    if found is None:
+        return prompt, None
+    if thinking.enabled is False or thinking.budget == 0:
+        prompt = _without_reasoning(found, prompt)
+    tokenizer = model.tokenizer
+    close = tuple(tokenizer.encode(found.close, add_special_tokens=False))
+    return prompt, ReasoningPlan(found, found.opened(prompt), thinking.budget, close,
+                                 bool(tokenizer.special_token_ids(found.markers)))
+
+
+def _without_reasoning(found: ReasoningFormat, prompt: str) -> str:
+    if found.opened(prompt):
+        return prompt + found.close
+    if found is THINK and not prompt.rstrip().endswith(THINK_CLOSE):
+        return prompt + THINK_OPEN + found.close  # the model would open it itself
+    if found is HARMONY:
+        return prompt + HARMONY_FINAL  # straight to the final channel
+    return prompt
 
 
 def _tool_format(model: LoadedModel, use: ToolUse | None) -> ToolFormat | None:
@@ -99,7 +145,8 @@ def _tool_grammar(model: LoadedModel, use: ToolUse | None, tool_format: ToolForm
 
 
 def _start(model: LoadedModel, generator: TokenGenerator, prompt: list[int], options: GenerationOptions,
-           prompt_param: str, tool_format: ToolFormat | None, use: ToolUse | None = None) -> Started:
+           prompt_param: str, tool_format: ToolFormat | None, use: ToolUse | None = None,
+           reasoning: ReasoningPlan | None = None) -> Started:
     """The request's n generations. With a seed, choice i samples with seed + i (reproducible, and the choices
     differ); without, each draws its own."""
     check_token_ids(min(model.tokenizer.vocab_size, model.args.vocab_size), options)
@@ -112,5 +159,5 @@ def _start(model: LoadedModel, generator: TokenGenerator, prompt: list[int], opt
                        options if i == 0 or seed is None else
                        replace(options, sampling=replace(options.sampling, seed=(seed + i) % 2**64)),
                        max_tokens, model.args.eos_token_ids, tool_format=tool_format,
-                       one_call=one_call, named_call=named_call)
+                       one_call=one_call, named_call=named_call, reasoning=reasoning)
         for i in range(options.n)]))

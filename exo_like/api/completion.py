@@ -7,13 +7,15 @@ between streamed and non-streamed output is whether the deltas are sent as they 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 import uuid
 from collections.abc import AsyncIterator, Collection
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from exo_like.api.openai_requests import GenerationOptions
+from exo_like.api.reasoning import ReasoningFormat, split
 from exo_like.api.tool_calls import ToolCall, ToolFormat
 from exo_like.errors import InvalidRequestError
 from exo_like.models.tokenizer import IncrementalDetokenizer, ModelTokenizer
@@ -47,12 +49,26 @@ def check_token_ids(vocab: int, options: GenerationOptions) -> None:
 
 @dataclass(frozen=True)
 class Piece:
-    """A text delta and the tokens it came from since the previous one (with log-probabilities when asked), and the
-    tool calls completed since (when the request's tools are parsed; the text is then the content around them)."""
+    """A text delta and the tokens it came from since the previous one (with log-probabilities when asked), the
+    tool calls completed since (when the request's tools are parsed; the text is then the content around them),
+    and the reasoning since (a reasoning model's: the text is then the answer)."""
 
     text: str
     tokens: tuple[Choice, ...] = ()
     calls: tuple[ToolCall, ...] = ()
+    reasoning: str = ""
+
+
+@dataclass(frozen=True)
+class ReasoningPlan:
+    """How a request's output is read for reasoning: the model's format, whether the prompt opened the block, the
+    budget of reasoning tokens (None: max_tokens alone), and the tokens of the text that closes it."""
+
+    format: ReasoningFormat
+    inside: bool
+    budget: int | None
+    close_tokens: tuple[int, ...]
+    keep_special: bool  # the format's markers are special tokens the text must keep
 
 
 def resolve_max_tokens(prompt_length: int, requested: int | None, context_length: int, prompt_param: str,
@@ -97,6 +113,8 @@ class TextGeneration:
     one_call: bool = False  # at most one call: the first ends the generation
     named_call: bool = False  # tool_choice named the tool: finish_reason stays "stop" (OpenAI's, vLLM's)
     stop_sequence: str | None = None  # the stop string that ended the text (finish_reason stop; None: EOS)
+    reasoning: ReasoningPlan | None = None  # set when the output is read for reasoning
+    reasoning_tokens: int = 0  # tokens generated inside the reasoning (what a budget counts)
 
     def __post_init__(self) -> None:
         self.request_id = self.request_id or uuid.uuid4().hex
@@ -116,7 +134,7 @@ class TextGeneration:
                 held.extend(piece.tokens)
                 events = parser.feed(piece.text)
                 ended = self.one_call and _cut_after_first_call(events)
-                if (out := self._parsed(events, held)) is not None:
+                if (out := self._parsed(events, held, piece.reasoning)) is not None:
                     yield out
                 if ended:  # (closing `pieces` ends the request's generation)
                     self.finish_reason = "stop"
@@ -127,53 +145,81 @@ class TextGeneration:
         if self.called and self.finish_reason == "stop" and not self.named_call:
             self.finish_reason = "tool_calls"
 
-    def _parsed(self, events: list[str | ToolCall], held: list[Choice]) -> Piece | None:
-        """One piece of what the parser gave back (None when it gave nothing), with the tokens held so far."""
+    def _parsed(self, events: list[str | ToolCall], held: list[Choice], reasoning: str = "") -> Piece | None:
+        """One piece of what the parser gave back (None when it gave nothing), with the tokens held so far and the
+        reasoning that came with the text."""
         text = "".join(e for e in events if isinstance(e, str))
         calls = tuple(e for e in events if isinstance(e, ToolCall))
-        if not text and not calls and not (held and self.options.sampling.logprobs is not None):
+        if not text and not calls and not reasoning and not (held and self.options.sampling.logprobs is not None):
             return None
         self.called = self.called or bool(calls)
         tokens = tuple(held)
         held.clear()
-        return Piece(text, tokens, calls)
+        return Piece(text, tokens, calls, reasoning)
 
     async def _text_deltas(self) -> AsyncIterator[Piece]:
+        """The generated text as pieces (answer and reasoning apart for a reasoning model). A reasoning budget spent
+        ends the generation there, closes the reasoning with the format's own marker, and goes on with the answer
+        in a second generation (its prompt: the first's, what was generated, the marker; the prefix cache holds
+        most of it)."""
         consumed: list[Choice] = []  # tokens since the last piece
+        reasoner = self.reasoning.format.parser(self.reasoning.inside) if self.reasoning else None
 
         def piece(text: str) -> Piece:
             taken = tuple(consumed)
             consumed.clear()
-            return Piece(text, taken)
+            if reasoner is None:
+                return Piece(text, taken)
+            answer, thought = split(reasoner.feed(text))
+            return Piece(answer, taken, reasoning=thought)
 
         wants_logprobs = self.options.sampling.logprobs is not None
-        keep_special = self.tool_format is not None and not self.tool_format.skip_special_tokens
+        keep_special = (self.tool_format is not None and not self.tool_format.skip_special_tokens) or \
+            (self.reasoning is not None and self.reasoning.keep_special)
         detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=not keep_special)
         stops = StopStringFilter(self.options.stop)
         eos = () if self.options.ignore_eos else self.eos_ids
-        tokens = self.generator.generate(self.request_id, self.prompt_tokens, self.options.sampling,
-                                         self.max_tokens, eos)
-        async with aclosing(tokens):
-            async for choice in tokens:
-                if not self.first_token.is_set():
-                    self.cached_tokens = self.generator.cached_tokens(self.request_id)
-                self.first_token.set()
-                token = choice.token
-                self.completion_tokens += 1
-                self.token_times.append(time.monotonic())
-                if token in eos:  # the EOS token counts as generated but is not part of the text
-                    self.finish_reason = "stop"
-                    break
-                consumed.append(choice)
-                text = stops.feed(detokenizer.add(token))
-                if text:
-                    yield piece(text)
-                if stops.stopped:
-                    self.finish_reason = "stop"
-                    self.stop_sequence = stops.matched
-                    if consumed and wants_logprobs:
-                        yield piece("")
-                    return
+        generated: list[int] = []
+        budget = self.reasoning.budget if self.reasoning else None
+        for segment in itertools.count():
+            tokens = self.generator.generate(self.request_id if segment == 0 else f"{self.request_id}-{segment}",
+                                             self.prompt_tokens + generated, self.options.sampling,
+                                             self.max_tokens - len(generated), eos)
+            spent = False  # the reasoning budget ran out: the reasoning is closed and the answer follows
+            async with aclosing(tokens):
+                async for choice in tokens:
+                    self._arrived()
+                    token = choice.token
+                    self.completion_tokens += 1
+                    generated.append(token)
+                    if token in eos:  # the EOS token counts as generated but is not part of the text
+                        self.finish_reason = "stop"
+                        break
+                    consumed.append(choice)
+                    thinking = reasoner is not None and reasoner.thinking
+                    self.reasoning_tokens += thinking
+                    text = stops.feed(detokenizer.add(token))
+                    if text:
+                        yield piece(text)
+                    if stops.stopped:
+                        self.finish_reason = "stop"
+                        self.stop_sequence = stops.matched
+                        if consumed and wants_logprobs:
+                            yield piece("")
+                        return
+                    spent = reasoner is not None and reasoner.thinking and budget is not None and \
+                        self.reasoning_tokens >= budget
+                    if spent:
+                        break
+            if not spent:
+                break
+            assert self.reasoning is not None
+            closing = list(self.reasoning.close_tokens)[:self.max_tokens - len(generated)]
+            generated += closing
+            self.completion_tokens += len(closing)
+            yield piece("".join(detokenizer.add(token) for token in closing))
+            if len(generated) >= self.max_tokens:
+                break
         # Out of tokens (EOS or max_tokens): release what the detokenizer and the stop filter held back.
         tail = stops.feed(detokenizer.flush())
         tail += stops.flush()
@@ -181,8 +227,19 @@ class TextGeneration:
             self.finish_reason = "stop"
             self.stop_sequence = stops.matched
         self.finish_reason = self.finish_reason or "length"
-        if tail or (consumed and wants_logprobs):
-            yield piece(tail)
+        last = piece(tail)
+        if reasoner is not None:
+            answer, thought = split(reasoner.flush())
+            last = replace(last, text=last.text + answer, reasoning=last.reasoning + thought)
+        if last.text or last.reasoning or (last.tokens and wants_logprobs):
+            yield last
+
+    def _arrived(self) -> None:
+        """A token came (when, for /metrics); the first one tells how much of the prompt the prefix cache held."""
+        if not self.first_token.is_set():
+            self.cached_tokens = self.generator.cached_tokens(self.request_id)
+        self.first_token.set()
+        self.token_times.append(time.monotonic())
 
     async def whole(self) -> Piece:
         """All the text, every token it came from, and every call."""
@@ -200,4 +257,4 @@ def _cut_after_first_call(events: list[str | ToolCall]) -> bool:
 
 def joined(pieces: list[Piece]) -> Piece:
     return Piece("".join(p.text for p in pieces), tuple(t for p in pieces for t in p.tokens),
-                 tuple(c for p in pieces for c in p.calls))
+                 tuple(c for p in pieces for c in p.calls), "".join(p.reasoning for p in pieces))

@@ -32,7 +32,12 @@ async def with_grammar(node: Node, model: LoadedModel, options: GenerationOption
 
 
 async def structured(node: Node, model: LoadedModel, options: GenerationOptions) -> GenerationOptions:
-    """`options` with its response format's schema enforced (unchanged without one)."""
+    """`options` with its response format's schema, or its grammar, enforced (unchanged without either)."""
+    if options.grammar is not None:
+        if options.json_schema is not None:
+            raise InvalidRequestError("structured_outputs and response_format cannot be combined",
+                                      param="structured_outputs", code="invalid_value")
+        return await with_grammar(node, model, options, options.grammar, "structured_outputs")
     if options.json_schema is None:
         return options
     try:

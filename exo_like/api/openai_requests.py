@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from exo_like.api.reasoning import Thinking
 from exo_like.api.tool_requests import ToolUse, link_tool_results, openai_tool_calls, openai_tool_use
 from exo_like.api.fields import (checked_text, text_content, is_int, model_name, optional_bool, optional_float,
                                   optional_int, require_object)
@@ -56,6 +57,7 @@ class GenerationOptions:
     # models hold: Claude Code sends 32000), not a 400 as in OpenAI's dialect
     max_tokens_is_cap: bool = False
     keep_alive: float | None = None  # seconds its model stays loaded after it (Ollama's keep_alive; None: --keep-alive)
+    grammar: str | None = None  # vLLM's structured_outputs.grammar: a Lark grammar (llguidance's) the text must match
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,7 @@ class ChatRequest:
     options: GenerationOptions
     messages: list[dict[str, Any]]  # in the chat-template convention (tool_requests.py)
     tool_use: ToolUse | None = None
+    thinking: Thinking = Thinking()  # a reasoning model's switches, in the dialect's words
 
 
 @dataclass(frozen=True)
@@ -76,7 +79,34 @@ def parse_chat_request(body: Any) -> ChatRequest:
     max_tokens = optional_int(body, "max_completion_tokens", minimum=1)
     if max_tokens is None:
         max_tokens = optional_int(body, "max_tokens", minimum=1)
-    return ChatRequest(_options(body, max_tokens, chat=True), _messages(body.get("messages")), openai_tool_use(body))
+    return ChatRequest(_options(body, max_tokens, chat=True), _messages(body.get("messages")), openai_tool_use(body),
+                       openai_thinking(body))
+
+
+EFFORTS = ("low", "medium", "high")
+
+
+def openai_thinking(body: dict[str, Any]) -> Thinking:
+    """The reasoning switches of an OpenAI chat request, as vLLM and llama.cpp take them: chat_template_kwargs'
+    enable_thinking (Qwen3) or thinking (DeepSeek V3.1), and reasoning_effort ("none" turns it off; "minimal"
+    is "low", the least gpt-oss knows)."""
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise InvalidRequestError("chat_template_kwargs must be an object", param="chat_template_kwargs",
+                                  code="invalid_type")
+    enabled = None
+    for key in ("enable_thinking", "thinking"):
+        if kwargs and key in kwargs:
+            enabled = optional_bool(kwargs, key, f"chat_template_kwargs.{key}")
+    effort = body.get("reasoning_effort")
+    if effort is None:
+        return Thinking(enabled)
+    if effort not in ("none", "minimal", *EFFORTS):
+        raise InvalidRequestError(f"reasoning_effort must be one of none, minimal, {', '.join(EFFORTS)}",
+                                  param="reasoning_effort", code="invalid_value")
+    if effort == "none":
+        return Thinking(False)
+    return Thinking(enabled, effort="low" if effort == "minimal" else effort)
 
 
 def parse_completion_request(body: Any) -> CompletionRequest:
@@ -101,7 +131,19 @@ def _options(body: dict[str, Any], max_tokens: int | None, chat: bool) -> Genera
         tokens_as_ids=optional_bool(body, "return_tokens_as_token_ids") or False,
         n=n or 1,
         json_schema=_response_format(body.get("response_format")),
+        grammar=structured_outputs_grammar(body.get("structured_outputs")),
     )
+
+
+def structured_outputs_grammar(value: Any) -> str | None:
+    """vLLM's structured_outputs with a grammar: {"grammar": "<Lark grammar>"} (llguidance's Lark dialect); taken
+    by the other dialects too, as an extension."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) != {"grammar"} or not isinstance(value["grammar"], str):
+        raise InvalidRequestError('structured_outputs must be {"grammar": "<a Lark grammar>"}',
+                                  param="structured_outputs", code="invalid_value")
+    return value["grammar"]
 
 
 def _sampling(body: dict[str, Any], chat: bool) -> SamplingParams:

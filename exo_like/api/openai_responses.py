@@ -40,6 +40,8 @@ class ResponseFormat:
         if whole.calls:  # as OpenAI: content null when the model only called tools
             message = {"role": "assistant", "content": whole.text or None,
                        "tool_calls": [_call(call) for call in whole.calls]}
+        if whole.reasoning:  # a reasoning model's, apart from the answer (vLLM's and llama.cpp's field)
+            message["reasoning_content"] = whole.reasoning
         return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def first_chunk(self, index: int = 0) -> dict[str, Any] | None:
@@ -55,7 +57,9 @@ class ResponseFormat:
         """A piece's chunks: its text, then each call as OpenAI streams one (its id and name with empty arguments,
         then the arguments), numbered after the choice's `calls_before` earlier calls."""
         with_text = piece.text or (piece.tokens and self.token_text is not None)
-        chunks = [self.text_chunk(piece.text, piece.tokens, index)] if with_text else []
+        chunks = [self._chunk(index, {"reasoning_content": piece.reasoning}, None)] if piece.reasoning else []
+        if with_text:
+            chunks.append(self.text_chunk(piece.text, piece.tokens, index))
         for number, call in enumerate(piece.calls, calls_before):
             chunks.append(self._chunk(index, {"tool_calls": [{**_call(call, number), "function": {
                 "name": call.name, "arguments": ""}}]}, None))

@@ -144,9 +144,10 @@ class ModelTokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    tools: list[dict[str, Any]] | None = None) -> str:
-        """The prompt text for a conversation (offering `tools`, HF's function-tool objects). A template's own
-        complaints are the caller's fault: 400."""
+                    tools: list[dict[str, Any]] | None = None, switches: dict[str, Any] | None = None) -> str:
+        """The prompt text for a conversation (offering `tools`, HF's function-tool objects; `switches`: the
+        template's own variables a request sets, such as enable_thinking). A template's own complaints are the
+        caller's fault: 400."""
         if self._template is None:
             raise InvalidRequestError(
                 "this model has no chat template; use /v1/completions with a plain prompt", code="no_chat_template"
@@ -154,7 +155,7 @@ class ModelTokenizer:
         try:
             return self._template.render(
                 messages=messages, add_generation_prompt=add_generation_prompt, tools=tools, documents=None,
-                **self.special_tokens,
+                **{**self.special_tokens, **(switches or {})},
             )
         except jinja2.TemplateError as e:
             raise InvalidRequestError(f"the model's chat template rejected the messages: {e}",

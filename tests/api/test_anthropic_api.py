@@ -96,7 +96,8 @@ def test_a_conversation_becomes_chat_template_messages() -> None:
     {"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": ["toolu_1"]}]}]},
     {"tool_choice": {"type": ["any"]}}, {"tool_choice": {"type": "tool"}}, {"tools": [{"type": ["custom"]}]},
     {"tools": [{"name": "x"}]}, {"system": [{"type": "image"}]}, {"stop_sequences": [""]}, {"top_k": -1},
-    {"max_tokens": 0}, {"service_tier": "priority"}, {"thinking": {"type": "adaptive"}}])
+    {"max_tokens": 0}, {"service_tier": "priority"}, {"thinking": {"type": "sometimes"}},
+    {"thinking": {"type": "enabled"}}, {"thinking": {"type": "enabled", "budget_tokens": 0}}])
 def test_odd_shapes_are_invalid_requests(odd: dict) -> None:
     with pytest.raises(InvalidRequestError):
         parse_messages_request({"model": "m", "max_tokens": 4, "messages": ASK, **odd})
@@ -218,7 +219,7 @@ BAD_REQUESTS = {
         {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}]}]},
     "web_search_20250305": {"max_tokens": 4, "messages": ASK,
                             "tools": [{"type": "web_search_20250305", "name": "web_search"}]},
-    "thinking": {"max_tokens": 4, "messages": ASK, "thinking": {"type": "enabled", "budget_tokens": 1024}},
+    "thinking": {"max_tokens": 4, "messages": ASK, "thinking": {"type": "enabled"}},  # no budget_tokens
     "before any text": {"max_tokens": 4, "messages": [
         {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_time", "input": {}}]},
         {"role": "user", "content": [{"type": "text", "text": "Here:"},
