@@ -28,7 +28,8 @@ class ChoiceSet:
         prompt = len(self.generations[0].prompt_tokens)
         completion = sum(g.completion_tokens for g in self.generations)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": self.generations[0].cached_tokens}}
+                "prompt_tokens_details": {"cached_tokens": self.generations[0].cached_tokens},
+                "completion_tokens_details": {"reasoning_tokens": sum(g.reasoning_tokens for g in self.generations)}}
 
     async def pieces(self) -> AsyncIterator[tuple[int, Piece | None]]:
         """(choice index, piece) as they come; (index, None) once that choice has ended (its finish_reason set).

@@ -8,9 +8,10 @@ absent (temperature 0.8, top_k 40, top_p 0.9; no repeat penalty: this server's c
 the last 64 only); `format` is "json" or a JSON schema; tool calls carry no ids (see CallLinker); a request without
 prompt or messages is the "load the model" call (with keep_alive 0, "unload" it); `keep_alive` says how long the model
 stays loaded after the request (instances/keep_alive.py reads it as Ollama does); errors are {"error": message} with
-the status unchanged, and an NDJSON line mid-stream. Rejected (400): images, thinking, generate's suffix, template and
-context. Ignored, as Ollama ignores options it does not know: num_ctx (the context is the model's own) and options
-such as mirostat or num_thread.
+the status unchanged, and an NDJSON line mid-stream. `think` (true, false, or gpt-oss's level) switches a reasoning
+model's thinking, which comes back in `thinking` (a model that does not reason ignores it, as llama.cpp does).
+Rejected (400): images, generate's suffix, template and context. Ignored, as Ollama ignores options it does not
+know: num_ctx (the context is the model's own) and options such as mirostat or num_thread.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ from exo_like.api.completion import Piece, TextGeneration
 from exo_like.api.lifecycle import ERROR_SHAPES_KEY, NODE_KEY, generating, ndjson, read_json, record, stream_out
 from exo_like.api.fields import optional_bool, require_object
 from exo_like.api.ollama_models import integer, invalid, number, text, timestamp
-from exo_like.api.openai_requests import ChatRequest, CompletionRequest, GenerationOptions
+from exo_like.api.openai_requests import (EFFORTS, ChatRequest, CompletionRequest, GenerationOptions,
+                                         structured_outputs_grammar)
+from exo_like.api.reasoning import Thinking
 from exo_like.api.tool_calls import Tool, ToolCall
 from exo_like.api.tool_requests import ToolUse, check_tool, link_tool_results, template_call, unique_tools
 from exo_like.errors import InvalidRequestError, ModelNotFoundError
@@ -68,7 +71,8 @@ async def chat(request: web.Request) -> web.StreamResponse:
     if body.get("messages") in (None, []):  # Ollama's "load the model" (or, with keep_alive 0, unload) call
         return await _load(request, options, chat=True)
     messages, tools, node = _messages(body["messages"]), _tools(body.get("tools")), request.app[NODE_KEY]
-    started = await _start(lambda capped: start_chat(node, ChatRequest(capped, messages, tools)), options)
+    thinking = _thinking(body)
+    started = await _start(lambda capped: start_chat(node, ChatRequest(capped, messages, tools, thinking)), options)
     return await _respond(request, started, Replies(True, options.model, began, started.token_text(options)),
                           options.stream)
 
@@ -90,7 +94,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
         started = await _start(lambda capped: start_completion(node, CompletionRequest(capped, prompt)), options)
     else:
         turns = [*([{"role": "system", "content": system}] if system else []), {"role": "user", "content": prompt}]
-        started = await _start(lambda capped: start_chat(node, ChatRequest(capped, turns)), options)
+        thinking = _thinking(body)
+        started = await _start(lambda capped: start_chat(node, ChatRequest(capped, turns, None, thinking)), options)
     return await _respond(request, started, Replies(False, options.model, began, started.token_text(options)),
                           options.stream)
 
@@ -134,12 +139,11 @@ async def _load(request: web.Request, options: GenerationOptions, chat: bool) ->
 
 
 def _options(body: dict[str, Any]) -> GenerationOptions:
-    """What /api/chat and /api/generate share: model, stream, format, options, and no thinking."""
+    """What /api/chat and /api/generate share: model, stream, format, options (vLLM's structured_outputs grammar
+    too, as an extension)."""
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise invalid("model is required: a non-empty string", "model", "missing_required_parameter")
-    if body.get("think") not in (None, False):
-        raise invalid(f"'{model}' does not support thinking", "think", "unsupported_parameter")
     options = body.get("options") or {}
     if not isinstance(options, dict):
         raise invalid("options must be an object", "options", "invalid_type")
@@ -148,8 +152,18 @@ def _options(body: dict[str, Any]) -> GenerationOptions:
     return GenerationOptions(model=model, max_tokens=_num_predict(options), sampling=_sampling(options, body),
                              stop=_stop(options.get("stop")), stream=True if stream is None else stream,
                              include_usage=False, ignore_eos=False, json_schema=_format(body.get("format")),
-                             max_tokens_is_cap=True,
+                             max_tokens_is_cap=True, grammar=structured_outputs_grammar(body.get("structured_outputs")),
                              keep_alive=None if keep_alive is None else parse_keep_alive(keep_alive))
+
+
+def _thinking(body: dict[str, Any]) -> Thinking:
+    """Ollama's think: true or false, or gpt-oss's level ("low", "medium", "high"); absent, the model's default."""
+    think = body.get("think")
+    if think is None or isinstance(think, bool):
+        return Thinking(think)
+    if think in EFFORTS:
+        return Thinking(True, effort=think)
+    raise invalid(f'think must be true, false or one of {", ".join(EFFORTS)}', "think")
 
 
 def _sampling(options: dict[str, Any], body: dict[str, Any]) -> SamplingParams:
@@ -298,21 +312,26 @@ class Replies:
     token_text: Callable[[int], str] | None = None  # set when the request asked for log-probabilities
 
     def lines(self, piece: Piece) -> list[dict[str, Any]]:
-        """A piece's lines: its text, then its tool calls (Ollama streams each call whole)."""
+        """A piece's lines: its reasoning, its text, then its tool calls (Ollama streams each call whole)."""
         with_text = piece.text or (piece.tokens and self.token_text is not None)
-        shown = [self._line(piece.text, tokens=piece.tokens)] if with_text else []
+        shown = [self._line("", thinking=piece.reasoning)] if piece.reasoning else []
+        shown += [self._line(piece.text, tokens=piece.tokens)] if with_text else []
         return shown + ([self._line("", piece.calls)] if piece.calls else [])
 
     def whole(self, piece: Piece, generation: TextGeneration) -> dict[str, Any]:
-        return {**self._line(piece.text, piece.calls, piece.tokens), **self._done(generation)}
+        return {**self._line(piece.text, piece.calls, piece.tokens, piece.reasoning), **self._done(generation)}
 
     def final(self, generation: TextGeneration) -> dict[str, Any]:
         return {**self._line(""), **self._done(generation)}
 
-    def _line(self, content: str, calls: tuple[ToolCall, ...] = (), tokens: tuple[Choice, ...] = ()) -> dict[str, Any]:
-        shown: dict[str, Any] = {"response": content}
+    def _line(self, content: str, calls: tuple[ToolCall, ...] = (), tokens: tuple[Choice, ...] = (),
+              thinking: str = "") -> dict[str, Any]:
+        """A line of the reply; a reasoning model's reasoning in `thinking` (Ollama's field: the message's in a
+        chat, the line's in a generate)."""
+        shown: dict[str, Any] = {"response": content, **({"thinking": thinking} if thinking else {})}
         if self.chat:
-            message: dict[str, Any] = {"role": "assistant", "content": content}
+            message: dict[str, Any] = {"role": "assistant", "content": content,
+                                       **({"thinking": thinking} if thinking else {})}
             if calls:  # arguments as an object, where OpenAI's are JSON text
                 message["tool_calls"] = [{"function": {"name": call.name, "arguments": json.loads(call.arguments)}}
                                          for call in calls]

@@ -31,7 +31,8 @@ from exo_like.api.choices import ChoiceSet
 from exo_like.api.completion import Piece
 from exo_like.api.lifecycle import NODE_KEY, generating, read_json, record, sse, stream_out
 from exo_like.api.fields import checked_text, text_content
-from exo_like.api.openai_requests import ChatRequest, GenerationOptions, parse_chat_request
+from exo_like.api.openai_requests import ChatRequest, GenerationOptions, openai_thinking, parse_chat_request
+from exo_like.api.reasoning import Thinking
 from exo_like.api.tool_calls import Tool, ToolCall
 from exo_like.api.tool_requests import CHOICES, ToolUse, check_choice, check_tool, link_tool_results, template_call, \
     unique_tools
@@ -46,7 +47,7 @@ TEXT_PARTS = ("input_text", "output_text")
 UNSTORED = ("previous_response_id", "conversation", "prompt", "background")  # they need state kept on the server
 # This dialect's fields and the chat fields openai_requests builds the same options from.
 CHAT_FIELDS = {"model": "model", "temperature": "temperature", "top_p": "top_p", "stream": "stream",
-               "max_output_tokens": "max_completion_tokens"}
+               "max_output_tokens": "max_completion_tokens", "structured_outputs": "structured_outputs"}
 # Names the shared code puts in its errors, and this dialect's (the longer prefix first).
 RENAMED = (("max_completion_tokens", "max_output_tokens"), ("max_tokens", "max_output_tokens"),
            ("response_format.json_schema", "text.format"), ("response_format", "text.format"),
@@ -71,8 +72,22 @@ def parse_responses_request(body: Any) -> ResponsesRequest:
     options = _options(body)
     tool_use = _tool_use(body)
     # Each function_call_output's call was checked while reading input; linking names each after its call.
-    request = ChatRequest(options, link_tool_results(_messages(body)), tool_use)
+    request = ChatRequest(options, link_tool_results(_messages(body)), tool_use, _thinking(body.get("reasoning")))
     return ResponsesRequest(request, _echo(body, options, tool_use))
+
+
+def _thinking(value: Any) -> Thinking:
+    """Responses' reasoning: {"effort": "none" | "minimal" | "low" | "medium" | "high", "summary": ...} (a summary
+    is not written: the reasoning itself comes back)."""
+    if value is None:
+        return Thinking()
+    if not isinstance(value, dict):
+        raise InvalidRequestError("reasoning must be an object", param="reasoning", code="invalid_type")
+    try:
+        return openai_thinking({"reasoning_effort": value.get("effort")})
+    except InvalidRequestError as error:
+        raise InvalidRequestError(error.message.replace("reasoning_effort", "reasoning.effort"),
+                                  param="reasoning.effort", code=error.code) from None
 
 
 def _in_dialect(error: InvalidRequestError) -> InvalidRequestError:
@@ -261,7 +276,8 @@ def _echo(body: dict[str, Any], options: GenerationOptions, use: ToolUse | None)
             "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
             "temperature": options.sampling.temperature, "top_p": options.sampling.top_p,
             "text": {"format": text["format"] if isinstance(text, dict) and text.get("format") else {"type": "text"}},
-            "truncation": "disabled", "previous_response_id": None, "reasoning": None}
+            "truncation": "disabled", "previous_response_id": None,
+            "reasoning": body.get("reasoning") if isinstance(body.get("reasoning"), dict) else None}
 
 
 @dataclass
@@ -277,6 +293,8 @@ class ResponseEvents:
     sequence: int = 0
     message_id: str | None = None  # the open message item's
     texts: list[str] = field(default_factory=list)  # its text so far
+    reasoning_id: str | None = None  # the open reasoning item's
+    thoughts: list[str] = field(default_factory=list)  # its text so far
 
     def start(self) -> list[Event]:
         in_progress = self._response("in_progress")
@@ -285,19 +303,45 @@ class ResponseEvents:
 
     def add(self, piece: Piece) -> list[Event]:
         events = []
+        if piece.reasoning:
+            events += self._close_message("completed")
+            events += self._open_reasoning() if self.reasoning_id is None else []
+            self.thoughts.append(piece.reasoning)
+            events.append(self._event("response.reasoning_text.delta", item_id=self.reasoning_id,
+                                      output_index=len(self.output), content_index=0, delta=piece.reasoning))
         if piece.text:
+            events += self._close_reasoning()
             events += self._open_message() if self.message_id is None else []
             self.texts.append(piece.text)
             events.append(self._event("response.output_text.delta", item_id=self.message_id,
                                       output_index=len(self.output), content_index=0, delta=piece.text, logprobs=[]))
         for call in piece.calls:
-            events += self._close_message("completed") + self._call(call)
+            events += self._close_reasoning() + self._close_message("completed") + self._call(call)
         return events
+
+    def _open_reasoning(self) -> list[Event]:
+        self.reasoning_id = "rs_" + secrets.token_hex(16)
+        return [self._event("response.output_item.added", output_index=len(self.output),
+                            item=self._reasoning("in_progress", []))]
+
+    def _close_reasoning(self) -> list[Event]:
+        if self.reasoning_id is None:
+            return []
+        text, place = "".join(self.thoughts), {"item_id": self.reasoning_id, "output_index": len(self.output)}
+        item = self._reasoning("completed", [{"type": "reasoning_text", "text": text}])
+        events = [self._event("response.reasoning_text.done", **place, content_index=0, text=text),
+                  self._event("response.output_item.done", output_index=len(self.output), item=item)]
+        self.output.append(item)
+        self.reasoning_id, self.thoughts = None, []
+        return events
+
+    def _reasoning(self, status: str, content: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"type": "reasoning", "id": self.reasoning_id, "status": status, "summary": [], "content": content}
 
     def finish(self, finish_reason: str, usage: dict[str, Any]) -> list[Event]:
         """The events that end the response; the last one carries the whole response object."""
         cut = finish_reason == "length"
-        events = self._close_message("incomplete" if cut else "completed")
+        events = self._close_reasoning() + self._close_message("incomplete" if cut else "completed")
         whole = self._response("incomplete" if cut else "completed", _usage(usage))
         if cut:
             whole["incomplete_details"] = {"reason": "max_output_tokens"}
@@ -361,7 +405,8 @@ def _usage(usage: dict[str, Any]) -> dict[str, Any]:
     return {"input_tokens": usage["prompt_tokens"],
             "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
                                      "cache_write_tokens": 0},
-            "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": usage["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": usage["completion_tokens_details"]["reasoning_tokens"]},
             "total_tokens": usage["total_tokens"]}
 
 

@@ -197,7 +197,7 @@ def test_errors_come_in_ollamas_shape(tools_node: NodeProcess, tools_checkpoint:
     assert ollama_error(lambda: api.show("no-such-model")).error == "model 'no-such-model' not found"
     image = [{"role": "user", "content": "What is this?", "images": [b"\x89PNG"]}]
     for call, words in ((lambda: api.chat(model=model, messages=image), "images"),
-                        (lambda: api.chat(model=model, messages=ASK, think=True), "does not support thinking"),
+                        (lambda: api.chat(model=model, messages=ASK, think="deeply"), "think must be"),
                         (lambda: api.chat(model=model, messages=ASK, options={"temperature": "hot"}),
                          "options.temperature must be a number"),
                         (lambda: api.generate(model=model, prompt="x", options={"top_k": 1.5}), "options.top_k"),

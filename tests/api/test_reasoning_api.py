@@ -6,6 +6,7 @@ switch) does not depend on what it says."""
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -144,3 +145,53 @@ async def test_a_budget_closes_the_thinking_at_its_count_and_the_answer_follows(
     assert [block.type for block in budgeted.content] == ["thinking", "text"], budgeted.content
     assert budgeted.content[0].thinking == first_five, (budgeted.content[0].thinking, first_five)
     assert budgeted.usage.output_tokens <= 24
+
+
+@pytest.mark.parametrize("served", ["think"], indirect=True)
+async def test_ollama_gives_thinking_apart_and_think_false_turns_it_off(served: tuple[str, str]) -> None:
+    import aiohttp
+
+    base_url, model = served
+    options = {"temperature": 0, "num_predict": 160}
+
+    async def chat(grammar: str, **kwargs: object) -> tuple[dict, tuple[str, str]]:
+        """(the whole reply's message, (thinking, content) joined from the stream)."""
+        body = {"model": model, "messages": ASK, "options": options, "structured_outputs": {"grammar": grammar},
+                **kwargs}
+        async with aiohttp.ClientSession() as session:
+            async with session.post(base_url + "/api/chat", json={**body, "stream": False}) as reply:
+                message = (await reply.json())["message"]
+            async with session.post(base_url + "/api/chat", json={**body, "stream": True}) as reply:
+                lines = [json.loads(line) for line in (await reply.text()).splitlines()]
+        return message, ("".join(line["message"].get("thinking", "") for line in lines),
+                         "".join(line["message"]["content"] for line in lines))
+
+    message, streamed = await chat(THINK_THEN_ANSWER, think=True)
+    assert THREE_WORDS.match(message["thinking"]) and THREE_WORDS.match(message["content"]), message
+    assert streamed == (message["thinking"], message["content"])
+    message, _ = await chat('start: words\n' + WORDS, think=False)
+    assert "thinking" not in message and THREE_WORDS.match(message["content"]), message
+
+
+@pytest.mark.parametrize("served", ["think"], indirect=True)
+async def test_responses_gives_a_reasoning_item_before_the_message(served: tuple[str, str]) -> None:
+    base_url, model = served
+    client = openai_client(base_url)
+    steering = {"temperature": 0, "max_output_tokens": 160,
+                "extra_body": {"structured_outputs": {"grammar": THINK_THEN_ANSWER}}}
+    whole = await client.responses.create(model=model, input="Why is the sky blue?", reasoning={"effort": "high"},
+                                          **steering)
+    assert [item.type for item in whole.output] == ["reasoning", "message"], whole.output
+    thought, answer = whole.output[0].content[0].text, whole.output[1].content[0].text
+    assert THREE_WORDS.match(thought) and THREE_WORDS.match(answer), whole.output
+    assert 0 < whole.usage.output_tokens_details.reasoning_tokens < whole.usage.output_tokens
+    deltas = []
+    async for event in await client.responses.create(model=model, input="Why is the sky blue?", stream=True,
+                                                     **steering):
+        if event.type == "response.reasoning_text.delta":
+            deltas.append(event.delta)
+        elif event.type == "response.completed":
+            streamed = event.response
+    assert "".join(deltas) == thought
+    assert [item.model_dump() for item in streamed.output][0]["content"] == \
+        [item.model_dump() for item in whole.output][0]["content"]
