@@ -22,11 +22,12 @@ from typing import Any
 from aiohttp import web
 
 from exo_like.api.chat import Started, start_chat
-from exo_like.api.completion import Piece, TextGeneration
+from exo_like.api.generation import Piece, TextGeneration
 from exo_like.api.lifecycle import ERROR_SHAPES_KEY, NODE_KEY, generating, read_json, record, sse, stream_out
-from exo_like.api.fields import checked_text, model_name, optional_bool, optional_float, optional_int, require_object
-from exo_like.api.openai_requests import MAX_STOP_STRINGS, ChatRequest, GenerationOptions, structured_outputs_grammar
 from exo_like.api.reasoning import Thinking
+from exo_like.api.requests import (MAX_STOP_STRINGS, ChatRequest, GenerationOptions, checked_text, model_name,
+                                   optional_bool, optional_float, optional_int, require_object, stop_strings,
+                                   structured_outputs_grammar)
 from exo_like.api.tool_calls import Tool, ToolCall
 from exo_like.api.tool_requests import ToolUse, check_choice, check_tool, link_tool_results, template_call, unique_tools
 from exo_like.errors import InvalidRequestError
@@ -95,7 +96,8 @@ def _options(body: dict[str, Any], counting: bool) -> GenerationOptions:
                                   code="missing_required_parameter")
     _reject_unsupported(body)
     return GenerationOptions(model=model_name(body), max_tokens=max_tokens, sampling=_sampling(body),
-                             stop=_stop_sequences(body.get("stop_sequences")),
+                             stop=stop_strings(body.get("stop_sequences"), "stop_sequences", MAX_STOP_STRINGS,
+                                               one_string=False, expected="a list of non-empty strings"),
                              stream=optional_bool(body, "stream") or False, include_usage=False, ignore_eos=False,
                              max_tokens_is_cap=True, grammar=structured_outputs_grammar(body.get("structured_outputs")))
 
@@ -107,18 +109,6 @@ def _sampling(body: dict[str, Any]) -> SamplingParams:
         raise InvalidRequestError("top_p must be greater than 0 and at most 1", param="top_p", code="invalid_value")
     return SamplingParams(temperature=1.0 if temperature is None else temperature,
                           top_p=1.0 if top_p is None else top_p, top_k=optional_int(body, "top_k", minimum=0) or 0)
-
-
-def _stop_sequences(value: Any) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value):
-        raise InvalidRequestError("stop_sequences must be a list of non-empty strings", param="stop_sequences",
-                                  code="invalid_type")
-    if len(value) > MAX_STOP_STRINGS:
-        raise InvalidRequestError(f"stop_sequences accepts at most {MAX_STOP_STRINGS} strings, got {len(value)}",
-                                  param="stop_sequences", code="invalid_value")
-    return tuple(value)
 
 
 def _reject_unsupported(body: dict[str, Any]) -> None:

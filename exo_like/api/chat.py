@@ -3,32 +3,34 @@ dialect parsed it) to the running generations of its choices.
 
 A chat request is rendered through the model's own chat template (with its tools; a template that cannot show
 them gets them in the generic format's system message), its output constrained by a grammar when it asks for
-structured output or forces a tool call (and for tool_choice auto in the generic format), and read back for tool
-calls in the model's format. The dialects (OpenAI chat and completions, Responses, Anthropic, Ollama) only translate
-shapes.
+structured output or forces a tool call (and for tool_choice auto in the generic format; checked against the
+model's vocabulary before any work starts), and read back for tool calls in the model's format. The dialects
+(OpenAI chat and completions, Responses, Anthropic, Ollama) only translate shapes.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
 from exo_like.api.choices import ChoiceSet
-from exo_like.api.completion import (ReasoningPlan, TextGeneration, check_token_ids, completion_prompt_tokens,
+from exo_like.api.generation import (ReasoningPlan, TextGeneration, check_token_ids, completion_prompt_tokens,
                                      resolve_max_tokens)
-from exo_like.api.constraints import structured, with_grammar
-from exo_like.api.openai_requests import ChatRequest, CompletionRequest, GenerationOptions
 from exo_like.api.reasoning import ReasoningFormat, Thinking
 from exo_like.api.reasoning.detect import detect as detect_reasoning
 from exo_like.api.reasoning.harmony import FINAL as HARMONY_FINAL, HARMONY
 from exo_like.api.reasoning.think import CLOSE as THINK_CLOSE, OPEN as THINK_OPEN, THINK
+from exo_like.api.requests import ChatRequest, CompletionRequest, GenerationOptions
 from exo_like.api.tool_calls import ToolFormat, generic, harmony
 from exo_like.api.tool_calls.detect import detect
 from exo_like.api.tool_requests import ToolUse
+from exo_like.cluster.protocol import MAX_GRAMMAR
 from exo_like.errors import InvalidRequestError
 from exo_like.node import LoadedModel, Node
 from exo_like.serving.generation import TokenGenerator
+from exo_like.serving.grammar import GrammarError, json_schema_grammar
 
 
 @dataclass(frozen=True)
@@ -161,3 +163,42 @@ def _start(model: LoadedModel, generator: TokenGenerator, prompt: list[int], opt
                        max_tokens, model.args.eos_token_ids, tool_format=tool_format,
                        one_call=one_call, named_call=named_call, reasoning=reasoning)
         for i in range(options.n)]))
+
+
+# -- the grammar a request's output must match: its structured-output schema (or a forced tool call), checked
+# against the served model's vocabulary before any work starts, so that a schema the engine cannot enforce is the
+# client's 400, not a failure mid-stream.
+
+
+async def with_grammar(node: Node, model: LoadedModel, options: GenerationOptions, grammar: str | None,
+                       param: str) -> GenerationOptions:
+    """`options` sampling under `grammar` (checked against `model`'s tokens; `param` names what it came from in
+    errors)."""
+    if grammar is None:
+        return options
+    if len(grammar) > MAX_GRAMMAR:
+        raise InvalidRequestError(f"{param} is too large to enforce: its grammar has {len(grammar)} characters, at "
+                                  f"most {MAX_GRAMMAR}", param=param, code="invalid_value")
+    vocabulary = await asyncio.to_thread(node.grammars.get, model)
+    try:
+        await asyncio.to_thread(vocabulary.check, grammar)
+    except GrammarError as e:
+        raise InvalidRequestError(f"{param} cannot be enforced: {e}", param=param, code="invalid_schema") from None
+    return replace(options, sampling=replace(options.sampling, grammar=grammar))
+
+
+async def structured(node: Node, model: LoadedModel, options: GenerationOptions) -> GenerationOptions:
+    """`options` with its response format's schema, or its grammar, enforced (unchanged without either)."""
+    if options.grammar is not None:
+        if options.json_schema is not None:
+            raise InvalidRequestError("structured_outputs and response_format cannot be combined",
+                                      param="structured_outputs", code="invalid_value")
+        return await with_grammar(node, model, options, options.grammar, "structured_outputs")
+    if options.json_schema is None:
+        return options
+    try:
+        grammar = json_schema_grammar(options.json_schema)
+    except GrammarError as e:
+        raise InvalidRequestError(f"response_format's schema is not valid: {e}", param="response_format",
+                                  code="invalid_schema") from None
+    return await with_grammar(node, model, options, grammar, "response_format")

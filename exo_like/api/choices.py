@@ -10,7 +10,7 @@ from contextlib import aclosing, suppress
 from dataclasses import dataclass
 from typing import Any
 
-from exo_like.api.completion import Piece, TextGeneration, joined
+from exo_like.api.generation import Piece, TextGeneration, joined
 
 
 @dataclass

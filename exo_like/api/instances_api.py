@@ -18,10 +18,10 @@ from typing import Any
 
 from aiohttp import web
 
-from exo_like.api.fields import optional_bool, require_object
 from exo_like.api.lifecycle import NODE_KEY, ndjson, read_json
 from exo_like.api.ollama_api import NDJSON, ollama_errors
 from exo_like.api.ollama_models import invalid, text
+from exo_like.api.requests import optional_bool, require_object
 from exo_like.errors import InvalidRequestError, ModelNotFoundError
 from exo_like.models.hub.progress import DownloadStatus
 

@@ -15,7 +15,7 @@ from typing import Any
 from aiohttp import web
 
 from exo_like.api.choices import ChoiceSet
-from exo_like.api.completion import TextGeneration
+from exo_like.api.generation import TextGeneration
 from exo_like.errors import ExoLikeError, InvalidRequestError
 from exo_like.node import Node
 from exo_like.serving.metrics import FinishedRequest

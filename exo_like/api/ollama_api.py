@@ -29,13 +29,12 @@ from aiohttp import web
 from exo_like.api import ollama_models
 from exo_like.api.chat import Started, start_chat, start_completion
 from exo_like.api.choices import ChoiceSet
-from exo_like.api.completion import Piece, TextGeneration
+from exo_like.api.generation import Piece, TextGeneration
 from exo_like.api.lifecycle import ERROR_SHAPES_KEY, NODE_KEY, generating, ndjson, read_json, record, stream_out
-from exo_like.api.fields import optional_bool, require_object
 from exo_like.api.ollama_models import integer, invalid, number, text, timestamp
-from exo_like.api.openai_requests import (EFFORTS, ChatRequest, CompletionRequest, GenerationOptions,
-                                         structured_outputs_grammar)
 from exo_like.api.reasoning import Thinking
+from exo_like.api.requests import (EFFORTS, ChatRequest, CompletionRequest, GenerationOptions, optional_bool,
+                                   require_object, stop_strings, structured_outputs_grammar)
 from exo_like.api.tool_calls import Tool, ToolCall
 from exo_like.api.tool_requests import ToolUse, check_tool, link_tool_results, template_call, unique_tools
 from exo_like.errors import InvalidRequestError, ModelNotFoundError
@@ -150,7 +149,9 @@ def _options(body: dict[str, Any]) -> GenerationOptions:
     stream = optional_bool(body, "stream")
     keep_alive = body.get("keep_alive")
     return GenerationOptions(model=model, max_tokens=_num_predict(options), sampling=_sampling(options, body),
-                             stop=_stop(options.get("stop")), stream=True if stream is None else stream,
+                             stop=stop_strings(options.get("stop"), "options.stop", MAX_STOP_STRINGS, one_string=True,
+                                               expected="a list of non-empty strings", verb="takes"),
+                             stream=True if stream is None else stream,
                              include_usage=False, ignore_eos=False, json_schema=_format(body.get("format")),
                              max_tokens_is_cap=True, grammar=structured_outputs_grammar(body.get("structured_outputs")),
                              keep_alive=None if keep_alive is None else parse_keep_alive(keep_alive))
@@ -208,15 +209,6 @@ def _format(value: Any) -> dict[str, Any] | None:
     if not isinstance(value, dict):
         raise invalid('format must be "json" or a JSON schema object', "format")
     return value
-
-
-def _stop(value: Any) -> tuple[str, ...]:
-    stops = [] if value is None else [value] if isinstance(value, str) else value
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise invalid("options.stop must be a list of non-empty strings", "options.stop", "invalid_type")
-    if len(stops) > MAX_STOP_STRINGS:
-        raise invalid(f"options.stop takes at most {MAX_STOP_STRINGS} strings, got {len(stops)}", "options.stop")
-    return tuple(stops)
 
 
 def _messages(value: Any) -> list[dict[str, Any]]:

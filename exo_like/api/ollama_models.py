@@ -21,8 +21,8 @@ from typing import Any
 from aiohttp import web
 
 from exo_like import __version__
-from exo_like.api.fields import checked_text, json_type, require_object
 from exo_like.api.lifecycle import NODE_KEY, read_json
+from exo_like.api.requests import checked_text, json_type, require_object
 from exo_like.api.tool_calls.detect import detect
 from exo_like.errors import InvalidRequestError, ModelNotFoundError, UnsupportedModelError
 from exo_like.models.gguf.file import GGUF_SUFFIX, open_gguf

@@ -1,4 +1,5 @@
-"""Parsing and validation of OpenAI-style request bodies.
+"""Parsing and validation of the OpenAI chat and completions bodies, into the dialect-neutral request
+(requests.py) the one core runs; Responses (responses_api.py) builds its options from the same chat fields.
 
 Every problem with a request becomes an InvalidRequestError naming the offending parameter, so bad input is
 always a 400 with an OpenAI error body, never a 500. Unknown fields are ignored (clients send `user`,
@@ -10,17 +11,16 @@ Extensions, spelled as in vLLM: `top_k`, `min_p`, `repetition_penalty`, `return_
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from exo_like.api.reasoning import Thinking
-from exo_like.api.tool_requests import ToolUse, link_tool_results, openai_tool_calls, openai_tool_use
-from exo_like.api.fields import (checked_text, text_content, is_int, model_name, optional_bool, optional_float,
-                                  optional_int, require_object)
+from exo_like.api.requests import (EFFORTS, MAX_STOP_STRINGS, ChatRequest, CompletionRequest, GenerationOptions,
+                                   checked_text, is_int, model_name, optional_bool, optional_float, optional_int,
+                                   require_object, stop_strings, structured_outputs_grammar, text_content)
+from exo_like.api.tool_requests import link_tool_results, openai_tool_calls, openai_tool_use
 from exo_like.errors import InvalidRequestError
 from exo_like.serving.sampling import SamplingParams
 
-MAX_STOP_STRINGS = 4
 MAX_N = 16  # choices a request may ask for
 MAX_LOGIT_BIAS = 300  # entries (OpenAI's limit)
 MAX_TOP_LOGPROBS = 20  # chat's top_logprobs (OpenAI's limit; the same for completions' logprobs, as vLLM allows)
@@ -39,41 +39,6 @@ _NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
 }
 
 
-@dataclass(frozen=True)
-class GenerationOptions:
-    """What both endpoints share. max_tokens None means: as many as the context allows."""
-
-    model: str
-    max_tokens: int | None
-    sampling: SamplingParams
-    stop: tuple[str, ...]
-    stream: bool
-    include_usage: bool
-    ignore_eos: bool
-    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: log-probabilities name tokens "token_id:N"
-    n: int = 1  # choices: generations of the one prompt
-    json_schema: dict[str, Any] | None = None  # structured output: the text is JSON this schema accepts
-    # max_tokens past the context's end means "to the end" (Anthropic's and Ollama's clients ask for more than small
-    # models hold: Claude Code sends 32000), not a 400 as in OpenAI's dialect
-    max_tokens_is_cap: bool = False
-    keep_alive: float | None = None  # seconds its model stays loaded after it (Ollama's keep_alive; None: --keep-alive)
-    grammar: str | None = None  # vLLM's structured_outputs.grammar: a Lark grammar (llguidance's) the text must match
-
-
-@dataclass(frozen=True)
-class ChatRequest:
-    options: GenerationOptions
-    messages: list[dict[str, Any]]  # in the chat-template convention (tool_requests.py)
-    tool_use: ToolUse | None = None
-    thinking: Thinking = Thinking()  # a reasoning model's switches, in the dialect's words
-
-
-@dataclass(frozen=True)
-class CompletionRequest:
-    options: GenerationOptions
-    prompt: str | list[int]
-
-
 def parse_chat_request(body: Any) -> ChatRequest:
     body = require_object(body)
     max_tokens = optional_int(body, "max_completion_tokens", minimum=1)
@@ -81,9 +46,6 @@ def parse_chat_request(body: Any) -> ChatRequest:
         max_tokens = optional_int(body, "max_tokens", minimum=1)
     return ChatRequest(_options(body, max_tokens, chat=True), _messages(body.get("messages")), openai_tool_use(body),
                        openai_thinking(body))
-
-
-EFFORTS = ("low", "medium", "high")
 
 
 def openai_thinking(body: dict[str, Any]) -> Thinking:
@@ -124,7 +86,8 @@ def _options(body: dict[str, Any], max_tokens: int | None, chat: bool) -> Genera
         model=model_name(body),
         max_tokens=max_tokens,
         sampling=_sampling(body, chat),
-        stop=_stop(body.get("stop")),
+        stop=stop_strings(body.get("stop"), "stop", MAX_STOP_STRINGS, one_string=True,
+                          expected="a string or a list of strings", empty_apart=True),
         stream=stream,
         include_usage=_include_usage(body, stream),
         ignore_eos=optional_bool(body, "ignore_eos") or False,
@@ -133,17 +96,6 @@ def _options(body: dict[str, Any], max_tokens: int | None, chat: bool) -> Genera
         json_schema=_response_format(body.get("response_format")),
         grammar=structured_outputs_grammar(body.get("structured_outputs")),
     )
-
-
-def structured_outputs_grammar(value: Any) -> str | None:
-    """vLLM's structured_outputs with a grammar: {"grammar": "<Lark grammar>"} (llguidance's Lark dialect); taken
-    by the other dialects too, as an extension."""
-    if value is None:
-        return None
-    if not isinstance(value, dict) or set(value) != {"grammar"} or not isinstance(value["grammar"], str):
-        raise InvalidRequestError('structured_outputs must be {"grammar": "<a Lark grammar>"}',
-                                  param="structured_outputs", code="invalid_value")
-    return value["grammar"]
 
 
 def _sampling(body: dict[str, Any], chat: bool) -> SamplingParams:
@@ -175,7 +127,7 @@ def _sampling(body: dict[str, Any], chat: bool) -> SamplingParams:
 def _response_format(value: Any) -> dict[str, Any] | None:
     """OpenAI's response_format: text (nothing to enforce), json_object (any JSON object) or json_schema (JSON its
     schema accepts; enforced whether or not `strict` is set, as vLLM does). The schema itself is checked when the
-    grammar is built (api/constraints.py)."""
+    grammar is built (chat.structured)."""
     if value is None:
         return None
     if not isinstance(value, dict):
@@ -206,7 +158,7 @@ def _response_format(value: Any) -> dict[str, Any] | None:
 
 def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
     """OpenAI's map of token ids (as strings) to biases in [-100, 100]; the ids are checked against the model's
-    vocabulary once it is known (completion.check_token_ids)."""
+    vocabulary once it is known (generation.check_token_ids)."""
     if value is None:
         return ()
     if not isinstance(value, dict):
@@ -236,20 +188,6 @@ def _chat_logprobs(body: dict[str, Any]) -> int | None:
         raise InvalidRequestError("top_logprobs needs logprobs set to true", param="top_logprobs",
                                   code="invalid_value")
     return (top or 0) if wanted else None
-
-
-def _stop(value: Any) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    stops = [value] if isinstance(value, str) else value
-    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-        raise InvalidRequestError("stop must be a string or a list of strings", param="stop", code="invalid_type")
-    if len(stops) > MAX_STOP_STRINGS:
-        raise InvalidRequestError(f"stop accepts at most {MAX_STOP_STRINGS} strings, got {len(stops)}",
-                                  param="stop", code="invalid_value")
-    if any(s == "" for s in stops):
-        raise InvalidRequestError("stop strings must not be empty", param="stop", code="invalid_value")
-    return tuple(stops)
 
 
 def _include_usage(body: dict[str, Any], stream: bool) -> bool:

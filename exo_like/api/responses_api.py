@@ -28,11 +28,11 @@ from aiohttp import web
 
 from exo_like.api.chat import start_chat
 from exo_like.api.choices import ChoiceSet
-from exo_like.api.completion import Piece
+from exo_like.api.generation import Piece
 from exo_like.api.lifecycle import NODE_KEY, generating, read_json, record, sse, stream_out
-from exo_like.api.fields import checked_text, text_content
-from exo_like.api.openai_requests import ChatRequest, GenerationOptions, openai_thinking, parse_chat_request
+from exo_like.api.openai_requests import openai_thinking, parse_chat_request
 from exo_like.api.reasoning import Thinking
+from exo_like.api.requests import ChatRequest, GenerationOptions, checked_text, text_content
 from exo_like.api.tool_calls import Tool, ToolCall
 from exo_like.api.tool_requests import CHOICES, ToolUse, check_choice, check_tool, link_tool_results, template_call, \
     unique_tools

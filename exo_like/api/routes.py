@@ -1,8 +1,8 @@
-"""The HTTP app every node serves (aiohttp): the OpenAI routes, and the other dialects' (responses_api,
-anthropic_api, ollama_api) mounted beside them.
+"""The HTTP app every node serves (aiohttp): the node's own routes, with the dialects' (openai_api, responses_api,
+anthropic_api, ollama_api) and the model instances' (instances_api) mounted beside them.
 
-Routes here: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{id}], GET /health,
-GET /v1/debug/requests, GET /v1/cluster, GET /metrics, and the dashboard (GET /, its assets, GET /v1/events).
+Routes here: GET /health, GET /v1/debug/requests, GET /v1/cluster, GET /metrics, what peers fetch from this node,
+and the dashboard (GET /, its assets, GET /v1/events).
 Every error, including unknown routes and wrong methods, is an error body in the shape of the dialect its path
 belongs to (OpenAI's by default); bad input is always a 4xx. With --api-key, every route but a few open ones asks
 for the key (below). Generation stops and frees its KV cache as soon as the client goes away.
@@ -11,24 +11,19 @@ for the key (below). Generation stops and frees its KV cache as soon as the clie
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
 import logging
-from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any, BinaryIO
+from collections.abc import Callable, Iterator
+from typing import BinaryIO
 from urllib.parse import unquote
 
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
 import dashboard
-from exo_like.api import anthropic_api, instances_api, ollama_api, responses_api
-from exo_like.api.chat import start_chat, start_completion
-from exo_like.api.choices import ChoiceSet
-from exo_like.api.lifecycle import (ERROR_SHAPES_KEY, GENERATING_KEY, NODE_KEY, error_shape, generating,
-                                    read_json, record, sse, stream_out)
-from exo_like.api.openai_requests import parse_chat_request, parse_completion_request
-from exo_like.api.openai_responses import ResponseFormat, error_body
+from exo_like.api import anthropic_api, instances_api, ollama_api, openai_api, responses_api
+from exo_like.api.lifecycle import ERROR_SHAPES_KEY, GENERATING_KEY, NODE_KEY, error_shape
+from exo_like.api.openai_api import error_body
 from exo_like.cluster.peers import PEER_PATH
 from exo_like.models.hub.peer_files import (
     NODE_HEADER,
@@ -61,10 +56,7 @@ def create_app(node: Node, api_key: str | None = None) -> web.Application:
     app[GENERATING_KEY] = set()
     app[ERROR_SHAPES_KEY] = []
     app.on_shutdown.append(finish_generations)  # if serving ends another way than serve()'s own shutdown
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_get("/v1/models", list_models)
-    app.router.add_get("/v1/models/{model_id:.+}", get_model)
+    openai_api.add_routes(app)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/debug/requests", debug_requests)
     app.router.add_get("/v1/cluster", cluster_view)
@@ -188,68 +180,6 @@ def _http_error(request: web.Request, e: web.HTTPException) -> web.Response:
         message = e.text or e.reason
     code = e.reason.lower().replace(" ", "_")
     return _error(request, e.status, message, "invalid_request_error", None, code, headers)
-
-
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    parsed = parse_chat_request(await read_json(request))
-    started = await start_chat(request.app[NODE_KEY], parsed)
-    fmt = ResponseFormat(True, f"chatcmpl-{started.choices.request_id}", started.model.model_id,
-                         parsed.options.include_usage, token_text=started.token_text(parsed.options))
-    return await _respond(request, started.choices, fmt, parsed.options.stream)
-
-
-async def completions(request: web.Request) -> web.StreamResponse:
-    parsed = parse_completion_request(await read_json(request))
-    started = await start_completion(request.app[NODE_KEY], parsed)
-    fmt = ResponseFormat(False, f"cmpl-{started.choices.request_id}", started.model.model_id,
-                         parsed.options.include_usage, token_text=started.token_text(parsed.options))
-    return await _respond(request, started.choices, fmt, parsed.options.stream)
-
-
-async def _respond(request: web.Request, choices: ChoiceSet, fmt: ResponseFormat,
-                   stream: bool) -> web.StreamResponse:
-    async with generating(request, choices, fmt.response_id):
-        if stream:
-            return await _stream(request, choices, fmt)
-        wholes = await choices.wholes()
-        record(request.app[NODE_KEY], choices)
-        return web.json_response(fmt.whole([(whole, generation.finish_reason or "length")
-                                            for whole, generation in zip(wholes, choices.generations)],
-                                           choices.usage()))
-
-
-async def _stream(request: web.Request, choices: ChoiceSet, fmt: ResponseFormat) -> web.StreamResponse:
-    """Server-sent events: chunks as text arrives, a finish chunk, an optional usage chunk, then [DONE]."""
-    return await stream_out(request, choices, fmt.response_id, _chunks(request, choices, fmt), sse,
-                            lambda status, message, type_, param, code: error_body(message, type_, param, code),
-                            trailer=b"data: [DONE]\n\n")
-
-
-async def _chunks(request: web.Request, choices: ChoiceSet, fmt: ResponseFormat) -> AsyncIterator[dict[str, Any]]:
-    for index in range(len(choices.generations)):
-        if (first := fmt.first_chunk(index)) is not None:
-            yield first
-    calls = [0] * len(choices.generations)  # tool calls streamed so far, per choice
-    async with contextlib.aclosing(choices.pieces()) as pieces:
-        async for index, piece in pieces:
-            if piece is None:
-                yield fmt.finish_chunk(choices.generations[index].finish_reason or "length", index)
-                continue
-            for chunk in fmt.piece_chunks(piece, index, calls[index]):
-                yield chunk
-            calls[index] += len(piece.calls)
-    record(request.app[NODE_KEY], choices)  # before the stream ends, so a client that scrapes /metrics sees it
-    if fmt.include_usage:
-        yield fmt.usage_chunk(choices.usage())
-
-
-async def list_models(request: web.Request) -> web.Response:
-    """The served model first, then local folders, downloaded repos and the catalog, each with its `state`."""
-    return web.json_response({"object": "list", "data": request.app[NODE_KEY].lifecycle.listing()})
-
-
-async def get_model(request: web.Request) -> web.Response:
-    return web.json_response(request.app[NODE_KEY].lifecycle.entry(request.match_info["model_id"]))
 
 
 async def health(request: web.Request) -> web.Response:

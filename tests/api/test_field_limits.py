@@ -23,7 +23,8 @@ import pytest
 
 from exo_like.api.ollama_api import MAX_STOP_STRINGS as OLLAMA_MAX_STOP_STRINGS
 from exo_like.api.ollama_api import MAX_TOP_LOGPROBS as OLLAMA_MAX_TOP_LOGPROBS
-from exo_like.api.openai_requests import MAX_LOGIT_BIAS, MAX_N, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
+from exo_like.api.openai_requests import MAX_LOGIT_BIAS, MAX_N, MAX_TOP_LOGPROBS
+from exo_like.api.requests import MAX_STOP_STRINGS
 from exo_like.api.tool_requests import MAX_TOOLS
 from tests.api.fuzz_dialects import anthropic_error, ollama_error, openai_error
 from tests.api_server import NodeProcess, tools_checkpoint, tools_node  # noqa: F401  (fixtures)

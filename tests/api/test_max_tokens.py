@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from exo_like.api.completion import resolve_max_tokens
+from exo_like.api.generation import resolve_max_tokens
 from exo_like.errors import InvalidRequestError
 
 

@@ -16,7 +16,7 @@ import jsonschema
 import ollama
 import pytest
 
-from exo_like.api.completion import Piece, TextGeneration
+from exo_like.api.generation import Piece, TextGeneration
 from exo_like.api.ollama_api import CallLinker, Replies
 from exo_like.api.tool_calls import ToolCall
 from exo_like.errors import InvalidRequestError

@@ -1,7 +1,9 @@
-"""From a validated request to text: prompt tokens, the context-length check, and the stream of text deltas.
+"""One choice's text generation (TextGeneration): from a validated request's prompt tokens to its stream of text
+pieces (Piece: text, reasoning, tool calls), with the checks before it starts (prompt token ids, max_tokens against
+the context) and how a reasoning model's output is read (ReasoningPlan).
 
-Shared by both endpoints and by both response shapes (one JSON body, or SSE chunks): the only difference
-between streamed and non-streamed output is whether the deltas are sent as they come or joined.
+Shared by every dialect and by both response shapes (one JSON body, or a stream): the only difference between
+streamed and non-streamed output is whether the pieces are sent as they come or joined.
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ from collections.abc import AsyncIterator, Collection
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 
-from exo_like.api.openai_requests import GenerationOptions
 from exo_like.api.reasoning import ReasoningFormat, split
+from exo_like.api.requests import GenerationOptions
 from exo_like.api.tool_calls import ToolCall, ToolFormat
 from exo_like.errors import InvalidRequestError
 from exo_like.models.tokenizer import IncrementalDetokenizer, ModelTokenizer

@@ -1,12 +1,85 @@
-"""Validation of request fields every dialect shares: each problem becomes an InvalidRequestError naming the field
-(a 400 in the dialect's own error shape), never a 500."""
+"""The dialect-neutral request every dialect's body becomes (a ChatRequest or a CompletionRequest, with its
+GenerationOptions), and the validation of the fields the dialects share: each problem becomes an InvalidRequestError
+naming the field (a 400 in the dialect's own error shape), never a 500."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
+from exo_like.api.reasoning import Thinking
+from exo_like.api.tool_requests import ToolUse
 from exo_like.errors import InvalidRequestError
+from exo_like.serving.sampling import SamplingParams
+
+MAX_STOP_STRINGS = 4  # OpenAI's limit, which Anthropic's dialect takes too (Ollama's sets its own)
+EFFORTS = ("low", "medium", "high")  # reasoning efforts, as gpt-oss knows them
+
+
+@dataclass(frozen=True)
+class GenerationOptions:
+    """What every request shares. max_tokens None means: as many as the context allows."""
+
+    model: str
+    max_tokens: int | None
+    sampling: SamplingParams
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    ignore_eos: bool
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: log-probabilities name tokens "token_id:N"
+    n: int = 1  # choices: generations of the one prompt
+    json_schema: dict[str, Any] | None = None  # structured output: the text is JSON this schema accepts
+    # max_tokens past the context's end means "to the end" (Anthropic's and Ollama's clients ask for more than small
+    # models hold: Claude Code sends 32000), not a 400 as in OpenAI's dialect
+    max_tokens_is_cap: bool = False
+    keep_alive: float | None = None  # seconds its model stays loaded after it (Ollama's keep_alive; None: --keep-alive)
+    grammar: str | None = None  # vLLM's structured_outputs.grammar: a Lark grammar (llguidance's) the text must match
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    options: GenerationOptions
+    messages: list[dict[str, Any]]  # in the chat-template convention (tool_requests.py)
+    tool_use: ToolUse | None = None
+    thinking: Thinking = Thinking()  # a reasoning model's switches, in the dialect's words
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    options: GenerationOptions
+    prompt: str | list[int]
+
+
+def structured_outputs_grammar(value: Any) -> str | None:
+    """vLLM's structured_outputs with a grammar: {"grammar": "<Lark grammar>"} (llguidance's Lark dialect); taken
+    by the other dialects too, as an extension."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) != {"grammar"} or not isinstance(value["grammar"], str):
+        raise InvalidRequestError('structured_outputs must be {"grammar": "<a Lark grammar>"}',
+                                  param="structured_outputs", code="invalid_value")
+    return value["grammar"]
+
+
+def stop_strings(value: Any, param: str, limit: int, *, one_string: bool, expected: str, empty_apart: bool = False,
+                 verb: str = "accepts") -> tuple[str, ...]:
+    """A request's stop strings (none when absent): a list of at most `limit` non-empty strings, or with
+    `one_string` a single string as well. What the dialects differ in: `param` names the field; `expected` ends
+    the type error ("{param} must be {expected}"), `verb` the count's ("{param} {verb} at most ..."); an empty
+    string fails the type check, or with `empty_apart` an error of its own after the count (OpenAI's)."""
+    if value is None:
+        return ()
+    stops = [value] if one_string and isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) and (s or empty_apart) for s in stops):
+        raise InvalidRequestError(f"{param} must be {expected}", param=param, code="invalid_type")
+    if len(stops) > limit:
+        raise InvalidRequestError(f"{param} {verb} at most {limit} strings, got {len(stops)}", param=param,
+                                  code="invalid_value")
+    if "" in stops:
+        raise InvalidRequestError(f"{param} strings must not be empty", param=param, code="invalid_value")
+    return tuple(stops)
 
 
 def require_object(body: Any) -> dict[str, Any]:

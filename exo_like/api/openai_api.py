@@ -1,15 +1,101 @@
-"""The JSON shapes of OpenAI responses: whole completions, streamed chunks, log-probabilities, and errors."""
+"""OpenAI's chat completions and (legacy) completions as a thin adapter over the one core (api/chat.py):
+POST /v1/chat/completions and POST /v1/completions (a whole body, or server-sent event chunks ending in [DONE]), and
+GET /v1/models[/{id}]; the bodies are parsed in openai_requests.py.
+
+Below the handlers, the JSON shapes of OpenAI's replies: whole completions, streamed chunks, log-probabilities, and
+errors (error_body, also the default error shape of every route, see routes.py).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from exo_like.api.completion import Piece
+from aiohttp import web
+
+from exo_like.api.chat import start_chat, start_completion
+from exo_like.api.choices import ChoiceSet
+from exo_like.api.generation import Piece
+from exo_like.api.lifecycle import NODE_KEY, generating, read_json, record, sse, stream_out
+from exo_like.api.openai_requests import parse_chat_request, parse_completion_request
 from exo_like.api.tool_calls import ToolCall
 from exo_like.serving.sampling import Choice
+
+
+def add_routes(app: web.Application) -> None:
+    """Register this dialect's routes (its error shape is the default: routes.py's error middleware)."""
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model_id:.+}", get_model)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    parsed = parse_chat_request(await read_json(request))
+    started = await start_chat(request.app[NODE_KEY], parsed)
+    fmt = ResponseFormat(True, f"chatcmpl-{started.choices.request_id}", started.model.model_id,
+                         parsed.options.include_usage, token_text=started.token_text(parsed.options))
+    return await _respond(request, started.choices, fmt, parsed.options.stream)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    parsed = parse_completion_request(await read_json(request))
+    started = await start_completion(request.app[NODE_KEY], parsed)
+    fmt = ResponseFormat(False, f"cmpl-{started.choices.request_id}", started.model.model_id,
+                         parsed.options.include_usage, token_text=started.token_text(parsed.options))
+    return await _respond(request, started.choices, fmt, parsed.options.stream)
+
+
+async def _respond(request: web.Request, choices: ChoiceSet, fmt: ResponseFormat,
+                   stream: bool) -> web.StreamResponse:
+    async with generating(request, choices, fmt.response_id):
+        if stream:
+            return await _stream(request, choices, fmt)
+        wholes = await choices.wholes()
+        record(request.app[NODE_KEY], choices)
+        return web.json_response(fmt.whole([(whole, generation.finish_reason or "length")
+                                            for whole, generation in zip(wholes, choices.generations)],
+                                           choices.usage()))
+
+
+async def _stream(request: web.Request, choices: ChoiceSet, fmt: ResponseFormat) -> web.StreamResponse:
+    """Server-sent events: chunks as text arrives, a finish chunk, an optional usage chunk, then [DONE]."""
+    return await stream_out(request, choices, fmt.response_id, _chunks(request, choices, fmt), sse,
+                            lambda status, message, type_, param, code: error_body(message, type_, param, code),
+                            trailer=b"data: [DONE]\n\n")
+
+
+async def _chunks(request: web.Request, choices: ChoiceSet, fmt: ResponseFormat) -> AsyncIterator[dict[str, Any]]:
+    for index in range(len(choices.generations)):
+        if (first := fmt.first_chunk(index)) is not None:
+            yield first
+    calls = [0] * len(choices.generations)  # tool calls streamed so far, per choice
+    async with contextlib.aclosing(choices.pieces()) as pieces:
+        async for index, piece in pieces:
+            if piece is None:
+                yield fmt.finish_chunk(choices.generations[index].finish_reason or "length", index)
+                continue
+            for chunk in fmt.piece_chunks(piece, index, calls[index]):
+                yield chunk
+            calls[index] += len(piece.calls)
+    record(request.app[NODE_KEY], choices)  # before the stream ends, so a client that scrapes /metrics sees it
+    if fmt.include_usage:
+        yield fmt.usage_chunk(choices.usage())
+
+
+async def list_models(request: web.Request) -> web.Response:
+    """The served model first, then local folders, downloaded repos and the catalog, each with its `state`."""
+    return web.json_response({"object": "list", "data": request.app[NODE_KEY].lifecycle.listing()})
+
+
+async def get_model(request: web.Request) -> web.Response:
+    return web.json_response(request.app[NODE_KEY].lifecycle.entry(request.match_info["model_id"]))
+
+
+# -- the JSON shapes of OpenAI's replies ---------------------------------------------------------------------------
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
