@@ -27,7 +27,8 @@ THINK_THEN_ANSWER = 'start: "<think>" words "</think>" words\n' + WORDS
 CLOSE_THEN_ANSWER = 'start: words "</think>" words\n' + WORDS
 HARMONY_CHANNELS = ('start: "<|channel|>analysis<|message|>" words '
                     '"<|end|><|start|>assistant<|channel|>final<|message|>" words\n' + WORDS)
-TEMPLATES = {"think": THINK_TEMPLATE, "opened": OPENED_THINK_TEMPLATE, "harmony": HARMONY_TEMPLATE}
+TEMPLATES = {"think": THINK_TEMPLATE, "opened": OPENED_THINK_TEMPLATE, "harmony": HARMONY_TEMPLATE,
+             "plain": None}  # the test tokenizer's own template: a model that does not reason
 
 
 @pytest.fixture(scope="module")
@@ -195,3 +196,20 @@ async def test_responses_gives_a_reasoning_item_before_the_message(served: tuple
     assert "".join(deltas) == thought
     assert [item.model_dump() for item in streamed.output][0]["content"] == \
         [item.model_dump() for item in whole.output][0]["content"]
+
+
+@pytest.mark.parametrize("served", ["plain"], indirect=True)
+async def test_a_model_that_does_not_reason_takes_every_switch_and_ignores_it(served: tuple[str, str]) -> None:
+    import ollama
+
+    base_url, model = served
+    claude = await anthropic_client(base_url).messages.create(
+        model=model, max_tokens=8, messages=ASK, thinking={"type": "enabled", "budget_tokens": 1024})
+    assert [block.type for block in claude.content] == ["text"], claude.content
+    chat = await openai_client(base_url).chat.completions.create(
+        model=model, messages=ASK, max_tokens=8, reasoning_effort="high",
+        extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    assert chat.choices[0].message.content and getattr(chat.choices[0].message, "reasoning_content", None) is None
+    reply = await ollama.AsyncClient(host=base_url).chat(model=model, messages=ASK, think=True,
+                                                         options={"num_predict": 8})
+    assert reply.message.content and not reply.message.thinking
