@@ -1,7 +1,7 @@
 """Tools on the real SmolLM2 (whose chat template cannot show them: the generic format), through the official
 `openai` client against an in-process node: tool_choice auto, required, a named function and none each give a
 valid answer (a call of an offered tool whose arguments fit its schema, or text), a named one exactly one call
-with finish "stop"."""
+with finish "stop"; and Anthropic's thinking switch, which a model that does not reason takes and ignores."""
 
 from __future__ import annotations
 
@@ -35,14 +35,15 @@ ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
 
 @pytest.fixture
 async def api(smollm2: Path, tmp_path: Path) -> AsyncIterator:
+    """(an openai client of an in-process node serving SmolLM2, the node's address)"""
     import openai
 
     node = Node(NodeOptions(home=tmp_path, engine="torch", mdns=False, model="smollm2-135m"))
     async with TestClient(TestServer(create_app(node))) as http:
         await node.start("127.0.0.1", http.port)
         await node.instances.oldest().wait_ready(60)
-        yield openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{http.port}/v1", api_key="x", max_retries=0,
-                                 timeout=60)
+        yield (openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{http.port}/v1", api_key="x", max_retries=0,
+                                  timeout=60), f"http://127.0.0.1:{http.port}")
     await node.close()
 
 
@@ -63,6 +64,7 @@ async def ask(api, tool_choice: object, max_tokens: int = 60):  # noqa: ANN001, 
 
 @pytest.mark.slow  # (about 15 s: the model's load, its vocabulary's grammar tokenizer, four answers)
 async def test_smollm2_answers_with_tools_for_every_tool_choice(api, smollm2: Path) -> None:  # noqa: ANN001
+    api, node_url = api
     template = gguf_tokenizer(open_gguf(smollm2).metadata, smollm2.name).chat_template_source
     assert detect("llama", template) is None  # no format of its own: the generic one
     named = await ask(api, {"type": "function", "function": {"name": "get_time"}})
@@ -79,3 +81,10 @@ async def test_smollm2_answers_with_tools_for_every_tool_choice(api, smollm2: Pa
         valid_calls(auto.message)
     else:
         assert auto.message.content.strip() and not auto.message.content.lstrip().startswith("{")
+
+    import anthropic
+
+    claude = anthropic.AsyncAnthropic(base_url=node_url, api_key="x", max_retries=0, timeout=60)
+    thought = await claude.messages.create(model="smollm2-135m", max_tokens=12, messages=ASK,
+                                           thinking={"type": "enabled", "budget_tokens": 1024})
+    assert [block.type for block in thought.content] == ["text"] and thought.content[0].text.strip(), thought
