@@ -181,7 +181,7 @@ class Engine(ABC):
 
     def numerics(self) -> dict[str, str]:
         """What the hardware changes in how this engine computes (kernel paths chosen by CPU feature), by name;
-        empty where nothing is chosen by it."""
+        empty where nothing is chosen by it, and until the first load (engines probe the hardware on their thread)."""
         return {}
 
 

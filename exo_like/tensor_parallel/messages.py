@@ -111,7 +111,6 @@ class Ready(Message):
     engine: str
     device_name: str
     on_cpu: bool
-    numerics: dict[str, str]
     allreduce_ns: int = 0  # the median of the group's all-reduces timed right after forming
 
 

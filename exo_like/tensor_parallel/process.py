@@ -174,4 +174,4 @@ class GroupMemberEngine(Engine):
         return str(self._figures.get("dtype_name") or self.local.dtype_name)
 
     def numerics(self) -> dict[str, str]:
-        return dict(self._ready.numerics)
+        return dict(self._figures.get("numerics") or {})

@@ -142,7 +142,8 @@ def describe(engine: Engine) -> dict[str, Any]:
     return {"parameter_bytes": engine.parameter_bytes(), "dtype_name": engine.dtype_name,
             "kv_block_bytes": list(engine.kv_block_bytes()) if engine.shard is not None else None,
             "kv_size": None if size is None else [size.blocks, size.window_blocks],
-            "quantized": engine.weight_forms.quantized, "dequantized": engine.weight_forms.dequantized}
+            "quantized": engine.weight_forms.quantized, "dequantized": engine.weight_forms.dequantized,
+            "numerics": engine.numerics()}
 
 
 def handle(engine: Engine, message: Message, leader: bool) -> Done:
@@ -252,7 +253,7 @@ def main(argv: list[str] | None = None) -> None:
     # hidden state of a typical width (the time hardly depends on it at these sizes).
     allreduce_ns = engine.group.time_all_reduce(ALLREDUCE_WIDTH, ALLREDUCE_TIMES)
     log.info("rank %d: an all-reduce of %d values takes %.3f ms", options.rank, ALLREDUCE_WIDTH, allreduce_ns / 1e6)
-    send(node, Ready(os.getpid(), engine.name, engine.device_name, engine.on_cpu, engine.numerics(), allreduce_ns))
+    send(node, Ready(os.getpid(), engine.name, engine.device_name, engine.on_cpu, allreduce_ns))
     try:
         serve(node, engine, leader_channel)
     finally:

@@ -120,3 +120,33 @@ def test_the_users_placement_setting_wins() -> None:
     result = _run_pin_script({"OMP_PROC_BIND": "false"})
     assert result["pinned"] is None
     assert all(cpus == sorted(os.sched_getaffinity(0)) for cpus, _ in result["threads"].values())
+
+
+TEAM_SCRIPT = """
+import json, os
+import torch
+from exo_like.engines.torch.engine import TorchEngine
+from exo_like.engines.torch.quant import cpu_numerics
+torch.set_num_threads(2)
+def threads():
+    return len(os.listdir("/proc/self/task"))
+before = threads()
+engine = TorchEngine(device="cpu")
+after_engine = threads()
+cpu_numerics()
+print(json.dumps({"before": before, "after_engine": after_engine, "after_probe": threads()}))
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc (Linux)")
+def test_creating_the_engine_starts_no_openmp_team_on_the_creating_thread() -> None:
+    # A node creates its engine on the main thread and computes on the engine thread. A parallel region run on
+    # the main thread would leave a second OpenMP team alive: more threads than cores, and libgomp then sleeps
+    # and wakes the engine's workers at every region (the node's decode step went from 15 to 25 ms). The CPU
+    # probes the engine reports (which pack weights in parallel) wait for its first load, on its own thread.
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    out = subprocess.run([sys.executable, "-c", TEAM_SCRIPT], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    counts = json.loads(out.stdout)
+    assert counts["after_engine"] == counts["before"], counts
+    assert counts["after_probe"] > counts["before"], counts  # the probe does start a team where it runs

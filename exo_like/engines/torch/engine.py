@@ -121,8 +121,10 @@ class TorchEngine(Engine):
         self.half: torch.dtype | None = None  # the matrices' 16-bit dtype beside float32 activations (half_storage)
         self.pool: KVPool | None = None
         self._threads_placed = False
-        self._numerics = cpu_numerics() if self.device.type == "cpu" else {}
-        self._numerics_logged = False
+        # Probed on the engine thread, at the first load: a parallel region run on any other thread (cpu_numerics
+        # packs probe weights) leaves a second OpenMP team alive, more threads than cores, and libgomp then stops
+        # spinning between the engine's regions (measured: the node's decode step 15 -> 25 ms).
+        self._numerics: dict[str, str] | None = None
 
     def unload(self) -> None:
         self.model, self.pool = None, None
@@ -133,6 +135,9 @@ class TorchEngine(Engine):
             raise ValueError(f"shard {shard} does not match the model's {args.num_hidden_layers} layers")
         self.model, self.shard, self.args, self.pool = None, None, None, None
         free_replaced_shard()
+        first_load = self._numerics is None
+        if first_load:
+            self._numerics = cpu_numerics() if self.device.type == "cpu" else {}
         self.weight_forms = WeightForms()
         started = time.perf_counter()
         keep_quantized = self._keeps_quantized(model_dir, args)
@@ -169,9 +174,8 @@ class TorchEngine(Engine):
                         installer.forms.describe_dequantized(), DTYPE_NAMES[installer.dense_dtype])
         return_freed_memory()
         log.info("loaded %s: %.1f MB in %.2fs", shard, self.parameter_bytes() / 1e6, time.perf_counter() - started)
-        if self._numerics and not self._numerics_logged:
+        if first_load and self._numerics:
             # These paths make results differ, slightly, between CPUs: say which ones run, once, as they first do.
-            self._numerics_logged = True
             log.info("cpu numerics: %s", ", ".join(f"{k} {v}" for k, v in self._numerics.items()))
 
     def _group_reduce(self, shard: Shard) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -308,7 +312,7 @@ class TorchEngine(Engine):
         return DTYPE_NAMES[self.dtype]
 
     def numerics(self) -> dict[str, str]:
-        return dict(self._numerics)
+        return dict(self._numerics or {})
 
     def _loaded_model(self) -> ShardModel:
         if self.model is None:
