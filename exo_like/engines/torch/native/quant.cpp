@@ -205,8 +205,8 @@ void dequantize_row(const Matrix& m, int64_t row, float* out) {
 }
 
 // Each block's codes decoded once for the tile's rows (at most ROW_TILE); each row's sums in the same order as alone.
-void rows_portable(const Matrix& m, const Activations& a, int64_t row, int64_t r0, int64_t count, float* out,
-                   int64_t out_stride) {
+void row_portable(const Matrix& m, const Activations& a, int64_t row, int64_t r0, int64_t count, float* out,
+                  int64_t out_stride) {
   float totals[ROW_TILE] = {0.0f, 0.0f, 0.0f, 0.0f};
   int32_t codes[BLOCK];
   for (int64_t b = 0; b < a.blocks; ++b) {
@@ -228,6 +228,12 @@ void rows_portable(const Matrix& m, const Activations& a, int64_t row, int64_t r
   }
 }
 
+// Weight rows [first, last) against activation rows [r0, r0 + count).
+void rows_portable(const Matrix& m, const Activations& a, int64_t first, int64_t last, int64_t r0, int64_t count,
+                   float* out, int64_t out_stride) {
+  for (int64_t row = first; row < last; ++row) row_portable(m, a, row, r0, count, out, out_stride);
+}
+
 #ifdef EXO_X86
 __attribute__((target("avx2,fma,f16c"))) inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -236,22 +242,29 @@ __attribute__((target("avx2,fma,f16c"))) inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// A block's 32 codes as unsigned bytes.
+// A block's 32 codes as unsigned bytes, in two halves: codes 0-15 and 16-31 (each widened to 16 bits on its own,
+// so no 256-bit vector is built only to be split again).
+struct Halves {
+  __m128i lo, hi;
+};
+
 template <int64_t L>
-__attribute__((target("avx2,fma,f16c"), always_inline)) inline __m256i block_codes(const uint8_t* low,
-                                                                                     const uint8_t* high) {
+__attribute__((target("avx2,fma,f16c"), always_inline)) inline Halves block_codes(const uint8_t* low,
+                                                                                   const uint8_t* high) {
   if constexpr (L == BYTES) {
-    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(low));
+    return {_mm_loadu_si128(reinterpret_cast<const __m128i*>(low)),
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(low + 16))};
   } else {
     const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(low));
     const __m128i mask = _mm_set1_epi8(0x0F);
-    __m256i codes = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), mask), _mm_and_si128(packed, mask));
+    Halves codes{_mm_and_si128(packed, mask), _mm_and_si128(_mm_srli_epi16(packed, 4), mask)};
     if constexpr (L == HIGH2) {
       int64_t bits;
       std::memcpy(&bits, high, 8);
-      __m256i h = _mm256_srlv_epi64(_mm256_set1_epi64x(bits), _mm256_set_epi64x(6, 4, 2, 0));
-      h = _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi8(0x03)), 4);
-      codes = _mm256_or_si256(codes, h);
+      const __m128i all = _mm_set1_epi64x(bits), two = _mm_set1_epi8(0x03);
+      const __m128i h_lo = _mm_srlv_epi64(all, _mm_set_epi64x(2, 0)), h_hi = _mm_srlv_epi64(all, _mm_set_epi64x(6, 4));
+      codes.lo = _mm_or_si128(codes.lo, _mm_slli_epi16(_mm_and_si128(h_lo, two), 4));
+      codes.hi = _mm_or_si128(codes.hi, _mm_slli_epi16(_mm_and_si128(h_hi, two), 4));
     }
     return codes;
   }
@@ -304,9 +317,9 @@ template <int64_t L, int C, bool HALVES>
 __attribute__((target("avx2,fma,f16c"), always_inline)) inline void block_step(
     const uint8_t* low, const uint8_t* high, const int16_t* xq, const float* d, int64_t inputs, int64_t blocks,
     int64_t b, float scale_lo, float scale_hi, __m256* acc) {
-  const __m256i codes = block_codes<L>(low + b * (L == BYTES ? 32 : 16), L == HIGH2 ? high + b * 8 : nullptr);
-  const __m256i lo = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(codes));
-  const __m256i hi = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(codes, 1));
+  const Halves codes = block_codes<L>(low + b * (L == BYTES ? 32 : 16), L == HIGH2 ? high + b * 8 : nullptr);
+  const __m256i lo = _mm256_cvtepu8_epi16(codes.lo);
+  const __m256i hi = _mm256_cvtepu8_epi16(codes.hi);
 #pragma GCC unroll 4
   for (int t = 0; t < C; ++t) {
     const int16_t* x = xq + t * inputs + b * BLOCK;
@@ -370,6 +383,7 @@ __attribute__((target("avx2,fma,f16c"))) void rows_avx2_tile(const Matrix& whole
   const int shift = HALVES ? 0 : __builtin_ctzll(m.group / BLOCK);  // log2 of blocks per group
   int64_t b = 0;
   for (; b + 1 < blocks; b += 2) {
+    _mm_prefetch(reinterpret_cast<const char*>(low + b * (L == BYTES ? 32 : 16) + 2048), _MM_HINT_T0);
     const float s0 = load_factor(m.scales, first + (HALVES ? 2 * b : b >> shift));
     const float s1 = load_factor(m.scales, first + (HALVES ? 2 * (b + 1) : (b + 1) >> shift));
     const float h0 = HALVES ? load_factor(m.scales, first + 2 * b + 1) : s0;
@@ -391,22 +405,100 @@ __attribute__((target("avx2,fma,f16c"))) void rows_avx2_tile(const Matrix& whole
   }
 }
 
+// Block b of R weight rows against one activation row (rows_avx2_across).
+template <int64_t L, bool HALVES, int R>
+__attribute__((target("avx2,fma,f16c"), always_inline)) inline void across_step(
+    const uint8_t* const* low, const uint8_t* const* high, const RowFactors* scales, const int16_t* xq,
+    const float* d, int64_t b, int shift, __m256* into) {
+  constexpr int64_t code_bytes = L == BYTES ? 32 : 16;
+  const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * BLOCK));
+  const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * BLOCK + 16));
+  const float db = d[b];
+#pragma GCC unroll 4
+  for (int i = 0; i < R; ++i) {
+    const Halves codes = block_codes<L>(low[i] + b * code_bytes, L == HIGH2 ? high[i] + b * 8 : nullptr);
+    const __m256i p0 = _mm256_madd_epi16(_mm256_cvtepu8_epi16(codes.lo), x0);
+    const __m256i p1 = _mm256_madd_epi16(_mm256_cvtepu8_epi16(codes.hi), x1);
+    const Factors& f = scales[i].factors;
+    const int64_t first = scales[i].first;
+    if constexpr (HALVES) {
+      into[i] = _mm256_fmadd_ps(_mm256_set1_ps(load_factor(f, first + 2 * b) * db), _mm256_cvtepi32_ps(p0), into[i]);
+      into[i] = _mm256_fmadd_ps(_mm256_set1_ps(load_factor(f, first + 2 * b + 1) * db), _mm256_cvtepi32_ps(p1),
+                                into[i]);
+    } else {
+      into[i] = _mm256_fmadd_ps(_mm256_set1_ps(load_factor(f, first + (b >> shift)) * db),
+                                _mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)), into[i]);
+    }
+  }
+}
+
+// R weight rows against one activation row (a decode step's product): the activation block is loaded once for
+// all R, and each row's sums are the same operations in the same order as rows_avx2_tile's for that row alone
+// (even and odd chains, then the biases), so its results are bit for bit the same.
+template <int64_t L, bool HALVES, int R>
+__attribute__((target("avx2,fma,f16c"))) void rows_avx2_across(const Matrix& whole, const Activations& a,
+                                                                 int64_t row, int64_t r0, float* out,
+                                                                 int64_t out_stride) {
+  const int64_t blocks = a.blocks, groups = whole.groups;
+  const int16_t* xq = a.q + r0 * a.inputs;
+  const float* d = a.d + r0 * blocks;
+  constexpr int64_t code_bytes = L == BYTES ? 32 : 16;
+  thread_local std::vector<float> buffers[2 * R];
+  const uint8_t* low[R];
+  const uint8_t* high[R];
+  RowFactors scales[R], biases[R];
+#pragma GCC unroll 4
+  for (int i = 0; i < R; ++i) {
+    low[i] = whole.low + (row + i) * whole.low_stride();
+    high[i] = L == HIGH2 ? whole.high + (row + i) * (whole.inputs / 4) : nullptr;
+    scales[i] = row_factors(whole.scales, (row + i) * groups, groups, buffers[2 * i]);
+    biases[i] = row_factors(whole.biases, (row + i) * groups, groups, buffers[2 * i + 1]);
+  }
+  const int shift = HALVES ? 0 : __builtin_ctzll(whole.group / BLOCK);
+  __m256 acc[R], odd[R];
+#pragma GCC unroll 4
+  for (int i = 0; i < R; ++i) acc[i] = odd[i] = _mm256_setzero_ps();
+  int64_t b = 0;
+  for (; b + 1 < blocks; b += 2) {
+#pragma GCC unroll 4
+    for (int i = 0; i < R; ++i) _mm_prefetch(reinterpret_cast<const char*>(low[i] + b * code_bytes + 2048), _MM_HINT_T0);
+    across_step<L, HALVES, R>(low, high, scales, xq, d, b, shift, acc);
+    across_step<L, HALVES, R>(low, high, scales, xq, d, b + 1, shift, odd);
+  }
+  if (b < blocks) across_step<L, HALVES, R>(low, high, scales, xq, d, b, shift, acc);
+  const float* gsum = a.gsum + r0 * groups;
+  for (int i = 0; i < R; ++i) {
+    float total = hsum(_mm256_add_ps(acc[i], odd[i]));
+    total += whole.biases.values
+                 ? group_sum(biases[i].factors, groups, biases[i].first, gsum, whole.biases.type)
+                 : -whole.zero * group_sum(scales[i].factors, groups, scales[i].first, gsum, whole.scales.type);
+    out[r0 * out_stride + row + i] = total;
+  }
+}
+
+// Weight rows [first, last) against activation rows [r0, r0 + count).
 template <int64_t L, bool HALVES>
-__attribute__((target("avx2,fma,f16c"))) void rows_avx2(const Matrix& m, const Activations& a, int64_t row,
-                                                          int64_t r0, int64_t count, float* out,
+__attribute__((target("avx2,fma,f16c"))) void rows_avx2(const Matrix& m, const Activations& a, int64_t first,
+                                                          int64_t last, int64_t r0, int64_t count, float* out,
                                                           int64_t out_stride) {
-  switch (count) {
-    case 1: return rows_avx2_tile<L, 1, HALVES>(m, a, row, r0, out, out_stride);
-    case 2: return rows_avx2_tile<L, 2, HALVES>(m, a, row, r0, out, out_stride);
-    case 3: return rows_avx2_tile<L, 3, HALVES>(m, a, row, r0, out, out_stride);
-    default: return rows_avx2_tile<L, 4, HALVES>(m, a, row, r0, out, out_stride);
+  int64_t row = first;
+  if (count == 1) {
+    for (; row + 4 <= last; row += 4) rows_avx2_across<L, HALVES, 4>(m, a, row, r0, out, out_stride);
+  }
+  for (; row < last; ++row) {
+    switch (count) {
+      case 1: rows_avx2_tile<L, 1, HALVES>(m, a, row, r0, out, out_stride); break;
+      case 2: rows_avx2_tile<L, 2, HALVES>(m, a, row, r0, out, out_stride); break;
+      case 3: rows_avx2_tile<L, 3, HALVES>(m, a, row, r0, out, out_stride); break;
+      default: rows_avx2_tile<L, 4, HALVES>(m, a, row, r0, out, out_stride); break;
+    }
   }
 }
 
 bool has_avx2() { return exo::native_avx2(); }
 #endif
 
-using RowKernel = void (*)(const Matrix&, const Activations&, int64_t, int64_t, int64_t, float*, int64_t);
+using RowKernel = void (*)(const Matrix&, const Activations&, int64_t, int64_t, int64_t, int64_t, float*, int64_t);
 
 RowKernel pick_kernel(int64_t layout, bool halves) {
 #ifdef EXO_X86
@@ -513,7 +605,7 @@ at::Tensor integer_matmul(const at::Tensor& xc, const Matrix& m, int64_t outputs
         const int64_t first = block * WEIGHT_BLOCK, last = std::min(outputs, first + WEIGHT_BLOCK);
         for (int64_t r = r0; r < chunk_end; r += ROW_TILE) {
           const int64_t count = std::min(ROW_TILE, chunk_end - r);
-          for (int64_t row = first; row < last; ++row) kernel(m, a, row, r, count, o, outputs);
+          kernel(m, a, first, last, r, count, o, outputs);
         }
       }
     }
