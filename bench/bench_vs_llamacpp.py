@@ -265,24 +265,32 @@ def tensor_types(path: Path) -> str:
 # -- exo-like -----------------------------------------------------------------------------------------------------
 
 
+# Every torch computation of this bench runs on this one thread, as a node computes on its engine thread alone:
+# a parallel region run on a second live thread keeps a second OpenMP team alive (more threads than cores), and
+# libgomp then sleeps and wakes the workers at every region (a decode step measured 15 -> 25-33 ms here).
+ENGINE_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+
+
+def on_engine_thread(fn: Callable, *args):  # noqa: ANN201
+    return ENGINE_THREAD.submit(fn, *args).result()
+
+
 @dataclass
 class ExoSide:
-    """One TorchEngine holding the whole file, run on its own thread as a node's engine thread runs it."""
+    """One TorchEngine holding the whole file, run on the engine thread as a node's engine thread runs it."""
 
     path: Path
     dtype: str | None
     opts: argparse.Namespace
     engine: TorchEngine = field(init=False)
-    thread: ThreadPoolExecutor = field(init=False)
     rng: np.random.Generator = field(init=False)
 
     def __post_init__(self) -> None:
-        self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self.rng = np.random.default_rng(0)
         self.engine = self.on_engine(self._load)
 
     def on_engine(self, fn: Callable, *args):  # noqa: ANN201
-        return self.thread.submit(fn, *args).result()
+        return on_engine_thread(fn, *args)
 
     def _load(self) -> TorchEngine:
         args = ModelArgs.from_dict(open_gguf(self.path).config())
@@ -310,7 +318,7 @@ class ExoSide:
         return self.form if self.dtype is None else f"--dtype {self.dtype}"
 
     def close(self) -> None:
-        self.thread.shutdown()
+        self.on_engine(self.engine.unload)
         del self.engine
 
     def run(self) -> dict[str, float]:
@@ -414,7 +422,12 @@ def weight_bytes_per_token(path: Path) -> int:
 
 @cache
 def matvec_read_rate(threads: int) -> float:
-    """Bytes/s a float32 matrix-vector product reads from memory here (256 MB matrix, median of 9)."""
+    """Bytes/s a float32 matrix-vector product reads from memory here (256 MB matrix, median of 9), on the
+    engine thread."""
+    return on_engine_thread(_matvec_read_rate, threads)
+
+
+def _matvec_read_rate(threads: int) -> float:
     torch.set_num_threads(threads)
     matrix, vector = torch.randn(8192, 8192), torch.randn(8192)
     torch.mv(matrix, vector)
@@ -434,25 +447,24 @@ def demo_step_ms(threads: int) -> tuple[float, int]:
     with tempfile.TemporaryDirectory(prefix="bench-demo-") as home:
         folder = ensure_demo_model(Path(home))
         args = ModelArgs.from_dir(folder)
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine") as thread:
-            def measure() -> float:
-                torch.set_num_threads(threads)
-                engine = TorchEngine(device="cpu", dtype="float32")
-                engine.load(folder, args, Shard.whole(folder.name, args.num_hidden_layers))
-                engine.place_threads()
-                engine.allocate_kv(blocks_for(256))
-                step = lambda start, ids: engine.step([WorkItem(  # noqa: E731
-                    "bench", "bench", start, len(ids), tuple(range(blocks_for(start + len(ids)))),
-                    SampleSpec(SamplingParams(0.0, seed=0), 1 << 20, (), start + len(ids)))], ids)
-                step(0, np.arange(64, dtype=np.int64))
-                times = []
-                for position in range(64, 192):
-                    started = time.perf_counter()
-                    step(position, np.array([position % args.vocab_size], dtype=np.int64))
-                    times.append(time.perf_counter() - started)
-                weights = sum(t.numel() * t.element_size() for t in engine.model.held_tensors())
-                return statistics.median(times[16:]) * 1000, weights
-            return thread.submit(measure).result()
+        def measure() -> float:
+            torch.set_num_threads(threads)
+            engine = TorchEngine(device="cpu", dtype="float32")
+            engine.load(folder, args, Shard.whole(folder.name, args.num_hidden_layers))
+            engine.place_threads()
+            engine.allocate_kv(blocks_for(256))
+            step = lambda start, ids: engine.step([WorkItem(  # noqa: E731
+                "bench", "bench", start, len(ids), tuple(range(blocks_for(start + len(ids)))),
+                SampleSpec(SamplingParams(0.0, seed=0), 1 << 20, (), start + len(ids)))], ids)
+            step(0, np.arange(64, dtype=np.int64))
+            times = []
+            for position in range(64, 192):
+                started = time.perf_counter()
+                step(position, np.array([position % args.vocab_size], dtype=np.int64))
+                times.append(time.perf_counter() - started)
+            weights = sum(t.numel() * t.element_size() for t in engine.model.held_tensors())
+            return statistics.median(times[16:]) * 1000, weights
+        return on_engine_thread(measure)
 
 
 def bench_file(name: str, path: Path, opts: argparse.Namespace) -> list[Row]:

@@ -66,6 +66,7 @@ constexpr int64_t WEIGHT_BLOCK = 16;  // weight rows a thread holds while the ac
 constexpr float CODE_MAX = 32767.0f; // activations' codes: int16
 constexpr int64_t GEMM_ROWS = 32;     // from this many rows, dequantized weights and a float32 GEMM (measured)
 constexpr int64_t GEMM_CHUNK = 1024;  // outputs dequantized at a time (bounds the float32 copy)
+constexpr int64_t PREFETCH_BYTES = 4096;  // how far ahead of its reads a row's codes are asked for (see rows.cpp)
 
 enum Layout : int64_t { NIBBLES = 0, HIGH2 = 1, BYTES = 2 };
 enum ScaleType : int { F32 = 0, F16 = 1, BF16 = 2, U8_CODES = 3, I8_CODES = 4 };
@@ -383,7 +384,7 @@ __attribute__((target("avx2,fma,f16c"))) void rows_avx2_tile(const Matrix& whole
   const int shift = HALVES ? 0 : __builtin_ctzll(m.group / BLOCK);  // log2 of blocks per group
   int64_t b = 0;
   for (; b + 1 < blocks; b += 2) {
-    _mm_prefetch(reinterpret_cast<const char*>(low + b * (L == BYTES ? 32 : 16) + 2048), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(low + b * (L == BYTES ? 32 : 16) + PREFETCH_BYTES), _MM_HINT_T0);
     const float s0 = load_factor(m.scales, first + (HALVES ? 2 * b : b >> shift));
     const float s1 = load_factor(m.scales, first + (HALVES ? 2 * (b + 1) : (b + 1) >> shift));
     const float h0 = HALVES ? load_factor(m.scales, first + 2 * b + 1) : s0;
@@ -461,7 +462,9 @@ __attribute__((target("avx2,fma,f16c"))) void rows_avx2_across(const Matrix& who
   int64_t b = 0;
   for (; b + 1 < blocks; b += 2) {
 #pragma GCC unroll 4
-    for (int i = 0; i < R; ++i) _mm_prefetch(reinterpret_cast<const char*>(low[i] + b * code_bytes + 2048), _MM_HINT_T0);
+    for (int i = 0; i < R; ++i) {
+      _mm_prefetch(reinterpret_cast<const char*>(low[i] + b * code_bytes + PREFETCH_BYTES), _MM_HINT_T0);
+    }
     across_step<L, HALVES, R>(low, high, scales, xq, d, b, shift, acc);
     across_step<L, HALVES, R>(low, high, scales, xq, d, b + 1, shift, odd);
   }
