@@ -83,6 +83,19 @@ def test_a_row_gets_the_same_result_in_any_batch_of_decode_rows() -> None:
     torch.testing.assert_close(matrix.matmul(prompt).double(), exact, rtol=0, atol=1e-5 * float(exact.abs().max()))
 
 
+def test_products_in_one_parallel_region_equal_each_product_alone() -> None:
+    """A token's experts run in one parallel region (rows_matmuls): each product bit for bit what it is alone,
+    across code layouts, groups of 16 and 32, output counts off the kernel's tiles, one row and several."""
+    forms = [((4, 32, "Q4_1"), 40), ((5, 32, "Q5_0"), 24), ((6, 16, "mlx 6-bit"), 17), ((8, 32, "Q8_0"), 33)]
+    matrices = [NativeMatrix.pack(random_groups(*form, out=out, seed=seed), KERNELS)
+                for seed, (form, out) in enumerate(forms)]
+    for rows in (1, 3):
+        xs = [torch.randn(rows, 256) for _ in matrices]
+        together = KERNELS.rows_matmuls(xs, [m.kernel_args() for m in matrices])
+        for x, matrix, got in zip(xs, matrices, together):
+            assert torch.equal(got, matrix.matmul(x))
+
+
 def test_codes_of_every_layout_round_trip_through_the_packing() -> None:
     for bits, group, source in FORMS:
         groups = random_groups(bits, group, source)

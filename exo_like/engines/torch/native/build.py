@@ -22,6 +22,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("quant.cpp", "half.cpp", "rows.cpp", "decode.cpp"))
+HEADERS = (Path(__file__).with_name("quant.h"),)  # included by the sources: part of what the binary depends on
 # -ffp-contract=off: no product and sum fused where the source did not ask (dequantized rows must match numpy's).
 # OpenMP: at::parallel_for runs on torch's own thread team (the loaded libgomp is reused by its soname).
 FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp")
@@ -39,7 +40,7 @@ def build_key() -> str:
     are, which the build's record names: two checkouts (or environments) sharing one directory rebuilt it
     whenever they took turns (~90 s each)."""
     digest = hashlib.sha256()
-    for source in SOURCES:
+    for source in SOURCES + HEADERS:
         digest.update(source.read_bytes())
     digest.update(repr((FLAGS, LINK_FLAGS, torch.__version__, sys.version_info[:2], platform.machine(),
                         str(Path(torch.__file__).parent), str(SOURCES[0].parent))).encode())

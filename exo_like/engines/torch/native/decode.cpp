@@ -9,6 +9,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "quant.h"
+
 #include <algorithm>
 #include <cmath>
 #include <optional>
@@ -22,9 +24,7 @@
 namespace exo {
 
 // The batch-invariant products (a row's result the same in any batch): quant.cpp's integer kernel, rows.cpp's.
-at::Tensor quant_rows_matmul(const at::Tensor& x, const at::Tensor& low, const at::Tensor& high,
-                             const at::Tensor& scales, const at::Tensor& biases, const at::Tensor& super_scales,
-                             const at::Tensor& super_biases, int64_t layout, double zero, int64_t group);
+// (quant.h: quant_rows_matmul, quant_rows_matmuls)
 at::Tensor rows_matmul(const at::Tensor& x, const at::Tensor& w);
 bool native_avx2();  // quant.cpp: AVX2 code, or the portable code
 
@@ -123,9 +123,8 @@ void weighted_sum(const float* weights, const float* values, const int64_t* slot
 // widened as it is read), and an optional bias.
 struct Projection {
   bool native = false;
-  at::Tensor low, high, scales, biases, super_scales, super_biases, weight;
-  int64_t layout = 0, group = 0;
-  double zero = 0.0;
+  PackedMatrix packed;  // native
+  at::Tensor weight;    // plain
   std::optional<at::Tensor> bias;
 
   std::vector<Projection> parts;  // a projection stacked from matrices of several types: outputs side by side
@@ -137,7 +136,7 @@ struct Projection {
       for (const Projection& part : parts) outputs.push_back(part.apply(x));
       out = at::cat(outputs, 1);
     } else if (native) {
-      out = quant_rows_matmul(x, low, high, scales, biases, super_scales, super_biases, layout, zero, group);
+      out = quant_rows_matmul(x, packed);
     } else {
       out = rows_matmul(x, weight);
     }
@@ -151,9 +150,8 @@ Projection native_projection(at::Tensor low, at::Tensor high, at::Tensor scales,
                              int64_t group, std::optional<at::Tensor> bias) {
   Projection p;
   p.native = true;
-  p.low = low, p.high = high, p.scales = scales, p.biases = biases;
-  p.super_scales = super_scales, p.super_biases = super_biases;
-  p.layout = layout, p.zero = zero, p.group = group, p.bias = bias;
+  p.packed = PackedMatrix{low, high, scales, biases, super_scales, super_biases, layout, group, zero};
+  p.bias = bias;
   return p;
 }
 
@@ -175,11 +173,10 @@ Projection dense_projection(at::Tensor weight, std::optional<at::Tensor> bias) {
   return p;
 }
 
-// down(silu(gate) * up) of each row, gate and up from one fused projection (gate rows, then up rows).
-at::Tensor swiglu(const Projection& gate_up, const Projection& down, const at::Tensor& x) {
-  const at::Tensor both = gate_up.apply(x);
+// silu(gate) * up of each row of a fused gate-and-up output (gate columns, then up columns).
+at::Tensor silu_times_up(const at::Tensor& both) {
   const int64_t rows = both.size(0), inner = both.size(1) / 2;
-  at::Tensor inner_values = at::empty({rows, inner}, x.options());
+  at::Tensor inner_values = at::empty({rows, inner}, both.options());
   const float* gu = both.data_ptr<float>();
   float* in = inner_values.data_ptr<float>();
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
@@ -191,8 +188,16 @@ at::Tensor swiglu(const Projection& gate_up, const Projection& down, const at::T
       }
     }
   });
-  return down.apply(inner_values);
+  return inner_values;
 }
+
+// down(silu(gate) * up) of each row, gate and up from one fused projection (gate rows, then up rows).
+at::Tensor swiglu(const Projection& gate_up, const Projection& down, const at::Tensor& x) {
+  return down.apply(silu_times_up(gate_up.apply(x).contiguous()));
+}
+
+// Whether a projection is one natively packed matrix without a bias (quant_rows_matmuls takes it).
+bool plain_native(const Projection& p) { return p.native && p.parts.empty() && !p.bias.has_value(); }
 
 // A mixture of experts' MLP routed as Qwen's and Mixtral's are: a float32 softmax over every expert's router
 // logit, each row's top k (renormalised to sum to one where the family does, then times `scale`), the chosen
@@ -211,18 +216,26 @@ struct Mixture {
     const at::Tensor logits = router.apply(x).contiguous();
     std::vector<std::vector<std::pair<int64_t, float>>> chosen(experts);  // per expert: (row, weight)
     for (int64_t r = 0; r < rows; ++r) route(logits.data_ptr<float>() + r * experts, r, chosen);
-    at::Tensor out = at::zeros_like(x);
-    float* o = out.data_ptr<float>();
+    std::vector<int64_t> used;  // the experts some row chose, ascending
+    std::vector<at::Tensor> picked;
     for (int64_t e = 0; e < experts; ++e) {
       if (chosen[e].empty()) continue;
       std::vector<int64_t> ids;
       for (const auto& entry : chosen[e]) ids.push_back(entry.first);
-      const at::Tensor picked = x.index_select(0, at::tensor(ids, at::kLong));
-      const at::Tensor y = swiglu(gate_ups[e], downs[e], picked).contiguous();
-      const float* ys = y.data_ptr<float>();
-      for (size_t k = 0; k < ids.size(); ++k) {
-        const float weight = chosen[e][k].second;
-        for (int64_t i = 0; i < hidden; ++i) o[ids[k] * hidden + i] += ys[k * hidden + i] * weight;
+      used.push_back(e);
+      picked.push_back(x.index_select(0, at::tensor(ids, at::kLong)));
+    }
+    const std::vector<at::Tensor> ys = expert_outputs(used, picked);
+    at::Tensor out = at::zeros_like(x);
+    float* o = out.data_ptr<float>();
+    for (size_t j = 0; j < used.size(); ++j) {
+      const auto& rows_weights = chosen[used[j]];
+      const at::Tensor y = ys[j].contiguous();
+      const float* yv = y.data_ptr<float>();
+      for (size_t k = 0; k < rows_weights.size(); ++k) {
+        const float weight = rows_weights[k].second;
+        const int64_t row = rows_weights[k].first;
+        for (int64_t i = 0; i < hidden; ++i) o[row * hidden + i] += yv[k * hidden + i] * weight;
       }
     }
     if (shared_gate_up.has_value()) {
@@ -231,6 +244,27 @@ struct Mixture {
       out = out + shared;
     }
     return out;
+  }
+
+  // Each used expert's SwiGLU MLP on its rows. Where every one is a packed quantized matrix, all experts' gate-and-up
+  // products run in one parallel region and all their down products in another (a region per expert's product
+  // left the threads waiting on each other between small products); the results are the same either way.
+  std::vector<at::Tensor> expert_outputs(const std::vector<int64_t>& used, const std::vector<at::Tensor>& picked) const {
+    bool together = true;
+    for (int64_t e : used) together = together && plain_native(gate_ups[e]) && plain_native(downs[e]);
+    std::vector<at::Tensor> ys;
+    if (!together) {
+      for (size_t j = 0; j < used.size(); ++j) ys.push_back(swiglu(gate_ups[used[j]], downs[used[j]], picked[j]));
+      return ys;
+    }
+    std::vector<const PackedMatrix*> first, second;
+    for (int64_t e : used) {
+      first.push_back(&gate_ups[e].packed);
+      second.push_back(&downs[e].packed);
+    }
+    std::vector<at::Tensor> inner;
+    for (const at::Tensor& both : quant_rows_matmuls(picked, first)) inner.push_back(silu_times_up(both));
+    return quant_rows_matmuls(inner, second);
   }
 
   // shared[r] *= sigmoid(gate[r]) row by row, one scalar formula for every element (ATen's sigmoid takes another

@@ -26,11 +26,14 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "quant.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -88,14 +91,14 @@ float bfloat_to_float(uint16_t h) {
   return value;
 }
 
-Activations quantize(const at::Tensor& x, int64_t group) {
+// The activations quantized into `q_buffer` and `float_buffer` (resized here).
+Activations quantize_into(const at::Tensor& x, int64_t group, std::vector<int16_t>& q_buffer,
+                          std::vector<float>& float_buffer) {
   Activations a;
   a.rows = x.size(0);
   a.inputs = x.size(1);
   a.blocks = a.inputs / BLOCK;
   a.groups = a.inputs / group;
-  thread_local std::vector<int16_t> q_buffer;
-  thread_local std::vector<float> float_buffer;
   q_buffer.resize(a.rows * a.inputs);
   float_buffer.resize(a.rows * (a.blocks + a.groups));
   const float* xs = x.data_ptr<float>();
@@ -127,6 +130,13 @@ Activations quantize(const at::Tensor& x, int64_t group) {
     }
   });
   return a;
+}
+
+// Into thread-local scratch, valid until the thread's next product.
+Activations quantize(const at::Tensor& x, int64_t group) {
+  thread_local std::vector<int16_t> q_buffer;
+  thread_local std::vector<float> float_buffer;
+  return quantize_into(x, group, q_buffer, float_buffer);
 }
 
 // A run of per-group factors: 16/32-bit floats, or 8-bit codes times a float32 per `1 << shift` groups.
@@ -312,6 +322,42 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) inline float group_sum(c
   return total;
 }
 
+// group_sum against C activation rows at once (v: row t's sums at v + t * stride), each the same arithmetic as
+// group_sum for that row alone; the factors are loaded and widened once for all C.
+template <int C>
+__attribute__((target("avx2,fma,f16c"), always_inline)) inline void group_sums(const Factors& f, int64_t groups,
+                                                                                int64_t first, const float* v,
+                                                                                int64_t stride, int stored_type,
+                                                                                float* out) {
+  int64_t g = 0;
+#pragma GCC unroll 4
+  for (int t = 0; t < C; ++t) out[t] = 0.0f;
+  if (stored_type < U8_CODES && f.type <= BF16) {  // dot_groups' eight lanes
+    __m256 acc[C];
+#pragma GCC unroll 4
+    for (int t = 0; t < C; ++t) acc[t] = _mm256_setzero_ps();
+    for (; g + 8 <= groups; g += 8) {
+      __m256 w;
+      if (f.type == F32) {
+        w = _mm256_loadu_ps(static_cast<const float*>(f.values) + first + g);
+      } else {
+        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(f.values) +
+                                                                           first + g));
+        w = f.type == F16 ? _mm256_cvtph_ps(h) : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+      }
+#pragma GCC unroll 4
+      for (int t = 0; t < C; ++t) acc[t] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + t * stride + g), acc[t]);
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < C; ++t) out[t] = hsum(acc[t]);
+  }
+  for (; g < groups; ++g) {
+    const float w = load_factor(f, first + g);
+#pragma GCC unroll 4
+    for (int t = 0; t < C; ++t) out[t] += w * v[t * stride + g];
+  }
+}
+
 // Block b of a weight row against C activation rows, into their accumulators (indices known at compile time, so
 // they stay in registers). Groups of 16 (HALVES) scale each half block on its own.
 template <int64_t L, int C, bool HALVES>
@@ -344,18 +390,34 @@ struct RowFactors {
   int64_t first;
 };
 
-RowFactors row_factors(const Factors& f, int64_t first, int64_t groups, std::vector<float>& buffer) {
+// Codes [first, first + n) times their super-blocks' float32 (Factors::at's products), eight at a time where eight
+// codes share one super-block (shift >= 3, aligned), as the K-quants' are: a scalar loop with the super-block's
+// index per code took a fifth of a mixture's decode step.
+template <typename Code>
+__attribute__((target("avx2,fma,f16c"))) void expand_codes(const Code* codes, const float* supers, int shift,
+                                                            int64_t first, int64_t n, float* out) {
+  int64_t g = 0;
+  if (shift >= 3 && first % 8 == 0) {
+    for (; g + 8 <= n; g += 8) {
+      const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + first + g));
+      const __m256i wide = std::is_signed_v<Code> ? _mm256_cvtepi8_epi32(raw) : _mm256_cvtepu8_epi32(raw);
+      _mm256_storeu_ps(out + g, _mm256_mul_ps(_mm256_cvtepi32_ps(wide), _mm256_set1_ps(supers[(first + g) >> shift])));
+    }
+  }
+  for (; g < n; ++g) out[g] = static_cast<float>(codes[first + g]) * supers[(first + g) >> shift];
+}
+
+__attribute__((target("avx2,fma,f16c"))) RowFactors row_factors(const Factors& f, int64_t first, int64_t groups,
+                                                                 std::vector<float>& buffer) {
   if (f.type == F32 || f.type == F16 || f.values == nullptr) return {f, first};
   buffer.resize(groups);
   float* out = buffer.data();
   if (f.type == BF16) {
     for (int64_t g = 0; g < groups; ++g) out[g] = bfloat_to_float(static_cast<const uint16_t*>(f.values)[first + g]);
-  } else if (f.type == U8_CODES) {  // (the same products as Factors::at, a loop the compiler can vectorise)
-    const uint8_t* codes = static_cast<const uint8_t*>(f.values) + first;
-    for (int64_t g = 0; g < groups; ++g) out[g] = static_cast<float>(codes[g]) * f.supers[(first + g) >> f.shift];
+  } else if (f.type == U8_CODES) {
+    expand_codes(static_cast<const uint8_t*>(f.values), f.supers, f.shift, first, groups, out);
   } else {
-    const int8_t* codes = static_cast<const int8_t*>(f.values) + first;
-    for (int64_t g = 0; g < groups; ++g) out[g] = static_cast<float>(codes[g]) * f.supers[(first + g) >> f.shift];
+    expand_codes(static_cast<const int8_t*>(f.values), f.supers, f.shift, first, groups, out);
   }
   Factors expanded;
   expanded.values = buffer.data();
@@ -398,10 +460,15 @@ __attribute__((target("avx2,fma,f16c"))) void rows_avx2_tile(const Matrix& whole
                              HALVES ? load_factor(m.scales, first + 2 * b + 1) : s0, acc);
   }
   const float* gsum = a.gsum + r0 * groups;
+  float sums[C];
+  if (m.biases.values) {
+    group_sums<C>(m.biases, groups, biases.first, gsum, groups, whole.biases.type, sums);
+  } else {
+    group_sums<C>(m.scales, groups, first, gsum, groups, whole.scales.type, sums);
+  }
   for (int t = 0; t < C; ++t) {
     float total = hsum(_mm256_add_ps(acc[t], odd[t]));
-    total += m.biases.values ? group_sum(m.biases, groups, biases.first, gsum + t * groups, whole.biases.type)
-                             : -m.zero * group_sum(m.scales, groups, first, gsum + t * groups, whole.scales.type);
+    total += m.biases.values ? sums[t] : -m.zero * sums[t];
     out[(r0 + t) * out_stride + row] = total;
   }
 }
@@ -590,30 +657,38 @@ at::Tensor matmul(const at::Tensor& x, const at::Tensor& low, const at::Tensor& 
   return integer_matmul(xc, m, scales.size(0));
 }
 
+// Weight-row blocks [begin, end) of the integer kernel's product (out: [a.rows, outputs]). Chunks of activation
+// rows that stay in L2 (~192 KB of codes); in each, the blocks of weight rows pass the chunk's rows four at a time
+// (a block's codes and four rows' stay in L1). So the activations are read from memory once and the weights once
+// per chunk.
+void integer_rows(const Matrix& m, const Activations& a, int64_t outputs, float* o, int64_t begin, int64_t end) {
+  const RowKernel kernel = pick_kernel(m.layout, m.group < BLOCK);
+  const int64_t chunk = std::max<int64_t>(ROW_TILE, (192 << 10) / (2 * a.inputs) / ROW_TILE * ROW_TILE);
+  for (int64_t r0 = 0; r0 < a.rows; r0 += chunk) {
+    const int64_t chunk_end = std::min(a.rows, r0 + chunk);
+    for (int64_t block = begin; block < end; ++block) {
+      const int64_t first = block * WEIGHT_BLOCK, last = std::min(outputs, first + WEIGHT_BLOCK);
+      for (int64_t r = r0; r < chunk_end; r += ROW_TILE) {
+        kernel(m, a, first, last, r, std::min(ROW_TILE, chunk_end - r), o, outputs);
+      }
+    }
+  }
+}
+
+int64_t weight_blocks(int64_t outputs) { return (outputs + WEIGHT_BLOCK - 1) / WEIGHT_BLOCK; }
+
 // The integer kernel for any number of rows: each row's outputs computed as they are for that row alone.
 at::Tensor integer_matmul(const at::Tensor& xc, const Matrix& m, int64_t outputs) {
   const Activations a = quantize(xc, m.group);
   at::Tensor out = at::empty({a.rows, outputs}, xc.options());
   float* o = out.data_ptr<float>();
-  const RowKernel kernel = pick_kernel(m.layout, m.group < BLOCK);
-  // Chunks of activation rows that stay in L2 (~192 KB of codes); in each, a thread takes blocks of weight rows
-  // and passes the chunk's rows by each block four at a time (a block's codes and four rows' stay in L1). So the
-  // activations are read from memory once and the weights once per chunk.
-  const int64_t blocks = (outputs + WEIGHT_BLOCK - 1) / WEIGHT_BLOCK;
-  const int64_t chunk = std::max<int64_t>(ROW_TILE, (192 << 10) / (2 * a.inputs) / ROW_TILE * ROW_TILE);
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r0 = 0; r0 < a.rows; r0 += chunk) {
-      const int64_t chunk_end = std::min(a.rows, r0 + chunk);
-      for (int64_t block = begin; block < end; ++block) {
-        const int64_t first = block * WEIGHT_BLOCK, last = std::min(outputs, first + WEIGHT_BLOCK);
-        for (int64_t r = r0; r < chunk_end; r += ROW_TILE) {
-          const int64_t count = std::min(ROW_TILE, chunk_end - r);
-          kernel(m, a, first, last, r, count, o, outputs);
-        }
-      }
-    }
-  });
+  at::parallel_for(0, weight_blocks(outputs), 1,
+                   [&](int64_t begin, int64_t end) { integer_rows(m, a, outputs, o, begin, end); });
   return out;
+}
+
+Matrix packed_view(const exo::PackedMatrix& w) {
+  return view(w.low, w.high, w.scales, w.biases, w.super_scales, w.super_biases, w.layout, w.zero, w.group);
 }
 
 // Rows `ids` of the matrix, dequantized to float32 [n, in]: scale * q + bias, rounded as numpy's
@@ -647,25 +722,66 @@ std::string kernel_name() {
 namespace exo {
 // x @ w.T on the integer kernel for any number of rows (batch-invariant: a row's result is the same alone or
 // beside others, which the dequantized GEMM that `matmul` switches to for many rows does not keep).
-at::Tensor quant_rows_matmul(const at::Tensor& x, const at::Tensor& low, const at::Tensor& high,
-                             const at::Tensor& scales, const at::Tensor& biases, const at::Tensor& super_scales,
-                             const at::Tensor& super_biases, int64_t layout, double zero, int64_t group) {
+at::Tensor quant_rows_matmul(const at::Tensor& x, const PackedMatrix& w) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "activations must be float32 [rows, in]");
-  const Matrix m = view(low, high, scales, biases, super_scales, super_biases, layout, zero, group);
+  const Matrix m = packed_view(w);
   TORCH_CHECK(x.size(1) == m.inputs && m.inputs % BLOCK == 0, "activations' width does not match the matrix");
-  return integer_matmul(x.contiguous(), m, scales.size(0));
+  return integer_matmul(x.contiguous(), m, w.scales.size(0));
 }
+
+std::vector<at::Tensor> quant_rows_matmuls(const std::vector<at::Tensor>& xs, const std::vector<const PackedMatrix*>& ws) {
+  TORCH_CHECK(xs.size() == ws.size(), "one activation tensor per matrix");
+  const size_t n = ws.size();
+  std::vector<at::Tensor> inputs, outs;
+  std::vector<Matrix> ms;
+  std::vector<Activations> as(n);
+  std::vector<std::vector<int16_t>> codes(n);
+  std::vector<std::vector<float>> floats(n);
+  std::vector<int64_t> starts(n + 1, 0);  // job i owns the flattened weight-row blocks [starts[i], starts[i + 1])
+  for (size_t i = 0; i < n; ++i) {
+    TORCH_CHECK(xs[i].dim() == 2 && xs[i].scalar_type() == at::kFloat, "activations must be float32 [rows, in]");
+    ms.push_back(packed_view(*ws[i]));
+    TORCH_CHECK(xs[i].size(1) == ms[i].inputs && ms[i].inputs % BLOCK == 0, "activations' width does not match");
+    inputs.push_back(xs[i].contiguous());
+    as[i] = quantize_into(inputs[i], ms[i].group, codes[i], floats[i]);
+    outs.push_back(at::empty({as[i].rows, ws[i]->scales.size(0)}, inputs[i].options()));
+    starts[i + 1] = starts[i] + weight_blocks(ws[i]->scales.size(0));
+  }
+  at::parallel_for(0, starts[n], 1, [&](int64_t begin, int64_t end) {
+    for (size_t i = 0; i < n; ++i) {
+      const int64_t lo = std::max(begin, starts[i]), hi = std::min(end, starts[i + 1]);
+      if (lo < hi) {
+        integer_rows(ms[i], as[i], outs[i].size(1), outs[i].data_ptr<float>(), lo - starts[i], hi - starts[i]);
+      }
+    }
+  });
+  return outs;
+}
+
 void register_decode(pybind11::module& module);  // decode.cpp
 void register_half(pybind11::module& module);    // half.cpp
 void register_rows(pybind11::module& module);    // rows.cpp
 }  // namespace exo
 
+using KernelArgs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, double,
+                              int64_t>;  // NativeMatrix.kernel_args()
+
+std::vector<at::Tensor> rows_matmuls(const std::vector<at::Tensor>& xs, const std::vector<KernelArgs>& matrices) {
+  std::vector<exo::PackedMatrix> packed;
+  for (const auto& [low, high, scales, biases, super_scales, super_biases, layout, zero, group] : matrices) {
+    packed.push_back(exo::PackedMatrix{low, high, scales, biases, super_scales, super_biases, layout, group, zero});
+  }
+  std::vector<const exo::PackedMatrix*> pointers;
+  for (const auto& p : packed) pointers.push_back(&p);
+  return exo::quant_rows_matmuls(xs, pointers);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   exo::register_decode(module);
   exo::register_half(module);
   exo::register_rows(module);
-  module.def("rows_quant_matmul", &exo::quant_rows_matmul, "x @ w.T on the integer kernel for any number of rows");
   module.def("matmul", &matmul, "x @ w.T for a packed affine-groups matrix (int16 activation blocks)");
+  module.def("rows_matmuls", &rows_matmuls, "xs[i] @ w[i].T for each i on the integer kernel, in one parallel region");
   module.def("rows", &rows, "rows of a packed affine-groups matrix, dequantized");
   module.def("kernel_name", &kernel_name, "which kernel this CPU runs");
 }
