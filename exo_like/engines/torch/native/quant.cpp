@@ -287,43 +287,8 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) inline float load_factor
   return f.at(i);
 }
 
-// sum_g f[first + g] * v[g] over a row's groups (f: the row's scales or biases).
-__attribute__((target("avx2,fma,f16c"))) float dot_groups(const Factors& f, int64_t groups, int64_t first,
-                                                          const float* v) {
-  int64_t g = 0;
-  float total = 0.0f;
-  if (f.type <= BF16) {
-    __m256 acc = _mm256_setzero_ps();
-    for (; g + 8 <= groups; g += 8) {
-      __m256 w;
-      if (f.type == F32) {
-        w = _mm256_loadu_ps(static_cast<const float*>(f.values) + first + g);
-      } else {
-        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(f.values) +
-                                                                           first + g));
-        w = f.type == F16 ? _mm256_cvtph_ps(h) : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-      }
-      acc = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + g), acc);
-    }
-    total = hsum(acc);
-  }
-  for (; g < groups; ++g) total += load_factor(f, first + g) * v[g];
-  return total;
-}
-
-// dot_groups over a row's factors as row_factors gives them; K-quants' (stored as codes) summed group by group in
-// order, as the kernel summed them before they were expanded per row (their results stay what they were).
-__attribute__((target("avx2,fma,f16c"), always_inline)) inline float group_sum(const Factors& f, int64_t groups,
-                                                                                int64_t first, const float* v,
-                                                                                int stored_type) {
-  if (stored_type < U8_CODES) return dot_groups(f, groups, first, v);
-  float total = 0.0f;
-  for (int64_t g = 0; g < groups; ++g) total += load_factor(f, first + g) * v[g];
-  return total;
-}
-
-// group_sum against C activation rows at once (v: row t's sums at v + t * stride), each the same arithmetic as
-// group_sum for that row alone; the factors are loaded and widened once for all C.
+// group_sum (below) against C activation rows at once (v: row t's sums at v + t * stride), each the same
+// arithmetic as group_sum for that row alone; the factors are loaded and widened once for all C.
 template <int C>
 __attribute__((target("avx2,fma,f16c"), always_inline)) inline void group_sums(const Factors& f, int64_t groups,
                                                                                 int64_t first, const float* v,
@@ -332,7 +297,7 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) inline void group_sums(c
   int64_t g = 0;
 #pragma GCC unroll 4
   for (int t = 0; t < C; ++t) out[t] = 0.0f;
-  if (stored_type < U8_CODES && f.type <= BF16) {  // dot_groups' eight lanes
+  if (stored_type < U8_CODES && f.type <= BF16) {  // eight lanes
     __m256 acc[C];
 #pragma GCC unroll 4
     for (int t = 0; t < C; ++t) acc[t] = _mm256_setzero_ps();
@@ -356,6 +321,17 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) inline void group_sums(c
 #pragma GCC unroll 4
     for (int t = 0; t < C; ++t) out[t] += w * v[t * stride + g];
   }
+}
+
+// sum_g f[first + g] * v[g] over a row's groups (f: the row's factors as row_factors gives them): eight lanes
+// where the factors are 16- or 32-bit floats, then the rest one by one; K-quants' (stored as codes) summed group by
+// group in order, as the kernel summed them before they were expanded per row (their results stay what they were).
+__attribute__((target("avx2,fma,f16c"), always_inline)) inline float group_sum(const Factors& f, int64_t groups,
+                                                                                int64_t first, const float* v,
+                                                                                int stored_type) {
+  float total;
+  group_sums<1>(f, groups, first, v, 0, stored_type, &total);
+  return total;
 }
 
 // Block b of a weight row against C activation rows, into their accumulators (indices known at compile time, so
