@@ -21,7 +21,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("quant.cpp", "half.cpp", "rows.cpp", "decode.cpp"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("quant.cpp", "vnni.cpp", "half.cpp", "rows.cpp", "decode.cpp"))
 HEADERS = (Path(__file__).with_name("quant.h"),)  # included by the sources: part of what the binary depends on
 # -ffp-contract=off: no product and sum fused where the source did not ask (dequantized rows must match numpy's).
 # OpenMP: at::parallel_for runs on torch's own thread team (the loaded libgomp is reused by its soname).

@@ -9,6 +9,8 @@ From AffineGroups (w = scale * q + bias per group), without re-rounding anything
   super-block, GroupFactors); a symmetric type (Q4_0, Q5_0, Q8_0, MXFP4, Q6_K: bias = -zero * scale) keeps
   no biases. Which matrices the kernels take, and their bytes, follow the type (footprint.native_form), so a plan
   counts what a node will hold.
+Where the kernels run AVX-512 code (vnni.cpp), every tensor of the matrix is stored with its rows interleaved in
+blocks of 16 (`interleave`): the same bytes, another order.
 The kernel's arithmetic, and `reference_matmul` that states it in numpy, are described in quant.cpp.
 
 A HalfMatrix is a 16-bit float matrix for the same engine path (half.cpp): float32 activations, each weight widened.
@@ -77,6 +79,21 @@ def _top_bits(codes: np.ndarray) -> np.ndarray:
         .reshape(out, inputs // 4)
 
 
+def interleave(t: torch.Tensor, unit: int, rows: int) -> torch.Tensor:
+    """t [out, n] with each block of `rows` rows' units (`unit` elements each) side by side: unit j of row r at
+    (r - i) * n / unit + j * width + i, i = r % rows, `width` the rows of r's block (quant.h's Matrix.unit).
+    The same shape; rows=1 leaves t as it is."""
+    if rows == 1 or t.numel() == 0:
+        return t
+    out, n = t.shape
+    units = t.reshape(out, n // unit, unit)
+    full = out - out % rows
+    parts = [units[:full].reshape(full // rows, rows, n // unit, unit).transpose(1, 2).reshape(-1)]
+    if full < out:
+        parts.append(units[full:].transpose(0, 1).reshape(-1))
+    return torch.cat(parts).reshape(out, n)
+
+
 def _exactly(values: np.ndarray, dtype: torch.dtype) -> torch.Tensor | None:
     """values as `dtype`, if every one survives the conversion unchanged."""
     converted = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).to(dtype)
@@ -122,8 +139,8 @@ class NativeMatrix:
         if any(h is None for h in held):
             raise ValueError(f"{groups.source}: scales not exact in {dtype or 'a 16-bit type'}")
         biases = held[1] if zero is None else torch.empty(0, dtype=held[0].dtype)
-        return cls(low, high, held[0], biases, _EMPTY, _EMPTY, 0.0 if zero is None else zero, groups.bits,
-                   groups.group_size, kernels)
+        return cls._stored(low, high, held[0], biases, _EMPTY, _EMPTY, 0.0 if zero is None else zero, groups.bits,
+                           groups.group_size, kernels)
 
     @classmethod
     def _with_factors(cls, groups: AffineGroups, low: torch.Tensor, high: torch.Tensor,
@@ -131,11 +148,23 @@ class NativeMatrix:
         """K-quants: their scales (and biases) as stored, a code a group and a float32 a super-block."""
         f = groups.factors
         symmetric = f.bias_codes is None
-        return cls(low, high, torch.from_numpy(np.ascontiguousarray(f.scale_codes)),
-                   _EMPTY_CODES if symmetric else torch.from_numpy(np.ascontiguousarray(f.bias_codes)),
-                   torch.from_numpy(np.ascontiguousarray(f.super_scales, dtype=np.float32)),
-                   _EMPTY if symmetric else torch.from_numpy(np.ascontiguousarray(f.super_biases, dtype=np.float32)),
-                   float(f.zero) if symmetric else 0.0, groups.bits, groups.group_size, kernels)
+        return cls._stored(low, high, torch.from_numpy(np.ascontiguousarray(f.scale_codes)),
+                           _EMPTY_CODES if symmetric else torch.from_numpy(np.ascontiguousarray(f.bias_codes)),
+                           torch.from_numpy(np.ascontiguousarray(f.super_scales, dtype=np.float32)),
+                           _EMPTY if symmetric else
+                           torch.from_numpy(np.ascontiguousarray(f.super_biases, dtype=np.float32)),
+                           float(f.zero) if symmetric else 0.0, groups.bits, groups.group_size, kernels)
+
+    @classmethod
+    def _stored(cls, low: torch.Tensor, high: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor,
+                super_scales: torch.Tensor, super_biases: torch.Tensor, zero: float, bits: int, group_size: int,
+                kernels: ModuleType) -> "NativeMatrix":
+        """The matrix as this process's kernels read it: codes in 4-byte units, factors one by one, interleaved
+        by the kernels' row block (1: row-major)."""
+        rows = kernels.row_block()
+        codes = [interleave(t, 4, rows) for t in (low, high)]
+        factors = [interleave(t, 1, rows) for t in (scales, biases, super_scales, super_biases)]
+        return cls(*codes, *factors, zero, bits, group_size, kernels)
 
     @property
     def shape(self) -> tuple[int, int]:

@@ -44,70 +44,72 @@
 namespace exo {
 at::Tensor float_linear(const at::Tensor& x, const at::Tensor& w);  // half.cpp: oneDNN's where present
 
-// Whether the native kernels run their AVX2 + FMA + F16C code: where the CPU has them, unless
-// EXO_LIKE_NATIVE_ISA=portable asks for the portable code (to test that path on any machine). Every kernel file
-// asks here, so one process runs one kind throughout.
-bool native_avx2() {
+// Which code the native kernels run (quant.h): the best the CPU has, unless EXO_LIKE_NATIVE_ISA asks for a lower
+// one ("avx2", "portable"). Every kernel file asks here, so one process runs one kind throughout, and matrix.py packs
+// its matrices for that kind (interleaved for AVX-512).
+Isa native_isa() {
 #if defined(__x86_64__) || defined(_M_X64)
-  static const bool present = [] {
+  static const Isa isa = [] {
     const char* asked = std::getenv("EXO_LIKE_NATIVE_ISA");
-    if (asked != nullptr && std::string(asked) == "portable") return false;
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    const std::string cap = asked == nullptr ? "" : asked;
+    if (cap == "portable") return Isa::PORTABLE;
+    if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))) {
+      return Isa::PORTABLE;
+    }
+    const bool vnni = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+    return vnni && cap != "avx2" ? Isa::AVX512 : Isa::AVX2;
   }();
-  return present;
+  return isa;
 #else
-  return false;
+  return Isa::PORTABLE;
 #endif
 }
+
+bool native_avx2() { return native_isa() != Isa::PORTABLE; }
 }  // namespace exo
 
 namespace {
 
-constexpr int64_t BLOCK = 32;
+using namespace exo;  // quant.h: the shared types
+
 constexpr int64_t ROW_TILE = 4;      // activation rows per pass over a weight row
-constexpr int64_t WEIGHT_BLOCK = 16;  // weight rows a thread holds while the activation rows pass
+constexpr int64_t WEIGHT_BLOCK = ROW_BLOCK;  // weight rows a thread holds while the activation rows pass
 constexpr float CODE_MAX = 32767.0f; // activations' codes: int16
 constexpr int64_t GEMM_ROWS = 32;     // from this many rows, dequantized weights and a float32 GEMM (measured)
 constexpr int64_t GEMM_CHUNK = 1024;  // outputs dequantized at a time (bounds the float32 copy)
 constexpr int64_t PREFETCH_BYTES = 4096;  // how far ahead of its reads a row's codes are asked for (see rows.cpp)
 
-enum Layout : int64_t { NIBBLES = 0, HIGH2 = 1, BYTES = 2 };
-enum ScaleType : int { F32 = 0, F16 = 1, BF16 = 2, U8_CODES = 3, I8_CODES = 4 };
-
-// The activations quantized: int16 codes and a scale per block of 32, and per group the float32 sum of the values
-// (for the biases). Pointers into thread-local scratch, valid until the thread's next product.
-struct Activations {
-  const int16_t* q;
-  const float *d, *gsum;
-  int64_t rows, inputs, blocks, groups;
+// Where a product's quantized activations are kept (resized by quantize_into).
+struct Scratch {
+  std::vector<int16_t> q;
+  std::vector<float> floats;    // block scales, then group sums
+  std::vector<uint8_t> bytes;   // VNNI: the codes' hi bytes, then their lo bytes
+  std::vector<int32_t> lo_sums;  // VNNI: per block, the sum of its lo bytes
 };
 
-float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
-
-float bfloat_to_float(uint16_t h) {
-  const uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float value;
-  std::memcpy(&value, &bits, 4);
-  return value;
-}
-
-// The activations quantized into `q_buffer` and `float_buffer` (resized here).
-Activations quantize_into(const at::Tensor& x, int64_t group, std::vector<int16_t>& q_buffer,
-                          std::vector<float>& float_buffer) {
+// The activations quantized into `scratch`; with their bytes split for the VNNI kernel where it runs.
+Activations quantize_into(const at::Tensor& x, int64_t group, Scratch& scratch) {
   Activations a;
   a.rows = x.size(0);
   a.inputs = x.size(1);
   a.blocks = a.inputs / BLOCK;
   a.groups = a.inputs / group;
-  q_buffer.resize(a.rows * a.inputs);
-  float_buffer.resize(a.rows * (a.blocks + a.groups));
+  const bool split = native_isa() == Isa::AVX512;
+  scratch.q.resize(a.rows * a.inputs);
+  scratch.floats.resize(a.rows * (a.blocks + a.groups));
+  scratch.bytes.resize(split ? 2 * a.rows * a.inputs : 0);
+  scratch.lo_sums.resize(split ? a.rows * a.blocks : 0);
   const float* xs = x.data_ptr<float>();
-  int16_t* q = q_buffer.data();
-  float* d = float_buffer.data();
+  int16_t* q = scratch.q.data();
+  float* d = scratch.floats.data();
   float* gsum = d + a.rows * a.blocks;
+  int8_t* hi = reinterpret_cast<int8_t*>(scratch.bytes.data());
+  uint8_t* lo = scratch.bytes.data() + a.rows * a.inputs;
   a.q = q;
   a.d = d;
   a.gsum = gsum;
+  if (split) a.hi = hi, a.lo = lo, a.lo_sum = scratch.lo_sums.data();
   at::parallel_for(0, a.rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       for (int64_t b = 0; b < a.blocks; ++b) {
@@ -127,6 +129,16 @@ Activations quantize_into(const at::Tensor& x, int64_t group, std::vector<int16_
         for (int64_t i = 0; i < group; ++i) sum += v[i];
         gsum[r * a.groups + g] = sum;
       }
+      if (!split) continue;
+      for (int64_t b = 0; b < a.blocks; ++b) {
+        int32_t sum = 0;
+        for (int64_t i = r * a.inputs + b * BLOCK; i < r * a.inputs + (b + 1) * BLOCK; ++i) {
+          hi[i] = static_cast<int8_t>(q[i] >> 8);  // arithmetic shift: q = 256 * hi + lo, 0 <= lo < 256
+          lo[i] = static_cast<uint8_t>(q[i] & 0xFF);
+          sum += lo[i];
+        }
+        scratch.lo_sums[r * a.blocks + b] = sum;
+      }
     }
   });
   return a;
@@ -134,55 +146,29 @@ Activations quantize_into(const at::Tensor& x, int64_t group, std::vector<int16_
 
 // Into thread-local scratch, valid until the thread's next product.
 Activations quantize(const at::Tensor& x, int64_t group) {
-  thread_local std::vector<int16_t> q_buffer;
-  thread_local std::vector<float> float_buffer;
-  return quantize_into(x, group, q_buffer, float_buffer);
+  thread_local Scratch scratch;
+  return quantize_into(x, group, scratch);
 }
 
-// A run of per-group factors: 16/32-bit floats, or 8-bit codes times a float32 per `1 << shift` groups.
-struct Factors {
-  const void* values = nullptr;  // [out, groups]; null: none
-  const float* supers = nullptr; // [out, groups >> shift] for codes
-  int type = F32;
-  int shift = 0;
-
-  float at(int64_t i) const {
-    switch (type) {
-      case F16: return half_to_float(static_cast<const uint16_t*>(values)[i]);
-      case BF16: return bfloat_to_float(static_cast<const uint16_t*>(values)[i]);
-      case U8_CODES: return static_cast<float>(static_cast<const uint8_t*>(values)[i]) * supers[i >> shift];
-      case I8_CODES: return static_cast<float>(static_cast<const int8_t*>(values)[i]) * supers[i >> shift];
-      default: return static_cast<const float*>(values)[i];
-    }
+// Block b of `row`: its 32 codes, from either storage (row-major, or interleaved in 4-byte units).
+void codes_of_block(const Matrix& m, int64_t row, int64_t b, uint8_t* codes) {
+  uint8_t low[BLOCK], high[8];
+  const int64_t units = m.layout == BYTES ? 8 : 4;  // 4-byte units of codes a block
+  for (int64_t t = 0; t < units; ++t) {
+    std::memcpy(low + 4 * t, m.low + 4 * m.unit(row, b * units + t, m.low_stride() / 4), 4);
   }
-};
-
-// One matrix in its packed form.
-struct Matrix {
-  const uint8_t* low;    // NIBBLES/HIGH2: [out, in / 2]; BYTES: [out, in]
-  const uint8_t* high;   // HIGH2: [out, in / 4]
-  Factors scales, biases;  // biases.values null: bias = -zero * scale
-  float zero;
-  int64_t layout, group, inputs, groups;
-
-  float scale(int64_t row, int64_t g) const { return scales.at(row * groups + g); }
-  float bias(int64_t row, int64_t g) const {
-    return biases.values ? biases.at(row * groups + g) : -zero * scale(row, g);
+  if (m.layout == BYTES) {
+    std::memcpy(codes, low, BLOCK);
+    return;
   }
-  int64_t low_stride() const { return layout == BYTES ? inputs : inputs / 2; }
-};
-
-// The code of input k of a row (portable path and dequantization).
-inline int32_t code_at(const Matrix& m, int64_t row, int64_t k) {
-  if (m.layout == BYTES) return m.low[row * m.inputs + k];
-  const int64_t b = k / BLOCK, j = k % BLOCK;
-  const uint8_t byte = m.low[row * (m.inputs / 2) + b * 16 + (j % 16)];
-  int32_t q = j < 16 ? (byte & 0x0F) : (byte >> 4);
+  for (int j = 0; j < 16; ++j) {
+    codes[j] = low[j] & 0x0F;
+    codes[j + 16] = low[j] >> 4;
+  }
   if (m.layout == HIGH2) {
-    const uint8_t h = m.high[row * (m.inputs / 4) + b * 8 + (j % 8)];
-    q |= ((h >> (2 * (j / 8))) & 0x03) << 4;
+    for (int64_t t = 0; t < 2; ++t) std::memcpy(high + 4 * t, m.high + 4 * m.unit(row, b * 2 + t, m.inputs / 16), 4);
+    for (int j = 0; j < BLOCK; ++j) codes[j] |= ((high[j % 8] >> (2 * (j / 8))) & 0x03) << 4;
   }
-  return q;
 }
 
 // Row `row` dequantized into out[0, inputs): scale * q + bias, a product then a sum (never fused: built with
@@ -190,19 +176,7 @@ inline int32_t code_at(const Matrix& m, int64_t row, int64_t k) {
 void dequantize_row(const Matrix& m, int64_t row, float* out) {
   uint8_t codes[BLOCK];
   for (int64_t b = 0; b < m.inputs / BLOCK; ++b) {
-    if (m.layout == BYTES) {
-      std::memcpy(codes, m.low + row * m.inputs + b * BLOCK, BLOCK);
-    } else {
-      const uint8_t* low = m.low + row * (m.inputs / 2) + b * 16;
-      for (int j = 0; j < 16; ++j) {
-        codes[j] = low[j] & 0x0F;
-        codes[j + 16] = low[j] >> 4;
-      }
-      if (m.layout == HIGH2) {
-        const uint8_t* high = m.high + row * (m.inputs / 4) + b * 8;
-        for (int j = 0; j < BLOCK; ++j) codes[j] |= ((high[j % 8] >> (2 * (j / 8))) & 0x03) << 4;
-      }
-    }
+    codes_of_block(m, row, b, codes);
     for (int half = 0; half < 2; ++half) {
       const int64_t g = (b * BLOCK + half * 16) / m.group;
       const float scale = m.scale(row, g), bias = m.bias(row, g);
@@ -219,9 +193,9 @@ void dequantize_row(const Matrix& m, int64_t row, float* out) {
 void row_portable(const Matrix& m, const Activations& a, int64_t row, int64_t r0, int64_t count, float* out,
                   int64_t out_stride) {
   float totals[ROW_TILE] = {0.0f, 0.0f, 0.0f, 0.0f};
-  int32_t codes[BLOCK];
+  uint8_t codes[BLOCK];
   for (int64_t b = 0; b < a.blocks; ++b) {
-    for (int64_t j = 0; j < BLOCK; ++j) codes[j] = code_at(m, row, b * BLOCK + j);
+    codes_of_block(m, row, b, codes);
     const float scales[2] = {m.scale(row, b * BLOCK / m.group), m.scale(row, (b * BLOCK + 16) / m.group)};
     for (int64_t t = 0; t < count; ++t) {
       const int16_t* xq = a.q + (r0 + t) * a.inputs + b * BLOCK;
@@ -544,10 +518,10 @@ __attribute__((target("avx2,fma,f16c"))) void rows_avx2(const Matrix& m, const A
 bool has_avx2() { return exo::native_avx2(); }
 #endif
 
-using RowKernel = void (*)(const Matrix&, const Activations&, int64_t, int64_t, int64_t, int64_t, float*, int64_t);
 
 RowKernel pick_kernel(int64_t layout, bool halves) {
 #ifdef EXO_X86
+  if (native_isa() == Isa::AVX512) return vnni_kernel(layout, halves);
   if (has_avx2()) {
     if (halves) return layout == NIBBLES ? rows_avx2<NIBBLES, true> : rows_avx2<HIGH2, true>;
     if (layout == NIBBLES) return rows_avx2<NIBBLES, false>;
@@ -599,6 +573,8 @@ Matrix view(const at::Tensor& low, const at::Tensor& high, const at::Tensor& sca
   m.layout = layout;
   m.group = group;
   m.inputs = m.groups * group;
+  m.outputs = scales.size(0);
+  m.interleaved = native_isa() == Isa::AVX512;  // as matrix.py packed it (row_block)
   return m;
 }
 
@@ -686,12 +662,17 @@ at::Tensor rows(const at::Tensor& ids, const at::Tensor& low, const at::Tensor& 
 }
 
 std::string kernel_name() {
-#ifdef EXO_X86
-  if (has_avx2()) return "avx2";
-  if (std::getenv("EXO_LIKE_NATIVE_ISA") != nullptr) return "portable (EXO_LIKE_NATIVE_ISA)";
-#endif
-  return "portable";
+  const char* asked = std::getenv("EXO_LIKE_NATIVE_ISA");
+  const std::string why = asked != nullptr ? " (EXO_LIKE_NATIVE_ISA)" : "";
+  switch (native_isa()) {
+    case Isa::AVX512: return "avx512-vnni" + why;
+    case Isa::AVX2: return "avx2" + why;
+    default: return "portable" + why;
+  }
 }
+
+// Rows a quantized matrix's storage interleaves (matrix.py packs so): ROW_BLOCK for the VNNI kernel, else 1.
+int64_t row_block() { return native_isa() == Isa::AVX512 ? ROW_BLOCK : 1; }
 
 }  // namespace
 
@@ -711,15 +692,14 @@ std::vector<at::Tensor> quant_rows_matmuls(const std::vector<at::Tensor>& xs, co
   std::vector<at::Tensor> inputs, outs;
   std::vector<Matrix> ms;
   std::vector<Activations> as(n);
-  std::vector<std::vector<int16_t>> codes(n);
-  std::vector<std::vector<float>> floats(n);
+  std::vector<Scratch> scratch(n);
   std::vector<int64_t> starts(n + 1, 0);  // job i owns the flattened weight-row blocks [starts[i], starts[i + 1])
   for (size_t i = 0; i < n; ++i) {
     TORCH_CHECK(xs[i].dim() == 2 && xs[i].scalar_type() == at::kFloat, "activations must be float32 [rows, in]");
     ms.push_back(packed_view(*ws[i]));
     TORCH_CHECK(xs[i].size(1) == ms[i].inputs && ms[i].inputs % BLOCK == 0, "activations' width does not match");
     inputs.push_back(xs[i].contiguous());
-    as[i] = quantize_into(inputs[i], ms[i].group, codes[i], floats[i]);
+    as[i] = quantize_into(inputs[i], ms[i].group, scratch[i]);
     outs.push_back(at::empty({as[i].rows, ws[i]->scales.size(0)}, inputs[i].options()));
     starts[i + 1] = starts[i] + weight_blocks(ws[i]->scales.size(0));
   }
@@ -760,4 +740,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("rows_matmuls", &rows_matmuls, "xs[i] @ w[i].T for each i on the integer kernel, in one parallel region");
   module.def("rows", &rows, "rows of a packed affine-groups matrix, dequantized");
   module.def("kernel_name", &kernel_name, "which kernel this CPU runs");
+  module.def("row_block", &row_block, "rows a quantized matrix's storage interleaves (1: row-major)");
 }
