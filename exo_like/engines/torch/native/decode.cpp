@@ -179,13 +179,13 @@ at::Tensor silu_times_up(const at::Tensor& both) {
   at::Tensor inner_values = at::empty({rows, inner}, both.options());
   const float* gu = both.data_ptr<float>();
   float* in = inner_values.data_ptr<float>();
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      for (int64_t i = 0; i < inner; ++i) {
-        const float g = gu[r * 2 * inner + i];
-        const float silu = g / (1.0f + std::exp(-g));
-        in[r * inner + i] = silu * gu[r * 2 * inner + inner + i];
-      }
+  // Over every value, not every row: a decode step's single row is split between the threads too.
+  at::parallel_for(0, rows * inner, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t k = begin; k < end; ++k) {
+      const int64_t r = k / inner, i = k % inner;
+      const float g = gu[r * 2 * inner + i];
+      const float silu = g / (1.0f + std::exp(-g));
+      in[k] = silu * gu[r * 2 * inner + inner + i];
     }
   });
   return inner_values;

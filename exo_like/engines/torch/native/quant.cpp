@@ -88,6 +88,66 @@ struct Scratch {
   std::vector<int32_t> lo_sums;  // VNNI: per block, the sum of its lo bytes
 };
 
+// A block of 32 activations as int16 codes: scale d = max|v| / 32767, q = round-half-even(v * (1 / d)); returns d.
+float quantize_block(const float* v, int16_t* q) {
+  float amax = 0.0f;
+  for (int64_t i = 0; i < BLOCK; ++i) amax = std::max(amax, std::fabs(v[i]));
+  const float scale = amax / CODE_MAX;
+  const float inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
+  for (int64_t i = 0; i < BLOCK; ++i) q[i] = static_cast<int16_t>(std::nearbyint(v[i] * inverse));
+  return scale;
+}
+
+// A block's codes split in bytes for the VNNI kernel, q = 256 * hi + lo (0 <= lo < 256); returns the sum of lo.
+int32_t split_block(const int16_t* q, int8_t* hi, uint8_t* lo) {
+  int32_t sum = 0;
+  for (int64_t i = 0; i < BLOCK; ++i) {
+    hi[i] = static_cast<int8_t>(q[i] >> 8);  // an arithmetic shift
+    lo[i] = static_cast<uint8_t>(q[i] & 0xFF);
+    sum += lo[i];
+  }
+  return sum;
+}
+
+#ifdef EXO_X86
+// quantize_block with eight lanes: the same maximum, scale, products and rounding (the CPU's round-to-nearest-even,
+// which std::nearbyint uses), so the same codes.
+__attribute__((target("avx2,fma,f16c"))) float quantize_block_avx2(const float* v, int16_t* q) {
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 values[4], amax = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    values[i] = _mm256_loadu_ps(v + 8 * i);
+    amax = _mm256_max_ps(amax, _mm256_and_ps(values[i], magnitude));
+  }
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  const float scale = _mm_cvtss_f32(m) / CODE_MAX;
+  const __m256 inverse = _mm256_set1_ps(scale != 0.0f ? 1.0f / scale : 0.0f);
+  for (int i = 0; i < 2; ++i) {
+    const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(values[2 * i], inverse));
+    const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(values[2 * i + 1], inverse));
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);  // packs works per 128 bits
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16 * i), packed);
+  }
+  return scale;
+}
+
+__attribute__((target("avx2,fma,f16c"))) int32_t split_block_avx2(const int16_t* q, int8_t* hi, uint8_t* lo) {
+  const __m256i q0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+  const __m256i q1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 16));
+  const __m256i bytes = _mm256_set1_epi16(0xFF);
+  const __m256i high = _mm256_packs_epi16(_mm256_srai_epi16(q0, 8), _mm256_srai_epi16(q1, 8));
+  const __m256i low = _mm256_packus_epi16(_mm256_and_si256(q0, bytes), _mm256_and_si256(q1, bytes));
+  const __m256i l = _mm256_permute4x64_epi64(low, 0xD8);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi), _mm256_permute4x64_epi64(high, 0xD8));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo), l);
+  const __m256i sums = _mm256_sad_epu8(l, _mm256_setzero_si256());  // four 64-bit sums of eight bytes
+  return static_cast<int32_t>(_mm256_extract_epi64(sums, 0) + _mm256_extract_epi64(sums, 1) +
+                              _mm256_extract_epi64(sums, 2) + _mm256_extract_epi64(sums, 3));
+}
+#endif
+
 // The activations quantized into `scratch`; with their bytes split for the VNNI kernel where it runs.
 Activations quantize_into(const at::Tensor& x, int64_t group, Scratch& scratch) {
   Activations a;
@@ -110,34 +170,26 @@ Activations quantize_into(const at::Tensor& x, int64_t group, Scratch& scratch) 
   a.d = d;
   a.gsum = gsum;
   if (split) a.hi = hi, a.lo = lo, a.lo_sum = scratch.lo_sums.data();
+  const bool vector = native_avx2();
   at::parallel_for(0, a.rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       for (int64_t b = 0; b < a.blocks; ++b) {
-        const float* v = xs + r * a.inputs + b * BLOCK;
-        float amax = 0.0f;
-        for (int64_t i = 0; i < BLOCK; ++i) amax = std::max(amax, std::fabs(v[i]));
-        const float scale = amax / CODE_MAX;
-        const float inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
-        for (int64_t i = 0; i < BLOCK; ++i) {
-          q[r * a.inputs + b * BLOCK + i] = static_cast<int16_t>(std::nearbyint(v[i] * inverse));
+        const int64_t at = r * a.inputs + b * BLOCK;
+#ifdef EXO_X86
+        if (vector) {
+          d[r * a.blocks + b] = quantize_block_avx2(xs + at, q + at);
+          if (split) scratch.lo_sums[r * a.blocks + b] = split_block_avx2(q + at, hi + at, lo + at);
+          continue;
         }
-        d[r * a.blocks + b] = scale;
+#endif
+        d[r * a.blocks + b] = quantize_block(xs + at, q + at);
+        if (split) scratch.lo_sums[r * a.blocks + b] = split_block(q + at, hi + at, lo + at);
       }
       for (int64_t g = 0; g < a.groups; ++g) {
         const float* v = xs + r * a.inputs + g * group;
         float sum = 0.0f;
         for (int64_t i = 0; i < group; ++i) sum += v[i];
         gsum[r * a.groups + g] = sum;
-      }
-      if (!split) continue;
-      for (int64_t b = 0; b < a.blocks; ++b) {
-        int32_t sum = 0;
-        for (int64_t i = r * a.inputs + b * BLOCK; i < r * a.inputs + (b + 1) * BLOCK; ++i) {
-          hi[i] = static_cast<int8_t>(q[i] >> 8);  // arithmetic shift: q = 256 * hi + lo, 0 <= lo < 256
-          lo[i] = static_cast<uint8_t>(q[i] & 0xFF);
-          sum += lo[i];
-        }
-        scratch.lo_sums[r * a.blocks + b] = sum;
       }
     }
   });
