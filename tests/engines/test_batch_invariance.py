@@ -6,8 +6,9 @@ a replay recomputes a request's prompt and tokens in other steps than the ones t
 
 Each kernel of the native step sums an output the same way for any number of rows (native/rows.cpp, quant.cpp's
 integer kernel, the attention over a row's own slots); the logits of every position are read by asking the head
-for every row of each step. The kernels' AVX2 code runs here; a subprocess checks their portable code too (what a
-CPU without AVX2 runs) under ATen's scalar kernels. Skipped where no C++ compiler built the kernels."""
+for every row of each step. The machine's best kernels run here (AVX-512 VNNI or AVX2); subprocesses check their
+portable code too (what a CPU without AVX2 runs) under ATen's scalar kernels, and on an AVX-512 machine their AVX2
+code (what an AVX2-only machine runs). Skipped where no C++ compiler built the kernels."""
 
 from __future__ import annotations
 
@@ -129,13 +130,25 @@ OTHER_PATHS = {"EXO_LIKE_NATIVE_ISA": "portable", "ATEN_CPU_CAPABILITY": "defaul
 
 def test_the_portable_kernels_are_batch_invariant_too(checkpoints) -> None:
     """A float32 and a K-quant file (the portable quantized kernel is slow: two kinds keep it short)."""
-    kinds = ("float32", "Q4_K")
+    check_elsewhere(checkpoints, ("float32", "Q4_K"), OTHER_PATHS, "kernels portable (EXO_LIKE_NATIVE_ISA), aten default")
+
+
+@pytest.mark.skipif(build.kernels() is None or not build.kernels().kernel_name().startswith("avx512"),
+                    reason="the AVX2 kernels are what this machine runs (no AVX-512 VNNI): checked above")
+def test_the_avx2_kernels_are_batch_invariant_on_an_avx512_machine_too(checkpoints) -> None:
+    """Every quantized code layout (nibbles, 5/6-bit, bytes) and groups of 16, on the kernels an AVX2 CPU runs."""
+    check_elsewhere(checkpoints, ("Q4_1", "Q6_K", "Q8_0"), {"EXO_LIKE_NATIVE_ISA": "avx2"},
+                    "kernels avx2 (EXO_LIKE_NATIVE_ISA)")
+
+
+def check_elsewhere(checkpoints, kinds: tuple[str, ...], env: dict[str, str], says: str) -> None:
+    """`check` for each kind in a subprocess whose environment picks other kernels, and that it ran those."""
     script = "import sys; from pathlib import Path; from tests.engines.test_batch_invariance import check; " \
              "[check(Path(path), kind) for path, kind in zip(sys.argv[1::2], sys.argv[2::2])]"
     done = subprocess.run([sys.executable, "-c", script, *[str(a) for k in kinds for a in (checkpoints[k], k)]],
-                          cwd=ROOT, timeout=600, env={**os.environ, **OTHER_PATHS}, capture_output=True, text=True)
+                          cwd=ROOT, timeout=600, env={**os.environ, **env}, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-4000:]
-    assert done.stdout.count("kernels portable (EXO_LIKE_NATIVE_ISA), aten default") == len(kinds)
+    assert done.stdout.count(says) == len(kinds), done.stdout[-2000:]
 
 
 def check(path: Path, kind: str) -> None:

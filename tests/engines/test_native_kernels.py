@@ -13,7 +13,14 @@ import torch
 
 from exo_like.engines.torch.engine import TorchEngine
 from exo_like.engines.torch.native import build
-from exo_like.engines.torch.native.matrix import NativeMatrix, form_of, layout_of, reference_matmul
+from exo_like.engines.torch.native.matrix import (
+    NativeMatrix,
+    form_of,
+    interleave,
+    layout_of,
+    quantize_activations,
+    reference_matmul,
+)
 from exo_like.models.affine import AffineGroups
 from exo_like.models.config import ModelArgs
 from exo_like.models.footprint import native_bytes
@@ -59,6 +66,37 @@ def test_the_product_is_the_exact_integer_sums_scaled_once_per_block(bits, group
     held = sum(t.numel() * t.element_size() for t in matrix.tensors())
     assert held == native_bytes(bits, group, *groups.shape, form_of(groups))  # what planning counts
     assert (matrix.biases.numel() == 0) == (source in ZEROS)
+
+
+def test_the_kernels_quantize_activations_as_numpy_states_it() -> None:
+    """The same int16 codes and block scales on every kernel path (the vector code rounds as nearbyint does), and
+    for the VNNI kernel each code split exactly in bytes, q = 256 * hi + lo, with each block's lo sum."""
+    x = np.random.default_rng(2).standard_normal((3, 256)).astype(np.float32) * 3
+    x[0, :32] = 0.0  # an all-zero block
+    x[1, 40] = 250.0  # an outlier: the rest of its block keeps few bits
+    x[2, 64:96] = np.float32(0.5) * np.arange(-16, 16)  # ties: round half to even
+    q, d, hi, lo, lo_sum = KERNELS.activation_codes(torch.from_numpy(x))
+    expected_q, expected_d = quantize_activations(x)
+    np.testing.assert_array_equal(q.numpy(), expected_q)
+    np.testing.assert_array_equal(d.numpy(), expected_d)
+    if KERNELS.row_block() == 1:
+        assert hi.numel() == 0 and lo.numel() == 0  # no VNNI kernel here: nothing split
+        return
+    np.testing.assert_array_equal(256 * hi.numpy().astype(np.int32) + lo.numpy(), expected_q)
+    np.testing.assert_array_equal(lo_sum.numpy(), lo.numpy().astype(np.int32).reshape(3, 8, 32).sum(-1))
+
+
+def test_interleaving_puts_each_block_of_rows_units_side_by_side() -> None:
+    """quant.h's Matrix.unit: unit j of row r at (r - i) * n + j * width + i, the last block narrower."""
+    out, n, rows = 37, 5, 16
+    t = torch.arange(out * n * 4, dtype=torch.int32).reshape(out, n * 4)
+    woven = interleave(t, 4, rows).reshape(-1, 4)
+    for r in range(out):
+        first = r - r % rows
+        width = min(rows, out - first)
+        for j in range(n):
+            assert torch.equal(woven[first * n + j * width + (r - first)], t[r, 4 * j:4 * j + 4])
+    assert interleave(t, 4, 1) is t
 
 
 @pytest.mark.parametrize("bits,group,source", FORMS)

@@ -723,6 +723,21 @@ std::string kernel_name() {
   }
 }
 
+// The activations as the integer kernels take them (for tests): (codes int16 [rows, in], block scales float32
+// [rows, in / 32], and for the VNNI kernel the codes' hi and lo bytes and each block's lo sum; empty elsewhere).
+std::vector<at::Tensor> activation_codes(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) % BLOCK == 0, "float32 [rows, in / 32 * 32]");
+  const at::Tensor xc = x.contiguous();
+  const Activations a = quantize(xc, BLOCK);
+  const auto copy = [](const void* data, int64_t rows, int64_t n, at::ScalarType type) {
+    if (data == nullptr) return at::empty({0}, at::TensorOptions().dtype(type));
+    return at::from_blob(const_cast<void*>(data), {rows, n}, at::TensorOptions().dtype(type)).clone();
+  };
+  return {copy(a.q, a.rows, a.inputs, at::kShort), copy(a.d, a.rows, a.blocks, at::kFloat),
+          copy(a.hi, a.rows, a.inputs, at::kChar), copy(a.lo, a.rows, a.inputs, at::kByte),
+          copy(a.lo_sum, a.rows, a.blocks, at::kInt)};
+}
+
 // Rows a quantized matrix's storage interleaves (matrix.py packs so): ROW_BLOCK for the VNNI kernel, else 1.
 int64_t row_block() { return native_isa() == Isa::AVX512 ? ROW_BLOCK : 1; }
 
@@ -792,5 +807,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("rows_matmuls", &rows_matmuls, "xs[i] @ w[i].T for each i on the integer kernel, in one parallel region");
   module.def("rows", &rows, "rows of a packed affine-groups matrix, dequantized");
   module.def("kernel_name", &kernel_name, "which kernel this CPU runs");
+  module.def("activation_codes", &activation_codes, "the activations as the integer kernels quantize them");
   module.def("row_block", &row_block, "rows a quantized matrix's storage interleaves (1: row-major)");
 }
