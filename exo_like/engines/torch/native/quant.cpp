@@ -20,8 +20,9 @@
 // isum_b is the block's exact integer dot product, d_b the activations' block scale and xsum_g the float32
 // sum of the group's activations. Rows of a batch do not interact: a row's result is the same in any batch.
 //
-// ISA: an AVX2 + FMA + F16C kernel chosen at run time where the CPU has them, a portable one otherwise; both
-// compute the same integer sums, their float32 accumulation order differs.
+// ISA, chosen once per process (native_isa): AVX-512 VNNI (vnni.cpp, on rows stored interleaved by 16), else an
+// AVX2 + FMA + F16C kernel (here), else a portable one; all compute the same integer sums, their float32
+// accumulation order differs.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
