@@ -173,22 +173,11 @@ Projection dense_projection(at::Tensor weight, std::optional<at::Tensor> bias) {
   return p;
 }
 
-// silu(gate) * up of each row of a fused gate-and-up output (gate columns, then up columns).
+// silu(gate) * up of each row of a fused gate-and-up output (gate columns, then up columns): ATen's own vectorized
+// silu and product, as the Python layers compute them (a scalar std::exp a value was 5-10 % of a step).
 at::Tensor silu_times_up(const at::Tensor& both) {
-  const int64_t rows = both.size(0), inner = both.size(1) / 2;
-  at::Tensor inner_values = at::empty({rows, inner}, both.options());
-  const float* gu = both.data_ptr<float>();
-  float* in = inner_values.data_ptr<float>();
-  // Over every value, not every row: a decode step's single row is split between the threads too.
-  at::parallel_for(0, rows * inner, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t k = begin; k < end; ++k) {
-      const int64_t r = k / inner, i = k % inner;
-      const float g = gu[r * 2 * inner + i];
-      const float silu = g / (1.0f + std::exp(-g));
-      in[k] = silu * gu[r * 2 * inner + inner + i];
-    }
-  });
-  return inner_values;
+  const int64_t inner = both.size(1) / 2;
+  return at::silu(both.narrow(1, 0, inner)).mul_(both.narrow(1, inner, inner)).contiguous();
 }
 
 // down(silu(gate) * up) of each row, gate and up from one fused projection (gate rows, then up rows).

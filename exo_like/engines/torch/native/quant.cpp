@@ -68,6 +68,7 @@ Isa native_isa() {
 }
 
 bool native_avx2() { return native_isa() != Isa::PORTABLE; }
+bool native_avx512() { return native_isa() == Isa::AVX512; }
 }  // namespace exo
 
 namespace {

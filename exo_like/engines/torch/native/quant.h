@@ -30,7 +30,8 @@ std::vector<at::Tensor> quant_rows_matmuls(const std::vector<at::Tensor>& xs,
 // that path on any machine).
 enum class Isa { PORTABLE = 0, AVX2 = 1, AVX512 = 2 };
 Isa native_isa();
-bool native_avx2();  // AVX2 code or better: the AVX2 helpers of every kernel file
+bool native_avx2();    // AVX2 code or better: the AVX2 helpers of every kernel file
+bool native_avx512();  // AVX-512 code (rows.cpp's float tiles, vnni.cpp)
 
 constexpr int64_t BLOCK = 32;       // inputs per activation block (and per block of packed codes)
 // Where the kernels run AVX-512 code, a quantized matrix's rows are stored interleaved in blocks of this many

@@ -11,6 +11,9 @@
 //
 // Tiles: 4 rows x 3 outputs (twelve accumulators, three weight vectors and one activation vector: the 16 vector
 // registers), weights streamed once per chunk of rows. One row (decoding) streams each weight once.
+//
+// With AVX-512 (where quant.cpp's native_isa picks it) the same scheme sixteen lanes wide, lane l summing k = l mod 16,
+// the lanes added by one fixed tree; tiles of 4 rows x 4 outputs. A process runs one of the two throughout.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -25,7 +28,8 @@
 #endif
 
 namespace exo {
-bool native_avx2();  // quant.cpp: AVX2 code, or the portable code
+bool native_avx2();    // quant.cpp: AVX2 code, or the portable code
+bool native_avx512();  // quant.cpp: AVX-512 code
 }  // namespace exo
 
 namespace {
@@ -151,12 +155,97 @@ __attribute__((target("avx2,fma,f16c"))) void tile_any(const float* x, const voi
     default: return tile_rows<T, 4>(x, w, inputs, outputs, r0, n0, count, out);
   }
 }
+
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
+
+template <int T>
+AVX512 inline __m512 load16(const void* w, int64_t i) {
+  if constexpr (T == F32) {
+    return _mm512_loadu_ps(static_cast<const float*>(w) + i);
+  } else {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(w) + i));
+    if constexpr (T == F16) return _mm512_cvtph_ps(raw);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  }
+}
+
+AVX512 inline float lanes_sum16(__m512 v) {
+  const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castsi256_ps(_mm512_extracti64x4_epi64(_mm512_castps_si512(v), 1)));
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Rows [r0, r0 + R) times outputs [n0, n0 + C), sixteen lanes.
+template <int T, int R, int C>
+AVX512 void tile_avx512(const float* x, const void* w, int64_t inputs, int64_t outputs, int64_t r0, int64_t n0,
+                        float* out) {
+  __m512 acc[R][C];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  }
+  const int64_t full = inputs / 16 * 16;
+  for (int64_t k = 0; k < full; k += 16) {
+    if constexpr (R == 1 && T != F32) {  // one row (decoding) streams 16-bit weights: ask for them ahead
+      if (k % 32 == 0) {
+#pragma GCC unroll 4
+        for (int c = 0; c < C; ++c) {
+          _mm_prefetch(static_cast<const char*>(w) + ((n0 + c) * inputs + k) * 2 + PREFETCH_BYTES, _MM_HINT_T0);
+        }
+      }
+    }
+    __m512 wv[C];
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) wv[c] = load16<T>(w, (n0 + c) * inputs + k);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_loadu_ps(x + (r0 + r) * inputs + k);
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < C; ++c) {
+      float total = lanes_sum16(acc[r][c]);
+      for (int64_t k = full; k < inputs; ++k) total += x[(r0 + r) * inputs + k] * widen(w, (n0 + c) * inputs + k, T);
+      out[(r0 + r) * outputs + n0 + c] = total;
+    }
+  }
+}
+
+template <int T, int R>
+AVX512 void tile_rows512(const float* x, const void* w, int64_t inputs, int64_t outputs, int64_t r0, int64_t n0,
+                         int64_t count, float* out) {
+  switch (count) {
+    case 1: return tile_avx512<T, R, 1>(x, w, inputs, outputs, r0, n0, out);
+    case 2: return tile_avx512<T, R, 2>(x, w, inputs, outputs, r0, n0, out);
+    case 3: return tile_avx512<T, R, 3>(x, w, inputs, outputs, r0, n0, out);
+    default: return tile_avx512<T, R, 4>(x, w, inputs, outputs, r0, n0, out);
+  }
+}
+
+template <int T>
+AVX512 void tile_any512(const float* x, const void* w, int64_t inputs, int64_t outputs, int64_t r0, int64_t rows,
+                        int64_t n0, int64_t count, float* out) {
+  switch (rows) {
+    case 1: return tile_rows512<T, 1>(x, w, inputs, outputs, r0, n0, count, out);
+    case 2: return tile_rows512<T, 2>(x, w, inputs, outputs, r0, n0, count, out);
+    case 3: return tile_rows512<T, 3>(x, w, inputs, outputs, r0, n0, count, out);
+    default: return tile_rows512<T, 4>(x, w, inputs, outputs, r0, n0, count, out);
+  }
+}
 #endif
 
 using Tile = void (*)(const float*, const void*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float*);
 
 Tile pick_tile(int type) {
 #ifdef EXO_X86
+  if (exo::native_avx512()) {
+    return type == F32 ? tile_any512<F32> : type == BF16 ? tile_any512<BF16> : tile_any512<F16>;
+  }
   if (has_avx2()) return type == F32 ? tile_any<F32> : type == BF16 ? tile_any<BF16> : tile_any<F16>;
 #endif
   return nullptr;
@@ -183,12 +272,13 @@ at::Tensor rows_matmul(const at::Tensor& x, const at::Tensor& w) {
   const void* weights = w.data_ptr();
   float* o = out.data_ptr<float>();
   const Tile tile = pick_tile(type);
-  const int64_t tiles = (outputs + OUT_TILE - 1) / OUT_TILE, chunk = row_chunk(inputs);
+  const int64_t out_tile = exo::native_avx512() ? 4 : OUT_TILE;  // outputs a tile computes side by side
+  const int64_t tiles = (outputs + out_tile - 1) / out_tile, chunk = row_chunk(inputs);
   at::parallel_for(0, tiles, 8, [&](int64_t begin, int64_t end) {
     for (int64_t r0 = 0; r0 < rows; r0 += chunk) {
       const int64_t chunk_end = std::min(rows, r0 + chunk);
       for (int64_t t = begin; t < end; ++t) {
-        const int64_t n0 = t * OUT_TILE, count = std::min(OUT_TILE, outputs - n0);
+        const int64_t n0 = t * out_tile, count = std::min(out_tile, outputs - n0);
         for (int64_t r = r0; r < chunk_end; r += ROW_TILE) {
           const int64_t n_rows = std::min(ROW_TILE, chunk_end - r);
           if (tile != nullptr) {
