@@ -74,10 +74,12 @@ template <int64_t L>
 VNNI inline void block_codes(const Matrix& m, int64_t first, int64_t width, int64_t b, __mmask16 mask, __m512i* q) {
   constexpr int64_t units = L == BYTES ? 8 : 4;  // 4-byte units of codes a row's block
   const int32_t* low = reinterpret_cast<const int32_t*>(m.low) + first * (m.low_stride() / 4) + b * units * width;
+  // The codes PREFETCH_BYTES ahead: a block of 16 rows' codes is `units` cache lines in a row (one unit of 16 rows
+  // a line), so the lines are addressed from one pointer (offsets from the block's own unit addresses took a
+  // register each, and the kernel ran out of them).
+  const char* ahead = reinterpret_cast<const char*>(low) + PREFETCH_BYTES;
 #pragma GCC unroll 8
-  for (int64_t t = 0; t < units; ++t) {  // the next blocks' codes: a unit of 16 rows is one cache line
-    _mm_prefetch(reinterpret_cast<const char*>(low + t * width) + PREFETCH_BYTES, _MM_HINT_T0);
-  }
+  for (int64_t t = 0; t < units; ++t) _mm_prefetch(ahead + 64 * t, _MM_HINT_T0);
   if constexpr (L == BYTES) {
 #pragma GCC unroll 8
     for (int t = 0; t < 8; ++t) q[t] = _mm512_maskz_loadu_epi32(mask, low + t * width);
