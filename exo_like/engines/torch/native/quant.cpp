@@ -80,7 +80,6 @@ constexpr int64_t WEIGHT_BLOCK = ROW_BLOCK;  // weight rows a thread holds while
 constexpr float CODE_MAX = 32767.0f; // activations' codes: int16
 constexpr int64_t GEMM_ROWS = 32;     // from this many rows, dequantized weights and a float32 GEMM (measured)
 constexpr int64_t GEMM_CHUNK = 1024;  // outputs dequantized at a time (bounds the float32 copy)
-constexpr int64_t PREFETCH_BYTES = 4096;  // how far ahead of its reads a row's codes are asked for (see rows.cpp)
 
 // Where a product's quantized activations are kept (resized by quantize_into).
 struct Scratch {

@@ -37,6 +37,7 @@ constexpr int64_t BLOCK = 32;       // inputs per activation block (and per bloc
 // Where the kernels run AVX-512 code, a quantized matrix's rows are stored interleaved in blocks of this many
 // (matrix.py's interleave): one 512-bit register then holds a piece of each of 16 rows, one lane a row.
 constexpr int64_t ROW_BLOCK = 16;
+constexpr int64_t PREFETCH_BYTES = 4096;  // how far ahead of its reads a row's codes are asked for (see rows.cpp)
 
 enum Layout : int64_t { NIBBLES = 0, HIGH2 = 1, BYTES = 2 };
 enum ScaleType : int { F32 = 0, F16 = 1, BF16 = 2, U8_CODES = 3, I8_CODES = 4 };

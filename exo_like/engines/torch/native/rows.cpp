@@ -133,29 +133,6 @@ __attribute__((target("avx2,fma,f16c"))) void tile_avx2(const float* x, const vo
   }
 }
 
-template <int T, int R>
-__attribute__((target("avx2,fma,f16c"))) void tile_rows(const float* x, const void* w, int64_t inputs,
-                                                         int64_t outputs, int64_t r0, int64_t n0, int64_t count,
-                                                         float* out) {
-  switch (count) {
-    case 1: return tile_avx2<T, R, 1>(x, w, inputs, outputs, r0, n0, out);
-    case 2: return tile_avx2<T, R, 2>(x, w, inputs, outputs, r0, n0, out);
-    default: return tile_avx2<T, R, 3>(x, w, inputs, outputs, r0, n0, out);
-  }
-}
-
-template <int T>
-__attribute__((target("avx2,fma,f16c"))) void tile_any(const float* x, const void* w, int64_t inputs,
-                                                        int64_t outputs, int64_t r0, int64_t rows, int64_t n0,
-                                                        int64_t count, float* out) {
-  switch (rows) {
-    case 1: return tile_rows<T, 1>(x, w, inputs, outputs, r0, n0, count, out);
-    case 2: return tile_rows<T, 2>(x, w, inputs, outputs, r0, n0, count, out);
-    case 3: return tile_rows<T, 3>(x, w, inputs, outputs, r0, n0, count, out);
-    default: return tile_rows<T, 4>(x, w, inputs, outputs, r0, n0, count, out);
-  }
-}
-
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
 
 template <int T>
@@ -216,25 +193,35 @@ AVX512 void tile_avx512(const float* x, const void* w, int64_t inputs, int64_t o
   }
 }
 
-template <int T, int R>
-AVX512 void tile_rows512(const float* x, const void* w, int64_t inputs, int64_t outputs, int64_t r0, int64_t n0,
-                         int64_t count, float* out) {
-  switch (count) {
-    case 1: return tile_avx512<T, R, 1>(x, w, inputs, outputs, r0, n0, out);
-    case 2: return tile_avx512<T, R, 2>(x, w, inputs, outputs, r0, n0, out);
-    case 3: return tile_avx512<T, R, 3>(x, w, inputs, outputs, r0, n0, out);
-    default: return tile_avx512<T, R, 4>(x, w, inputs, outputs, r0, n0, out);
+// One tile of C outputs on the process's code: sixteen lanes (WIDE) or eight (at most OUT_TILE outputs a tile there).
+template <int T, int R, int C, bool WIDE>
+void tile(const float* x, const void* w, int64_t inputs, int64_t outputs, int64_t r0, int64_t n0, float* out) {
+  if constexpr (WIDE) {
+    tile_avx512<T, R, C>(x, w, inputs, outputs, r0, n0, out);
+  } else {
+    tile_avx2<T, R, (C < OUT_TILE ? C : OUT_TILE)>(x, w, inputs, outputs, r0, n0, out);
   }
 }
 
-template <int T>
-AVX512 void tile_any512(const float* x, const void* w, int64_t inputs, int64_t outputs, int64_t r0, int64_t rows,
-                        int64_t n0, int64_t count, float* out) {
+template <int T, int R, bool WIDE>
+void tile_rows(const float* x, const void* w, int64_t inputs, int64_t outputs, int64_t r0, int64_t n0, int64_t count,
+               float* out) {
+  switch (count) {
+    case 1: return tile<T, R, 1, WIDE>(x, w, inputs, outputs, r0, n0, out);
+    case 2: return tile<T, R, 2, WIDE>(x, w, inputs, outputs, r0, n0, out);
+    case 3: return tile<T, R, 3, WIDE>(x, w, inputs, outputs, r0, n0, out);
+    default: return tile<T, R, 4, WIDE>(x, w, inputs, outputs, r0, n0, out);
+  }
+}
+
+template <int T, bool WIDE>
+void tile_any(const float* x, const void* w, int64_t inputs, int64_t outputs, int64_t r0, int64_t rows, int64_t n0,
+              int64_t count, float* out) {
   switch (rows) {
-    case 1: return tile_rows512<T, 1>(x, w, inputs, outputs, r0, n0, count, out);
-    case 2: return tile_rows512<T, 2>(x, w, inputs, outputs, r0, n0, count, out);
-    case 3: return tile_rows512<T, 3>(x, w, inputs, outputs, r0, n0, count, out);
-    default: return tile_rows512<T, 4>(x, w, inputs, outputs, r0, n0, count, out);
+    case 1: return tile_rows<T, 1, WIDE>(x, w, inputs, outputs, r0, n0, count, out);
+    case 2: return tile_rows<T, 2, WIDE>(x, w, inputs, outputs, r0, n0, count, out);
+    case 3: return tile_rows<T, 3, WIDE>(x, w, inputs, outputs, r0, n0, count, out);
+    default: return tile_rows<T, 4, WIDE>(x, w, inputs, outputs, r0, n0, count, out);
   }
 }
 #endif
@@ -244,9 +231,11 @@ using Tile = void (*)(const float*, const void*, int64_t, int64_t, int64_t, int6
 Tile pick_tile(int type) {
 #ifdef EXO_X86
   if (exo::native_avx512()) {
-    return type == F32 ? tile_any512<F32> : type == BF16 ? tile_any512<BF16> : tile_any512<F16>;
+    return type == F32 ? tile_any<F32, true> : type == BF16 ? tile_any<BF16, true> : tile_any<F16, true>;
   }
-  if (has_avx2()) return type == F32 ? tile_any<F32> : type == BF16 ? tile_any<BF16> : tile_any<F16>;
+  if (has_avx2()) {
+    return type == F32 ? tile_any<F32, false> : type == BF16 ? tile_any<BF16, false> : tile_any<F16, false>;
+  }
 #endif
   return nullptr;
 }

@@ -32,8 +32,6 @@ namespace {
 #ifdef EXO_X86
 #define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 
-constexpr int64_t PREFETCH_BYTES = 4096;  // as quant.cpp's: the codes asked for this far ahead of their reads
-
 // Factors of group g for the block of rows [first, first + width), one lane a row (lanes past width: 0).
 VNNI inline __m512 factor_lanes(const Factors& f, const Matrix& m, int64_t first, int64_t width, int64_t g,
                                 __mmask16 mask) {
