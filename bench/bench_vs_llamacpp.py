@@ -7,7 +7,8 @@ Files (built once and cached under $EXO_LIKE_BENCH_CACHE, default ~/.cache/exo-l
   - qwen-f32, qwen-bf16, qwen-q8_0, qwen-q4_0, qwen-q4_1, qwen-q4_k_m: a random Qwen2.5-0.5B-shaped checkpoint
     (bench_torch_vs_hf.py) converted by llama.cpp's own converter, then quantized by llama-quantize from the F32 file;
   - qwen3moe-q4_k_m, qwen3moe-q8_0 (and qwen3moe-f32): a random Qwen3-MoE-shaped checkpoint of ~1 B parameters,
-    ~0.2 B active (QWEN3_MOE_1B: 12 layers, 8 of 64 experts per token), made the same way.
+    ~0.2 B active (QWEN3_MOE_1B: 12 layers, 8 of 64 experts per token), made the same way;
+  - gemma3-q4_k_m (and gemma3-f32): a random Gemma-3-270M-shaped checkpoint (GEMMA3_270M), made the same way.
 llama.cpp is built by ../shared/tools/llamacpp.sh (`llamacpp.sh build` prints its bin folder once built).
 
 For each file, with the same thread count on both sides:
@@ -31,7 +32,7 @@ KV cache is f16 and flash attention is on `auto` (its defaults); exo-like's KV c
 
 Usage: python bench/bench_vs_llamacpp.py [--threads 2] [--prompts 64,512] [--gen 64] [--depth 0] [--repeats 3]
            [--files smollm2-q4_1,smollm2-f32,smollm2-bf16,qwen-f32,qwen-bf16,qwen-q8_0,qwen-q4_0,qwen-q4_1,qwen-q4_k_m,
-                    qwen3moe-q4_k_m,qwen3moe-q8_0|PATH.gguf,...]
+                    qwen3moe-q4_k_m,qwen3moe-q8_0,gemma3-q4_k_m|PATH.gguf,...]
            [--extra-dtypes float32]
 """
 
@@ -96,7 +97,20 @@ QWEN3_MOE_1B = {
     "eos_token_id": None,
 }
 MOE_FILES = {"qwen3moe-f32": "f32", "qwen3moe-q8_0": "Q8_0", "qwen3moe-q4_k_m": "Q4_K_M"}
-DEFAULT_FILES = ",".join([*SMOLLM2_FILES, *QWEN_FILES, "qwen3moe-q4_k_m", "qwen3moe-q8_0"])
+# Gemma 3 270M's shapes (its 262,144-token vocabulary is most of its weights; 5 sliding-window layers of 512 positions
+# to each global one; sandwich norms, gelu MLP, one KV head of 256).
+GEMMA3_270M = {
+    "hidden_size": 640, "intermediate_size": 2048, "num_hidden_layers": 18, "num_attention_heads": 4,
+    "num_key_value_heads": 1, "head_dim": 256, "vocab_size": 262144, "max_position_embeddings": 32768,
+    "sliding_window": 512, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-6,
+    "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True, "bos_token_id": None, "eos_token_id": None,
+    "pad_token_id": None,
+    "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                        "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
+    "layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(18)],
+}
+GEMMA_FILES = {"gemma3-f32": "f32", "gemma3-q4_k_m": "Q4_K_M"}
+DEFAULT_FILES = ",".join([*SMOLLM2_FILES, *QWEN_FILES, "qwen3moe-q4_k_m", "qwen3moe-q8_0", "gemma3-q4_k_m"])
 
 
 # -- llama.cpp ----------------------------------------------------------------------------------------------------
@@ -216,16 +230,21 @@ class ConvertedFiles:
     """A random checkpoint's GGUF files, converted by llama.cpp's converter and quantized by llama-quantize from the
     F32 file; the Hugging Face folder is only built when a file is missing."""
 
-    def __init__(self, work: Path, prefix: str, kinds: dict[str, str], build: Callable[[Path], Path], shape: dict):
+    def __init__(self, work: Path, prefix: str, kinds: dict[str, str], build: Callable[[Path], Path], shape: dict,
+                 full_vocabulary: bool = False):
         self.work, self.prefix, self.kinds, self.build = work, prefix, kinds, build
         self.key = [json.dumps(shape, sort_keys=True), "seed 0", llamacpp("build").strip()]
+        self.vocab_size = shape["vocab_size"] if full_vocabulary else None
         self._hf_dir: Path | None = None
 
     def hf_dir(self) -> Path:
         if self._hf_dir is None:
             path = self.build(self.work / f"{self.prefix}-shape")
-            # The converter needs a tokenizer; ours is padded to the checkpoint's vocabulary with unused tokens.
+            # The converter needs a tokenizer; llama.cpp's pads ours to the checkpoint's vocabulary with unused
+            # tokens, except where it cuts the embedding to the tokenizer's size (Gemma 3): there ours is padded.
             write_tokenizer_files(path, build_tokenizer())
+            if self.vocab_size is not None:
+                pad_tokenizer(path / "tokenizer.json", self.vocab_size)
             self._hf_dir = path
         return self._hf_dir
 
@@ -252,9 +271,31 @@ def build_moe_checkpoint(path: Path) -> Path:
     return path
 
 
+def build_gemma3_checkpoint(path: Path) -> Path:
+    """A random Gemma 3 with GEMMA3_270M's shapes, peaky as the others."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    with torch.device("meta"):
+        model = Gemma3ForCausalLM(Gemma3TextConfig(**GEMMA3_270M))
+    model.load_state_dict(peaky_state(model), strict=False, assign=True)
+    model.tie_weights()
+    model.save_pretrained(path)
+    return path
+
+
+def pad_tokenizer(path: Path, size: int) -> None:
+    """Give a tokenizer.json `size` ids in all: unused tokens after its own (never produced by its merges)."""
+    data = json.loads(path.read_text())
+    vocab = data["model"]["vocab"]
+    taken = len(vocab) + sum(1 for token in data["added_tokens"] if token["content"] not in vocab)
+    for index in range(taken, size):
+        vocab[f"<unused{index}>"] = index
+    path.write_text(json.dumps(data))
+
+
 def bench_files(names: list[str], work: Path) -> Iterator[tuple[str, Path]]:
     """(name, path) of each file asked for, built (or found in the cache) as it comes."""
-    qwen = moe = None
+    qwen = moe = gemma = None
     for name in names:
         if name in SMOLLM2_FILES:
             yield name, smollm2_file(name)
@@ -264,6 +305,10 @@ def bench_files(names: list[str], work: Path) -> Iterator[tuple[str, Path]]:
         elif name in MOE_FILES:
             moe = moe or ConvertedFiles(work, "qwen3moe", MOE_FILES, build_moe_checkpoint, QWEN3_MOE_1B)
             yield name, moe.file(name)
+        elif name in GEMMA_FILES:
+            gemma = gemma or ConvertedFiles(work, "gemma3", GEMMA_FILES, build_gemma3_checkpoint, GEMMA3_270M,
+                                            full_vocabulary=True)
+            yield name, gemma.file(name)
         elif name.endswith(".gguf") and Path(name).is_file():
             yield Path(name).stem, Path(name)
         else:

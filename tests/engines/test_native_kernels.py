@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from exo_like.engines.activations import Activations
 from exo_like.engines.torch.engine import TorchEngine
 from exo_like.engines.torch.native import build
 from exo_like.engines.torch.native.matrix import (
@@ -169,6 +170,36 @@ def test_the_native_decode_step_computes_what_the_python_layers_do(qwen3_dir) ->
     python_tokens, python_logits = _decode_logits(engine, prompt, 12)
     assert native_tokens == python_tokens and len(set(native_tokens)) > 2
     np.testing.assert_allclose(native_logits, python_logits, rtol=1e-5, atol=1e-4)  # as chunked vs one-shot
+
+
+@pytest.mark.parametrize("first,count", [(0, 3), (0, 2), (2, 1)])
+def test_gemma3_runs_in_the_native_step_windows_and_all(first, count, tmp_path) -> None:
+    """Gemma 3: sandwich and offset norms, the GELU-tanh MLP, per-head norms, sliding windows of 8 positions (shorter
+    than the prompt) with their own rotary table beside a global layer with linear scaling; a whole model, a shard of
+    only its local layers, and a shard of only its global one."""
+    folder = make_checkpoint(tmp_path / "gemma3", "gemma3_text", n_layers=3, seed=4, peaky=True)
+    args = ModelArgs.from_dir(folder)
+    assert [args.window(layer) for layer in range(3)] == [8, 8, None]
+    engine = TorchEngine(device="cpu", dtype="float32")
+    engine.load(folder, args, Shard("t", first, first + count, args.num_hidden_layers))
+    assert engine.model.native_decode is not None
+    native = _shard_outputs(engine, first == 0, args.hidden_size)
+    engine.model.native_decode = None  # the Python layers, the same weights
+    python = _shard_outputs(engine, first == 0, args.hidden_size)
+    np.testing.assert_allclose(native, python, rtol=1e-5, atol=1e-4)  # as chunked vs one-shot
+
+
+def _shard_outputs(engine: TorchEngine, takes_tokens: bool, hidden: int) -> np.ndarray:
+    """A shard's outputs for a 37-position prompt step, then 12 one-position steps: fixed token ids (a first shard)
+    or fixed pseudo-random hidden states."""
+    rng = np.random.default_rng(1)
+    inputs = [np.arange(3, 40, dtype=np.int64)] + [np.array([7 + 5 * i], dtype=np.int64) for i in range(12)]
+    if not takes_tokens:
+        inputs = [Activations("float32", (len(x), hidden), rng.standard_normal((len(x), hidden)).astype(np.float32)
+                              .tobytes()) for x in inputs]
+    driver = Driver([engine])
+    outputs = [driver.forward("r", x) for x in inputs]
+    return np.concatenate([(o.bits() if hasattr(o, "bits") else o).astype(np.float32).reshape(-1) for o in outputs])
 
 
 def test_without_native_kernels_the_engine_says_so_once_and_runs_torch_s(monkeypatch, caplog) -> None:

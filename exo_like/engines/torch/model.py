@@ -166,7 +166,7 @@ class ShardModel(nn.Module):
     def run_layers(self, h: torch.Tensor, pool: KVPool, index: StepIndex) -> torch.Tensor:
         ropes = {key: table.get(index.layout.positions) for key, table in self.ropes.items()}
         if self.native_decode is not None and self.native_decode.handles(index.layout, h):
-            return self.native_decode.run(h, pool, index.layout, *ropes["global"])
+            return self.native_decode.run(h, pool, index, ropes)
         with native_matvec(self.native_matvec and h.shape[0] == 1):
             # Layers call their parts through .forward, not nn.Module's call machinery: that machinery (hook
             # checks, for hooks this model never has) runs ~9 times per layer, a noticeable share of a small

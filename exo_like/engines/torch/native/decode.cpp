@@ -1,7 +1,7 @@
-// A stage's decode step in one call: every layer of a Llama-family shard (RMSNorm, fused q/k/v with optional
-// biases and Qwen3's per-head q/k norms, rotary embedding from the engine's tables, the new keys and values
-// written to the pool, attention over each row's slots, output projection, SwiGLU MLP, residuals), float32
-// activations, one new position per row. The same arithmetic as the Python layers (model.py), with no Python and
+// A stage's decode step in one call: every layer of a Llama-family or Gemma 3 shard (RMSNorm, fused q/k/v with
+// optional biases and per-head q/k norms, rotary embedding from the engine's tables, the new keys and values
+// written to the pool, attention over each row's slots or its sliding window, output projection, a SwiGLU or
+// GELU-tanh gated MLP, Gemma's sandwich norms, residuals), float32 activations. The same arithmetic as the Python layers (model.py), with no Python and
 // no per-op dispatch between the kernels: the norms, the rotation and the residuals round as transformers'
 // float32 ops do (built with -ffp-contract=off); the products and the attention sum in another order.
 // Products run on the native quantized kernel (quant.cpp) or, for float32 weights, a matrix-vector kernel here.
@@ -173,16 +173,18 @@ Projection dense_projection(at::Tensor weight, std::optional<at::Tensor> bias) {
   return p;
 }
 
-// silu(gate) * up of each row of a fused gate-and-up output (gate columns, then up columns): ATen's own vectorized
-// silu and product, as the Python layers compute them (a scalar std::exp a value was 5-10 % of a step).
-at::Tensor silu_times_up(const at::Tensor& both) {
+// act(gate) * up of each row of a fused gate-and-up output (gate columns, then up columns), act silu or (`gelu`)
+// GELU's tanh form: ATen's own vectorized ops on the same views as the Python layers' (mlp.py), so the same values
+// (a scalar std::exp a value was 5-10 % of a step).
+at::Tensor gated(const at::Tensor& both, bool gelu = false) {
   const int64_t inner = both.size(1) / 2;
-  return at::silu(both.narrow(1, 0, inner)).mul_(both.narrow(1, inner, inner)).contiguous();
+  const at::Tensor gate = both.narrow(1, 0, inner);
+  return (gelu ? at::gelu(gate, "tanh") : at::silu(gate)).mul_(both.narrow(1, inner, inner)).contiguous();
 }
 
-// down(silu(gate) * up) of each row, gate and up from one fused projection (gate rows, then up rows).
-at::Tensor swiglu(const Projection& gate_up, const Projection& down, const at::Tensor& x) {
-  return down.apply(silu_times_up(gate_up.apply(x).contiguous()));
+// down(act(gate) * up) of each row, gate and up from one fused projection (gate rows, then up rows).
+at::Tensor glu(const Projection& gate_up, const Projection& down, const at::Tensor& x, bool gelu = false) {
+  return down.apply(gated(gate_up.apply(x).contiguous(), gelu));
 }
 
 // Whether a projection is one natively packed matrix without a bias (quant_rows_matmuls takes it).
@@ -228,7 +230,7 @@ struct Mixture {
       }
     }
     if (shared_gate_up.has_value()) {
-      at::Tensor shared = swiglu(*shared_gate_up, *shared_down, x).contiguous();
+      at::Tensor shared = glu(*shared_gate_up, *shared_down, x).contiguous();
       if (shared_gate.has_value()) gate_rows(shared_gate->apply(x).contiguous(), shared);
       out = out + shared;
     }
@@ -243,7 +245,7 @@ struct Mixture {
     for (int64_t e : used) together = together && plain_native(gate_ups[e]) && plain_native(downs[e]);
     std::vector<at::Tensor> ys;
     if (!together) {
-      for (size_t j = 0; j < used.size(); ++j) ys.push_back(swiglu(gate_ups[used[j]], downs[used[j]], picked[j]));
+      for (size_t j = 0; j < used.size(); ++j) ys.push_back(glu(gate_ups[used[j]], downs[used[j]], picked[j]));
       return ys;
     }
     std::vector<const PackedMatrix*> first, second;
@@ -252,7 +254,7 @@ struct Mixture {
       second.push_back(&downs[e].packed);
     }
     std::vector<at::Tensor> inner;
-    for (const at::Tensor& both : quant_rows_matmuls(picked, first)) inner.push_back(silu_times_up(both));
+    for (const at::Tensor& both : quant_rows_matmuls(picked, first)) inner.push_back(gated(both));
     return quant_rows_matmuls(inner, second);
   }
 
@@ -291,12 +293,21 @@ struct Mixture {
   }
 };
 
+// Where a step's rows read and write keys: each row's write slot, and row r attends to
+// slots[firsts[r] : firsts[r] + counts[r]] (its own new one included). One for the layers attending to every
+// position, one for the sliding-window layers (their own pool, their own slots).
+struct SlotView {
+  at::Tensor write_slots, firsts, counts, slots;
+};
+
 struct Layer {
-  at::Tensor input_norm, post_norm;
+  at::Tensor input_norm, post_norm;  // post_norm: the MLP's input norm, or with sandwich norms the attention's output
   std::optional<at::Tensor> q_norm, k_norm;
   Projection qkv, o;
   std::optional<Projection> gate_up, down;  // a dense MLP's, or
   std::optional<Mixture> mixture;           // a mixture of experts
+  std::optional<at::Tensor> pre_mlp_norm, post_mlp_norm;  // Gemma's sandwich norms
+  int64_t rope = 0, view = 0;  // which rotary table (Gemma 3's local layers have their own) and which SlotView
   at::Tensor keys, values;  // [kv_heads, slots, head_dim]
 };
 
@@ -321,13 +332,18 @@ void rms_norm_rows(const float* x, const float* w, float* out, int64_t rows, int
 
 class DecodeStack {
  public:
-  DecodeStack(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale)
-      : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale) {}
+  // gelu: the dense MLPs gate by GELU's tanh form (Gemma), else by SiLU.
+  DecodeStack(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale, bool gelu)
+      : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale), gelu_(gelu) {}
 
   void add_layer(at::Tensor input_norm, at::Tensor post_norm, std::optional<at::Tensor> q_norm,
                  std::optional<at::Tensor> k_norm, Projection qkv, Projection o, std::optional<Projection> gate_up,
-                 std::optional<Projection> down) {
-    layers_.push_back(Layer{input_norm, post_norm, q_norm, k_norm, qkv, o, gate_up, down, std::nullopt, {}, {}});
+                 std::optional<Projection> down, std::optional<at::Tensor> pre_mlp_norm,
+                 std::optional<at::Tensor> post_mlp_norm, int64_t rope, int64_t view) {
+    TORCH_CHECK(pre_mlp_norm.has_value() == post_mlp_norm.has_value(), "sandwich norms come in pairs");
+    TORCH_CHECK(rope >= 0 && view >= 0, "a layer's rotary table and slot view are indices");
+    layers_.push_back(Layer{input_norm, post_norm, q_norm, k_norm, qkv, o, gate_up, down, std::nullopt,
+                            pre_mlp_norm, post_mlp_norm, rope, view, {}, {}});
   }
 
   // The last layer added has a mixture of experts for its MLP.
@@ -354,23 +370,28 @@ class DecodeStack {
     layers_.at(layer).values = values;
   }
 
-  // h [rows, hidden] float32; cos/sin [rows, head_dim] (sin carrying rotate-half's sign); write_slots [rows];
-  // row r attends to slots[firsts[r] : firsts[r] + counts[r]] (its own new one included; the rows of a prompt
-  // chunk share their request's slots, each up to its own position). Returns the new h.
-  at::Tensor step(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& write_slots,
-                  const at::Tensor& firsts, const at::Tensor& counts, const at::Tensor& slots) {
+  // h [rows, hidden] float32; cos[i]/sin[i] [rows, head_dim] rotary table i (sin carrying rotate-half's sign);
+  // views[i]: the rows' slots in the layers of view i (SlotView; the rows of a prompt chunk share their request's
+  // slots, each up to its own position). Returns the new h.
+  at::Tensor step(at::Tensor h, const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin,
+                  const std::vector<std::vector<at::Tensor>>& views) {
     h = h.contiguous().clone();
     const int64_t rows = h.size(0);
-    TORCH_CHECK(firsts.numel() == rows && counts.numel() == rows && write_slots.numel() == rows,
-                "a step needs a write slot, a first slot and a count per row");
-    const at::Tensor cc = cos.contiguous(), sc = sin.contiguous();
-    const at::Tensor ws = write_slots.contiguous(), fs = firsts.contiguous(), cs = counts.contiguous();
-    const at::Tensor sl = slots.contiguous();
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t first = fs.data_ptr<int64_t>()[r], count = cs.data_ptr<int64_t>()[r];
-      TORCH_CHECK(first >= 0 && count > 0 && first + count <= sl.numel(), "a row's slots lie outside the list");
+    TORCH_CHECK(cos.size() == sin.size(), "a rotary table is a cos and a sin");
+    std::vector<at::Tensor> cc, sc;
+    for (size_t i = 0; i < cos.size(); ++i) {
+      cc.push_back(cos[i].contiguous());
+      sc.push_back(sin[i].contiguous());
+      TORCH_CHECK(cc[i].numel() == rows * head_dim_ && sc[i].numel() == rows * head_dim_,
+                  "a rotary table needs head_dim values a row");
     }
-    for (const Layer& layer : layers_) run_layer(layer, h, cc, sc, ws, fs, cs, sl);
+    std::vector<SlotView> checked;
+    for (const auto& view : views) checked.push_back(slot_view(view, rows));
+    for (const Layer& layer : layers_) {
+      TORCH_CHECK(layer.rope < static_cast<int64_t>(cc.size()) && layer.view < static_cast<int64_t>(checked.size()),
+                  "a layer's rotary table or slot view was not given");
+      run_layer(layer, h, cc[layer.rope], sc[layer.rope], checked[layer.view]);
+    }
     return h;
   }
 
@@ -385,9 +406,22 @@ class DecodeStack {
   }
 
  private:
+  // (write slots, firsts, counts, slots) as one SlotView, each row's slots checked to lie within the list.
+  static SlotView slot_view(const std::vector<at::Tensor>& parts, int64_t rows) {
+    TORCH_CHECK(parts.size() == 4, "a slot view is write slots, firsts, counts and slots");
+    SlotView view{parts[0].contiguous(), parts[1].contiguous(), parts[2].contiguous(), parts[3].contiguous()};
+    TORCH_CHECK(view.firsts.numel() == rows && view.counts.numel() == rows && view.write_slots.numel() == rows,
+                "a step needs a write slot, a first slot and a count per row");
+    const int64_t* fs = view.firsts.data_ptr<int64_t>();
+    const int64_t* cs = view.counts.data_ptr<int64_t>();
+    for (int64_t r = 0; r < rows; ++r) {
+      TORCH_CHECK(fs[r] >= 0 && cs[r] > 0 && fs[r] + cs[r] <= view.slots.numel(), "a row's slots lie outside the list");
+    }
+    return view;
+  }
+
   void run_layer(const Layer& layer, at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin,
-                 const at::Tensor& write_slots, const at::Tensor& firsts, const at::Tensor& counts,
-                 const at::Tensor& slots) const {
+                 const SlotView& view) const {
     const int64_t rows = h.size(0), hidden = h.size(1), dim = head_dim_;
     at::Tensor normed = at::empty_like(h);
     rms_norm_rows(h.data_ptr<float>(), layer.input_norm.data_ptr<float>(), normed.data_ptr<float>(), rows, hidden, eps_);
@@ -405,13 +439,32 @@ class DecodeStack {
       });
     }
     rotate(q, cos.data_ptr<float>(), sin.data_ptr<float>(), rows, width);
-    write_pool(layer, q, write_slots.data_ptr<int64_t>(), rows, width);
+    write_pool(layer, q, view.write_slots.data_ptr<int64_t>(), rows, width);
     at::Tensor attended = at::empty({rows, heads_ * dim}, h.options());
-    attend(layer, q, width, attended.data_ptr<float>(), firsts.data_ptr<int64_t>(), counts.data_ptr<int64_t>(),
-           slots.data_ptr<int64_t>(), rows);
-    h.add_(layer.o.apply(attended));
-    rms_norm_rows(h.data_ptr<float>(), layer.post_norm.data_ptr<float>(), normed.data_ptr<float>(), rows, hidden, eps_);
-    h.add_(layer.mixture.has_value() ? layer.mixture->apply(normed) : swiglu(*layer.gate_up, *layer.down, normed));
+    attend(layer, q, width, attended.data_ptr<float>(), view.firsts.data_ptr<int64_t>(),
+           view.counts.data_ptr<int64_t>(), view.slots.data_ptr<int64_t>(), rows);
+    at::Tensor out = layer.o.apply(attended).contiguous();
+    if (!layer.pre_mlp_norm.has_value()) {
+      h.add_(out);
+      rms_norm_rows(h.data_ptr<float>(), layer.post_norm.data_ptr<float>(), normed.data_ptr<float>(), rows, hidden,
+                    eps_);
+      h.add_(mlp(layer, normed));
+      return;
+    }
+    // Sandwich norms (Gemma): h + norm(attention), then h + norm(mlp(norm(h))). (In place: a row's sum of squares
+    // is taken before any of its values is written.)
+    rms_norm_rows(out.data_ptr<float>(), layer.post_norm.data_ptr<float>(), out.data_ptr<float>(), rows, hidden, eps_);
+    h.add_(out);
+    rms_norm_rows(h.data_ptr<float>(), layer.pre_mlp_norm->data_ptr<float>(), normed.data_ptr<float>(), rows, hidden,
+                  eps_);
+    at::Tensor mlp_out = mlp(layer, normed).contiguous();
+    rms_norm_rows(mlp_out.data_ptr<float>(), layer.post_mlp_norm->data_ptr<float>(), mlp_out.data_ptr<float>(), rows,
+                  hidden, eps_);
+    h.add_(mlp_out);
+  }
+
+  at::Tensor mlp(const Layer& layer, const at::Tensor& normed) const {
+    return layer.mixture.has_value() ? layer.mixture->apply(normed) : glu(*layer.gate_up, *layer.down, normed, gelu_);
   }
 
   // x * cos + swap_halves(x) * sin on every query and key head, in place.
@@ -486,6 +539,7 @@ class DecodeStack {
   int64_t heads_, kv_heads_, head_dim_;
   float eps_;
   double scale_;
+  bool gelu_;
   std::vector<Layer> layers_;
   at::Tensor head_norm_;
   std::optional<Projection> head_;
@@ -499,7 +553,7 @@ void register_decode(pybind11::module& module) {
   module.def("dense_projection", &dense_projection);
   module.def("stacked_projection", &stacked_projection);
   pybind11::class_<DecodeStack>(module, "DecodeStack")
-      .def(pybind11::init<int64_t, int64_t, int64_t, double, double>())
+      .def(pybind11::init<int64_t, int64_t, int64_t, double, double, bool>())
       .def("add_layer", &DecodeStack::add_layer)
       .def("set_mixture", &DecodeStack::set_mixture)
       .def("set_head", &DecodeStack::set_head)

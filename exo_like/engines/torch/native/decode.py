@@ -1,8 +1,9 @@
-"""A shard's decode step as one native call (decode.cpp): every layer of a Llama-family shard with float32
-activations, for steps where each request adds one position, with no Python and no per-op dispatch between the
-kernels. Other shards and steps (prefill, mixtures routed otherwise, sliding windows, Gemma's norms, tensor-parallel
-ranks, bfloat16 activations) run the Python layers; both compute the same function, in another summation order. A
-mixture of experts runs natively where it is routed as Qwen's and Mixtral's are (plain_mixture)."""
+"""A shard's decode step as one native call (decode.cpp): every layer of a Llama-family or Gemma 3 shard with
+float32 activations, with no Python and no per-op dispatch between the kernels (sliding windows, Gemma's sandwich
+and offset norms, its GELU-tanh MLP and its local layers' rotary table included). Other shards and steps (mixtures
+routed otherwise, capped or sunk attention, latent attention, tensor-parallel ranks, bfloat16 activations) run the
+Python layers; both compute the same function, in another summation order. A mixture of experts runs natively
+where it is routed as Qwen's and Mixtral's are (plain_mixture)."""
 
 from __future__ import annotations
 
@@ -17,11 +18,15 @@ from exo_like.engines.torch.attention import item_slots
 from exo_like.engines.torch.linear import Linear
 from exo_like.engines.torch.mlp import SparseMoe
 from exo_like.engines.torch.native.matrix import HalfMatrix, NativeMatrix
+from exo_like.engines.torch.norm import RMSNorm
 from exo_like.engines.torch.quant import QuantLinear
 
 if TYPE_CHECKING:
-    from exo_like.engines.torch.attention import KVPool
+    from exo_like.engines.torch.attention import KVPool, StepIndex
     from exo_like.engines.torch.model import ShardModel, TransformerBlock
+
+# The MLP gates the native step runs (mlp.py's names).
+_GATES = ("silu", "gelu_tanh")
 
 
 def _projection(module: Any, kernels: ModuleType) -> Any | None:
@@ -56,11 +61,9 @@ def supported(model: ShardModel) -> str | None:
     """Why this shard's layers cannot run as one native step (None if they can)."""
     args = model.args
     checks = (
-        (args.mla is not None, "latent attention"), (args.sandwich_norms, "sandwich norms"),
-        (args.norm_offset, "offset norms"), (args.hidden_act != "silu", f"{args.hidden_act} MLP"),
+        (args.mla is not None, "latent attention"), (args.hidden_act not in _GATES, f"{args.hidden_act} MLP"),
         (args.attn_softcap is not None or args.attn_sinks, "capped or sunk attention"),
         (args.rope_dim != args.head_dim, "partial rotary"),
-        (any(args.window(layer) is not None for layer in model.layer_ids), "sliding windows"),
         (any(args.is_sparse_layer(layer) for layer in model.layer_ids) and not plain_mixture(args),
          "a mixture routed otherwise than by a softmax's top k"),
         (model.norm_weight.dtype != torch.float32 or model.norm_weight.device.type != "cpu", "not float32 on CPU"),
@@ -79,8 +82,10 @@ def plain_mixture(args: Any) -> bool:
 class NativeDecode:
     """The shard's layers registered once with the native step; `run` takes a step's rows."""
 
-    def __init__(self, model: ShardModel, kernels: ModuleType, stack: Any, has_head: bool, prompts: bool):
+    def __init__(self, model: ShardModel, kernels: ModuleType, stack: Any, has_head: bool, prompts: bool,
+                 rope_keys: list[str]):
         self.model, self.kernels, self.stack = model, kernels, stack
+        self.rope_keys = rope_keys  # the rotary tables' keys, in the order of the layers' `rope` index
         self.prompts = prompts  # prompt steps run here too: every step's numerics batch-invariant
         self.has_head = has_head  # the last shard's final norm and LM head run natively too
         self._pool: KVPool | None = None
@@ -93,9 +98,11 @@ class NativeDecode:
             return None
         args = model.args
         stack = kernels.DecodeStack(args.num_attention_heads, args.num_key_value_heads, args.head_dim,
-                                    args.rms_norm_eps, args.attn_scale or args.head_dim**-0.5)
-        for layer in model.layers:
-            parts = _layer_parts(layer, kernels)
+                                    args.rms_norm_eps, args.attn_scale or args.head_dim**-0.5,
+                                    args.hidden_act == "gelu_tanh")
+        rope_keys = [key for key in ROPE_KEYS if any(layer.rope_key == key for layer in model.layers)]
+        for layer_id, layer in zip(model.layer_ids, model.layers):
+            parts = _layer_parts(layer, kernels, rope_keys, args.window(layer_id) is not None)
             mixture = _mixture_parts(layer.mlp, kernels) if isinstance(layer.mlp, SparseMoe) else ()
             if parts is None or mixture is None:
                 return None
@@ -106,26 +113,29 @@ class NativeDecode:
         if model.lm_head is not None and model.norm is not None and args.final_softcap is None:
             head = _projection(model.lm_head, kernels)
             if head is not None:
-                stack.set_head(model.norm.weight.detach(), head)
-        return cls(model, kernels, stack, head is not None, prompts)
+                stack.set_head(_norm_weight(model.norm), head)
+        return cls(model, kernels, stack, head is not None, prompts, rope_keys)
 
     def handles(self, layout: BatchLayout, h: torch.Tensor) -> bool:
         """Whether the native step runs this step: float32 rows, and every step where prompts run natively
         (batch-invariant), else those where every request adds one position."""
         return h.dtype == torch.float32 and (self.prompts or all(item.count == 1 for item in layout.items))
 
-    def run(self, h: torch.Tensor, pool: KVPool, layout: BatchLayout, cos: torch.Tensor,
-            sin: torch.Tensor) -> torch.Tensor:
+    def run(self, h: torch.Tensor, pool: KVPool, index: StepIndex,
+            ropes: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """The shard's layers on the step's rows; `ropes`: the rotary tables' cos and sin by key (model.rope_key)."""
         if pool is not self._pool:
             for i in range(len(self.model.layers)):
                 keys, values = pool.layer(i)
                 self.stack.set_pool(i, keys, values)
             self._pool = pool
-        firsts, counts, slots = row_slots(layout)
         rows = h.shape[0]
-        return self.stack.step(h, cos.reshape(rows, -1), sin.reshape(rows, -1),
-                               torch.from_numpy(layout.write_slots), torch.from_numpy(firsts),
-                               torch.from_numpy(counts), torch.from_numpy(slots))
+        tables = [ropes[key] for key in self.rope_keys]
+        views = [_slot_view(index.layout)]
+        if index.windowed is not None:
+            views.append(_slot_view(index.windowed.layout, self.model.args.kv_window))
+        return self.stack.step(h, [cos.reshape(rows, -1) for cos, _ in tables],
+                               [sin.reshape(rows, -1) for _, sin in tables], views)
 
 
     def head(self, h: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
@@ -133,18 +143,40 @@ class NativeDecode:
         return self.stack.head(h, torch.from_numpy(layout.sample_rows))
 
 
-def row_slots(layout: BatchLayout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+# The rotary tables a shard may use (model.rope_key).
+ROPE_KEYS = ("global", "local")
+
+
+def row_slots(layout: BatchLayout, window: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Where each row's keys are: (first [rows], count [rows], slots), row r attending to
-    slots[first[r] : first[r] + count[r]], its positions [0, its own]. A request's rows share its slot list."""
-    seen = [item_slots(item) for item in layout.items]  # positions [0, end): no windows here
+    slots[first[r] : first[r] + count[r]], its positions [0, its own], or through a sliding window of `window`
+    positions the last `window` of them (the layout then holds each request's positions from its `origin` on). A
+    request's rows share its slot list."""
+    seen = [item_slots(item) for item in layout.items]  # positions [origin, end)
     starts = np.zeros(len(seen), dtype=np.int64)
     np.cumsum([len(s) for s in seen[:-1]], out=starts[1:])
-    firsts = np.repeat(starts, [item.count for item in layout.items])
-    counts = layout.positions.astype(np.int64) + 1
-    return firsts, counts, np.concatenate(seen).astype(np.int64, copy=False)
+    per_item = [item.count for item in layout.items]
+    positions = layout.positions.astype(np.int64)
+    lowest = np.zeros_like(positions) if window is None else np.maximum(positions - (window - 1), 0)
+    origins = np.repeat(np.array([item.origin for item in layout.items], dtype=np.int64), per_item)
+    firsts = np.repeat(starts, per_item) + lowest - origins
+    return firsts, positions - lowest + 1, np.concatenate(seen).astype(np.int64, copy=False)
 
 
-def _layer_parts(layer: TransformerBlock, kernels: ModuleType) -> tuple | None:
+def _slot_view(layout: BatchLayout, window: int | None = None) -> list[torch.Tensor]:
+    """DecodeStack.step's slot view of a layout: write slots, firsts, counts, slots."""
+    firsts, counts, slots = row_slots(layout, window)
+    return [torch.from_numpy(part) for part in (layout.write_slots, firsts, counts, slots)]
+
+
+def _norm_weight(norm: RMSNorm) -> torch.Tensor:
+    """What a norm multiplies by: its weight, or Gemma's 1 + w (made in float32 once, as the Python layers use it)."""
+    if not norm.offset:
+        return norm.weight.detach()
+    return norm.scale if norm.scale is not None else 1.0 + norm.weight.detach().float()
+
+
+def _layer_parts(layer: TransformerBlock, kernels: ModuleType, rope_keys: list[str], windowed: bool) -> tuple | None:
     attention, mlp = layer.self_attn, layer.mlp
     projections = [_projection(m, kernels) for m in (attention.qkv_proj, attention.o_proj)]
     if isinstance(mlp, SparseMoe):
@@ -156,9 +188,11 @@ def _layer_parts(layer: TransformerBlock, kernels: ModuleType) -> tuple | None:
     if projections[0] is None or projections[1] is None:
         return None
     qk = attention.qk_norm
-    return (layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
-            None if qk is None else qk.q_norm.weight.detach(), None if qk is None else qk.k_norm.weight.detach(),
-            *projections)
+    sandwich = (_norm_weight(layer.pre_feedforward_layernorm), _norm_weight(layer.post_feedforward_layernorm)) \
+        if layer.sandwich else (None, None)
+    return (_norm_weight(layer.input_layernorm), _norm_weight(layer.post_attention_layernorm),
+            None if qk is None else _norm_weight(qk.q_norm), None if qk is None else _norm_weight(qk.k_norm),
+            *projections, *sandwich, rope_keys.index(layer.rope_key), int(windowed))
 
 
 def _mixture_parts(moe: SparseMoe, kernels: ModuleType) -> tuple | None:
