@@ -7,7 +7,9 @@ a running request that needs a block when the pool is full takes it from the mos
 which is put back to wait and recomputed later (its tokens so far are kept, and sampling is a function of the
 seed and the token's index, so its text does not change).
 
-Pure bookkeeping, no engine and no network: the stage worker (stage.py) turns a Step into an engine call.
+Pure bookkeeping, no engine and no network: the stage worker (stage.py) turns a Step into an engine call. Which
+blocks of the KV pools a request holds is the KV cache manager's (kv_cache.py); the scheduler orders, budgets and
+preempts.
 """
 
 from __future__ import annotations
@@ -15,13 +17,14 @@ from __future__ import annotations
 import itertools
 import math
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from exo_like.cluster.protocol import Submit
-from exo_like.engines.work import BLOCK_SIZE, SampleSpec, WorkItem, blocks_for, window_start
-from exo_like.serving.kv_blocks import ROOT_HASH, BlockPool, block_hash
+from exo_like.engines.work import BLOCK_SIZE, SampleSpec, WorkItem
+from exo_like.serving.kv_blocks import BlockPool
+from exo_like.serving.kv_cache import KVCache, RequestBlocks
 
 # Rows of one engine step, by where the first stage computes, unless --max-batch-tokens says otherwise: big steps
 # prefill fastest (each step reads every weight once) when nobody waits for tokens...
@@ -54,7 +57,7 @@ class SchedulerLimits:
 
 
 @dataclass(eq=False)
-class Sequence:
+class ScheduledRequest:
     """A request as the first stage tracks it: every token known so far and how many have KV in the ring."""
 
     rid: str
@@ -62,12 +65,8 @@ class Sequence:
     tokens: list[int]
     sample: SampleSpec
     arrival: int
-    computed: int = 0  # positions scheduled so far: their keys and values are (or will be) in `blocks`
-    blocks: list[int] = field(default_factory=list)
-    window_blocks: list[int] = field(default_factory=list)  # the sliding-window layers' blocks its window reaches
-    window_first: int = 0  # which of the request's blocks window_blocks[0] is
-    registered: int = 0  # leading blocks registered in the prefix cache
-    parent_hash: bytes = ROOT_HASH  # hash of the last registered block
+    computed: int = 0  # positions scheduled so far: their keys and values are (or will be) in `kv`'s blocks
+    kv: RequestBlocks = field(default_factory=RequestBlocks)  # its blocks (the KV cache manager's)
     history_sent: bool = False  # the last stage has its sampling state (sent once, see _sample_spec)
     admitted: bool = False  # admitted once already (a preempted request's own blocks are no cache hit)
     in_flight: bool = False  # a token is being sampled for it: it has nothing to compute until that arrives
@@ -97,11 +96,7 @@ class Scheduler:
     def __init__(self, n_blocks: int, limits: SchedulerLimits = SchedulerLimits(), pipeline_depth: int = 1,
                  cpu: bool = True, attention_scale: int | None = None, window: int | None = None,
                  n_window_blocks: int | None = None):
-        self.pool = BlockPool(n_blocks)
-        # The sliding-window layers' pool (if the model has such layers): a request holds the blocks its window
-        # reaches, from window_start(next position) on (see kv_blocks.py).
-        self.window = window if n_window_blocks is not None else None
-        self.window_pool = BlockPool(n_window_blocks) if self.window is not None else None
+        self.kv = KVCache(n_blocks, window, n_window_blocks)
         self.limits = limits.for_device(cpu)
         # A prompt token at position p costs (1 + p // attention_scale) of the step's budget: its attention to the
         # p positions before it grows with p, so chunks late in a long prompt are smaller and the step's time
@@ -111,8 +106,8 @@ class Scheduler:
         # Batches the ring should keep in flight: with stages on separate machines, splitting the decoding
         # requests into this many batches lets every stage work at once instead of waiting for one batch.
         self.pipeline_depth = max(1, pipeline_depth)
-        self.waiting: deque[Sequence] = deque()
-        self.running: dict[str, Sequence] = {}
+        self.waiting: deque[ScheduledRequest] = deque()
+        self.running: dict[str, ScheduledRequest] = {}
         self.failures: list[Failure] = []  # requests ended by the scheduler, for the worker to report
         self.preemptions = 0
         # Prompt tokens looked up in the prefix cache at admission, and found there (vLLM counts tokens too). A
@@ -122,22 +117,32 @@ class Scheduler:
         self._steps = 0
         self._arrivals = itertools.count()
 
+    @property
+    def pool(self) -> BlockPool:
+        """The KV pool of the layers that attend to every position."""
+        return self.kv.pool
+
+    @property
+    def window_pool(self) -> BlockPool | None:
+        """The sliding-window layers' KV pool (None: the model has no such layers)."""
+        return self.kv.window_pool
+
     # -- requests in and out ----------------------------------------------------------------------------
 
-    def submit(self, message: Submit) -> None:
-        capacity = self.pool.n_blocks * BLOCK_SIZE
-        needed = len(message.tokens) + 1
+    def submit(self, rid: str, origin: str, tokens: Iterable[int], sample: SampleSpec) -> None:
+        """A new request (or one replayed with the tokens it has so far): it waits for admission."""
+        tokens = list(tokens)
+        capacity = self.kv.capacity
+        needed = len(tokens) + 1
         if needed > capacity:
-            self.failures.append(Failure(message.rid, message.origin, (
+            self.failures.append(Failure(rid, origin, (
                 f"the request needs {needed} positions of KV cache but the ring's KV cache holds {capacity} "
                 "(set a larger --kv-cache-gb on the nodes, or send a shorter prompt)"), "context_length_exceeded"))
             return
-        if message.rid in self.running or any(seq.rid == message.rid for seq in self.waiting):
-            self.failures.append(Failure(message.rid, message.origin, f"request id {message.rid!r} is already "
-                                         "running", "duplicate_request"))
+        if rid in self.running or any(seq.rid == rid for seq in self.waiting):
+            self.failures.append(Failure(rid, origin, f"request id {rid!r} is already running", "duplicate_request"))
             return
-        self.waiting.append(Sequence(message.rid, message.origin, list(message.tokens), message.sample,
-                                     next(self._arrivals)))
+        self.waiting.append(ScheduledRequest(rid, origin, tokens, sample, next(self._arrivals)))
 
     def on_sampled(self, rid: str, token: int, done: bool) -> None:
         seq = self.running.get(rid)
@@ -161,26 +166,18 @@ class Scheduler:
                 return True
         return False
 
-    def drain(self) -> list[Sequence]:
+    def drain(self) -> list[ScheduledRequest]:
         """Every request, removed (the plan changed: the ring they ran on is gone)."""
-        sequences = list(self.running.values()) + list(self.waiting)
+        requests = list(self.running.values()) + list(self.waiting)
         for seq in list(self.running.values()):
             self._finish(seq)
         self.waiting.clear()
-        self.pool.clear_cache()
-        if self.window_pool is not None:
-            self.window_pool.clear_cache()
-        return sequences
+        self.kv.clear()
+        return requests
 
-    def _finish(self, seq: Sequence) -> None:
+    def _finish(self, seq: ScheduledRequest) -> None:
         del self.running[seq.rid]
-        self._release(seq)
-
-    def _release(self, seq: Sequence) -> None:
-        self.pool.release(seq.blocks)
-        if self.window_pool is not None:
-            self.window_pool.release(seq.window_blocks)
-        seq.blocks, seq.window_blocks, seq.window_first = [], [], 0
+        self.kv.free(seq.kv)
 
     # -- steps --------------------------------------------------------------------------------------------
 
@@ -201,7 +198,7 @@ class Scheduler:
         self._weighted = streaming
         rows_left = self.limits.max_batch_tokens
         prompt_budget = self.limits.interleave_tokens if streaming else rows_left
-        chosen: list[tuple[Sequence, int]] = []
+        chosen: list[tuple[ScheduledRequest, int]] = []
         decode_quota = math.ceil(len(self.running) / self.pipeline_depth)
         ready = [s for s in self.running.values() if not s.in_flight and s.pending > 0]
         ready.sort(key=lambda s: (s.pending > 1, s.arrival))
@@ -240,7 +237,7 @@ class Scheduler:
             return 1
         return 1 + position // self.attention_scale
 
-    def _chunk(self, seq: Sequence, budget: int, chosen: list[tuple[Sequence, int]]) -> int:
+    def _chunk(self, seq: ScheduledRequest, budget: int, chosen: list[tuple[ScheduledRequest, int]]) -> int:
         """How many of a request's pending tokens fit the budget left; at least one for the first prompt of the
         step, so a prompt too deep for any chunk still moves."""
         if seq.pending == 1:
@@ -248,139 +245,75 @@ class Scheduler:
         count = min(seq.pending, budget // self._weight(seq.computed))
         return count if count or any(s.pending > 1 for s, _ in chosen) else 1
 
-    def _admit(self, seq: Sequence, budget: int, chosen: list[tuple[Sequence, int]]) -> int:
+    def _admit(self, seq: ScheduledRequest, budget: int, chosen: list[tuple[ScheduledRequest, int]]) -> int:
         """Give the oldest waiting request the blocks for its first chunk (after any cached prefix)."""
         if self.limits.prefix_cache:
-            self._take_prefix(seq)
+            seq.computed = self.kv.take_prefix(seq.kv, seq.tokens)
         count = self._chunk(seq, budget, chosen)
         # Blocks for the whole prompt at once, in one run after any cached prefix where the pool allows: its
         # later chunks then attend to consecutive slots (see BlockPool), and it is admitted only when all fit.
         # (Sliding-window layers' blocks come chunk by chunk: their window holds few.)
-        if not count or not self._allocate(seq, blocks_for(len(seq.tokens)) - len(seq.blocks),
-                                           self._window_needed(seq, count)):
-            self._release(seq)  # wait without holding cached blocks others may need
-            seq.computed, seq.registered, seq.parent_hash = 0, 0, ROOT_HASH
+        if not count or not self.kv.allocate(seq.kv, len(seq.tokens), seq.computed + count):
+            self.kv.free(seq.kv)  # wait without holding cached blocks others may need
+            seq.computed = 0
             return 0
         self.running[seq.rid] = seq
         if self.limits.prefix_cache:
+            cached = seq.kv.registered * BLOCK_SIZE
             self.prefix_queries += len(seq.tokens)
-            self.prefix_hits += seq.registered * BLOCK_SIZE
-            if not seq.admitted and seq.registered:  # the request's usage reports them (its first token brings it)
-                seq.sample = replace(seq.sample, cached=seq.registered * BLOCK_SIZE)
+            self.prefix_hits += cached
+            if not seq.admitted and cached:  # the request's usage reports them (its first token brings it)
+                seq.sample = replace(seq.sample, cached=cached)
         seq.admitted = True
         return count
 
-    def _grow(self, seq: Sequence, count: int, chosen: list[tuple[Sequence, int]]) -> int:
+    def _grow(self, seq: ScheduledRequest, count: int, chosen: list[tuple[ScheduledRequest, int]]) -> int:
         """Blocks for `count` more positions of a running request, preempting newer idle requests if a pool
         is full; the positions it can have (0: it waits)."""
-        self._slide(seq)
-        needed = blocks_for(seq.computed + count) - len(seq.blocks)
-        window_needed = self._window_needed(seq, count)
-        if needed <= 0 and window_needed <= 0:
-            return count
+        self.kv.slide(seq.kv, seq.computed)
+        end = seq.computed + count
         busy = {s.rid for s, _ in chosen} | {seq.rid}
-        while not self._allocate(seq, needed, window_needed):
+        while not self.kv.allocate(seq.kv, end, end):
             victims = [s for s in self.running.values() if not s.in_flight and s.rid not in busy]
             if not victims:
-                room = self._held_positions(seq) - seq.computed  # what its own last blocks still hold
+                room = self.kv.held_positions(seq.kv) - seq.computed  # what its own last blocks still hold
                 if room == 0 and len(self.running) == 1:
                     self._fail_alone(seq)
                 return min(room, count)
             self._preempt(max(victims, key=lambda s: s.arrival))
         return count
 
-    def _allocate(self, seq: Sequence, needed: int, window_needed: int) -> bool:
-        """`needed` more blocks and `window_needed` more sliding-window blocks for `seq`, both or neither."""
-        new = self.pool.allocate(needed, seq.blocks[-1] if seq.blocks else None) if needed > 0 else []
-        if new is None:
-            return False
-        if window_needed > 0:
-            last = seq.window_blocks[-1] if seq.window_blocks else None
-            window_new = self.window_pool.allocate(window_needed, last)
-            if window_new is None:
-                self.pool.release(new)
-                return False
-            seq.window_blocks += window_new
-        seq.blocks += new
-        return True
-
-    def _held_positions(self, seq: Sequence) -> int:
-        """Positions the request's blocks reach (in both pools)."""
-        held = len(seq.blocks) * BLOCK_SIZE
-        if self.window is None:
-            return held
-        return min(held, (seq.window_first + len(seq.window_blocks)) * BLOCK_SIZE)
-
-    def _window_needed(self, seq: Sequence, count: int) -> int:
-        """More sliding-window blocks `count` more positions need."""
-        if self.window is None:
-            return 0
-        return blocks_for(seq.computed + count) - seq.window_first - len(seq.window_blocks)
-
-    def _slide(self, seq: Sequence) -> None:
-        """Give back the sliding-window blocks the request's window no longer reaches from its next position.
-        A block released here may be written for another request by the next step: every stage runs steps in
-        order, so this request's steps before that have read it on every stage by then."""
-        if self.window is None:
-            return
-        first = window_start(seq.computed, self.window) // BLOCK_SIZE
-        gone = min(first - seq.window_first, len(seq.window_blocks))
-        if gone > 0:
-            self.window_pool.release(seq.window_blocks[:gone])
-            del seq.window_blocks[:gone]
-            seq.window_first += gone
-
-    def _take_prefix(self, seq: Sequence) -> None:
-        """Start `seq` from the longest cached prefix of its prompt both pools can serve (at least one position
-        left to compute, so the last prompt token's logits exist to sample from)."""
-        digests = self.pool.cached_chain(seq.tokens, (len(seq.tokens) - 1) // BLOCK_SIZE)
-        reach = len(digests)
-        while self.window is not None and reach and not all(
-                self.window_pool.holds(d) for d in digests[self._window_first_block(reach):reach]):
-            reach -= 1
-        seq.blocks = self.pool.take(digests[:reach])
-        if self.window is not None:
-            seq.window_first = self._window_first_block(reach)
-            seq.window_blocks = self.window_pool.take(digests[seq.window_first:reach])
-        seq.parent_hash = digests[reach - 1] if reach else ROOT_HASH
-        seq.computed = reach * BLOCK_SIZE
-        seq.registered = reach
-
-    def _window_first_block(self, blocks: int) -> int:
-        """The first block the window of position `blocks * BLOCK_SIZE` reaches."""
-        return window_start(blocks * BLOCK_SIZE, self.window) // BLOCK_SIZE
-
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: ScheduledRequest) -> None:
         """Free a running request's blocks and put it back first in line; it will be recomputed from its tokens."""
         self._finish(seq)
-        seq.computed, seq.registered, seq.parent_hash = 0, 0, ROOT_HASH
+        seq.computed = 0
         seq.history_sent = False
         self.waiting.appendleft(seq)
         self.preemptions += 1
 
-    def _fail_alone(self, seq: Sequence) -> None:
+    def _fail_alone(self, seq: ScheduledRequest) -> None:
         self._finish(seq)
         self.failures.append(Failure(seq.rid, seq.origin, (
-            f"the ring's KV cache ({self.pool.n_blocks * BLOCK_SIZE} positions) is full with this request alone "
+            f"the ring's KV cache ({self.kv.capacity} positions) is full with this request alone "
             "(set a larger --kv-cache-gb on the nodes, or ask for fewer tokens)"), "kv_cache_full"))
 
-    def _step(self, chosen: list[tuple[Sequence, int]]) -> Step:
+    def _step(self, chosen: list[tuple[ScheduledRequest, int]]) -> Step:
         items, tokens = [], []
         for seq, count in chosen:
             start = seq.computed
             seq.computed += count
             sample = seq.computed == len(seq.tokens)
             seq.in_flight, seq.batch = sample, self._steps
-            window = (tuple(seq.window_blocks), seq.window_first) if self.window is not None else (None, 0)
-            items.append(WorkItem(seq.rid, seq.origin, start, count, tuple(seq.blocks),
-                                  self._sample_spec(seq) if sample else None, *window))
+            blocks, window_blocks, window_first = self.kv.table(seq.kv)
+            items.append(WorkItem(seq.rid, seq.origin, start, count, blocks,
+                                  self._sample_spec(seq) if sample else None, window_blocks, window_first))
             tokens.extend(seq.tokens[start:seq.computed])
             if self.limits.prefix_cache:
-                self._register_full_blocks(seq)
+                self.kv.register_full_blocks(seq.kv, seq.tokens, seq.computed)
         return Step(items, np.asarray(tokens, dtype=np.int64))
 
     @staticmethod
-    def _sample_spec(seq: Sequence) -> SampleSpec:
+    def _sample_spec(seq: ScheduledRequest) -> SampleSpec:
         """How the request's next token is sampled. A request with state at the last stage (penalties, a grammar)
         sends its whole token history and its grammar the first time (and after a preemption); the last stage then
         advances that state with each token it samples, and later specs leave the grammar out."""
@@ -391,13 +324,3 @@ class Scheduler:
             return seq.sample if params.grammar is None else replace(seq.sample, params=replace(params, grammar=None))
         seq.history_sent = True
         return replace(seq.sample, history=tuple(seq.tokens))
-
-    def _register_full_blocks(self, seq: Sequence) -> None:
-        """Blocks whose every position is now scheduled can serve later prompts: later steps' readers of them
-        reach each stage after this step's writers (every stage runs the first stage's steps in order)."""
-        for i in range(seq.registered, seq.computed // BLOCK_SIZE):
-            seq.parent_hash = block_hash(seq.parent_hash, seq.tokens[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE])
-            self.pool.register(seq.blocks[i], seq.parent_hash)
-            if self.window is not None and i >= seq.window_first:
-                self.window_pool.register(seq.window_blocks[i - seq.window_first], seq.parent_hash)
-            seq.registered = i + 1

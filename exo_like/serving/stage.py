@@ -160,7 +160,7 @@ class StageWorker:
         elif self.scheduler is None:
             self._submitted.append(message)
         else:
-            self.scheduler.submit(message)
+            self.scheduler.submit(message.rid, message.origin, message.tokens, message.sample)
 
     def _on_forward(self, message: Forward) -> None:
         plan = self.plan
@@ -216,7 +216,7 @@ class StageWorker:
                                        self.engine.kv_window if self.engine is not None else None,
                                        resources.kv_window_blocks)
             for message in self._submitted:
-                self.scheduler.submit(message)
+                self.scheduler.submit(message.rid, message.origin, message.tokens, message.sample)
             self._submitted.clear()
         step = self.scheduler.schedule()
         for failure in self.scheduler.failures:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from exo_like.cluster.protocol import Submit
 from exo_like.engines.work import BLOCK_SIZE, SampleSpec, SamplingParams
 from exo_like.serving.kv_blocks import BlockPool
 from exo_like.serving.scheduler import Scheduler, SchedulerLimits
@@ -16,7 +15,7 @@ def spec(prompt_len: int, max_tokens: int = 100) -> SampleSpec:
 
 
 def submit(scheduler: Scheduler, rid: str, tokens: list[int], max_tokens: int = 100) -> None:
-    scheduler.submit(Submit(rid, "origin", "digest", tuple(tokens), spec(len(tokens), max_tokens)))
+    scheduler.submit(rid, "origin", tokens, spec(len(tokens), max_tokens))
 
 
 def run_step(scheduler: Scheduler, next_token: int = 5) -> dict[str, tuple[int, int]]:
@@ -126,8 +125,8 @@ def test_a_long_prompt_holds_one_run_of_blocks_while_streams_grow_around_it() ->
     submit(scheduler, "long", list(range(10 * BLOCK_SIZE)))
     for _ in range(12):  # the streams each take a new block while the prompt is chunked
         run_step(scheduler)
-    assert len(scheduler.running["s1"].blocks) == 2
-    prompt_blocks = scheduler.running["long"].blocks[:10]
+    assert len(scheduler.running["s1"].kv.blocks) == 2
+    prompt_blocks = scheduler.running["long"].kv.blocks[:10]
     assert prompt_blocks == list(range(prompt_blocks[0], prompt_blocks[0] + 10))
 
 
@@ -150,7 +149,7 @@ def test_a_replayed_request_recomputes_its_generated_tokens_in_big_chunks() -> N
     do not shrink the step to the small chunks meant to keep streams flowing."""
     scheduler = Scheduler(64, SchedulerLimits(max_batch_tokens=512, interleave_tokens=32))
     tokens = list(range(600))
-    scheduler.submit(Submit("replayed", "origin", "digest", tuple(tokens), spec(100)))  # 500 generated already
+    scheduler.submit("replayed", "origin", tokens, spec(100))  # 500 generated already
     assert [run_step(scheduler) for _ in range(3)] == [
         {"replayed": (0, 512)}, {"replayed": (512, 88)}, {"replayed": (600, 1)}]  # then it streams on
 
