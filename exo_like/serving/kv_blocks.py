@@ -204,12 +204,6 @@ class BlockPool:
             self._refs[block] += 1
         return blocks
 
-    def take_prefix(self, tokens: Sequence[int], limit: int) -> tuple[list[int], bytes]:
-        """The cached blocks holding the longest prefix of `tokens` in whole blocks, at most `limit` blocks,
-        now also used by the caller (release them as usual); and the hash of the last one."""
-        digests = self.cached_chain(tokens, limit)
-        return self.take(digests), digests[-1] if digests else ROOT_HASH
-
     def register(self, block: int, digest: bytes) -> None:
         """`block` (used by the caller) is full and holds the tokens `digest` names: later prompts may share it.
         If another block already holds the same tokens, this one stays private."""

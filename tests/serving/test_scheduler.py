@@ -1,12 +1,12 @@
-"""The first stage's scheduler and the KV block pool, in-process: batching, ordering, chunked prefill, admission
-under a KV budget, preemption, the prefix cache, release mid-flight."""
+"""The first stage's scheduler, in-process: batching, ordering, chunked prefill, admission under a KV budget,
+preemption, the prefix cache as the scheduler uses it, release mid-flight (the pools and the KV cache manager
+alone: test_kv_cache.py)."""
 
 from __future__ import annotations
 
 import pytest
 
 from exo_like.engines.work import BLOCK_SIZE, SampleSpec, SamplingParams
-from exo_like.serving.kv_blocks import BlockPool
 from exo_like.serving.scheduler import Scheduler, SchedulerLimits
 
 
@@ -26,52 +26,6 @@ def run_step(scheduler: Scheduler, next_token: int = 5) -> dict[str, tuple[int, 
         if item.sample is not None:
             scheduler.on_sampled(item.rid, next_token, done=False)
     return {item.rid: (item.start, item.count) for item in step.items}
-
-
-# -- the pool ---------------------------------------------------------------------------------------------
-
-
-def test_pool_hands_out_lowest_blocks_and_takes_them_back() -> None:
-    pool = BlockPool(4)
-    assert pool.allocate(2) == [0, 1]
-    assert pool.allocate(3) is None and pool.available == 2  # nothing taken on failure
-    pool.release([0])
-    assert pool.allocate(1) == [0]
-    pool.release([0])
-    assert pool.allocate(2) == [2, 3]  # a run of consecutive blocks rather than the lowest ones
-    pool.release([2, 3])
-    assert pool.allocate(3) == [0, 2, 3] and pool.used == 4  # no run that long: the lowest ones
-
-
-def test_pool_continues_a_requests_run_when_the_next_blocks_are_free() -> None:
-    pool = BlockPool(8)
-    first, other = pool.allocate(2), pool.allocate(1)
-    assert (first, other) == ([0, 1], [2])
-    assert pool.allocate(1, after=first[-1]) == [3]  # block 2 is taken: the lowest free one instead
-    assert pool.allocate(2, after=other[-1]) == [4, 5]
-    assert pool.allocate(1, after=5) == [6]
-    assert pool.allocate(1, after=7) == [7]  # nothing after the last block: the lowest free one
-
-
-def test_pool_keeps_cached_blocks_until_their_space_is_needed() -> None:
-    pool = BlockPool(3)
-    tokens = list(range(2 * BLOCK_SIZE))
-    blocks = pool.allocate(2)
-    parent = b""
-    from exo_like.serving.kv_blocks import block_hash
-
-    for i, block in enumerate(blocks):
-        parent = block_hash(parent, tokens[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE])
-        pool.register(block, parent)
-    pool.release(blocks)
-    assert pool.cached == 2 and pool.available == 3 and pool.used == 2
-    hit, _ = pool.take_prefix(tokens + [99], 2)
-    assert hit == blocks
-    pool.release(hit)
-    # A different first block shares nothing, even if the second block's tokens are the same.
-    assert pool.take_prefix([1] + tokens[1:], 2)[0] == []
-    # Needing every block evicts the cached ones, oldest first.
-    assert sorted(pool.allocate(3)) == [0, 1, 2] and pool.cached == 0
 
 
 # -- batching ---------------------------------------------------------------------------------------------
