@@ -53,7 +53,7 @@ from exo_like.models.hub.download import ShardDownloader
 from exo_like.models.hub.peer_files import PeerSource
 from exo_like.models.hub.progress import DownloadProgress, show_progress
 from exo_like.models.hub.repo import default_cache_dir
-from exo_like.models.names.registry import ModelRegistry
+from exo_like.models.names.model_registry import ModelRegistry
 from exo_like.models.names.resolver import LoadedModel
 from exo_like.models.shard import Shard
 from exo_like.serving.metrics import Metrics

@@ -25,7 +25,7 @@ from exo_like.engines.batch import ItemLayout, layout
 from exo_like.engines.work import KVPoolSize, WorkItem, window_start
 from exo_like.errors import ServiceUnavailableError
 from exo_like.serving.grammar import GrammarVocabulary
-from exo_like.serving.ring import RingGenerator
+from exo_like.serving.ring_generator import RingGenerator
 from exo_like.serving.sampling import SamplingParams
 from exo_like.serving.scheduler import SchedulerLimits
 from exo_like.serving.stage import RingResources, StageWorker

@@ -363,7 +363,7 @@ class PlanState(Message):
                    tuple(string({"linked": peer}, "linked") for peer in bounded(array(data, "linked"), "linked")))
 
 
-# The ring (ring.py, scheduler.py).
+# The ring (ring_generator.py, scheduler.py).
 
 MAX_LOGIT_BIAS = 300  # entries of a request's logit_bias (OpenAI's limit)
 MAX_LOGPROBS = 20  # the likeliest tokens a request may ask log-probabilities of (OpenAI's limit)

@@ -18,7 +18,7 @@ from exo_like.engines.work import KVPoolSize
 from exo_like.errors import ExoLikeError, ModelLoadingError, ServiceUnavailableError
 from exo_like.models.hub.progress import DownloadStatus
 from exo_like.models.shard import Shard
-from exo_like.serving.ring import RingGenerator
+from exo_like.serving.ring_generator import RingGenerator
 from exo_like.serving.stage import RingResources, StageWorker
 from partitioning.decision import PlacementReport
 from partitioning.plan import Plan

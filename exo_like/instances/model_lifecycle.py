@@ -12,7 +12,7 @@ from exo_like.errors import ExoLikeError, InvalidRequestError, ModelNotFoundErro
 from exo_like.instances.manager import Instances
 from exo_like.models.hub.download import ShardDownloader
 from exo_like.models.hub.repo import delete_revision
-from exo_like.models.names.registry import ModelRegistry
+from exo_like.models.names.model_registry import ModelRegistry
 from exo_like.models.names.resolver import LoadedModel
 from exo_like.models.shard import Shard
 from exo_like.serving.generation import TokenGenerator

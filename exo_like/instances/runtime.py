@@ -15,10 +15,10 @@ from exo_like.engines.choice import create_engine
 from exo_like.engines.work import KVPoolSize
 from exo_like.instances.instance import Instance
 from exo_like.models.hub.download import ShardDownloader
-from exo_like.models.names.registry import ModelRegistry
+from exo_like.models.names.model_registry import ModelRegistry
 from exo_like.models.shard import Shard
 from exo_like.serving.grammar import GrammarVocabularies, GrammarVocabulary
-from exo_like.serving.ring import RingGenerator
+from exo_like.serving.ring_generator import RingGenerator
 from exo_like.serving.scheduler import SchedulerLimits
 from exo_like.serving.shard_holder import ShardHolder
 from exo_like.serving.stage import Router, StageWorker

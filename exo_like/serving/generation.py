@@ -1,7 +1,7 @@
 """The token-level generation loop, behind one small interface.
 
 `TokenGenerator.generate` turns prompt tokens into a stream of sampled tokens. The implementation is the
-ring of stages (exo_like.serving.ring.RingGenerator); a single node is a ring of one. The HTTP layer above only sees
+ring of stages (exo_like.serving.ring_generator.RingGenerator); a single node is a ring of one. The HTTP layer above only sees
 this interface.
 
 Closing the async generator (the client went away, a stop string matched, an error) always frees the

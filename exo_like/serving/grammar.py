@@ -43,15 +43,6 @@ def json_schema_grammar(schema: dict[str, Any]) -> str:
         raise GrammarError(str(e)) from None
 
 
-def json_object_grammar() -> str:
-    """Any JSON object (OpenAI's json_object mode)."""
-    return json_schema_grammar({"type": "object"})
-
-
-def lark_grammar(lark: str) -> str:
-    return llguidance.LLMatcher.grammar_from_lark(lark)
-
-
 class GrammarVocabulary:
     """A model's tokens as the grammar engine sees them. Building it reads the whole vocabulary (about a second for
     150k tokens), so a node makes one per model and keeps it."""

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from exo_like.engines.base import Engine
 from exo_like.models.hub.download import ShardDownloader
-from exo_like.models.names.registry import ModelRegistry
+from exo_like.models.names.model_registry import ModelRegistry
 from exo_like.models.shard import Shard
 from exo_like.serving.kv_blocks import kv_budget_bytes, pool_sizes
 from exo_like.serving.scheduler import SchedulerLimits

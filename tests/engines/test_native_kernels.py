@@ -302,13 +302,13 @@ def test_mixtures_routed_otherwise_are_left_to_the_python_layers() -> None:
     from types import SimpleNamespace
 
     from exo_like.engines.torch.native.decode import plain_mixture
-    from exo_like.models.families import MoeArgs
+    from exo_like.models.families import MoeArgs, Router
 
     def routed(**kinds) -> bool:
         return plain_mixture(SimpleNamespace(moe=MoeArgs(8, 2, 64, True, (0,), **kinds)))
 
     assert routed()
     assert routed(shared_expert_size=96, shared_expert_gated=True)
-    assert not routed(router="topk_softmax", activation="swiglu_clamped", expert_bias=True)
-    assert not routed(router="softmax_grouped") and not routed(router="sigmoid_grouped")
+    assert not routed(router=Router.SOFTMAX_OF_TOP_K, activation="swiglu_clamped", expert_bias=True)
+    assert not routed(router=Router.GROUPED_SOFTMAX) and not routed(router=Router.GROUPED_SIGMOID)
     assert not plain_mixture(SimpleNamespace(moe=None))

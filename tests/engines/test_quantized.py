@@ -200,7 +200,7 @@ def test_per_module_settings_of_a_mixed_precision_conversion_are_read(quantized_
 
 
 def test_the_registry_serves_a_quantized_folder(quantized_dir, tmp_path):
-    from exo_like.models.names.registry import ModelRegistry
+    from exo_like.models.names.model_registry import ModelRegistry
 
     registry = ModelRegistry(tmp_path / "home", tmp_path / "cache", "node-a", lambda _: None)
     model = registry.resolve(str(quantized_dir("qwen2")))

@@ -19,7 +19,7 @@ pytest.importorskip("gguf", reason="gguf is not installed")
 from exo_like.errors import ModelNotFoundError  # noqa: E402
 from exo_like.models.names.catalog import PACKAGED, lookup  # noqa: E402
 from exo_like.models.names.name import ModelName, parse_model_name  # noqa: E402
-from exo_like.models.names.registry import ModelRegistry  # noqa: E402
+from exo_like.models.names.model_registry import ModelRegistry  # noqa: E402
 from tests.checkpoints import make_checkpoint  # noqa: E402
 from tests.gguf_checkpoints import write_gguf  # noqa: E402
 from tests.hub_server import HubServer  # noqa: E402

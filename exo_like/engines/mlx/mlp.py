@@ -14,7 +14,7 @@ from collections.abc import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from exo_like.models.families import MoeArgs
+from exo_like.models.families import MoeArgs, Router
 
 SORT_FROM_PAIRS = 64  # (row, choice) pairs from which sorting them by expert pays (mlx-lm's threshold too)
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -129,7 +129,7 @@ class SparseMoe(nn.Module):
         self.moe = moe
         self.top_k, self.renormalize, self.router = moe.top_k, moe.renormalize, moe.router
         self.gate = nn.Linear(hidden, moe.n_experts, bias=moe.router_bias)
-        if moe.router == "sigmoid_grouped":  # DeepSeek V3's per-expert choice bias
+        if moe.router == Router.GROUPED_SIGMOID:  # DeepSeek V3's per-expert choice bias
             self.e_score_correction_bias = mx.zeros((moe.n_experts,))
         self.switch_mlp = Experts(hidden, moe)
         if moe.shared_expert_size:
@@ -150,20 +150,20 @@ class SparseMoe(nn.Module):
     def route(self, x: mx.array) -> tuple[mx.array, mx.array]:
         """Each row's k experts [R, k] (in no particular order) and their weights."""
         logits = self.gate(x)
-        if self.router == "topk_softmax":  # gpt-oss: softmax over the chosen logits only
+        if self.router == Router.SOFTMAX_OF_TOP_K:  # gpt-oss: softmax over the chosen logits only
             chosen = mx.argpartition(-logits, kth=self.top_k - 1, axis=-1)[:, :self.top_k]
             return mx.softmax(mx.take_along_axis(logits, chosen, axis=-1), axis=-1, precise=True), chosen
-        if self.router == "sigmoid_grouped":
+        if self.router == Router.GROUPED_SIGMOID:
             scores = mx.sigmoid(logits.astype(mx.float32))
             choice = scores + self["e_score_correction_bias"].astype(mx.float32)
         else:
             scores = choice = mx.softmax(logits.astype(mx.float32), axis=-1, precise=True)
-        if self.router in ("softmax_grouped", "sigmoid_grouped"):
+        if self.router in (Router.GROUPED_SOFTMAX, Router.GROUPED_SIGMOID):
             choice = self._within_best_groups(choice)
         chosen = mx.argpartition(-choice, kth=self.top_k - 1, axis=-1)[:, :self.top_k]
         weights = mx.take_along_axis(scores, chosen, axis=-1)
         if self.renormalize:
-            weights = weights / (weights.sum(axis=-1, keepdims=True) + (1e-20 if self.router == "sigmoid_grouped"
+            weights = weights / (weights.sum(axis=-1, keepdims=True) + (1e-20 if self.router == Router.GROUPED_SIGMOID
                                                                         else 0.0))
         return weights * self.moe.scale if self.moe.scale != 1.0 else weights, chosen
 
@@ -172,7 +172,7 @@ class SparseMoe(nn.Module):
         score, V3 by its two best summed."""
         moe = self.moe
         grouped = choice.reshape(-1, moe.n_group, moe.n_experts // moe.n_group)
-        if self.router == "softmax_grouped":
+        if self.router == Router.GROUPED_SOFTMAX:
             group_scores = grouped.max(axis=-1)
         else:
             group_scores = mx.sort(grouped, axis=-1)[..., -2:].sum(axis=-1)
@@ -180,7 +180,7 @@ class SparseMoe(nn.Module):
             :, : moe.n_group - moe.topk_group]
         outside = mx.put_along_axis(mx.zeros_like(group_scores), dropped, mx.array(1.0), axis=-1)
         outside = mx.broadcast_to(outside[..., None], grouped.shape).reshape(choice.shape) > 0
-        return mx.where(outside, 0.0 if self.router == "softmax_grouped" else -mx.inf, choice)
+        return mx.where(outside, 0.0 if self.router == Router.GROUPED_SOFTMAX else -mx.inf, choice)
 
 
 def stack_experts(weights: dict[str, mx.array]) -> dict[str, mx.array]:

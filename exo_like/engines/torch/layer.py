@@ -17,6 +17,7 @@ from exo_like.engines.work import WorkItem
 from exo_like.models.affine import AffineGroups
 from exo_like.models.config import ModelArgs
 from exo_like.models.quantization import QuantSpec
+from exo_like.models.families import Router
 
 TILE = 1 << 16  # random values drawn per tensor; a large matrix repeats them (the kernels' speed does not care)
 WEIGHT_SCALE = 0.02  # keeps activations in range through the timed steps
@@ -51,7 +52,7 @@ def layer_shapes(args: ModelArgs, layer: int = 0) -> dict[str, tuple[int, ...]]:
         shapes["mlp.gate.weight"] = (moe.n_experts, hidden)
         if moe.router_bias:
             shapes["mlp.gate.bias"] = (moe.n_experts,)
-        if moe.router == "sigmoid_grouped":
+        if moe.router == Router.GROUPED_SIGMOID:
             shapes["mlp.e_score_correction_bias"] = (moe.n_experts,)
         for expert in range(moe.n_experts):
             shapes.update(mlp_shapes(f"mlp.experts.{expert}", hidden, moe.expert_size, moe.expert_bias))

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from exo_like.engines.torch.linear import Linear
-from exo_like.models.families import MoeArgs
+from exo_like.models.families import MoeArgs, Router
 
 
 ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
@@ -61,7 +61,7 @@ class SparseMoe(nn.Module):
         self.gate = Linear(hidden, moe.n_experts, bias=moe.router_bias)  # the router
         # DeepSeek V3: a learned per-expert bias added to the scores when choosing (not when weighting)
         self.e_score_correction_bias = nn.Parameter(torch.empty(moe.n_experts), requires_grad=False) \
-            if moe.router == "sigmoid_grouped" else None
+            if moe.router == Router.GROUPED_SIGMOID else None
         glu = gated(moe.activation, moe.swiglu_alpha, moe.swiglu_limit)
         self.experts = nn.ModuleList(MLP(hidden, moe.expert_size, moe.expert_bias, glu) for _ in range(moe.n_experts))
         self.shared_expert = MLP(hidden, moe.shared_expert_size) if moe.shared_expert_size else None
@@ -79,10 +79,10 @@ class SparseMoe(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's top-k experts [R, k] and their weights [R, k] (in x's dtype)."""
-        if self.router == "topk_softmax":  # gpt-oss: softmax over the chosen logits, in their dtype
+        if self.router == Router.SOFTMAX_OF_TOP_K:  # gpt-oss: softmax over the chosen logits, in their dtype
             logits, chosen = torch.topk(self.gate.forward(x), self.top_k, dim=-1)
             return torch.softmax(logits, dim=1, dtype=logits.dtype), chosen
-        if self.router in ("softmax_grouped", "sigmoid_grouped"):
+        if self.router in (Router.GROUPED_SOFTMAX, Router.GROUPED_SIGMOID):
             weights, chosen = self._grouped(x)
         else:
             probs = torch.softmax(self.gate.forward(x), dim=-1, dtype=torch.float32)
@@ -100,7 +100,7 @@ class SparseMoe(nn.Module):
         moe = self.moe
         logits = self.gate.forward(x).float()
         per_group = moe.n_experts // moe.n_group
-        if self.router == "softmax_grouped":
+        if self.router == Router.GROUPED_SOFTMAX:
             scores = choice = logits.softmax(dim=-1, dtype=torch.float32)
             groups = choice.view(-1, moe.n_group, per_group).max(dim=-1).values
         else:
@@ -111,7 +111,7 @@ class SparseMoe(nn.Module):
         keep = torch.zeros_like(groups).scatter_(1, best, 1).bool()
         keep = keep.unsqueeze(-1).expand(-1, moe.n_group, per_group).reshape(-1, moe.n_experts)
         # transformers fills excluded softmax scores with 0 (V2) and excluded biased sigmoid scores with -inf (V3)
-        choice = choice.masked_fill(~keep, 0.0 if self.router == "softmax_grouped" else float("-inf"))
+        choice = choice.masked_fill(~keep, 0.0 if self.router == Router.GROUPED_SOFTMAX else float("-inf"))
         chosen = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
         weights = scores.gather(1, chosen)
         if self.renormalize:

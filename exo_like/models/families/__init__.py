@@ -6,7 +6,7 @@ engines build every family from the parsed ModelArgs and shared blocks (attentio
 
 `family_for(model_type)` finds a family; an architecture outside the registry is refused by name."""
 
-from exo_like.models.families.base import Family, MlaArgs, MoeArgs
-from exo_like.models.families.registry import FAMILIES, family_for, supported_model_types
+from exo_like.models.families.base import Family, MlaArgs, MoeArgs, Router
+from exo_like.models.families.by_model_type import FAMILIES, family_for, supported_model_types
 
-__all__ = ["FAMILIES", "Family", "MlaArgs", "MoeArgs", "family_for", "supported_model_types"]
+__all__ = ["FAMILIES", "Family", "MlaArgs", "MoeArgs", "Router", "family_for", "supported_model_types"]

@@ -5,7 +5,17 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
+
+
+class Router(StrEnum):
+    """How a mixture of experts picks a token's experts and weighs them (MoeArgs)."""
+
+    TOP_K_OF_SOFTMAX = "top_k_of_softmax"  # the top k of a softmax over every expert's logit (Qwen, Mixtral)
+    SOFTMAX_OF_TOP_K = "softmax_of_top_k"  # a softmax over the top k logits alone (gpt-oss)
+    GROUPED_SOFTMAX = "grouped_softmax"  # DeepSeek V2: the top k of a softmax among the best groups' experts
+    GROUPED_SIGMOID = "grouped_sigmoid"  # DeepSeek V3: sigmoid scores, choices biased, among the best groups
 
 
 @dataclass(frozen=True)
@@ -13,9 +23,9 @@ class MoeArgs:
     """A mixture-of-experts MLP: `top_k` of `n_experts` experts (SwiGLU, `expert_size` wide) per token, chosen by a
     router; optionally one always-on shared expert, scaled by a sigmoid gate (Qwen2-MoE).
 
-    Routers: "softmax_topk" takes the top k of a softmax over every expert (Qwen, Mixtral); "topk_softmax" a
-    softmax over the top k logits alone (gpt-oss); "softmax_grouped" (DeepSeek V2) the top k of a softmax
-    among the experts of the `topk_group` groups (of `n_group`) with the highest expert; "sigmoid_grouped"
+    Routers (Router): TOP_K_OF_SOFTMAX takes the top k of a softmax over every expert (Qwen, Mixtral);
+    SOFTMAX_OF_TOP_K a softmax over the top k logits alone (gpt-oss); GROUPED_SOFTMAX (DeepSeek V2) the top k of a
+    softmax among the experts of the `topk_group` groups (of `n_group`) with the highest expert; GROUPED_SIGMOID
     (DeepSeek V3) sigmoid scores, choices made on scores + a learned per-expert bias among the groups whose two
     best such scores sum highest, weights the plain scores. `scale` multiplies the final weights
     (routed_scaling_factor). Activations: "silu" (SwiGLU), or gpt-oss's "swiglu_clamped":
@@ -28,7 +38,7 @@ class MoeArgs:
     sparse_layers: tuple[int, ...]  # the absolute layers whose MLP is the mixture (others are dense)
     shared_expert_size: int = 0
     shared_expert_gated: bool = False
-    router: str = "softmax_topk"
+    router: Router = Router.TOP_K_OF_SOFTMAX
     router_bias: bool = False
     expert_bias: bool = False  # biases on every expert projection (gpt-oss)
     activation: str = "silu"
@@ -40,10 +50,6 @@ class MoeArgs:
 
     def is_sparse(self, layer: int) -> bool:
         return layer in self.sparse_layers
-
-    def active_fraction(self) -> float:
-        """The share of the routed experts' weights one token runs through."""
-        return self.top_k / self.n_experts
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from exo_like.models.families.base import Family, MlaArgs, MoeArgs
+from exo_like.models.families.base import Family, MlaArgs, MoeArgs, Router
 from exo_like.models.rope import rope_settings, yarn_mscale
 
 
@@ -42,7 +42,7 @@ def parse(model_type: str, config: dict[str, Any]) -> dict[str, Any]:
         renormalize=v3 and bool(config.get("norm_topk_prob", False)),  # transformers' V2 never renormalises
         sparse_layers=tuple(range(first_dense, n_layers)),
         shared_expert_size=int(config["moe_intermediate_size"]) * int(config.get("n_shared_experts") or 0),
-        router=("sigmoid_grouped" if v3 else "softmax_grouped") if grouped else "softmax_topk",
+        router=(Router.GROUPED_SIGMOID if v3 else Router.GROUPED_SOFTMAX) if grouped else Router.TOP_K_OF_SOFTMAX,
         n_group=int(config.get("n_group") or 1) if grouped else 1,
         topk_group=int(config.get("topk_group") or 1) if grouped else 1,
         scale=float(config.get("routed_scaling_factor") or 1.0),

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from exo_like.models.families.base import Family, MoeArgs
+from exo_like.models.families.base import Family, MoeArgs, Router
 
 
 def parse(model_type: str, config: dict[str, Any]) -> dict[str, Any]:
@@ -28,7 +28,7 @@ def parse(model_type: str, config: dict[str, Any]) -> dict[str, Any]:
         expert_size=int(config["intermediate_size"]),
         renormalize=False,
         sparse_layers=tuple(range(n_layers)),
-        router="topk_softmax",
+        router=Router.SOFTMAX_OF_TOP_K,
         router_bias=True,
         expert_bias=True,
         activation="swiglu_clamped",

@@ -6,7 +6,7 @@
    and the weight files' layer sizes (hub/repo.py).
 3. describe: config, tokenizer and bytes per layer, as one LoadedModel.
 
-The registry (registry.py) runs this once per name and caches the result; the node, the API, planning, the speed
+The registry (model_registry.py) runs this once per name and caches the result; the node, the API, planning, the speed
 probe, downloads and GET /v1/models all use that LoadedModel and never read the name again.
 """
 

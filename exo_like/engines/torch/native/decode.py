@@ -20,6 +20,7 @@ from exo_like.engines.torch.mlp import SparseMoe
 from exo_like.engines.torch.native.matrix import HalfMatrix, NativeMatrix
 from exo_like.engines.torch.norm import RMSNorm
 from exo_like.engines.torch.quant import QuantLinear
+from exo_like.models.families import Router
 
 if TYPE_CHECKING:
     from exo_like.engines.torch.attention import KVPool, StepIndex
@@ -76,7 +77,7 @@ def plain_mixture(args: Any) -> bool:
     """Whether the model's mixture of experts is one the native step runs: a softmax over every expert's logit,
     the top k, SwiGLU experts without biases (Qwen-MoE, Mixtral); not gpt-oss's or DeepSeek's routing."""
     moe = args.moe
-    return moe is not None and moe.router == "softmax_topk" and moe.activation == "silu" and not moe.expert_bias
+    return moe is not None and moe.router == Router.TOP_K_OF_SOFTMAX and moe.activation == "silu" and not moe.expert_bias
 
 
 class NativeDecode:
