@@ -5,7 +5,7 @@ node can plan a ring before any weight moves. A quantized checkpoint is held dif
 - an MLX node keeps MLX-format matrices as stored, and turns GGUF's affine types into MLX's packed form;
 - a torch node on CPU keeps affine matrices packed for its native kernels (codes at their own width, see
   engines/torch/native/matrix.py), or where those could not be built in torch's int4 packs (two packs for 5 to 8
-  bits; see engines/torch/quant.py); quantized matrices no kernel takes are dequantized to bfloat16, and float
+  bits; see engines/torch/int4.py); quantized matrices no kernel takes are dequantized to bfloat16, and float
   tensors are float32; on other devices it dequantizes to bfloat16;
 - any node given a float --dtype dequantizes everything to that dtype (the reference path);
 - GGUF types without an affine form (Q2_K, Q3_K, Q6_K) are dequantized by both engines.

@@ -477,7 +477,8 @@ def test_a_torch_engine_bounds_the_memory_onednn_caches_for_new_row_counts():
 @pytest.mark.parametrize("bits", [4, 8])  # 8 bits: two packs (Q8_0, as SmolLM2's tied embedding)
 def test_an_int4_embedding_reads_its_rows_from_the_packs_in_this_builds_layout(bits: int) -> None:
     from exo_like.models.affine import AffineGroups
-    from exo_like.engines.torch.quant import NibbleCodes, QuantEmbedding, code_planes, int4_packs, pack_layout
+    from exo_like.engines.torch.int4 import NibbleCodes, code_planes, int4_packs, pack_layout
+    from exo_like.engines.torch.quant import QuantEmbedding
 
     # AVX-512, AVX2 and scalar builds each write one of the layouts read here: the embedding needs no copy.
     layout = pack_layout()

@@ -22,8 +22,8 @@ import torch.nn.functional as F  # noqa: E402
 
 from exo_like.engines.torch import engine as torch_engine  # noqa: E402
 from exo_like.engines.torch.native import build  # noqa: E402
-from exo_like.engines.torch.quant import (PACK_LAYOUTS, Int4Pack, code_planes, cpu_numerics, int4_packs,  # noqa: E402
-                                          pack_layout)
+from exo_like.engines.torch.install import cpu_numerics  # noqa: E402
+from exo_like.engines.torch.int4 import PACK_LAYOUTS, Int4Pack, code_planes, int4_packs, pack_layout  # noqa: E402
 from exo_like.models.config import ModelArgs  # noqa: E402
 from exo_like.models.gguf.file import open_gguf  # noqa: E402
 from exo_like.models.gguf.tokenizer import gguf_tokenizer  # noqa: E402
@@ -214,7 +214,7 @@ def test_int4_packs_are_read_back_on_every_cpu_capability_this_machine_has() -> 
         del supported["avx512"]
     if not torch.cpu._is_avx2_supported():
         del supported["avx2"]
-    probe = "from exo_like.engines.torch.quant import cpu_numerics; print(cpu_numerics()['int4_pack_layout'])"
+    probe = "from exo_like.engines.torch.install import cpu_numerics; print(cpu_numerics()['int4_pack_layout'])"
     for capability, layout in supported.items():
         done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
                               env={**os.environ, "ATEN_CPU_CAPABILITY": capability})

@@ -26,7 +26,9 @@ from exo_like.engines.torch.attention import KVPool, step_index
 from exo_like.engines.torch.linear import bound_onednn_caches
 from exo_like.engines.torch.model import ShardModel, fuse_checkpoint_weights, load_state
 from exo_like.engines.torch.openmp import pin_openmp_team
-from exo_like.engines.torch.quant import Dense, Installer, Matrix, cpu_numerics, int4_kernel_available, native_kernels
+from exo_like.engines.torch.install import Installer, cpu_numerics
+from exo_like.engines.torch.int4 import int4_kernel_available
+from exo_like.engines.torch.quant import Dense, Matrix, native_kernels
 from exo_like.engines.work import KVPoolSize, WorkItem
 from exo_like.errors import InvalidRequestError
 from exo_like.models.affine import AffineGroups

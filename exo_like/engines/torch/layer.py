@@ -12,7 +12,9 @@ import torch
 from exo_like.engines.layer_speed import LayerRunner, measure_items, measured_layer
 from exo_like.engines.torch.attention import step_index
 from exo_like.engines.torch.model import ShardModel, fuse_checkpoint_weights, load_state
-from exo_like.engines.torch.quant import Dense, Installer, Matrix, int4_kernel_available, native_kernels
+from exo_like.engines.torch.install import Installer
+from exo_like.engines.torch.int4 import int4_kernel_available
+from exo_like.engines.torch.quant import Dense, Matrix, native_kernels
 from exo_like.engines.work import WorkItem
 from exo_like.models.affine import AffineGroups
 from exo_like.models.config import ModelArgs
