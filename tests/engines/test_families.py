@@ -304,7 +304,7 @@ def test_the_speed_probe_times_a_layer_of_the_models_shapes(family_dirs, arch):
     exactly the parameters a loaded shard's layer does, and the probe runs on both engines."""
     import math
 
-    from exo_like.engines.torch.layer import layer_shapes
+    from exo_like.models.parameters import layer_shapes
 
     path = family_dirs[arch]
     args = ModelArgs.from_dir(path)
