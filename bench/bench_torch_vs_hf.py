@@ -67,12 +67,18 @@ class Run:
 
 def build_checkpoint(path: Path) -> Path:
     """A random model with Qwen2.5-0.5B's shapes; weights scaled so greedy decoding is well defined (peaky)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    return build_random_checkpoint(path, "Qwen2ForCausalLM", "Qwen2Config", QWEN25_05B)
+
+
+def build_random_checkpoint(path: Path, model_class: str, config_class: str, shape: dict) -> Path:
+    """A random transformers model of that class and shape, peaky (see peaky_state), saved under the Hub's names."""
+    import transformers
 
     with torch.device("meta"):
-        model = Qwen2ForCausalLM(Qwen2Config(**QWEN25_05B))
+        model = getattr(transformers, model_class)(getattr(transformers, config_class)(**shape))
     model.load_state_dict(peaky_state(model), strict=False, assign=True)
-    model.tie_weights()
+    if shape.get("tie_word_embeddings"):
+        model.tie_weights()
     model.save_pretrained(path)
     return path
 

@@ -65,7 +65,7 @@ limit_worker_spin()  # as the CLI does, before torch is imported
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from bench_torch_vs_hf import QWEN25_05B, build_checkpoint, peaky_state  # noqa: E402
+from bench_torch_vs_hf import QWEN25_05B, build_checkpoint, build_random_checkpoint  # noqa: E402
 
 from exo_like.engines.torch.engine import TorchEngine  # noqa: E402
 from exo_like.engines.work import (  # noqa: E402
@@ -260,27 +260,14 @@ class ConvertedFiles:
 
 
 def build_moe_checkpoint(path: Path) -> Path:
-    """A random Qwen3-MoE with QWEN3_MOE_1B's shapes, peaky as bench_torch_vs_hf's dense one, saved under the Hub's
-    per-expert names (what llama.cpp's converter reads)."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    with torch.device("meta"):
-        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**QWEN3_MOE_1B))
-    model.load_state_dict(peaky_state(model), strict=False, assign=True)
-    model.save_pretrained(path)
-    return path
+    """A random Qwen3-MoE with QWEN3_MOE_1B's shapes, saved under the Hub's per-expert names (what llama.cpp's
+    converter reads)."""
+    return build_random_checkpoint(path, "Qwen3MoeForCausalLM", "Qwen3MoeConfig", QWEN3_MOE_1B)
 
 
 def build_gemma3_checkpoint(path: Path) -> Path:
-    """A random Gemma 3 with GEMMA3_270M's shapes, peaky as the others."""
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    with torch.device("meta"):
-        model = Gemma3ForCausalLM(Gemma3TextConfig(**GEMMA3_270M))
-    model.load_state_dict(peaky_state(model), strict=False, assign=True)
-    model.tie_weights()
-    model.save_pretrained(path)
-    return path
+    """A random Gemma 3 with GEMMA3_270M's shapes."""
+    return build_random_checkpoint(path, "Gemma3ForCausalLM", "Gemma3TextConfig", GEMMA3_270M)
 
 
 def pad_tokenizer(path: Path, size: int) -> None:
