@@ -1,5 +1,5 @@
-"""Readers for the fields of peer messages (protocol.py): each returns a field's value, checked, or raises
-ProtocolError naming the field. Also the check of a node's announced load against NodeLoad's own fields."""
+"""Readers for the fields of peer messages (codec.py's kinds and protocol.py's own): each returns a field's value,
+checked, or raises ProtocolError naming the field. Also the check of a node's announced load against NodeLoad's own fields."""
 
 from __future__ import annotations
 
@@ -107,10 +107,6 @@ def _small_map(data: dict[str, Any], key: str, nullable: bool, read: Callable[[A
     if len(value) > MAX_COUNTS:
         raise ProtocolError(f"field {key!r} must hold at most {MAX_COUNTS} entries")
     return {string({key: name}, key): read(item) for name, item in value.items()}
-
-
-def integers(data: dict[str, Any], key: str, low: int = 0, high: int = INT64 - 1) -> tuple[int, ...]:
-    return tuple(check_int(v, key, low, high) for v in array(data, key))
 
 
 # The load a node announces (NodeLoad.to_json(), with its DownloadStatus.to_json()) is checked against those
