@@ -20,6 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_vs_llamacpp as bench  # noqa: E402  (sets the OpenMP spin limit before torch loads)
 import torch  # noqa: E402
 
+from exo_like.engines.torch.native.matrix import HalfMatrix  # noqa: E402
+from exo_like.engines.torch.quant import native_kernels  # noqa: E402
+
 
 def timed_ms(run: Callable[[], Any]) -> float:
     run()
@@ -32,8 +35,19 @@ def timed_ms(run: Callable[[], Any]) -> float:
 
 
 def projection_ms(side: bench.ExoSide, module: Any) -> float:
+    """One row through the projection as the step runs it: a plain float or 16-bit weight on the native row kernel
+    where the shard runs the native step (module.forward would take oneDNN's path instead), else its forward."""
     width = module.pieces[0].shape[1] if hasattr(module, "pieces") else module.weight.shape[1]
     x = torch.randn(1, width)
+    kernels = native_kernels(x.device)
+    plain = getattr(module, "weight", None)
+    pieces = getattr(module, "pieces", [])
+    if len(pieces) == 1 and isinstance(pieces[0], HalfMatrix):  # a 16-bit checkpoint's matrix: the step reads it so
+        plain = pieces[0].weight
+    if side.engine.model.native_decode is not None and kernels is not None and isinstance(plain, torch.Tensor) \
+            and not getattr(module, "packed", False):
+        weight = plain.detach().contiguous()
+        return side.on_engine(timed_ms, lambda: kernels.rows_matmul(x, weight))
     return side.on_engine(timed_ms, lambda: module.forward(x))
 
 

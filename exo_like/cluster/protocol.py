@@ -76,9 +76,34 @@ TOKEN = Int(0, 2**31 - 1)  # a token id
 NODE_ID = Str()
 
 
-class Message:
-    """Base of every peer message: `type` names it on the wire; its dataclass fields, each annotated with its wire
-    kind, are its schema (codec.Struct.of), which encodes and decodes it."""
+W = TypeVar("W", bound="Wired")
+
+
+class Wired:
+    """A dataclass whose fields, each annotated with its wire kind, are its schema (codec.Struct.of), which encodes
+    and decodes it; `check` (optional) checks the decoded fields together; `wire_options` are the Struct's."""
+
+    wire_options: ClassVar[dict[str, Any]] = {}
+
+    @classmethod
+    def schema(cls) -> Struct:
+        return _schema(cls)
+
+    def to_wire(self) -> Any:
+        return self.schema().encode(self)
+
+    @classmethod
+    def from_wire(cls: type[W], data: Any) -> W:
+        return cls.schema().decode(data, cls.__name__)
+
+
+@cache
+def _schema(cls: type) -> Struct:
+    return Struct.of(cls, check=getattr(cls, "check", None), **cls.wire_options)  # type: ignore[attr-defined]
+
+
+class Message(Wired):
+    """Base of every peer message: `type` names it on the wire; the rest of the frame is its fields."""
 
     type: ClassVar[str]
 
@@ -87,20 +112,8 @@ class Message:
         _TYPES[cls.type] = cls
 
     @classmethod
-    def schema(cls) -> Struct:
-        return _schema(cls)
-
-    def to_wire(self) -> dict[str, Any]:
-        return self.schema().encode(self)  # type: ignore[return-value]
-
-    @classmethod
     def from_wire(cls: type[M], data: dict[str, Any]) -> M:
         return cls.schema().decode_map(data)
-
-
-@cache
-def _schema(cls: type) -> Struct:
-    return Struct.of(cls, check=getattr(cls, "check", None))
 
 
 # Link set-up (peers.py): the acceptor says hello, the dialer proves the key, the acceptor proves it back.
@@ -184,7 +197,7 @@ class Pong(Ping):
 
 
 @dataclass(frozen=True)
-class MemberAddress:
+class MemberAddress(Wired):
     """Where a member listens, as it advertises itself (its NodeInfo's host and port, never the address its socket
     came from: a peer that dialed in comes from a port nobody can dial)."""
 
@@ -199,7 +212,7 @@ class PeerAddresses(Message):
     given any one member (a bootstrap address) links with all of them (peers.py)."""
 
     type: ClassVar[str] = "peer_addresses"
-    members: Annotated[tuple[MemberAddress, ...], Seq(Struct.of(MemberAddress), MAX_MEMBERS)]
+    members: Annotated[tuple[MemberAddress, ...], Seq(MemberAddress.schema(), MAX_MEMBERS)]
 
 
 # Cluster state (membership.py, instances/): sent to every peer on change and every second; doubles as the heartbeat.
@@ -208,7 +221,7 @@ KEEP_FOREVER = -1.0  # InstanceState.keep_alive of a request that asked to stay 
 
 
 @dataclass(frozen=True)
-class Wish:
+class Wish(Wired):
     """One model's register in the replicated set of instances (instances/wishes.py): whether the cluster serves
     it and on which nodes (empty: placement chooses), written with a Lamport clock (counter, writer's node id)."""
 
@@ -231,7 +244,7 @@ def _keep_alive(value: Any) -> float | None:
 
 
 @dataclass(frozen=True)
-class InstanceState:
+class InstanceState(Wired):
     """One instance as its announcer holds it: the plan it agreed to, whether its part of it is loaded (and the KV
     pool it holds for that part), why it cannot serve it, and its own clients' use of the model."""
 
@@ -270,8 +283,8 @@ def _announced_figures(value: Any) -> tuple[dict[str, Any], ...]:
 class PlanState(Message):
     type: ClassVar[str] = "plan_state"
     # the announcer's copy of the instance registers, and the instances it places, as it holds them
-    wishes: Annotated[tuple[Wish, ...], Seq(Struct.of(Wish), MAX_MEMBERS)]
-    instances: Annotated[tuple[InstanceState, ...], Seq(Struct.of(InstanceState), MAX_MEMBERS)]
+    wishes: Annotated[tuple[Wish, ...], Seq(Wish.schema(), MAX_MEMBERS)]
+    instances: Annotated[tuple[InstanceState, ...], Seq(InstanceState.schema(), MAX_MEMBERS)]
     # NodeLoad.to_json(); NodeLoad.from_json reads it tolerantly
     load: Annotated[dict[str, Any], Field(Custom(node_load), MAY_BE_ABSENT)] = field(default_factory=dict)
     # SpeedFigures.to_json() for each model it places (its placement, measured speed, links' round trips); one
@@ -397,7 +410,7 @@ LOGPROB = Float(-1e30, 0.0)
 
 
 @dataclass(frozen=True)
-class SampledToken:
+class SampledToken(Wired):
     """A token the last stage sampled; with its log-probability and the likeliest tokens' when the request asked,
     and (on a request's first token) the prompt tokens the first stage took from its prefix cache. Sent as a list,
     [rid, token, done] and the rest only where set."""
@@ -410,8 +423,8 @@ class SampledToken:
         Seq(Fixed((TOKEN, LOGPROB), "[token, logprob]"), MAX_LOGPROBS), OMIT_DEFAULT)] = ()
     cached: Annotated[int, Field(Int(0, 2**62), OMIT_DEFAULT)] = 0
 
-
-SAMPLED_TOKEN = Struct.of(SampledToken, positional=True, shape="[rid, token, done, logprob, top_logprobs, cached]")
+    wire_options: ClassVar[dict[str, Any]] = {"positional": True,
+                                              "shape": "[rid, token, done, logprob, top_logprobs, cached]"}
 
 
 @dataclass(frozen=True)
@@ -420,7 +433,7 @@ class Sampled(Message):
 
     type: ClassVar[str] = "sampled"
     digest: Annotated[str, Str()]
-    tokens: Annotated[tuple[SampledToken, ...], Seq(SAMPLED_TOKEN)]
+    tokens: Annotated[tuple[SampledToken, ...], Seq(SampledToken.schema())]
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,8 @@
 // side, never how one is summed. Without AVX2: each output a plain sum in increasing k.
 //
 // Tiles: 4 rows x 3 outputs (twelve accumulators, three weight vectors and one activation vector: the 16 vector
-// registers), weights streamed once per chunk of rows. One row (decoding) streams each weight once.
+// registers), weights streamed once per chunk of rows. One row (decoding) streams each weight once, one output at a
+// time.
 //
 // With AVX-512 (where quant.cpp's native_isa picks it) the same scheme sixteen lanes wide, lane l summing k = l mod 16,
 // the lanes added by one fixed tree; tiles of 4 rows x 4 outputs. A process runs one of the two throughout.
@@ -261,7 +262,10 @@ at::Tensor rows_matmul(const at::Tensor& x, const at::Tensor& w) {
   const void* weights = w.data_ptr();
   float* o = out.data_ptr<float>();
   const Tile tile = pick_tile(type);
-  const int64_t out_tile = exo::native_avx512() ? 4 : OUT_TILE;  // outputs a tile computes side by side
+  // Outputs a tile computes side by side. One row (decoding) takes one output at a time: each thread then reads its
+  // share of the matrix as one sequential stream, which the hardware prefetcher follows (four rows' streams at once
+  // read 17-20 GB/s on a Zen 4 host where one reads 25-27; SmolLM2 F32 decode 0.61 -> 0.81-0.86 of llama.cpp).
+  const int64_t out_tile = rows == 1 ? 1 : exo::native_avx512() ? 4 : OUT_TILE;
   const int64_t tiles = (outputs + out_tile - 1) / out_tile, chunk = row_chunk(inputs);
   at::parallel_for(0, tiles, 8, [&](int64_t begin, int64_t end) {
     for (int64_t r0 = 0; r0 < rows; r0 += chunk) {
