@@ -207,12 +207,10 @@ class Struct(Kind):
         return spec.absent != OMIT_DEFAULT or getattr(value, name) != self._default(name)
 
     def _encode_list(self, value: Any) -> list[Any]:
-        values = [getattr(value, name) for name in self.fields]
-        end = len(values)
-        while end and self.fields[list(self.fields)[end - 1]].absent == OMIT_DEFAULT and \
-                values[end - 1] == self._default(list(self.fields)[end - 1]):
-            end -= 1  # trailing defaults are left out
-        return [spec.kind.encode(v) for spec, v in zip(list(self.fields.values())[:end], values[:end])]
+        entries = [(spec, getattr(value, name), name) for name, spec in self.fields.items()]
+        while entries and entries[-1][0].absent == OMIT_DEFAULT and entries[-1][1] == self._default(entries[-1][2]):
+            entries.pop()  # trailing defaults are left out
+        return [spec.kind.encode(v) for spec, v, _ in entries]
 
     # -- decoding --------------------------------------------------------------------------------------------
 
