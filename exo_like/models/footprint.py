@@ -160,9 +160,12 @@ def torch_cpu_bytes(matrices: list[Matrix], native: bool) -> int:
     return total
 
 
-# Matrices the engines hold dense whatever the file's type: DeepSeek's kv_b_proj, which latent attention multiplies
-# per head (the torch engine dequantizes it; GGUF's attn_k_b / attn_v_b are read joined, as float, by both engines).
-LATENT_PROJECTIONS = (".kv_b_proj.weight", ".k_b_proj.weight", ".v_b_proj.weight")
+# A quantized kv_b_proj (DeepSeek's, in MLX-format checkpoints and older GGUF files): the torch engine holds its
+# key rows dequantized, as float32 (latent attention multiplies by their transpose, see engines/torch/mla.py), and
+# its value rows quantized; counted here all as float32, a little over (the header does not tell the two apart).
+# GGUF's attn_k_b / attn_v_b are per-head stacks [heads, out, in], held quantized as any matrix.
+LATENT_PROJECTIONS = (".kv_b_proj.weight",)
+PER_HEAD_STACKS = (".embed_q.weight", ".unembed_out.weight")
 
 
 def _torch_piece_bytes(stacked: list[Matrix], native: bool) -> int:
@@ -293,6 +296,8 @@ def safetensors_matrices(tensors: Iterable[tuple[str, str, int, tuple[int, ...]]
             spec = quant.for_module(prefix)
             extra = sum(listed[f"{prefix}{s}"][1] for s in QUANTIZED_SUFFIXES if f"{prefix}{s}" in listed)
             logical = (*shape[:-1], shape[-1] * 32 // spec.bits)
+            if name.endswith(PER_HEAD_STACKS):  # (mlx-lm's DeepSeek conversions) as its heads' matrices, stacked
+                logical = (logical[0] * logical[1], logical[2])
             bits = 5 if spec.mxfp4 else spec.bits  # torch holds MXFP4 as exact 5-bit groups (affine.mxfp4_affine)
             sixteen_bit = listed[f"{prefix}.scales"][0] in ("BF16", "F16")
             form = "half-symmetric" if spec.mxfp4 else "half" if sixteen_bit else ""
@@ -330,9 +335,9 @@ def gguf_matrices(entries: Iterable[tuple[str, str, int, tuple[int, ...]]]) -> l
     """(name, GGUF type, bytes, shape) -> Matrices."""
     matrices = []
     for name, type_name, size, shape in entries:
-        if name.endswith(LATENT_PROJECTIONS):  # read as float32 whatever the type (gguf/deepseek.py)
-            matrices.append(Matrix(name, shape, size, FLOAT_BYTES["F32"]))
-        elif type_name in FLOAT_BYTES:
+        if name.endswith(PER_HEAD_STACKS):  # as its heads' matrices, stacked along their outputs
+            shape = (shape[0] * shape[1], shape[2])
+        if type_name in FLOAT_BYTES:
             matrices.append(Matrix(name, shape, size, FLOAT_BYTES[type_name]))
         else:
             bits = GGUF_BITS.get(type_name, 0)

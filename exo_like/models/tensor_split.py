@@ -9,6 +9,12 @@ row-parallel bias is held by rank 0 only, so the sum adds it once. A mixture of 
 (and the shared expert's) intermediate dimension, as mlx-lm and exo do: the replicated router picks the same
 experts on every rank, each rank runs its slice of them, one all-reduce sums routed and shared outputs.
 
+Latent attention (DeepSeek) splits by head too: each rank's rows of the query projection (q_proj or q_b_proj),
+its heads' per-head projections (embed_q, unembed_out) and its columns of o_proj; the latent projections
+(q_a_proj, kv_a_proj_with_mqa) and their norms are replicated, and so is the latent cache: one latent a position
+serves every head, so each rank computes and holds the same (rank + rope) values, a few per cent of a layer's
+work, where splitting it would cost an all-gather a layer.
+
 Heads go in whole key/value groups (the query heads sharing one KV head), as evenly as the group count allows;
 with more ranks than KV heads, each KV head is replicated on consecutive ranks, which split its query heads (as
 vLLM does), so a 3-node group serves a model with 2 KV heads. Uneven counts split unevenly: the slowest rank's
@@ -21,6 +27,7 @@ from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from exo_like.models.config import ModelArgs
+from exo_like.models.families.deepseek import PER_HEAD
 
 T = TypeVar("T")
 
@@ -106,8 +113,6 @@ def split_refusal(args: ModelArgs, size: int, align: int = 1) -> str | None:
     None if they can."""
     if size < 2:
         return "a tensor-parallel group has at least 2 ranks"
-    if args.mla is not None:
-        return "latent attention (DeepSeek) is not split by tensor parallelism yet: run it as a pipeline"
     heads = args.num_attention_heads
     if heads < size:
         return f"{heads} attention heads cannot be split over {size} ranks"
@@ -122,10 +127,10 @@ def split_refusal(args: ModelArgs, size: int, align: int = 1) -> str | None:
         odd = [w for w in widths if w % align]
         if odd:
             return f"an MLP {odd[0]} units wide does not split on quantization groups of {align}"
-        bounds = {q * args.head_dim for _, q, _, _ in head_ranges(heads, args.num_key_value_heads, size)}
+        width = _head_widths(args)[1]
+        bounds = {q * width for _, q, _, _ in head_ranges(heads, args.num_key_value_heads, size)}
         if any(b % align for b in bounds):
-            return (f"heads of {args.head_dim} values do not split on quantization groups of {align} over "
-                    f"{size} ranks")
+            return f"heads of {width} values do not split on quantization groups of {align} over {size} ranks"
     return None
 
 
@@ -171,7 +176,8 @@ def _width(bounds: tuple[int, int] | None) -> int:
 # How each layer tensor is split, by its name's last two parts (shared names, after a family's renames and
 # conversion): "out" keeps the rank's output rows (column-parallel), "in" its input columns (row-parallel), "bias"
 # a row-parallel bias, kept by rank 0 only. Anything else is replicated.
-_ATTENTION = {"q_proj": "q", "k_proj": "kv", "v_proj": "kv", "o_proj": "o", "sinks": "q"}
+_ATTENTION = {"q_proj": "q", "k_proj": "kv", "v_proj": "kv", "o_proj": "o", "sinks": "q", "q_b_proj": "q",
+              **{name: "heads" for name in PER_HEAD}}
 _MLP = {"gate_proj": "out", "up_proj": "out", "down_proj": "in"}
 
 
@@ -180,18 +186,23 @@ def split_tensor(name: str, tensor: T, args: ModelArgs, split: TensorSplit) -> T
     of them stacked by expert in front); a row-parallel bias is zeros on ranks other than 0 (the group's sum adds
     it once). Tensors outside the layers, norms and routers come back whole."""
     part = rank_slice(args, split)
-    head_dim = args.head_dim
+    q_width, o_width = _head_widths(args)
     module, _, leaf = name.rpartition(".")
     owner, _, projection = module.rpartition(".")
     if leaf == "sinks":  # gpt-oss: one logit per query head
         return _take(tensor, -1, part.q_start, part.q_end)
     if projection in _ATTENTION and owner.endswith(".self_attn"):
         kind = _ATTENTION[projection]
+        if kind == "heads":  # [heads, out, in], or a quantized row stack [heads x out, in] (and its scales)
+            if len(tensor.shape) == 3:
+                return _take_heads(tensor, part.q_start, part.q_end)
+            each = tensor.shape[0] // args.num_attention_heads
+            return _take(tensor, -2, part.q_start * each, part.q_end * each)
         if kind == "o":
             return _leader_only(tensor, split) if leaf == "bias" else \
-                _take(tensor, -1, part.q_start * head_dim, part.q_end * head_dim)
+                _take(tensor, -1, part.q_start * o_width, part.q_end * o_width)
         start, end = (part.q_start, part.q_end) if kind == "q" else (part.kv_start, part.kv_end)
-        return _take(tensor, -1 if leaf == "bias" else -2, start * head_dim, end * head_dim)
+        return _take(tensor, -1 if leaf == "bias" else -2, start * q_width, end * q_width)
     if projection not in _MLP or ".mlp." not in f"{name}.":
         return tensor
     units = _mlp_units(owner, part)
@@ -215,6 +226,21 @@ def unfused(weights: dict[str, T], args: ModelArgs) -> dict[str, T]:
         for part, start, end in parts:
             weights[f"{owner}.{part}.{leaf}"] = _take(tensor, -1 if leaf == "bias" else -2, start, end)
     return weights
+
+
+def _head_widths(args: ModelArgs) -> tuple[int, int]:
+    """Values a head takes of the query projection's outputs and of o_proj's inputs."""
+    mla = args.mla
+    return (args.head_dim, args.head_dim) if mla is None else (mla.qk_head_dim, mla.v_head_dim)
+
+
+def _take_heads(tensor: Any, start: int, end: int) -> Any:
+    """Heads [start, end) of a per-head stack [heads, out, in], a contiguous copy."""
+    part = tensor[start:end]
+    for copy in ("contiguous", "copy"):
+        if hasattr(part, copy):
+            return getattr(part, copy)()
+    return part
 
 
 def _mlp_units(owner: str, part: RankSlice) -> tuple[int, int]:

@@ -121,7 +121,9 @@ def greedy(driver: Driver, n_tokens: int = N_TOKENS) -> tuple[list[int], np.ndar
 
 # (architecture, config overrides): dense, GQA, KV heads fewer than ranks (replicated), mixtures of experts with
 # and without a shared expert, biases split and added once (Qwen2's q/k/v, gpt-oss's o_proj and experts), sinks,
-# sandwich norms with soft-capping and windows (Gemma 2), fused q/k/v and gate/up (Phi-3).
+# sandwich norms with soft-capping and windows (Gemma 2), fused q/k/v and gate/up (Phi-3), latent attention split by
+# head with its latent cache replicated (DeepSeek V3: q through its low-rank bottleneck, sigmoid routing; V2-Lite: a
+# plain q projection, softmax routing, two shared experts), 4 heads over 3 ranks splitting 2, 1, 1.
 CASES = {
     "llama": ("llama", {}),
     "mistral-mha": ("mistral", {"num_key_value_heads": 4}),
@@ -132,15 +134,16 @@ CASES = {
     "gpt_oss": ("gpt_oss", {}),
     "gemma2": ("gemma2", {}),
     "phi3": ("phi3", {}),
+    "deepseek_v3": ("deepseek_v3", {}),
+    "deepseek_v2": ("deepseek_v2", {}),
 }
-REFUSED = {"deepseek_v3": ("deepseek_v3", {})}
 
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tensor-split")
     return {name: make_checkpoint(root / name, arch, n_layers=3, seed=5, **overrides)
-            for name, (arch, overrides) in {**CASES, **REFUSED}.items()}
+            for name, (arch, overrides) in CASES.items()}
 
 
 @pytest.fixture(scope="module")
@@ -202,7 +205,8 @@ def test_models_that_cannot_split_say_why(model_dirs):
     assert split_refusal(args, 4) is None
     assert split_refusal(args, 5) == "4 attention heads cannot be split over 5 ranks"
     assert split_refusal(replace(args, intermediate_size=3), 4) == "an MLP 3 units wide cannot be split over 4 ranks"
-    assert "latent attention" in split_refusal(ModelArgs.from_dir(model_dirs["deepseek_v3"]), 2)
+    assert split_refusal(ModelArgs.from_dir(model_dirs["deepseek_v3"]), 5) == \
+        "4 attention heads cannot be split over 5 ranks"
 
 
 def test_an_mlx_rank_refuses_quantized_weights(model_dirs, tmp_path):

@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -33,6 +34,7 @@ from exo_like.models.checkpoint import ShardLoadPlan, plan_shard_load
 from exo_like.models.config import DTYPES, ModelArgs
 from exo_like.models.footprint import MLX_BITS, MLX_GROUP_SIZES
 from exo_like.models.gguf.file import FLOAT_TYPES, is_gguf, open_gguf
+from exo_like.models.families.deepseek import EMBED_Q, KEY_ROWS, PER_HEAD
 from exo_like.models.quantization import QuantSpec
 from exo_like.models.shard import Shard
 from exo_like.models.tensor_split import TensorSplit, rank_args, split_tensor
@@ -78,7 +80,7 @@ def read_shard_tensors(model_dir: Path, args: ModelArgs, shard: Shard, quantized
         weights = as_words(args.family.converted(read_plan_tensors(plan, tied_embeddings), args))
         specs = mlx_format_specs(args, weights, {local: name for names in plan.files.values() for name, local in names})
         specs = {split: spec for path, spec in specs.items() for split in split_module_paths(path)}
-        return split_fused_projections(stack_experts(weights), args), specs
+        return per_head_arrays(split_fused_projections(stack_experts(weights), args), specs, args), specs
     weights, specs = {}, {}
     for local, value, type_name in open_gguf(model_dir).read_shard(shard, tied_embeddings, quantized):
         if isinstance(value, AffineGroups) and value.bits in MLX_BITS and value.group_size in MLX_GROUP_SIZES:
@@ -99,7 +101,26 @@ def read_shard_tensors(model_dir: Path, args: ModelArgs, shard: Shard, quantized
     specs = {(stacked_name(path) or (path,))[0]: spec for path, spec in specs.items()}
     # A fused matrix (Phi-3's qkv_proj, gate_up_proj) splits into projections of its own type.
     specs = {split: spec for path, spec in specs.items() for split in split_module_paths(path)}
-    return split_fused_projections(stack_experts(args.family.converted(weights, args)), args), specs
+    return per_head_arrays(split_fused_projections(stack_experts(args.family.converted(weights, args)), args), specs,
+                           args), specs
+
+
+def per_head_arrays(weights: dict[str, mx.array], specs: dict[str, dict[str, Any]], args: ModelArgs
+                    ) -> dict[str, mx.array]:
+    """Latent attention's per-head projections (families/deepseek.py) as mla.PerHead holds them, [heads, out, in]
+    (a quantized one's packed words, scales and biases alike); a quantized kv_b_proj's key rows become embed_q as
+    stored, its transpose, which QuantizedPerHead multiplies so (`transposed` in its settings). Updates `specs`."""
+    if args.mla is None:
+        return weights
+    heads = args.num_attention_heads
+    for name in [n for n in weights if n.rpartition(".")[0].rpartition(".")[2] in PER_HEAD]:
+        array = weights.pop(name)
+        stored, _, leaf = name.rpartition(".")
+        module = stored.removesuffix(KEY_ROWS) + EMBED_Q if stored.endswith(f".{KEY_ROWS}") else stored
+        if module != stored and stored in specs:  # (once per module: its first leaf moves its settings)
+            specs[module] = {**specs.pop(stored), "transposed": True}
+        weights[f"{module}.{leaf}"] = array.reshape(heads, -1, array.shape[-1]) if array.ndim == 2 else array
+    return weights
 
 
 def rank_tensors(weights: dict[str, mx.array], specs: dict[str, dict[str, int]], args: ModelArgs,

@@ -1,6 +1,8 @@
 """Multi-head latent attention (DeepSeek V2/V3) on MLX, in its absorbed form: the pool caches one latent key a
 position ([normalised latent, rotated shared key]); each head's query is folded into latent space through
-kv_b_proj's key rows and its output unfolded through the value rows (see engines/torch/mla.py for the algebra)."""
+kv_b_proj's key rows and its output unfolded through the value rows (see engines/torch/mla.py for the algebra):
+the per-head projections `embed_q` and `unembed_out` (families/deepseek.py), held as stored, quantized ones too
+(QuantizedPerHead)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,46 @@ from exo_like.engines.mlx.attention import Attention, LayerPool, RMSNorm, StepIn
 from exo_like.models.config import ModelArgs, rope_attention_factor, rope_inv_freq
 
 LATENT_NORM_EPS = 1e-6  # transformers' DeepSeek builds its q_a / kv_a norms with the default eps, not the config's
+
+
+class PerHead(nn.Module):
+    """One [out, in] matrix per head: x [heads, R, in] -> [heads, R, out], head h through weight[h]."""
+
+    def __init__(self, heads: int, inputs: int, outputs: int):
+        super().__init__()
+        self.weight = mx.zeros((heads, outputs, inputs))
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return x @ self.weight.swapaxes(-1, -2)
+
+    def to_quantized(self, group_size: int, bits: int, mode: str = "affine", transposed: bool = False
+                     ) -> "QuantizedPerHead | PerHead":
+        """Quantized in groups along the stored rows (the speed probe quantizes every module it can: a width the
+        groups do not divide stays float, as converters leave such matrices)."""
+        heads, outputs, inputs = self.weight.shape
+        if (outputs if transposed else inputs) % group_size:
+            return self
+        return QuantizedPerHead(heads, inputs, outputs, group_size, bits, mode, transposed)
+
+
+class QuantizedPerHead(nn.Module):
+    """PerHead held quantized as stored: each head's [out, in] grouped along its inputs, or (`transposed`, a
+    quantized kv_b_proj's key rows) its [in, out] transpose grouped along the outputs, which MLX's quantized
+    product takes as it is (transpose=False): no requantization, so no values change."""
+
+    def __init__(self, heads: int, inputs: int, outputs: int, group_size: int, bits: int, mode: str,
+                 transposed: bool):
+        super().__init__()
+        self.group_size, self.bits, self.mode, self.transposed = group_size, bits, mode, transposed
+        rows, columns = (inputs, outputs) if transposed else (outputs, inputs)
+        self.weight = mx.zeros((heads, rows, columns * bits // 32), dtype=mx.uint32)
+        self.scales = mx.zeros((heads, rows, columns // group_size))
+        self.biases = mx.zeros((heads, rows, columns // group_size))
+        self.freeze()
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return mx.quantized_matmul(x, self.weight, self.scales, self.biases, transpose=not self.transposed,
+                                   group_size=self.group_size, bits=self.bits, mode=self.mode)
 
 
 class LatentAttention(Attention):
@@ -28,30 +70,12 @@ class LatentAttention(Attention):
             self.q_proj = nn.Linear(hidden, q_out, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(hidden, mla.latent_dim, bias=args.qkv_bias)
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, LATENT_NORM_EPS)
-        self.kv_b_proj = nn.Linear(mla.kv_lora_rank, self.n_heads * (mla.qk_nope_head_dim + mla.v_head_dim),
-                                   bias=False)
+        self.embed_q = PerHead(self.n_heads, mla.qk_nope_head_dim, mla.kv_lora_rank)
+        self.unembed_out = PerHead(self.n_heads, mla.kv_lora_rank, mla.v_head_dim)
         self.o_proj = nn.Linear(self.n_heads * mla.v_head_dim, hidden, bias=args.o_bias)
         self._rope_freqs = mx.array(1.0 / rope_inv_freq(args))  # args.head_dim: the rotary part's width
         self._rope_factor = rope_attention_factor(args)
         self._rotary_dim = mla.qk_rope_head_dim
-        self._latent: tuple[mx.array, mx.array] | None = None  # see _latent_weights
-
-    def _latent_weights(self) -> tuple[mx.array, mx.array]:
-        """kv_b_proj's key rows [heads, nope, rank] and value rows [heads, v, rank] (dequantized if need be), made
-        on the first step after loading and kept (not per step)."""
-        if self._latent is None:
-            self._latent = self._split_latent_projection()
-        return self._latent
-
-    def _split_latent_projection(self) -> tuple[mx.array, mx.array]:
-        mla, projection = self._mla, self.kv_b_proj
-        weight = projection.weight if isinstance(projection, nn.Linear) else mx.dequantize(
-            projection.weight, projection.scales, projection.get("biases"), projection.group_size, projection.bits,
-            mode=projection.mode)
-        weight = weight.reshape(self.n_heads, mla.qk_nope_head_dim + mla.v_head_dim, -1)
-        w_k, w_v = mx.contiguous(weight[:, : mla.qk_nope_head_dim]), mx.contiguous(weight[:, mla.qk_nope_head_dim :])
-        mx.eval(w_k, w_v)
-        return w_k, w_v
 
     def __call__(self, x: mx.array, pool: LayerPool, index: StepIndex) -> mx.array:
         rows, mla = x.shape[0], self._mla
@@ -61,9 +85,8 @@ class LatentAttention(Attention):
         compressed = self.kv_a_layernorm(latent[:, : mla.kv_lora_rank])
         k_rope = self._rope(latent[:, None, mla.kv_lora_rank :], index.positions)  # [R, 1, rope]
         pool.write(index.write_slots, mx.concatenate([compressed[:, None], k_rope], axis=-1).transpose(1, 0, 2), None)
-        w_k, w_v = self._latent_weights()
-        q_latent = (q[..., : mla.qk_nope_head_dim].transpose(1, 0, 2) @ w_k).transpose(1, 0, 2)  # [R, heads, rank]
+        q_latent = self.embed_q(q[..., : mla.qk_nope_head_dim].transpose(1, 0, 2)).transpose(1, 0, 2)  # [R, heads, rank]
         queries = mx.concatenate([q_latent, self._rope(q[..., mla.qk_nope_head_dim :], index.positions)], axis=-1)
         out = self.attend(queries, pool, index)  # [R, heads, rank]
-        out = (out.transpose(1, 0, 2) @ w_v.swapaxes(1, 2)).transpose(1, 0, 2)  # [R, heads, v]
+        out = self.unembed_out(out.transpose(1, 0, 2)).transpose(1, 0, 2)  # [R, heads, v]
         return self.o_proj(out.reshape(rows, -1))

@@ -26,9 +26,10 @@ from exo_like.engines.torch.attention import KVPool, step_index
 from exo_like.engines.torch.linear import bound_onednn_caches
 from exo_like.engines.torch.model import ShardModel, fuse_checkpoint_weights, load_state
 from exo_like.engines.torch.openmp import pin_openmp_team
+from exo_like.engines.torch.mla import per_head_matrices
 from exo_like.engines.torch.install import Installer, cpu_numerics
 from exo_like.engines.torch.int4 import int4_kernel_available
-from exo_like.engines.torch.quant import Dense, Matrix, native_kernels
+from exo_like.engines.torch.quant import Matrix, native_kernels
 from exo_like.engines.work import KVPoolSize, WorkItem
 from exo_like.errors import InvalidRequestError
 from exo_like.models.affine import AffineGroups
@@ -225,13 +226,7 @@ class TorchEngine(Engine):
     def _read_weights(self, model_dir: Path, args: ModelArgs, shard: Shard, keep: bool, installer: Installer,
                       cancel: threading.Event | None, half: torch.dtype | None = None) -> dict[str, Matrix]:
         weights = self._read_stored(model_dir, args, shard, keep, installer, cancel, half)
-        for name in [n for n in weights if n.endswith(".kv_b_proj.weight")]:
-            if isinstance(weights[name], AffineGroups):  # MLA multiplies by it per head (mla.py): held dense
-                installer.forms.add_dequantized(f"{weights[name].source} (MLA's kv_b_proj, absorbed per head)")
-                weights[name] = torch.from_numpy(weights[name].dequantize()).to(device=self.device, dtype=self.dtype)
-            elif isinstance(weights[name], Dense):  # (half storage) the same: a plain matrix
-                weights[name] = weights[name].weight.to(self.dtype)
-        return weights
+        return per_head_matrices(weights, args, installer.forms, installer.device, self.dtype) if args.mla is not None else weights
 
     def _read_stored(self, model_dir: Path, args: ModelArgs, shard: Shard, keep: bool, installer: Installer,
                      cancel: threading.Event | None, half: torch.dtype | None) -> dict[str, Matrix]:

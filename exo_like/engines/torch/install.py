@@ -32,8 +32,10 @@ from exo_like.engines.torch.quant import (
     NativeEmbedding,
     Piece,
     QuantEmbedding,
+    QuantHeads,
     QuantLinear,
 )
+from exo_like.engines.torch.mla import PerHead
 from exo_like.models.affine import AffineGroups
 from exo_like.models.footprint import int4_refusal
 
@@ -82,8 +84,11 @@ class Installer:
     def install(self, model: nn.Module, state: dict[str, Matrix | list[Matrix]]) -> None:
         for name in [n for n, v in state.items() if not isinstance(v, torch.Tensor)]:
             value, path = state.pop(name), name.removesuffix(".weight")
-            pieces = [self._piece(p) for p in (value if isinstance(value, list) else [value])]
             module = model.get_submodule(path)
+            if isinstance(module, PerHead):
+                self._per_head(model, path, module, value, state)
+                continue
+            pieces = [self._piece(p) for p in (value if isinstance(value, list) else [value])]
             if all(isinstance(p, torch.Tensor) and p.dtype == self.dtype for p in pieces):
                 state[name] = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
                 continue
@@ -95,6 +100,19 @@ class Installer:
                 replacement = QuantLinear(pieces, state.pop(f"{path}.bias", None))
             parent, _, child = path.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, child, replacement)
+
+    def _per_head(self, model: nn.Module, path: str, module: PerHead, value: Matrix,
+                  state: dict[str, Matrix | list[Matrix]]) -> None:
+        """Latent attention's per-head matrices: a quantized row stack [heads x out, in] as one piece a head
+        (QuantHeads: each quantized, or dequantized as any matrix no kernel takes); one dequantized already
+        (Dense, [heads, out, in]) as a plain weight."""
+        if isinstance(value, Dense):
+            state[f"{path}.weight"] = value.weight.to(self.dtype)
+            return
+        heads, outputs = module.weight.shape[0], module.weight.shape[1]
+        pieces = [self._convert(value.take_rows(h * outputs, (h + 1) * outputs)) for h in range(heads)]
+        parent, _, child = path.rpartition(".")
+        setattr(model.get_submodule(parent), child, QuantHeads(pieces))
 
     def _piece(self, matrix: Matrix) -> Piece:
         if isinstance(matrix, torch.Tensor):

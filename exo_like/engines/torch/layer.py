@@ -13,11 +13,14 @@ from exo_like.engines.layer_speed import LayerRunner, measure_items, measured_la
 from exo_like.engines.torch.attention import step_index
 from exo_like.engines.torch.model import ShardModel, fuse_checkpoint_weights, load_state
 from exo_like.engines.torch.install import Installer
+from exo_like.engines.torch.loading import hold_half
+from exo_like.engines.torch.mla import per_head_matrices
 from exo_like.engines.torch.int4 import int4_kernel_available
-from exo_like.engines.torch.quant import Dense, Matrix, native_kernels
+from exo_like.engines.torch.quant import Matrix, native_kernels
 from exo_like.engines.work import WorkItem
 from exo_like.models.affine import AffineGroups
 from exo_like.models.config import ModelArgs
+from exo_like.models.families.deepseek import split_kv_b
 from exo_like.models.parameters import layer_shapes
 from exo_like.models.quantization import QuantSpec
 
@@ -55,14 +58,17 @@ def layer_runner(args: ModelArgs, device: torch.device, dtype: torch.dtype, quan
         elif quant is not None and len(shape) == 2 and shape[1] % quant.group_size == 0 and \
                 not name.endswith(".gate.weight"):  # a router stays float, as converters leave it
             weights[name] = random_groups(shape, quant, rng)
-        elif half is not None and len(shape) == 2:
-            weights[name] = Dense(random_tensor(shape, generator).to(device=device, dtype=half))
         else:
-            weights[name] = random_tensor(shape, generator).to(device=device, dtype=dtype)
+            weights[name] = random_tensor(shape, generator).to(device=device, dtype=half if half and len(shape) == 2
+                                                                else dtype)
     with torch.device("meta"):
         model = ShardModel(args, layer, 1, False, False)
     installer = Installer(dtype, device, int4_kernel_available(device),
                           native_kernels(device) if quant is not None or half is not None else None)
+    if args.mla is not None:  # the per-head projections, as the engine loads them
+        weights = per_head_matrices(split_kv_b(weights, args), args, installer.forms, device, dtype)
+    if half is not None:
+        weights = hold_half(weights)
     state = fuse_checkpoint_weights(weights, args, False, False)
     installer.install(model, state)
     load_state(model, state)

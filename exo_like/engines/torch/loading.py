@@ -15,9 +15,11 @@ from exo_like.engines.base import check_cancel
 from exo_like.engines.torch.quant import Dense, Matrix
 from exo_like.models.affine import AffineGroups, from_mlx, from_mlx_mxfp4
 from exo_like.models.checkpoint import ShardLoadPlan
+from exo_like.models.families.deepseek import PER_HEAD
 from exo_like.models.quantization import QuantSpec
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
+PER_HEAD_MODULES = tuple(f".{name}" for name in PER_HEAD)
 
 
 def hold_half(weights: dict[str, Matrix]) -> dict[str, Matrix]:
@@ -64,6 +66,8 @@ def read_planned_tensors(
         spec = quant.for_module(stored_as.get(name, name).removesuffix(".scales"))
         packed, scales = weights.pop(f"{prefix}.weight"), weights.pop(name)
         biases = None if spec.mxfp4 else weights.pop(f"{prefix}.biases")
+        if prefix.endswith(PER_HEAD_MODULES):  # DeepSeek's per-head projections: one row stack of their heads
+            packed, scales, biases = (t.reshape(-1, t.shape[-1]) for t in (packed, scales, biases))
         stacked = packed.dim() == 3  # an MLX-format mixture's experts, [experts, out, in]: one matrix each
         for index in range(packed.shape[0]) if stacked else (None,):
             part = (lambda t: t[index]) if stacked else (lambda t: t)  # noqa: E731

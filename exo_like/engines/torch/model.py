@@ -25,8 +25,16 @@ from exo_like.engines.torch.mlp import MLP, SparseMoe
 from exo_like.engines.torch.norm import RMSNorm
 from exo_like.engines.torch.native.decode import NativeDecode
 from exo_like.engines.torch.native.decode import supported as native_decode_refusal
-from exo_like.engines.torch.quant import native_kernels
-from exo_like.engines.torch.quant import CastEmbedding, Matrix, NativeEmbedding, QuantEmbedding, QuantLinear, stack_rows
+from exo_like.engines.torch.quant import (
+    CastEmbedding,
+    Matrix,
+    NativeEmbedding,
+    QuantEmbedding,
+    QuantHeads,
+    QuantLinear,
+    native_kernels,
+    stack_rows,
+)
 from exo_like.models.config import ModelArgs
 
 
@@ -116,8 +124,8 @@ class ShardModel(nn.Module):
         pack = pack_batch is not None and onednn_usable(weight, pack_batch) and not native_step
         # bfloat16 plain weights (the LM head) go faster through F.linear: natively for one row, see native_matvec.
         onednn = weight.dtype == torch.float32 and onednn_usable(weight, None)
-        for module in list(self.modules()):  # (LatentAttention.prepare replaces a module)
-            if isinstance(module, (RMSNorm, LatentAttention)):
+        for module in list(self.modules()):
+            if isinstance(module, RMSNorm):
                 module.prepare()
             if not isinstance(module, Linear):
                 continue
@@ -139,7 +147,7 @@ class ShardModel(nn.Module):
         """Every tensor the shard holds, each once (a tied head shares the embedding's)."""
         held = {id(t): t for t in self.parameters()}
         for module in self.modules():
-            if isinstance(module, (QuantLinear, QuantEmbedding, NativeEmbedding, CastEmbedding)):
+            if isinstance(module, (QuantLinear, QuantHeads, QuantEmbedding, NativeEmbedding, CastEmbedding)):
                 held.update((id(t), t) for t in module.tensors())
         return list(held.values())
 

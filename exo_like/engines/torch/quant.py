@@ -73,6 +73,30 @@ class QuantLinear(nn.Module):
         return held
 
 
+class QuantHeads(nn.Module):
+    """Latent attention's per-head projections (mla.PerHead) held quantized: x [R, heads, in] -> [R, heads, out],
+    head h through its own matrix. Natively packed heads run in one parallel region (the kernels' rows_matmuls),
+    others one by one."""
+
+    def __init__(self, pieces: list[Piece]):
+        super().__init__()
+        self.pieces = pieces
+        self.native = all(isinstance(p, NativeMatrix) for p in pieces)
+        self.heads = [QuantLinear([piece], None) for piece in pieces]  # (a plain list: not submodules)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native:
+            kernels = self.pieces[0].kernels
+            outs = kernels.rows_matmuls([x[:, h].float().contiguous() for h in range(len(self.pieces))],
+                                        [p.kernel_args() for p in self.pieces])
+        else:
+            outs = [head.forward(x[:, h]) for h, head in enumerate(self.heads)]
+        return torch.stack(outs, dim=1).to(x.dtype)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return QuantLinear(self.pieces, None).tensors()
+
+
 class QuantEmbedding(nn.Module):
     """Rows of an int4-packed embedding, dequantized on lookup (to float32, then the model's dtype). The codes
     are read from the packs in `layout`, or from `copies` (one per pack) when their layout is unknown."""

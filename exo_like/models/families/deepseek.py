@@ -9,6 +9,13 @@
 - rotary dimensions paired (x0, x1), (x2, x3)...: the checkpoint's rotary rows are reordered at load to halves
   (evens, then odds), which rotate-half turns into exactly what DeepSeek computes (transformers' V3 path gives its
   results in that order too).
+- kv_b_proj [heads x (nope + v), rank] split at load into per-head projections of the absorbed form (see
+  engines/torch/mla.py): `embed_q` [heads, rank, nope] folds a head's query into latent space, `unembed_out`
+  [heads, v, rank] unfolds its attention output; a quantized kv_b_proj stays quantized: its value rows are
+  unembed_out as stored, its key rows `k_b_proj` [heads x nope, rank] (groups along the rank: embed_q's
+  transpose, which each engine multiplies as it can). GGUF files hold embed_q and unembed_out already
+  (`attn_k_b`, `attn_v_b`). Quantized per-head projections are row stacks [heads x out, in]; float ones
+  [heads, out, in].
 The small q/kv normalisations use eps 1e-6 whatever the config says (transformers' modules do)."""
 
 from __future__ import annotations
@@ -57,7 +64,47 @@ def parse(model_type: str, config: dict[str, Any]) -> dict[str, Any]:
             "num_key_value_heads": int(config["num_attention_heads"])}
 
 
+# The per-head projections' shared names (their tensor-parallel split is by head).
+EMBED_Q, UNEMBED_OUT, KEY_ROWS = "embed_q", "unembed_out", "k_b_proj"
+PER_HEAD = (EMBED_Q, UNEMBED_OUT, KEY_ROWS)
+
+
 def convert(weights: dict[str, Any], args: Any) -> dict[str, Any]:
+    """The shared layout: rotary rows in halves (see _halve_rotary_rows), kv_b_proj per head (split_kv_b)."""
+    return split_kv_b(_halve_rotary_rows(weights, args), args)
+
+
+def split_kv_b(weights: dict[str, Any], args: Any) -> dict[str, Any]:
+    """Every kv_b_proj as embed_q and unembed_out (float), or k_b_proj and unembed_out row stacks (quantized: a
+    packed weight with its scales and biases, or AffineGroups); see the module's docstring."""
+    mla: MlaArgs = args.mla
+    heads, nope, v = args.num_attention_heads, mla.qk_nope_head_dim, mla.v_head_dim
+    per_head = np.arange(heads)[:, None] * (nope + v)
+    key_rows, value_rows = (per_head + np.arange(nope)).reshape(-1), (per_head + nope + np.arange(v)).reshape(-1)
+    for name in [n for n in weights if n.endswith(".kv_b_proj.weight")]:
+        prefix = name.removesuffix("kv_b_proj.weight")
+        quantized = f"{prefix}kv_b_proj.scales" in weights or hasattr(weights[name], "map_rows")
+        for leaf in ("weight", "scales", "biases"):
+            if f"{prefix}kv_b_proj.{leaf}" not in weights:
+                continue
+            stack = weights.pop(f"{prefix}kv_b_proj.{leaf}")
+            keys, values = _take_rows(stack, key_rows), _take_rows(stack, value_rows)
+            if quantized:
+                weights[f"{prefix}{KEY_ROWS}.{leaf}"], weights[f"{prefix}{UNEMBED_OUT}.{leaf}"] = keys, values
+            else:
+                weights[f"{prefix}{EMBED_Q}.{leaf}"] = _contiguous(keys.reshape(heads, nope, -1).swapaxes(1, 2))
+                weights[f"{prefix}{UNEMBED_OUT}.{leaf}"] = values.reshape(heads, v, -1)
+    return weights
+
+
+def _contiguous(array: Any) -> Any:
+    """A torch tensor's or numpy array's contiguous copy (MLX arrays are made contiguous as they are computed)."""
+    if hasattr(array, "contiguous"):
+        return array.contiguous()
+    return np.ascontiguousarray(array) if isinstance(array, np.ndarray) else array
+
+
+def _halve_rotary_rows(weights: dict[str, Any], args: Any) -> dict[str, Any]:
     """Rotary rows in pairs -> in halves: each head's rope rows of the query projection, and the shared rope key's
     rows of `kv_a_proj_with_mqa` (weights, biases, and a quantized matrix's scales and biases alike)."""
     mla: MlaArgs = args.mla

@@ -7,14 +7,13 @@ experts (`expert_shared_count`, `expert_weights_scale`, `expert_weights_norm`, g
 (`expert_gating_func` 2) or its routing bias tensor (`exp_probs_b`).
 
 Tensors: the converter splits kv_b_proj per head into `attn_k_b` [heads, rank, nope] (transposed) and `attn_v_b`
-[heads, v, rank]; reading joins them back into kv_b_proj's [heads x (nope + v), rank] rows."""
+[heads, v, rank]: the per-head projections the engines hold (families/deepseek.py's embed_q and unembed_out), read
+as they are stored; a quantized one as the row stack [heads x out, in] of its heads' matrices."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
-
-import numpy as np
 
 ARCHITECTURE = "deepseek2"
 SIGMOID_GATING = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
@@ -27,8 +26,8 @@ LAYER_NAMES = {
     "attn_kv_a_mqa.weight": "self_attn.kv_a_proj_with_mqa.weight",
     "attn_kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
     "attn_kv_b.weight": "self_attn.kv_b_proj.weight",  # files from before the converter split it
-    "attn_k_b.weight": "self_attn.k_b_proj.weight",
-    "attn_v_b.weight": "self_attn.v_b_proj.weight",
+    "attn_k_b.weight": "self_attn.embed_q.weight",
+    "attn_v_b.weight": "self_attn.unembed_out.weight",
     "exp_probs_b.bias": ROUTING_BIAS,
 }
 
@@ -64,9 +63,3 @@ def config(key: Callable[[str, Any], Any], heads: int) -> dict[str, Any]:
     if log_multiplier is not None:  # both mscales of the released models are equal: only the scale's square stays
         settings["mscale"] = settings["mscale_all_dim"] = round(float(log_multiplier) / 0.1, 6)
     return settings
-
-
-def join_latent_projection(k_b: np.ndarray, v_b: np.ndarray) -> np.ndarray:
-    """attn_k_b [heads, rank, nope] and attn_v_b [heads, v, rank] -> kv_b_proj [heads x (nope + v), rank]."""
-    heads, rank, _ = k_b.shape
-    return np.concatenate([k_b.swapaxes(1, 2), v_b], axis=1).reshape(-1, rank).astype(np.float32)

@@ -219,11 +219,12 @@ class GGUFCheckpoint(ConfigFromMetadata):
 
         entry = self.tensors[name]
         stored = np.memmap(entry.part, dtype=np.uint8, mode="r", offset=entry.offset, shape=(entry.n_bytes,))
+        rows = int(np.prod(entry.shape[:-1]))  # a stack [n, out, in] (DeepSeek's per-head projections): n x out rows
         if len(entry.shape) > 1:  # one row of bytes per output row: the form gguf's dequantizers take
-            stored = stored.reshape(entry.shape[0], -1)
+            stored = stored.reshape(rows, -1)
         values: np.ndarray | AffineGroups
-        if quantized and len(entry.shape) == 2 and has_affine_form(entry.type_name):
-            values = affine_groups(entry.type_name, stored, entry.shape)
+        if quantized and len(entry.shape) in (2, 3) and has_affine_form(entry.type_name):
+            values = affine_groups(entry.type_name, stored, (rows, entry.shape[-1]))
         else:
             values = dequantize(stored, GGMLQuantizationType[entry.type_name])
             # A copy: a float tensor comes back as a view of the memory map, which must not outlive the load.
@@ -258,11 +259,7 @@ class GGUFCheckpoint(ConfigFromMetadata):
         `quantized`)."""
         for name, entry in self.tensors.items():
             local = local_tensor_name(name, shard, tied)
-            if local is None or name.endswith(".v_b_proj.weight"):
-                continue
-            if name.endswith(".k_b_proj.weight"):  # DeepSeek: joined with its v_b into kv_b_proj, float
-                joined = deepseek.join_latent_projection(self.read(name), self.read(name.replace(".k_b_", ".v_b_")))
-                yield local.replace(".k_b_proj.", ".kv_b_proj."), joined, "F32"
+            if local is None:
                 continue
             yield local, self.read(name, quantized), entry.type_name
 
