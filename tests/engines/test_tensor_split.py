@@ -209,24 +209,12 @@ def test_models_that_cannot_split_say_why(model_dirs):
         "4 attention heads cannot be split over 5 ranks"
 
 
-def test_an_mlx_rank_refuses_quantized_weights(model_dirs, tmp_path):
-    pytest.importorskip("mlx_lm", reason="mlx-lm is not installed (install the 'mlx' extra)")
-    from mlx_lm.convert import convert
-
-    quantized = tmp_path / "llama-q4"
-    convert(str(model_dirs["llama"]), mlx_path=str(quantized), quantize=True, q_group_size=64, q_bits=4,
-            dtype="float32")
-    args = ModelArgs.from_dir(quantized)
-    engine = create_engine("mlx", device="cpu", dtype="float32")
-    engine.group = ThreadGroup(1, 2, Shared(2))
-    with pytest.raises(ValueError, match="tensor parallelism of quantized MLX weights is not supported yet"):
-        engine.load(quantized, args, replace(Shard.whole(quantized.name, args.num_hidden_layers),
-                                             tp=TensorSplit(1, 2)))
-
-
 # Quantized checkpoints on torch ranks, kept quantized (4-bit groups on the int4 kernel where it takes them): every
 # row-parallel split falls on whole quantization groups (64 inputs for the MLX-format one, 32 for GGUF's K-quants).
 QUANTIZED_SHAPE = {"hidden_size": 256, "num_attention_heads": 8, "num_key_value_heads": 2, "intermediate_size": 512}
+# DeepSeek's per-head projections quantized too (every input a multiple of 32), each MLP 96 units (3 x 32) wide
+DEEPSEEK_SHAPE = {"hidden_size": 128, "kv_lora_rank": 64, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16,
+                  "v_head_dim": 32, "intermediate_size": 192, "moe_intermediate_size": 96}
 
 
 @pytest.fixture(scope="module")
@@ -243,7 +231,16 @@ def quantized_dirs(tmp_path_factory) -> dict[str, Path]:
             dtype="float32")
     (root / "gguf").mkdir()
     gguf = write_gguf(float_dir, root / "gguf" / "model-Q4_K.gguf", "Q4_K", "Q8_0")
-    return {"mlx-q4": root / "mlx-q4", "gguf-q4k": gguf}
+    dirs = {"mlx-q4": root / "mlx-q4", "gguf-q4k": gguf}
+    for arch, extra in (("deepseek_v3", {"q_lora_rank": 64}), ("deepseek_v2", {})):
+        deepseek = make_checkpoint(root / arch, arch, n_layers=3, seed=5, **DEEPSEEK_SHAPE, **extra)
+        dirs[f"{arch}-gguf-q8"] = write_gguf(deepseek, root / f"{arch}-Q8_0.gguf", "Q8_0")
+    hub_style = make_checkpoint(root / "deepseek_v3-hub", "deepseek_v3", n_layers=3, seed=5, hub_style_config=True,
+                                q_lora_rank=64, **DEEPSEEK_SHAPE)
+    convert(str(hub_style), mlx_path=str(root / "deepseek_v3-mlx-q4"), quantize=True, q_group_size=32, q_bits=4,
+            dtype="float32")  # (mlx-lm stores the per-head projections, quantized)
+    dirs["deepseek_v3-mlx-q4"] = root / "deepseek_v3-mlx-q4"
+    return dirs
 
 
 def quantized_args(path: Path) -> ModelArgs:
@@ -260,8 +257,10 @@ def forced(engines: list[Engine], tokens: list[int]) -> np.ndarray:
     return np.stack(logits)
 
 
-@pytest.mark.parametrize("name", ["mlx-q4", "gguf-q4k"])
-def test_torch_ranks_split_quantized_checkpoints_on_their_groups(quantized_dirs, name, monkeypatch):
+@pytest.mark.parametrize(("name", "size"), [("mlx-q4", 2), ("gguf-q4k", 2), ("deepseek_v3-gguf-q8", 2),
+                                            ("deepseek_v3-gguf-q8", 3), ("deepseek_v2-gguf-q8", 2),
+                                            ("deepseek_v2-gguf-q8", 3)])
+def test_torch_ranks_split_quantized_checkpoints_on_their_groups(quantized_dirs, name, size, monkeypatch):
     """A quantized kernel rounds (the native kernels the activations to 16-bit blocks, torch's int4 kernel every
     product to bfloat16) and what no kernel takes is held dequantized in bfloat16, so one quantized engine differs
     from exact arithmetic (the same weights dequantized, in float64) by an error E of its own. The ranks do the same
@@ -282,9 +281,9 @@ def test_torch_ranks_split_quantized_checkpoints_on_their_groups(quantized_dirs,
     assert engines["exact"].model.norm.weight.dtype == torch.float64
     tokens, whole = greedy(Driver([engines["whole"]], n_blocks=64))
     exact = forced([engines["exact"]], tokens)
-    group = Group("torch", path, args, 2, dtype=None)
+    group = Group("torch", path, args, size, dtype=None)
     try:
-        leader, follower = group.engines
+        leader, follower = group.engines[:2]
         # every layer matrix stays quantized on both ranks (what the whole model dequantizes, its vocabulary of 617
         # rows, only the leader holds)
         assert follower.weight_forms.quantized and not follower.weight_forms.dequantized
@@ -309,3 +308,51 @@ def test_quantized_splits_refuse_what_falls_off_their_groups(quantized_dirs):
         "heads of 32 values do not split on quantization groups of 128 over 3 ranks"
     assert split_refusal(replace(args, intermediate_size=544), 2, align=64) == \
         "an MLP 544 units wide does not split on quantization groups of 64"
+
+
+@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v2"])
+@pytest.mark.parametrize("engine_name", ["torch", "mlx"])
+def test_a_group_decodes_a_deepseek_gguf_file_as_one_engine_does_its_checkpoint(model_dirs, one_engine, tmp_path,
+                                                                                 engine_name, name, size):
+    """The file's per-head projections (attn_k_b, attn_v_b) split by head as the checkpoint's kv_b_proj does: the
+    group's tokens are the single engine's on the checkpoint (transformers', tests/engines/test_families.py)."""
+    if engine_name == "mlx":
+        pytest.importorskip("mlx.core", reason="mlx is not installed (install the 'mlx' extra)")
+    from tests.gguf_checkpoints import write_gguf
+
+    path = write_gguf(model_dirs[name], tmp_path / "model-F32.gguf", "F32")
+    args = quantized_args(path)
+    tokens, logits = one_engine(engine_name, name)
+    group = Group(engine_name, path, args, size)
+    try:
+        group_tokens, group_logits = greedy(Driver(group.engines[:1], n_blocks=64))
+    finally:
+        group.close()
+    assert group_tokens == tokens
+    assert np.abs(group_logits - logits).max() / np.abs(logits).max() < 1e-4
+
+
+@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.parametrize("name", ["mlx-q4", "deepseek_v3-mlx-q4"])
+def test_mlx_ranks_split_quantized_checkpoints_on_their_groups(quantized_dirs, name, size):
+    """MLX ranks hold their slices of every quantized matrix quantized (packed words, scales and biases cut
+    together on whole groups; DeepSeek's per-head projections by head): the same products as the whole engine's,
+    only the row-parallel partial sums added in another order."""
+    pytest.importorskip("mlx.core", reason="mlx is not installed (install the 'mlx' extra)")
+    path = quantized_dirs[name]
+    args = ModelArgs.from_dir(path)
+    whole = create_engine("mlx", device="cpu")
+    whole.load(path, args, Shard.whole(path.name, args.num_hidden_layers))
+    tokens, logits = greedy(Driver([whole], n_blocks=64))
+    group = Group("mlx", path, args, size, dtype=None)
+    try:
+        # (the leader also holds the embedding and the head; MLX-format files have no dequantized matrices)
+        assert group.engines[0].weight_forms == whole.weight_forms
+        assert all(engine.weight_forms.quantized for engine in group.engines[1:])
+        assert sum(engine.parameter_bytes() for engine in group.engines) < 1.5 * whole.parameter_bytes()
+        group_tokens, group_logits = greedy(Driver(group.engines[:1], n_blocks=64))
+    finally:
+        group.close()
+    assert group_tokens == tokens
+    assert np.abs(group_logits - logits).max() / np.abs(logits).max() < 1e-4

@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from exo_like.engines.layer_speed import LayerRunner
 from exo_like.engines.mlx.layer import layer_runner
 from exo_like.engines.mlx.attention import LayerPool, StepIndex, step_index
 from exo_like.engines.mlx.mlp import stack_experts, stacked_name
+from exo_like.engines.mlx.ranks import rank_tensors
 from exo_like.engines.mlx.model import Reduce, ShardModel, split_fused_projections, split_module_paths
 from exo_like.engines.work import BLOCK_SIZE, KVPoolSize, WorkItem
 from exo_like.errors import InvalidRequestError, UnsupportedModelError
@@ -37,7 +39,7 @@ from exo_like.models.gguf.file import FLOAT_TYPES, is_gguf, open_gguf
 from exo_like.models.families.deepseek import EMBED_Q, KEY_ROWS, PER_HEAD
 from exo_like.models.quantization import QuantSpec
 from exo_like.models.shard import Shard
-from exo_like.models.tensor_split import TensorSplit, rank_args, split_tensor
+from exo_like.models.tensor_split import GGUF_GROUP, rank_args, split_align
 
 log = logging.getLogger(__name__)
 
@@ -123,16 +125,6 @@ def per_head_arrays(weights: dict[str, mx.array], specs: dict[str, dict[str, Any
     return weights
 
 
-def rank_tensors(weights: dict[str, mx.array], specs: dict[str, dict[str, int]], args: ModelArgs,
-                 split: TensorSplit) -> dict[str, mx.array]:
-    """A tensor-parallel rank's slice of the shard's tensors. Fused projections come split already
-    (read_shard_tensors splits them by the whole model's head counts, which a fused matrix's rows follow), so
-    each part slices by its own rule, as models/tensor_split.unfused would have it."""
-    if specs:  # packed codes and their group scales would have to slice together, along the groups
-        raise ValueError("tensor parallelism of quantized MLX weights is not supported yet")
-    return {name: split_tensor(name, array, args, split) for name, array in weights.items()}
-
-
 def mlx_format_specs(args: ModelArgs, weights: dict[str, mx.array], stored: dict[str, str]
                      ) -> dict[str, dict[str, int | str]]:
     """Each quantized matrix's settings, by module path: as mlx-lm does, a layer is quantized exactly when the
@@ -208,6 +200,8 @@ class MLXEngine(Engine):
         free_replaced_shard()
         mx.clear_cache()  # MLX keeps freed buffers for reuse: the old shard's go back to the system
         self.weight_forms = WeightForms()
+        if shard.tp is not None:  # row-parallel splits fall on the checkpoint's quantization groups
+            shard = replace(shard, tp=replace(shard.tp, align=self._split_align(Path(model_dir), args)))
         with mx.stream(self._device):
             model = ShardModel(args if shard.tp is None else rank_args(args, shard.tp), shard,
                                None if shard.tp is None else self._group_reduce(shard))
@@ -243,6 +237,12 @@ class MLXEngine(Engine):
             shard, self.device_name, dtype_name, len(weights), Path(model_dir).name,
             self.parameter_bytes() / 1e6, time.perf_counter() - started,
         )
+
+    def _split_align(self, model_dir: Path, args: ModelArgs) -> int:
+        if args.quant is not None:
+            return split_align(args.quant.group_size)
+        quantized = self.requested_dtype is None and is_gguf(model_dir) and open_gguf(model_dir).quantized
+        return split_align(GGUF_GROUP) if quantized else 1
 
     def _group_reduce(self, shard: Shard) -> Reduce:
         group = self.group
