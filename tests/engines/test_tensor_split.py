@@ -109,6 +109,16 @@ class Group:
             thread.join(timeout=30)
 
 
+def decoded_by_group(engine_name: str, path: Path, args: ModelArgs, size: int, dtype: str | None = "float32"
+                     ) -> tuple[Group, list[int], np.ndarray]:
+    """A group of `size` ranks, its leader's greedy tokens and logits (the group closed after)."""
+    group = Group(engine_name, path, args, size, dtype)
+    try:
+        return group, *greedy(Driver(group.engines[:1], n_blocks=64))
+    finally:
+        group.close()
+
+
 def greedy(driver: Driver, n_tokens: int = N_TOKENS) -> tuple[list[int], np.ndarray]:
     tokens, logits, inputs = [], [], PROMPT
     for _ in range(n_tokens):
@@ -172,11 +182,7 @@ def test_a_group_decodes_what_one_engine_does(model_dirs, one_engine, engine_nam
     model_dir = model_dirs[name]
     args = ModelArgs.from_dir(model_dir)
     tokens, logits = one_engine(engine_name, name)
-    group = Group(engine_name, model_dir, args, size)
-    try:
-        group_tokens, group_logits = greedy(Driver(group.engines[:1], n_blocks=64))
-    finally:
-        group.close()
+    group, group_tokens, group_logits = decoded_by_group(engine_name, model_dir, args, size)
     assert group_tokens == tokens
     relative = np.abs(group_logits - logits).max() / np.abs(logits).max()
     assert relative < 1e-4, relative
@@ -324,11 +330,7 @@ def test_a_group_decodes_a_deepseek_gguf_file_as_one_engine_does_its_checkpoint(
     path = write_gguf(model_dirs[name], tmp_path / "model-F32.gguf", "F32")
     args = quantized_args(path)
     tokens, logits = one_engine(engine_name, name)
-    group = Group(engine_name, path, args, size)
-    try:
-        group_tokens, group_logits = greedy(Driver(group.engines[:1], n_blocks=64))
-    finally:
-        group.close()
+    _, group_tokens, group_logits = decoded_by_group(engine_name, path, args, size)
     assert group_tokens == tokens
     assert np.abs(group_logits - logits).max() / np.abs(logits).max() < 1e-4
 
@@ -345,14 +347,10 @@ def test_mlx_ranks_split_quantized_checkpoints_on_their_groups(quantized_dirs, n
     whole = create_engine("mlx", device="cpu")
     whole.load(path, args, Shard.whole(path.name, args.num_hidden_layers))
     tokens, logits = greedy(Driver([whole], n_blocks=64))
-    group = Group("mlx", path, args, size, dtype=None)
-    try:
-        # (the leader also holds the embedding and the head; MLX-format files have no dequantized matrices)
-        assert group.engines[0].weight_forms == whole.weight_forms
-        assert all(engine.weight_forms.quantized for engine in group.engines[1:])
-        assert sum(engine.parameter_bytes() for engine in group.engines) < 1.5 * whole.parameter_bytes()
-        group_tokens, group_logits = greedy(Driver(group.engines[:1], n_blocks=64))
-    finally:
-        group.close()
+    group, group_tokens, group_logits = decoded_by_group("mlx", path, args, size, dtype=None)
+    # (the leader also holds the embedding and the head; MLX-format files have no dequantized matrices)
+    assert group.engines[0].weight_forms == whole.weight_forms
+    assert all(engine.weight_forms.quantized for engine in group.engines[1:])
+    assert sum(engine.parameter_bytes() for engine in group.engines) < 1.5 * whole.parameter_bytes()
     assert group_tokens == tokens
     assert np.abs(group_logits - logits).max() / np.abs(logits).max() < 1e-4

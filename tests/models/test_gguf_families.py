@@ -189,7 +189,7 @@ def test_a_longrope_phi3_file_gives_transformers_tokens(tmp_path) -> None:
 def test_the_footprint_counts_what_each_engine_holds_of_a_quantized_file(folders, arch) -> None:
     """A Q4_K file's per-layer bytes as planning sees them (from the header) equal what each engine holds of a
     shard: MLX its quantized matrices, torch its int4 packs, torch --dtype float32 everything dequantized;
-    DeepSeek's kv_b_proj (attn_k_b / attn_v_b in the file) dense on both, as latent attention multiplies by it."""
+    DeepSeek's per-head projections (attn_k_b / attn_v_b) held as stored: quantized where a kernel takes them."""
     from exo_like.engines.choice import create_engine
     from exo_like.models.gguf.hub import gguf_description
     from exo_like.models.shard import Shard

@@ -26,7 +26,7 @@ PROMPT = np.array([3, 17, 29, 5, 11, 42, 7, 19, 23, 2, 31, 13], dtype=np.int64)
 N_BLOCKS = 32
 # dense with GQA, one KV head (replicated on every rank), a mixture of experts beside a dense layer
 CASES = {"llama": ("llama", {}), "qwen3-one-kv-head": ("qwen3", {"num_key_value_heads": 1}),
-         "qwen3_moe": ("qwen3_moe", {})}
+         "qwen3_moe": ("qwen3_moe", {}), "deepseek_v3": ("deepseek_v3", {})}
 
 
 def greedy(driver: Driver, rid: str = "r") -> tuple[list[int], np.ndarray]:

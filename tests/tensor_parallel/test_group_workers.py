@@ -49,9 +49,10 @@ def gloo_polling_priorities(pid: int) -> list[int]:
 
 
 # Each case once, on worker processes: two ranks load two models, one after the other; three, the model whose heads
-# split unevenly over them (by KV group, one KV head on two ranks). Every family and group size decodes alike in one
+# split unevenly over them (by KV group, one KV head on two ranks), and DeepSeek V3's latent attention (4 heads split
+# 2, 1, 1, the latent cache on every rank). Every family and group size decodes alike in one
 # process (tests/engines/test_tensor_split.py): these are about the worker processes and their channels.
-SIZES = {2: ["qwen3-one-kv-head", "qwen3_moe"], 3: ["llama"]}
+SIZES = {2: ["qwen3-one-kv-head", "qwen3_moe"], 3: ["llama", "deepseek_v3"]}
 
 
 @pytest.mark.parametrize("size", list(SIZES))

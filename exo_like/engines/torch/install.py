@@ -110,7 +110,15 @@ class Installer:
             state[f"{path}.weight"] = value.weight.to(self.dtype)
             return
         heads, outputs = module.weight.shape[0], module.weight.shape[1]
-        pieces = [self._convert(value.take_rows(h * outputs, (h + 1) * outputs)) for h in range(heads)]
+        counted, self.forms = self.forms, WeightForms()  # counted as one matrix, as MLX holds it, not one a head
+        try:
+            pieces = [self._convert(value.take_rows(h * outputs, (h + 1) * outputs)) for h in range(heads)]
+        finally:
+            each_head, self.forms = self.forms, counted
+        for kind in each_head.quantized:
+            self.forms.add_quantized(kind)
+        for why in each_head.dequantized:
+            self.forms.add_dequantized(why)
         parent, _, child = path.rpartition(".")
         setattr(model.get_submodule(parent), child, QuantHeads(pieces))
 
