@@ -28,6 +28,9 @@ from tests.gc_freeze import freeze_what_lives_now, long_lived_objects_frozen
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # Triton kernels run in its interpreter, on CPU tensors (tests/engines/test_cuda_kernels.py): set before anything
+    # imports triton, which reads it then. (The GPU check, bench/cuda_check.py, runs them compiled.)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
         # Before torch is imported (no plugin imports it), so its OpenMP team starts at this size.

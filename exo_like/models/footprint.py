@@ -6,7 +6,8 @@ node can plan a ring before any weight moves. A quantized checkpoint is held dif
 - a torch node on CPU keeps affine matrices packed for its native kernels (codes at their own width, see
   engines/torch/native/matrix.py), or where those could not be built in torch's int4 packs (two packs for 5 to 8
   bits; see engines/torch/int4.py); quantized matrices no kernel takes are dequantized to bfloat16, and float
-  tensors are float32; on other devices it dequantizes to bfloat16;
+  tensors are float32; on CUDA it holds the native form on the GPU (engines/torch/cuda/) beside bfloat16 float
+  tensors; on other devices (MPS) it dequantizes to bfloat16;
 - any node given a float --dtype dequantizes everything to that dtype (the reference path);
 - GGUF types without an affine form (Q2_K, Q3_K, Q6_K) are dequantized by both engines.
 """
@@ -139,24 +140,25 @@ def int4_bytes(bits: int, group_size: int, out: int, inputs: int) -> int:
     return packs * (out * inputs // 2 + (inputs // group_size) * out * 2 * 2)
 
 
-def torch_cpu_bytes(matrices: list[Matrix], native: bool) -> int:
-    """Bytes of the torch CPU engine's quantized path (native kernels, or torch's int4 packs), fused projections
-    taken together as it stacks them."""
+def torch_cpu_bytes(matrices: list[Matrix], native: bool, cuda: bool = False) -> int:
+    """Bytes of the torch engine's quantized path (CPU: native kernels, or torch's int4 packs; `cuda`: the GPU
+    kernels, which hold the native kernels' form, beside bfloat16 float tensors), fused projections taken together
+    as it stacks them."""
     total = 0
     fused: dict[str, list[Matrix]] = {}
     for m in matrices:
         key = m.fusion_key() if m.quantized else None
         if key is None:
-            total += _torch_piece_bytes([m], native)
+            total += _torch_piece_bytes([m], native, cuda)
         else:
             fused.setdefault(key, []).append(m)
     for group in fused.values():
         first = group[0]
         if all(m.affine and (m.bits, m.group_size, m.shape[1]) == (first.bits, first.group_size, first.shape[1])
                for m in group):
-            total += _torch_piece_bytes(group, native)
+            total += _torch_piece_bytes(group, native, cuda)
         else:
-            total += sum(_torch_piece_bytes([m], native) for m in group)
+            total += sum(_torch_piece_bytes([m], native, cuda) for m in group)
     return total
 
 
@@ -168,17 +170,18 @@ LATENT_PROJECTIONS = (".kv_b_proj.weight",)
 PER_HEAD_STACKS = (".embed_q.weight", ".unembed_out.weight")
 
 
-def _torch_piece_bytes(stacked: list[Matrix], native: bool) -> int:
+def _torch_piece_bytes(stacked: list[Matrix], native: bool, cuda: bool = False) -> int:
     first = stacked[0]
+    float_bytes = QUANTIZED_FLOAT_BYTES if cuda else TORCH_CPU_FLOAT_BYTES
     if first.name.endswith(LATENT_PROJECTIONS):
-        return sum(m.numel * TORCH_CPU_FLOAT_BYTES for m in stacked)
+        return sum(m.numel * float_bytes for m in stacked)
     out = sum(m.shape[0] for m in stacked)
     form = stacked_form([m.native_form for m in stacked])
     if native and first.affine and native_refusal(first.bits, first.group_size, first.shape[1], form) is None:
         return native_bytes(first.bits, first.group_size, out, first.shape[1], form)
-    if first.affine and int4_refusal(first.bits, first.group_size, out) is None:
+    if not cuda and first.affine and int4_refusal(first.bits, first.group_size, out) is None:
         return int4_bytes(first.bits, first.group_size, out, first.shape[1])
-    return sum(m.numel * (TORCH_CPU_DEQUANTIZED_BYTES if m.quantized else TORCH_CPU_FLOAT_BYTES) for m in stacked)
+    return sum(m.numel * (TORCH_CPU_DEQUANTIZED_BYTES if m.quantized else float_bytes) for m in stacked)
 
 
 def mlx_quantized_bytes(m: Matrix) -> int:
@@ -232,9 +235,9 @@ class ModelFootprint:
             return self.unpacked._in_dtype(DTYPE_BYTES.get(dtype, self.unpacked.stored_dtype_bytes))
         if engine == "torch":
             on_cpu = device is None or device.startswith("cpu")
-            key = "torch-cpu" if native else "torch-cpu-int4"
-            return quantized[key] if on_cpu and key in quantized else \
-                self.unpacked._in_dtype(QUANTIZED_FLOAT_BYTES)
+            key = ("torch-cpu" if native else "torch-cpu-int4") if on_cpu else \
+                "torch-cuda" if device.startswith("cuda") else None
+            return quantized[key] if key in quantized else self.unpacked._in_dtype(QUANTIZED_FLOAT_BYTES)
         return self
 
     def _in_dtype(self, itemsize: int) -> "ModelFootprint":
@@ -372,16 +375,19 @@ def footprint_from_matrices(matrices: list[Matrix], n_layers: int, tied: bool) -
         n_layers, tied, float_bytes)
     torch_cpu = _sum_torch(kept, n_layers, tied, float_bytes, True)
     torch_int4 = _sum_torch(kept, n_layers, tied, float_bytes, False)
+    torch_cuda = _sum_torch(kept, n_layers, tied, float_bytes, True, cuda=True)
     return replace(stored, unpacked=unpacked,
-                   quantized=(("mlx", mlx), ("torch-cpu", torch_cpu), ("torch-cpu-int4", torch_int4)),
+                   quantized=(("mlx", mlx), ("torch-cpu", torch_cpu), ("torch-cpu-int4", torch_int4),
+                              ("torch-cuda", torch_cuda)),
                    mlx_native=mlx_native)
 
 
-def _sum_torch(kept: list[Matrix], n_layers: int, tied: bool, float_bytes: int, native: bool) -> ModelFootprint:
+def _sum_torch(kept: list[Matrix], n_layers: int, tied: bool, float_bytes: int, native: bool, cuda: bool = False
+               ) -> ModelFootprint:
     by_part: dict[str, list[Matrix]] = {}
     for m in kept:
         by_part.setdefault(_part(m.name), []).append(m)
-    sizes = [(group[0].name, torch_cpu_bytes(group, native)) for group in by_part.values()]
+    sizes = [(group[0].name, torch_cpu_bytes(group, native, cuda)) for group in by_part.values()]
     return _sum_by_part(sizes, n_layers, tied, float_bytes)
 
 

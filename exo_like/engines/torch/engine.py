@@ -26,6 +26,7 @@ from exo_like.engines.torch.attention import KVPool, step_index
 from exo_like.engines.torch.linear import bound_onednn_caches
 from exo_like.engines.torch.model import ShardModel, fuse_checkpoint_weights, load_state
 from exo_like.engines.torch.openmp import pin_openmp_team
+from exo_like.engines.torch.cuda.matrix import triton_available
 from exo_like.engines.torch.mla import per_head_matrices
 from exo_like.engines.torch.install import Installer, cpu_numerics
 from exo_like.engines.torch.int4 import int4_kernel_available
@@ -159,7 +160,8 @@ class TorchEngine(Engine):
             model = ShardModel(held_args, shard.start_layer, shard.layer_count, shard.is_first, shard.is_last,
                                None if shard.tp is None else self._group_reduce(shard))
         installer = Installer(self.dtype, self.device, int4_kernel_available(self.device),
-                              native_kernels(self.device) if keep_quantized or half else None)
+                              native_kernels(self.device) if keep_quantized or half else None,
+                              gpu=keep_quantized and triton_available(self.device))
         weights = self._read_weights(Path(model_dir), args, shard, keep_quantized, installer, cancel, half)
         if shard.tp is not None:
             weights = {name: split_tensor(name, tensor, args, shard.tp)

@@ -12,6 +12,8 @@ import torch
 from torch import nn
 
 from exo_like.engines.base import WeightForms
+from exo_like.engines.torch.cuda.matrix import GpuMatrix
+from exo_like.engines.torch.cuda.matrix import refusal as gpu_refusal
 from exo_like.engines.torch.int4 import (
     KERNEL_DTYPE,
     Int4Pack,
@@ -25,7 +27,7 @@ from exo_like.engines.torch.native.build import kernels
 from exo_like.engines.torch.native.matrix import HalfMatrix, NativeMatrix
 from exo_like.engines.torch.native.matrix import refusal as native_refusal
 from exo_like.engines.torch.quant import (
-    NATIVE_PIECES,
+    MATRIX_PIECES,
     CastEmbedding,
     Dense,
     Matrix,
@@ -67,10 +69,11 @@ class Installer:
     """Puts quantized modules into a ShardModel built on the meta device, from its state dict's quantized
     entries (AffineGroups, or lists of pieces), and counts what ran on the kernel and what was dequantized."""
 
-    def __init__(self, dtype: torch.dtype, device: torch.device, use_kernel: bool, native: ModuleType | None = None):
+    def __init__(self, dtype: torch.dtype, device: torch.device, use_kernel: bool, native: ModuleType | None = None,
+                 gpu: bool = False):
         """use_kernel: torch's int4 kernel runs on this device; native: the native kernels (CPU), which then
-        take every matrix they can."""
-        self.dtype, self.device, self.use_kernel, self.native = dtype, device, use_kernel, native
+        take every matrix they can; gpu: the Triton kernels (CUDA, cuda/), likewise."""
+        self.dtype, self.device, self.use_kernel, self.native, self.gpu = dtype, device, use_kernel, native, gpu
         # On CPU the activations are float32, but a dequantized matrix is held in bfloat16 (half the bytes).
         self.dense_dtype = KERNEL_DTYPE if use_kernel else dtype
         self.forms = WeightForms()
@@ -94,7 +97,7 @@ class Installer:
                 continue
             if isinstance(module, nn.Embedding):
                 replacement: nn.Module = CastEmbedding(pieces[0], self.dtype) if isinstance(pieces[0], torch.Tensor) \
-                    else NativeEmbedding(pieces[0], self.dtype) if isinstance(pieces[0], NATIVE_PIECES) \
+                    else NativeEmbedding(pieces[0], self.dtype) if isinstance(pieces[0], MATRIX_PIECES) \
                     else self._embedding(value, pieces[0])
             else:
                 replacement = QuantLinear(pieces, state.pop(f"{path}.bias", None))
@@ -138,7 +141,10 @@ class Installer:
         if self.native is not None and native_refusal(matrix) is None:
             self.forms.add_quantized(matrix.source)
             return NativeMatrix.pack(matrix, self.native)
-        refusal = "no int4 kernel on this device" if not self.use_kernel else \
+        if self.gpu and gpu_refusal(matrix) is None:
+            self.forms.add_quantized(matrix.source)
+            return GpuMatrix.pack(matrix, self.device)
+        refusal = (gpu_refusal(matrix) if self.gpu else "no int4 kernel on this device") if not self.use_kernel else \
             int4_refusal(matrix.bits, matrix.group_size, matrix.shape[0])
         if refusal is not None:
             return self.dense(matrix.dequantize(), f"{matrix.source} ({refusal})").weight

@@ -12,6 +12,7 @@ import torch
 from exo_like.engines.layer_speed import LayerRunner, measure_items, measured_layer
 from exo_like.engines.torch.attention import step_index
 from exo_like.engines.torch.model import ShardModel, fuse_checkpoint_weights, load_state
+from exo_like.engines.torch.cuda.matrix import triton_available
 from exo_like.engines.torch.install import Installer
 from exo_like.engines.torch.loading import hold_half
 from exo_like.engines.torch.mla import per_head_matrices
@@ -64,7 +65,8 @@ def layer_runner(args: ModelArgs, device: torch.device, dtype: torch.dtype, quan
     with torch.device("meta"):
         model = ShardModel(args, layer, 1, False, False)
     installer = Installer(dtype, device, int4_kernel_available(device),
-                          native_kernels(device) if quant is not None or half is not None else None)
+                          native_kernels(device) if quant is not None or half is not None else None,
+                          gpu=quant is not None and triton_available(device))
     if args.mla is not None:  # the per-head projections, as the engine loads them
         weights = per_head_matrices(split_kv_b(weights, args), args, installer.forms, device, dtype)
     if half is not None:

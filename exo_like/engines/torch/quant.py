@@ -2,8 +2,9 @@
 embeddings, over pieces of three kinds.
 
 On CPU they run on the engine's native kernels (native/: codes at their own width, int16 activation blocks, as
-llama.cpp runs them) where those could be built; otherwise on PyTorch's int4 kernel (int4.py). Shapes the kernel
-refuses (footprint.int4_refusal), other devices and types without an affine form (GGUF's Q2_K, Q3_K, Q6_K) are
+llama.cpp runs them) where those could be built; otherwise on PyTorch's int4 kernel (int4.py). On CUDA they are
+held in the same packed form on the GPU and run on Triton kernels (cuda/). Shapes the kernels refuse
+(footprint.int4_refusal, native_refusal), other devices and types without an affine form (GGUF's Q2_K, Q3_K) are
 dequantized by the engine instead (`Dense`; install.py decides): on CPU to bfloat16 (half float32's bytes, and
 oneDNN's bfloat16 matmul is no slower there than float32's), elsewhere to the engine's dtype.
 """
@@ -17,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from exo_like.engines.torch.cuda.matrix import GpuMatrix
 from exo_like.engines.torch.int4 import KERNEL_DTYPE, Int4Pack, NibbleCodes, PackLayout
 from exo_like.engines.torch.native.build import kernels
 from exo_like.engines.torch.native.matrix import HalfMatrix, NativeMatrix
@@ -27,8 +29,9 @@ def native_kernels(device: torch.device) -> ModuleType | None:
     return kernels() if device.type == "cpu" else None
 
 
-Piece = list[Int4Pack] | NativeMatrix | HalfMatrix | torch.Tensor
+Piece = list[Int4Pack] | NativeMatrix | HalfMatrix | GpuMatrix | torch.Tensor
 NATIVE_PIECES = (NativeMatrix, HalfMatrix)  # the native kernels' matrices: float32 activations in and out
+MATRIX_PIECES = (*NATIVE_PIECES, GpuMatrix)  # matrices that hold their own tensors and give their rows
 
 
 class QuantLinear(nn.Module):
@@ -42,19 +45,22 @@ class QuantLinear(nn.Module):
         self.pieces = pieces
         self.bias = bias
         self.native = len(pieces) == 1 and isinstance(pieces[0], NATIVE_PIECES)
+        self.gpu = len(pieces) == 1 and isinstance(pieces[0], GpuMatrix)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.native:  # the common case, without the per-piece dispatch below
-            out = self.pieces[0].matmul(x.float()).to(x.dtype)
+        if self.native or self.gpu:  # the common cases, without the per-piece dispatch below
+            out = self.pieces[0].matmul(x.float()).to(x.dtype) if self.native else self.pieces[0].matmul(x)
             return out if self.bias is None else out + self.bias
         x16 = x.to(KERNEL_DTYPE) if any(isinstance(p, list) or p.dtype == KERNEL_DTYPE for p in self.pieces
-                                        if not isinstance(p, NATIVE_PIECES)) else None
+                                        if not isinstance(p, MATRIX_PIECES)) else None
         outputs = [self._piece(x, x16, piece) for piece in self.pieces]
         out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
         return out if self.bias is None else out + self.bias
 
     @staticmethod
     def _piece(x: torch.Tensor, x16: torch.Tensor | None, piece: Piece) -> torch.Tensor:
+        if isinstance(piece, GpuMatrix):
+            return piece.matmul(x)
         if isinstance(piece, NATIVE_PIECES):
             return piece.matmul(x.float()).to(x.dtype)
         if isinstance(piece, torch.Tensor):
@@ -69,7 +75,7 @@ class QuantLinear(nn.Module):
         held = [] if self.bias is None else [self.bias]
         for piece in self.pieces:
             held += [piece] if isinstance(piece, torch.Tensor) else piece.tensors() \
-                if isinstance(piece, NATIVE_PIECES) else [t for pack in piece for t in pack.tensors()]
+                if isinstance(piece, MATRIX_PIECES) else [t for pack in piece for t in pack.tensors()]
         return held
 
 
@@ -121,10 +127,10 @@ class QuantEmbedding(nn.Module):
 
 
 class NativeEmbedding(nn.Module):
-    """Rows of a natively packed (or 16-bit) embedding, dequantized on lookup (to float32, then the model's
-    dtype)."""
+    """Rows of a natively packed (or 16-bit, or GPU-held) embedding, dequantized on lookup (to float32, then the
+    model's dtype)."""
 
-    def __init__(self, matrix: NativeMatrix | HalfMatrix, dtype: torch.dtype):
+    def __init__(self, matrix: NativeMatrix | HalfMatrix | GpuMatrix, dtype: torch.dtype):
         super().__init__()
         self.matrix, self.dtype = matrix, dtype
 
