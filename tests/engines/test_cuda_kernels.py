@@ -47,6 +47,9 @@ def k_quant_groups(type_name: str, out: int = 24, inputs: int = 512) -> AffineGr
 CASES = {source + f"/{group}": (lambda b=bits, g=group, s=source: random_groups(b, g, s))
          for bits, group, source in FORMS}
 CASES.update({name: (lambda n=name: k_quant_groups(n)) for name in ("Q4_K", "Q5_K", "Q6_K")})
+# inputs that end inside a tile (tiles take 64 inputs a step): DeepSeek's 32-wide heads, 96-wide experts
+CASES.update({"Q8_0/32 x 96": lambda: random_groups(8, 32, "Q8_0", inputs=96),
+              "Q4_1/32 x 32": lambda: random_groups(4, 32, "Q4_1", inputs=32)})
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -65,7 +68,7 @@ def test_a_gpu_matrix_holds_the_stored_bits_and_gives_exact_rows(case):
 @pytest.mark.parametrize("rows", [1, 5, 70])  # a decode step, a batch of them, a prompt's chunk past one tile
 @pytest.mark.parametrize("dtype,rounding", DTYPES)
 @pytest.mark.parametrize("case", ["Q4_0/32", "Q5_1/32", "Q8_0/32", "mxfp4/32", "mlx 4-bit/128", "mlx 6-bit/16",
-                                  "mlx 3-bit/16", "Q4_K", "Q6_K"])
+                                  "mlx 3-bit/16", "Q4_K", "Q6_K", "Q8_0/32 x 96", "Q4_1/32 x 32"])
 def test_the_kernel_multiplies_by_the_dequantized_weights(case, dtype, rounding, rows):
     groups = CASES[case]()
     matrix = GpuMatrix.pack(groups, CPU)
@@ -78,3 +81,52 @@ def test_the_kernel_multiplies_by_the_dequantized_weights(case, dtype, rounding,
     # float32 sums of the rounded products, then one rounding: within a few roundings of the largest magnitude
     bound = (4 * rounding + groups.shape[1] * 2.0 ** -24) * (x.double().abs() @ weights.abs().T)
     assert bool(((out.double() - exact).abs() <= bound + 1e-30).all())
+
+
+@pytest.fixture(scope="module")
+def gguf_files(tmp_path_factory):
+    """Q8_0 files of a dense model and of DeepSeek V3 (its per-head projections quantized too)."""
+    from tests.checkpoints import make_checkpoint
+    from tests.gguf_checkpoints import write_gguf
+
+    root = tmp_path_factory.mktemp("cuda-path")
+    shapes = {"llama": {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4,
+                        "num_key_value_heads": 2},
+              "deepseek_v3": {"hidden_size": 128, "q_lora_rank": 64, "kv_lora_rank": 64, "qk_nope_head_dim": 32,
+                              "qk_rope_head_dim": 16, "v_head_dim": 32, "intermediate_size": 192,
+                              "moe_intermediate_size": 96}}
+    return {arch: write_gguf(make_checkpoint(root / arch, arch, n_layers=2, seed=5, **shape),
+                             root / f"{arch}-Q8_0.gguf", "Q8_0") for arch, shape in shapes.items()}
+
+
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v3"])
+def test_a_shard_on_the_gpu_kernels_holds_what_planning_counts_and_decodes_as_dequantized(gguf_files, arch,
+                                                                                         monkeypatch):
+    """The engine's CUDA path run on CPU tensors (the kernels interpreted, the native kernels turned off): every
+    matrix held as a GpuMatrix (fused q/k/v and gate/up, the embedding's lookups, DeepSeek's per-head
+    projections), the bytes a CUDA node's plan counts for it (but float tensors, float32 on CPU activations), and
+    float32 products: the greedy tokens of the dequantized path."""
+    import exo_like.engines.torch.engine as torch_engine
+    from exo_like.engines.choice import create_engine
+    from exo_like.engines.torch.quant import NativeEmbedding, QuantHeads, QuantLinear
+    from exo_like.models.gguf.hub import gguf_description
+    from exo_like.models.shard import Shard
+    from tests.engines.test_latent_heads import greedy
+
+    path = gguf_files[arch]
+    args, footprint = gguf_description(path)
+    reference = create_engine("torch", device="cpu", dtype="float32")
+    reference.load(path, args, Shard.whole(path.name, args.num_hidden_layers))
+    monkeypatch.setattr(torch_engine, "native_kernels", lambda device: None)
+    monkeypatch.setattr(torch_engine, "triton_available", lambda device: True)
+    engine = create_engine("torch", device="cpu")
+    engine.load(path, args, Shard.whole(path.name, args.num_hidden_layers))
+    quantized = [m for m in engine.model.modules() if isinstance(m, (QuantLinear, QuantHeads, NativeEmbedding))]
+    pieces = [p for m in quantized for p in (m.pieces if hasattr(m, "pieces") else [m.matrix])]
+    assert pieces and all(isinstance(p, GpuMatrix) for p in pieces)
+    assert isinstance(engine.model.embed_tokens, NativeEmbedding)
+    assert not engine.weight_forms.dequantized
+    floats = sum(t.numel() for t in engine.model.parameters())  # norms, routers: float32 here, bfloat16 on CUDA
+    held = footprint.held_by("torch", None, "cuda").shard_bytes(engine.shard)
+    assert engine.parameter_bytes() - 2 * floats == held
+    assert greedy(engine, 8) == greedy(reference, 8)

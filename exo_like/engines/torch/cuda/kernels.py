@@ -25,41 +25,41 @@ HALF, SYMMETRIC, K, K_SYMMETRIC = 0, 1, 2, 3
 
 
 @triton.jit
-def _codes(lo_ptr, hi_ptr, rn, rk, n_mask, K_IN, LAYOUT: tl.constexpr):
-    """Codes [BLOCK_N, BLOCK_K] of rows rn at inputs rk, as int32."""
+def _codes(lo_ptr, hi_ptr, rn, rk, mask, K_IN, LAYOUT: tl.constexpr):
+    """Codes [BLOCK_N, BLOCK_K] of rows rn at inputs rk (0 outside `mask`), as int32."""
     r = rk % 32
     block = rk // 32
     if LAYOUT == 2:
-        return tl.load(lo_ptr + rn[:, None] * K_IN + rk[None, :], mask=n_mask[:, None], other=0).to(tl.int32)
-    low = tl.load(lo_ptr + rn[:, None] * (K_IN // 2) + (block * 16 + r % 16)[None, :], mask=n_mask[:, None],
+        return tl.load(lo_ptr + rn[:, None] * K_IN + rk[None, :], mask=mask, other=0).to(tl.int32)
+    low = tl.load(lo_ptr + rn[:, None] * (K_IN // 2) + (block * 16 + r % 16)[None, :], mask=mask,
                   other=0).to(tl.int32)
     q = (low >> (4 * (r // 16))[None, :]) & 15
     if LAYOUT == 1:
-        high = tl.load(hi_ptr + rn[:, None] * (K_IN // 4) + (block * 8 + r % 8)[None, :], mask=n_mask[:, None],
+        high = tl.load(hi_ptr + rn[:, None] * (K_IN // 4) + (block * 8 + r % 8)[None, :], mask=mask,
                        other=0).to(tl.int32)
         q = q | (((high >> (2 * (r // 8))[None, :]) & 3) << 4)
     return q
 
 
 @triton.jit
-def _factors(s_ptr, b_ptr, ss_ptr, sb_ptr, rn, rk, n_mask, K_IN, zero, GROUP: tl.constexpr,
+def _factors(s_ptr, b_ptr, ss_ptr, sb_ptr, rn, rk, mask, K_IN, zero, GROUP: tl.constexpr,
              PER_SUPER: tl.constexpr, FACTORS: tl.constexpr):
-    """Scales and biases [BLOCK_N, BLOCK_K] (each input's group's), float32."""
+    """Scales and biases [BLOCK_N, BLOCK_K] (each input's group's; 0 outside `mask`), float32."""
     groups = K_IN // GROUP
     g = rk // GROUP
     at = rn[:, None] * groups + g[None, :]
-    scale = tl.load(s_ptr + at, mask=n_mask[:, None], other=0).to(tl.float32)
+    scale = tl.load(s_ptr + at, mask=mask, other=0).to(tl.float32)
     if FACTORS >= 2:  # K-quants: a code a group times a float32 a super-block
         supers = groups // PER_SUPER
         at_super = rn[:, None] * supers + (g // PER_SUPER)[None, :]
-        scale = scale * tl.load(ss_ptr + at_super, mask=n_mask[:, None], other=0)
+        scale = scale * tl.load(ss_ptr + at_super, mask=mask, other=0)
         if FACTORS == 2:
-            bias = tl.load(b_ptr + at, mask=n_mask[:, None], other=0).to(tl.float32) * \
-                tl.load(sb_ptr + at_super, mask=n_mask[:, None], other=0)
+            bias = tl.load(b_ptr + at, mask=mask, other=0).to(tl.float32) * \
+                tl.load(sb_ptr + at_super, mask=mask, other=0)
         else:
             bias = -zero * scale
     elif FACTORS == 0:
-        bias = tl.load(b_ptr + at, mask=n_mask[:, None], other=0).to(tl.float32)
+        bias = tl.load(b_ptr + at, mask=mask, other=0).to(tl.float32)
     else:
         bias = -zero * scale
     return scale, bias
@@ -77,9 +77,11 @@ def affine_matmul(x_ptr, lo_ptr, hi_ptr, s_ptr, b_ptr, ss_ptr, sb_ptr, out_ptr, 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K_IN, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + rm[:, None] * K_IN + rk[None, :], mask=m_mask[:, None], other=0)
-        q = _codes(lo_ptr, hi_ptr, rn, rk, n_mask, K_IN, LAYOUT)
-        scale, bias = _factors(s_ptr, b_ptr, ss_ptr, sb_ptr, rn, rk, n_mask, K_IN, zero, GROUP, PER_SUPER, FACTORS)
+        k_mask = rk < K_IN  # (inputs come in blocks of 32, not always of BLOCK_K)
+        x = tl.load(x_ptr + rm[:, None] * K_IN + rk[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0)
+        mask = n_mask[:, None] & k_mask[None, :]
+        q = _codes(lo_ptr, hi_ptr, rn, rk, mask, K_IN, LAYOUT)
+        scale, bias = _factors(s_ptr, b_ptr, ss_ptr, sb_ptr, rn, rk, mask, K_IN, zero, GROUP, PER_SUPER, FACTORS)
         w = (scale * q.to(tl.float32) + bias).to(x.dtype)
         acc += tl.dot(x, tl.trans(w), out_dtype=tl.float32)
     tl.store(out_ptr + rm[:, None] * N + rn[None, :], acc.to(out_ptr.dtype.element_ty),
