@@ -11,7 +11,7 @@ MODEL ?= smollm2-135m
 # Files in the order tests/conftest.py gives them (the long ones first), not xdist's (by number of tests).
 TEST_WORKERS ?= 2
 
-.PHONY: run test bench clean
+.PHONY: run test bench clean gpu-wheels
 
 $(VENV)/.created:
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,18 @@ test: $(VENV)/.test-deps
 
 bench: $(VENV)/.test-deps
 	$(PY) bench/bench_torch_vs_hf.py
+
+# The project's dependencies as wheels for a GPU machine's Python 3.12 (x86-64) that has no index to reach, for
+# bench/cuda_check.py (its docstring says how they are installed there); about 35 MB.
+gpu-wheels: $(VENV)/.created
+	rm -rf .gpu-wheels
+	$(PY) -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
+		> /tmp/exo-like-gpu-requirements.txt
+	$(VENV)/bin/pip download -q --python-version 3.12 --platform manylinux_2_28_x86_64 \
+		--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --only-binary=:all: -d .gpu-wheels \
+		-r /tmp/exo-like-gpu-requirements.txt
+	mv /tmp/exo-like-gpu-requirements.txt .gpu-wheels/requirements.txt
+	du -sh .gpu-wheels
 
 clean:
 	rm -rf $(VENV)

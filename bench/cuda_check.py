@@ -1,0 +1,321 @@
+"""The GPU check (issue 46): what a CUDA node must do, measured on one NVIDIA GPU, in one run of at most ~8 minutes.
+
+Prints one line per check, PASS or FAIL with its figures, then a summary:
+  1. greedy tokens = transformers' on the GPU, float32 and bfloat16, for a dense (Llama), a mixture (Qwen3-MoE) and a
+     latent-attention (DeepSeek V3) model;
+  2. each quantized type's GPU kernel (engines/torch/cuda/) against exact arithmetic on its dequantized weights
+     rounded to the activations' dtype, within the kernel's stated error (kernels.py's docstring);
+  3. a Q4_K_M file (Q4_K, with Q6_K for v_proj and down_proj as llama-quantize's mix) greedy on the quantized
+     kernels against the same file dequantized (--dtype bfloat16), and the GPU memory it holds against the file's
+     bytes (<= 1.15x);
+  4. single-stream decode tok/s of that file against transformers' `generate` (bfloat16, the same shape) and
+     against the bandwidth bound (the bytes a token reads over the GPU's measured copy bandwidth); 8 streams in
+     one batch against 1;
+  5. a two-node ring of node processes sharing the GPU answers what one node does.
+Random checkpoints made here (tests/checkpoints.py): nothing is downloaded.
+
+The machine it runs on has CUDA torch, Triton and transformers; the project's other dependencies come as wheels
+(`make gpu-wheels` writes them to .gpu-wheels/, at most ~40 MB), installed without an index:
+  python3 -m pip install --no-index --find-links .gpu-wheels -r .gpu-wheels/requirements.txt
+  PYTHONPATH=. python3 bench/cuda_check.py
+`--device cpu` runs the same checks on CPU (small shapes, the Triton kernels under its interpreter) to try the
+script itself where there is no GPU."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+RESULTS: list[tuple[str, bool, str]] = []
+PROMPT = [3, 17, 29, 5, 11, 42, 7, 19, 23, 2, 31, 13]
+
+
+def report(name: str, ok: bool, detail: str) -> None:
+    RESULTS.append((name, ok, detail))
+    print(f"{'PASS' if ok else 'FAIL'}  {name}: {detail}", flush=True)
+
+
+def section(name: str, run: Callable[[], None]) -> None:
+    started = time.perf_counter()
+    print(f"== {name}", flush=True)
+    try:
+        run()
+    except Exception as error:  # noqa: BLE001 - one broken section must not hide the others' lines
+        traceback.print_exc()
+        report(name, False, f"raised {type(error).__name__}: {error}")
+    print(f"   ({time.perf_counter() - started:.1f} s)", flush=True)
+
+
+# -- 1. families against transformers ---------------------------------------------------------------------------
+
+def ours_greedy(path: Path, device: str, dtype: str | None, n_tokens: int, prompt: list[int] = PROMPT
+                ) -> tuple[list[int], object]:
+    import numpy as np
+
+    from exo_like.engines.choice import create_engine
+    from exo_like.models.config import ModelArgs
+    from exo_like.models.gguf.file import is_gguf, open_gguf
+    from exo_like.models.shard import Shard
+    from tests.engine_driver import Driver
+
+    args = ModelArgs.from_dict(open_gguf(path).config()) if is_gguf(path) else ModelArgs.from_dir(path)
+    engine = create_engine("torch", device=device, dtype=dtype)
+    engine.load(path, args, Shard.whole(path.name, args.num_hidden_layers))
+    driver, tokens, logits, inputs = Driver([engine]), [], [], np.array(prompt, dtype=np.int64)
+    for _ in range(n_tokens):
+        out = driver.forward("r", inputs)
+        logits.append(out)
+        tokens.append(int(np.argmax(out)))
+        inputs = np.array([tokens[-1]], dtype=np.int64)
+    return tokens, (engine, np.stack(logits))
+
+
+def transformers_greedy(path: Path, device: str, dtype: str, n_tokens: int) -> list[int]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device)
+    inputs = torch.tensor([PROMPT], device=device)
+    with torch.no_grad():
+        out = model.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=n_tokens,
+                             do_sample=False, pad_token_id=0, eos_token_id=None)
+    del model
+    return out[0, len(PROMPT):].tolist()
+
+
+def check_families(work: Path, device: str, n_tokens: int) -> None:
+    from tests.checkpoints import make_checkpoint
+
+    for arch in ("llama", "qwen3_moe", "deepseek_v3"):
+        path = make_checkpoint(work / arch, arch, n_layers=4, seed=5)
+        for dtype in ("float32", "bfloat16"):
+            ours, _ = ours_greedy(path, device, dtype, n_tokens)
+            theirs = transformers_greedy(path, device, dtype, n_tokens)
+            same = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), len(ours))
+            report(f"{arch} {dtype} greedy = transformers", ours == theirs,
+                   f"{same}/{n_tokens} tokens agree" + ("" if ours == theirs else f" (ours {ours}, theirs {theirs})"))
+
+
+# -- 2. the quantized kernels -----------------------------------------------------------------------------------
+
+def check_kernels(device: str) -> None:
+    import numpy as np
+    import torch
+
+    from exo_like.engines.torch.cuda.matrix import GpuMatrix
+    from tests.engines.test_cuda_kernels import CASES
+
+    dtypes = [torch.bfloat16, torch.float16] if device == "cuda" else [torch.float16]
+    rounding = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -10}
+    for case, make in CASES.items():
+        groups = make()
+        matrix = GpuMatrix.pack(groups, torch.device(device))
+        weights = torch.from_numpy(groups.dequantize())
+        worst, ok = 0.0, True
+        for dtype in dtypes:
+            for rows in (1, 8, 300):
+                x = torch.from_numpy(np.random.default_rng(rows).standard_normal(
+                    (rows, groups.shape[1]), dtype=np.float32)).to(dtype)
+                out = matrix.matmul(x.to(device)).double().cpu()
+                rounded = weights.to(dtype).double()
+                exact = x.double() @ rounded.T
+                bound = (4 * rounding[dtype] + groups.shape[1] * 2.0 ** -24) * (x.double().abs() @ rounded.abs().T)
+                excess = ((out - exact).abs() / (bound + 1e-30)).max().item()
+                worst, ok = max(worst, excess), ok and excess <= 1.0
+        report(f"kernel {case}", ok, f"worst error {worst:.2f} of the stated bound")
+
+
+# -- 3 and 4. a Q4_K_M file: exactness, memory, speed -----------------------------------------------------------
+
+def q4_k_m_file(work: Path, shape: dict, n_layers: int) -> tuple[Path, Path]:
+    import torch
+
+    from tests.checkpoints import make_checkpoint
+    from tests.gguf_checkpoints import write_gguf
+
+    folder = make_checkpoint(work / "q4km-float", "llama", n_layers=n_layers, seed=5, dtype=torch.float16, **shape)
+    path = write_gguf(folder, work / "model-Q4_K_M.gguf", "Q4_K", "Q6_K",
+                      types={"v_proj.weight": "Q6_K", "down_proj.weight": "Q6_K"})
+    return folder, path
+
+
+def check_q4_k_m(work: Path, device: str, shape: dict, n_layers: int, n_tokens: int) -> None:
+    import torch
+
+    folder, path = q4_k_m_file(work, shape, n_layers)
+    file_bytes = path.stat().st_size
+    before = torch.cuda.memory_allocated() if device == "cuda" else 0
+    quantized, (engine, _) = ours_greedy(path, device, None, n_tokens)
+    held = engine.parameter_bytes()
+    allocated = (torch.cuda.memory_allocated() - before) if device == "cuda" else held
+    forms = engine.weight_forms
+    del engine
+    dequantized, _ = ours_greedy(path, device, "bfloat16" if device == "cuda" else "float32", n_tokens)
+    same = next((i for i, (a, b) in enumerate(zip(quantized, dequantized)) if a != b), n_tokens)
+    report("Q4_K_M greedy = the dequantized file's", quantized == dequantized, f"{same}/{n_tokens} tokens agree")
+    report("Q4_K_M held quantized", not forms.dequantized,
+           f"quantized {forms.quantized}, dequantized {forms.dequantized or 'none'}")
+    ratio = max(held, allocated) / file_bytes
+    report("Q4_K_M GPU memory <= 1.15x the file", ratio <= 1.15,
+           f"held {held / 1e6:.1f} MB, allocated {allocated / 1e6:.1f} MB, file {file_bytes / 1e6:.1f} MB: "
+           f"{ratio:.3f}x")
+    if device == "cuda":
+        check_speed(folder, path, device)
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes a second a device-to-device copy moves (read + written)."""
+    import torch
+
+    a = torch.empty(2 ** 30, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(10):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    return 2 * a.numel() * 10 / (time.perf_counter() - started)
+
+
+def decode_rate(path: Path, device: str, streams: int, n_tokens: int = 64) -> tuple[float, int]:
+    """Our decode tokens a second (all streams together) and the bytes the shard holds."""
+    import numpy as np
+    import torch
+
+    from exo_like.engines.choice import create_engine
+    from exo_like.models.config import ModelArgs
+    from exo_like.models.gguf.file import open_gguf
+    from exo_like.models.shard import Shard
+    from tests.engine_driver import Driver
+
+    args = ModelArgs.from_dict(open_gguf(path).config())
+    engine = create_engine("torch", device=device)
+    engine.load(path, args, Shard.whole(path.name, args.num_hidden_layers))
+    driver = Driver([engine], n_blocks=64 * streams)
+    last = {}
+    for s in range(streams):
+        last[f"s{s}"] = int(np.argmax(driver.forward(f"s{s}", np.array(PROMPT, dtype=np.int64) + s)))
+
+    def step() -> None:
+        out = driver.step([(rid, np.array([token], dtype=np.int64)) for rid, token in last.items()])
+        for rid, row in zip(last, out):
+            last[rid] = int(np.argmax(row))
+
+    for _ in range(4):
+        step()
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(n_tokens):
+        step()
+    torch.cuda.synchronize()
+    return streams * n_tokens / (time.perf_counter() - started), engine.parameter_bytes()
+
+
+def transformers_rate(folder: Path, device: str, n_tokens: int = 64) -> float:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to(device)
+    inputs = torch.tensor([PROMPT], device=device)
+    kwargs = dict(attention_mask=torch.ones_like(inputs), do_sample=False, pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        model.generate(inputs, max_new_tokens=8, **kwargs)
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        model.generate(inputs, max_new_tokens=n_tokens + 1, min_new_tokens=n_tokens + 1, **kwargs)
+        torch.cuda.synchronize()
+    return n_tokens / (time.perf_counter() - started)
+
+
+def check_speed(folder: Path, path: Path, device: str) -> None:
+    one, held = decode_rate(path, device, 1)
+    eight, _ = decode_rate(path, device, 8)
+    theirs = transformers_rate(folder, device)
+    bandwidth = copy_bandwidth(device)
+    bound = bandwidth / held
+    report("decode >= 1.5x transformers generate (bfloat16)", one >= 1.5 * theirs,
+           f"ours {one:.1f} tok/s, transformers {theirs:.1f} tok/s: {one / theirs:.2f}x")
+    report("decode >= 0.6 of the bandwidth bound", one >= 0.6 * bound,
+           f"{held / 1e9:.2f} GB a token at {bandwidth / 1e12:.2f} TB/s: bound {bound:.0f} tok/s, "
+           f"ours {one / bound:.2f} of it")
+    report("8 streams >= 4x one", eight >= 4 * one, f"8 streams {eight:.1f} tok/s, one {one:.1f}: {eight / one:.2f}x")
+
+
+# -- 5. a two-node ring on one GPU ------------------------------------------------------------------------------
+
+def completion(port: int, body: dict) -> str:
+    import json
+    import urllib.request
+
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.loads(response.read())["choices"][0]["text"]
+
+
+def check_ring(work: Path, device: str) -> None:
+    from tests.checkpoints import make_checkpoint
+    from tests.cluster_harness import start_cluster, wait_until_ready
+
+    folder = make_checkpoint(work / "ring", "llama", n_layers=4, seed=5)
+    body = {"model": folder.name, "prompt": "one two three", "max_tokens": 16, "temperature": 0}
+    answers = []
+    for members in (1, 2):
+        nodes = start_cluster(work / f"ring-{members}", str(folder), [8.0] * members, dtype="float32",
+                              extra=("--device", device, "--placement", "memory"))
+        try:
+            wait_until_ready(nodes, members, timeout=120)
+            answers.append(completion(nodes[-1].port, body))
+        finally:
+            for node in nodes:
+                node.stop()
+    report("a two-node ring on the GPU = one node", answers[0] == answers[1] and bool(answers[0]),
+           f"one node {answers[0]!r}, two nodes {answers[1]!r}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--tokens", type=int, default=24)
+    options = parser.parse_args()
+    device = options.device
+    if device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+    import torch
+
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            print("FAIL  no CUDA device here (--device cpu tries the script on CPU)")
+            return 1
+        print(f"{torch.cuda.get_device_name()} | torch {torch.__version__}", flush=True)
+    started = time.perf_counter()
+    # The speed model: Llama-shaped, ~1.2 B parameters on a GPU (a ~0.7 GB Q4_K_M file); tiny on CPU.
+    shape = dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=32, num_key_value_heads=4) \
+        if device == "cuda" else dict(hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                                       num_key_value_heads=2)
+    layers = 22 if device == "cuda" else 2
+    with tempfile.TemporaryDirectory(prefix="cuda-check-") as folder:
+        work = Path(folder)
+        section("1. families against transformers", lambda: check_families(work, device, options.tokens))
+        section("2. quantized kernels", lambda: check_kernels(device))
+        section("3-4. a Q4_K_M file", lambda: check_q4_k_m(work, device, shape, layers, options.tokens))
+        section("5. a two-node ring", lambda: check_ring(work, device))
+    failed = [name for name, ok, _ in RESULTS if not ok]
+    print(f"== {len(RESULTS) - len(failed)} passed, {len(failed)} failed in {time.perf_counter() - started:.0f} s"
+          + (f": {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
