@@ -11,7 +11,8 @@ Prints one line per check, PASS or FAIL with its figures, then a summary:
   4. single-stream decode tok/s of that file against transformers' `generate` (bfloat16, the same shape) and
      against the bandwidth bound (the bytes a token reads over the GPU's measured copy bandwidth); 8 streams in
      one batch against 1;
-  5. a two-node ring of node processes sharing the GPU answers what one node does.
+  5. a two-node ring of node processes sharing the GPU answers what one node does, and so does a ring of a GPU node
+     and a CPU node; a tensor-parallel group of two CUDA ranks over NCCL where there are two GPUs (else SKIP).
 Random checkpoints made here (tests/checkpoints.py): nothing is downloaded.
 
 The machine it runs on has CUDA torch, Triton and transformers; the project's other dependencies come as wheels
@@ -36,12 +37,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 RESULTS: list[tuple[str, bool, str]] = []
+SKIPPED: list[tuple[str, str]] = []
 PROMPT = [3, 17, 29, 5, 11, 42, 7, 19, 23, 2, 31, 13]
 
 
 def report(name: str, ok: bool, detail: str) -> None:
     RESULTS.append((name, ok, detail))
     print(f"{'PASS' if ok else 'FAIL'}  {name}: {detail}", flush=True)
+
+
+def skip(name: str, why: str) -> None:
+    SKIPPED.append((name, why))
+    print(f"SKIP  {name}: {why}", flush=True)
 
 
 def section(name: str, run: Callable[[], None]) -> None:
@@ -284,6 +291,59 @@ def check_ring(work: Path, device: str) -> None:
            f"one node {answers[0]!r}, two nodes {answers[1]!r}")
 
 
+def check_mixed_ring(work: Path, device: str) -> None:
+    """A CUDA node and a CPU node in one ring (layers split by memory), against one node alone."""
+    from tests.checkpoints import make_checkpoint
+    from tests.cluster_harness import free_ports, launch_member, wait_until_ready
+
+    folder = make_checkpoint(work / "mixed", "llama", n_layers=4, seed=5)
+    body = {"model": folder.name, "prompt": "one two three", "max_tokens": 16, "temperature": 0}
+    ports = free_ports(2)
+    nodes = [launch_member(work / "mixed-ring", str(folder), ports, i, 8.0, dtype="float32",
+                           extra=("--device", member_device, "--placement", "memory")).serving()
+             for i, member_device in enumerate((device, "cpu"))]
+    try:
+        wait_until_ready(nodes, 2, timeout=120)
+        mixed = completion(nodes[0].port, body)
+    finally:
+        for node in nodes:
+            node.stop()
+    alone = launch_member(work / "mixed-alone", str(folder), free_ports(1), 0, 8.0, dtype="float32",
+                          extra=("--device", "cpu")).serving()
+    try:
+        wait_until_ready([alone], 1, timeout=120)
+        expected = completion(alone.port, body)
+    finally:
+        alone.stop()
+    report(f"a ring of a {device} node and a cpu node = one cpu node", mixed == expected,
+           f"ring {mixed!r}, one node {expected!r}")
+
+
+def check_nccl_group(work: Path, device: str) -> None:
+    """A tensor-parallel group of two CUDA ranks over NCCL (a GPU a rank): greedy = one engine's."""
+    import torch
+
+    if device != "cuda" or torch.cuda.device_count() < 2:
+        skip("an NCCL tensor-parallel group", f"needs two GPUs, this machine has {torch.cuda.device_count()}")
+        return
+    from exo_like.models.config import ModelArgs
+    from tests.checkpoints import make_checkpoint
+    from tests.engine_driver import Driver
+    from tests.tensor_parallel.local_group import N_BLOCKS, close_group, greedy, load_group, rank_shard, start_group
+
+    folder = make_checkpoint(work / "nccl", "llama", n_layers=3, seed=5)
+    args = ModelArgs.from_dir(folder)
+    expected, _ = ours_greedy(folder, "cuda:0", "float32", 16)
+    group = start_group(2, devices=["cuda:0", "cuda:1"])
+    try:
+        load_group(group, folder, args, rank_shard(args, folder.name, 2), N_BLOCKS)
+        tokens, _ = greedy(Driver(group[:1], n_blocks=N_BLOCKS))
+    finally:
+        close_group(group)
+    report("an NCCL tensor-parallel group = one engine", tokens[:16] == expected,
+           f"group {tokens[:16]}, one engine {expected}" if tokens[:16] != expected else "16/16 tokens agree")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -311,8 +371,11 @@ def main() -> int:
         section("2. quantized kernels", lambda: check_kernels(device))
         section("3-4. a Q4_K_M file", lambda: check_q4_k_m(work, device, shape, layers, options.tokens))
         section("5. a two-node ring", lambda: check_ring(work, device))
+        section("5b. a ring of a GPU node and a CPU node", lambda: check_mixed_ring(work, device))
+        section("5c. an NCCL tensor-parallel group", lambda: check_nccl_group(work, device))
     failed = [name for name, ok, _ in RESULTS if not ok]
-    print(f"== {len(RESULTS) - len(failed)} passed, {len(failed)} failed in {time.perf_counter() - started:.0f} s"
+    print(f"== {len(RESULTS) - len(failed)} passed, {len(failed)} failed, {len(SKIPPED)} skipped in "
+          f"{time.perf_counter() - started:.0f} s"
           + (f": {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0
 

@@ -46,14 +46,17 @@ def rank_shard(args: ModelArgs, name: str, size: int):
 
 
 def start_group(size: int, engine: str = "torch", dtype: str | None = "float32", threads: int | None = 1,
-                timeout: float = 30.0, key: bytes = KEY, pin: bool = False) -> list[GroupMemberEngine]:
+                timeout: float = 30.0, key: bytes = KEY, pin: bool = False,
+                devices: list[str] | None = None) -> list[GroupMemberEngine]:
     """Ranks 0..size-1, each a worker process; returned once the group has formed (leader first). `pin`: each rank
-    on a CPU of its own when this process may use enough of them (else left to the scheduler)."""
+    on a CPU of its own when this process may use enough of them (else left to the scheduler); `devices`: each
+    rank's (default CPU; CUDA ones form an NCCL group, see bench/cuda_check.py)."""
+    devices = devices or ["cpu"] * size
     ports = free_ports(size)
     name = f"test-{uuid.uuid4().hex[:8]}"
     cpus = rank_cpus(size) if pin else None
     workers = [WorkerProcess(WorkerOptions(rank, size, name, engine, "127.0.0.1",
-                                           [("127.0.0.1", port) for port in ports], timeout, "cpu", dtype,
+                                           [("127.0.0.1", port) for port in ports], timeout, devices[rank], dtype,
                                            threads, cpus=None if cpus is None else [cpus[rank]]), key)
                for rank in range(size)]
     try:
@@ -63,8 +66,8 @@ def start_group(size: int, engine: str = "torch", dtype: str | None = "float32",
         for worker in workers:
             worker.kill()
         raise
-    return [GroupMemberEngine(worker, info, create_engine(engine, device="cpu", dtype=dtype))
-            for worker, info in zip(workers, ready)]
+    return [GroupMemberEngine(worker, info, create_engine(engine, device=device, dtype=dtype))
+            for worker, info, device in zip(workers, ready, devices)]
 
 
 def rank_cpus(size: int) -> list[int] | None:
