@@ -226,7 +226,11 @@ def decode_rate(path: Path, device: str, streams: int, n_tokens: int = 64) -> tu
     for _ in range(n_tokens):
         step()
     torch.cuda.synchronize()
-    return streams * n_tokens / (time.perf_counter() - started), engine.parameter_bytes()
+    rate = streams * n_tokens / (time.perf_counter() - started)
+    graphs = engine.graphs
+    print(f"   {streams} stream(s): decode graphs {'captured: ' + str(sorted(graphs.buckets)) if graphs else 'off'}",
+          flush=True)
+    return rate, engine.parameter_bytes()
 
 
 def transformers_rate(folder: Path, device: str, n_tokens: int = 64) -> float:

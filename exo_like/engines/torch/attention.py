@@ -61,6 +61,15 @@ class RotaryTable:
         index = torch.from_numpy(positions).to(self.cos.device)
         return self.cos[index, None], self.sin[index, None]
 
+    def extend(self, length: int) -> None:
+        """Rows for positions [0, length) at least (a CUDA graph keeps the tables it read: made long enough once)."""
+        if length > self.cos.shape[0]:
+            self._extend(length)
+
+    def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for positions given on the device (within the extended length), [rows, 1, head_dim]."""
+        return self.cos[positions, None], self.sin[positions, None]
+
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # roll by half a head exchanges the halves: the same values as cat((x[half:], x[:half])) in one op.
@@ -78,15 +87,18 @@ class KVPool:
     hands out the lowest free block ids first, so resident memory follows use rather than the budget."""
 
     def __init__(self, args: ModelArgs, layers: Sequence[int], n_blocks: int, n_window_blocks: int,
-                 device: torch.device, dtype: torch.dtype):
+                 device: torch.device, dtype: torch.dtype, spare: int = 0):
+        """spare: blocks past the n_blocks the scheduler hands out, in the full-attention layers' tensors, that no
+        request holds (decode graphs' padding rows write there: cuda/graphs.py)."""
         windowed = [args.window(layer) is not None for layer in layers]
         self.n_blocks, self.n_window_blocks = n_blocks, n_window_blocks if any(windowed) else None
+        self.spare = spare
         # Layer i's tensors: (group, row) with group 0 full attention, 1 sliding window.
         self._rows = [(int(w), sum(windowed[:i]) if w else i - sum(windowed[:i])) for i, w in enumerate(windowed)]
         counts = (len(layers) - sum(windowed), sum(windowed))
         heads, key_width, value_width = args.kv_layout()
         self.keys, self.values = [], []
-        for count, blocks in zip(counts, (n_blocks, n_window_blocks)):
+        for count, blocks in zip(counts, (n_blocks + spare, n_window_blocks)):
             shape = (count, heads, blocks * BLOCK_SIZE if count else 0)
             self.keys.append(torch.empty((*shape, key_width), device=device, dtype=dtype))
             self.values.append(torch.empty((*shape, value_width), device=device, dtype=dtype) if value_width else None)

@@ -26,6 +26,8 @@ from exo_like.engines.torch.attention import KVPool, step_index
 from exo_like.engines.torch.linear import bound_onednn_caches
 from exo_like.engines.torch.model import ShardModel, fuse_checkpoint_weights, load_state
 from exo_like.engines.torch.openmp import pin_openmp_team
+from exo_like.engines.torch.cuda.graphs import DecodeGraphs
+from exo_like.engines.torch.cuda.graphs import refusal as graphs_refusal
 from exo_like.engines.torch.cuda.matrix import triton_available
 from exo_like.engines.torch.mla import per_head_matrices
 from exo_like.engines.torch.install import Installer, cpu_numerics
@@ -124,6 +126,7 @@ class TorchEngine(Engine):
         self.model: ShardModel | None = None
         self.half: torch.dtype | None = None  # the matrices' 16-bit dtype beside float32 activations (half_storage)
         self.pool: KVPool | None = None
+        self.graphs: DecodeGraphs | None = None  # CUDA: decode steps as graphs, over the pool
         self._threads_placed = False
         # Probed on the engine thread, at the first load: a parallel region run on any other thread (cpu_numerics
         # packs probe weights) leaves a second OpenMP team alive, more threads than cores, and libgomp then stops
@@ -131,13 +134,13 @@ class TorchEngine(Engine):
         self._numerics: dict[str, str] | None = None
 
     def unload(self) -> None:
-        self.model, self.pool = None, None
+        self.model, self.pool, self.graphs = None, None, None
         super().unload()
 
     def load(self, model_dir: Path, args: ModelArgs, shard: Shard, cancel: threading.Event | None = None) -> None:
         if shard.n_layers != args.num_hidden_layers:
             raise ValueError(f"shard {shard} does not match the model's {args.num_hidden_layers} layers")
-        self.model, self.shard, self.args, self.pool = None, None, None, None
+        self.model, self.shard, self.args, self.pool, self.graphs = None, None, None, None, None
         free_replaced_shard()
         first_load = self._numerics is None
         if first_load:
@@ -254,6 +257,10 @@ class TorchEngine(Engine):
         model, pool = self._loaded_model(), self._pool()
         index = step_index(items, pool, model.args, self.device)
         x = self._input_tensor(inputs, index.layout.rows)
+        if self.graphs is not None and self.graphs.bucket_for(index.layout) is not None:
+            with torch.inference_mode():
+                out = self.graphs.run(index.layout, x)
+                return out.float().cpu().numpy() if model.is_last else tensor_to_activations(out.clone())
         with torch.inference_mode():
             h = model.embed(x)
             if self.group is not None:  # the leader of a tensor-parallel group: its followers run the step too
@@ -274,8 +281,14 @@ class TorchEngine(Engine):
         return KVPool.block_bytes(model.args, model.layer_ids, self.dtype)
 
     def allocate_kv(self, n_blocks: int, n_window_blocks: int | None = None) -> None:
-        self.pool = None  # the old pool's memory goes before the new one is taken
-        self.pool = self._loaded_model().new_pool(n_blocks, n_window_blocks)
+        self.pool, self.graphs = None, None  # the old pool's memory goes before the new one is taken
+        model = self._loaded_model()
+        graphs = self.device.type == "cuda" and graphs_refusal(model) is None
+        self.pool = model.new_pool(n_blocks, n_window_blocks, spare=1 if graphs else 0)
+        if graphs:  # decode steps as CUDA graphs (cuda/graphs.py), over this pool
+            self.graphs = DecodeGraphs(model, self.pool, capture=True)
+        elif self.device.type == "cuda":
+            log.info("%s: decode steps launch their kernels one by one: %s", self.shard, graphs_refusal(model))
         self._log_pool(self.kv_size)
 
     @property

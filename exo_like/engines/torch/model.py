@@ -104,6 +104,7 @@ class ShardModel(nn.Module):
                                          _weight=torch.empty(args.vocab_size, args.hidden_size)) if is_first else None
         self.layer_ids = range(first_layer, first_layer + n_layers)  # absolute
         self.layers = nn.ModuleList(TransformerBlock(args, layer, reduce) for layer in self.layer_ids)
+        self.reduces = reduce is not None  # a tensor-parallel rank
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.norm_offset) if is_last else None
         self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False) if is_last else None
         self.ropes: dict[str, RotaryTable] = {}
@@ -151,11 +152,12 @@ class ShardModel(nn.Module):
                 held.update((id(t), t) for t in module.tensors())
         return list(held.values())
 
-    def new_pool(self, n_blocks: int, n_window_blocks: int | None = None) -> KVPool:
-        """The KV pool for the shard's layers; the sliding-window layers' of `n_window_blocks` (default the same)."""
+    def new_pool(self, n_blocks: int, n_window_blocks: int | None = None, spare: int = 0) -> KVPool:
+        """The KV pool for the shard's layers; the sliding-window layers' of `n_window_blocks` (default the same);
+        `spare` blocks beyond (see KVPool)."""
         weight = self.norm_weight
         window_blocks = n_blocks if n_window_blocks is None else n_window_blocks
-        return KVPool(self.args, self.layer_ids, n_blocks, window_blocks, weight.device, weight.dtype)
+        return KVPool(self.args, self.layer_ids, n_blocks, window_blocks, weight.device, weight.dtype, spare)
 
     def forward(self, inputs: torch.Tensor, pool: KVPool, index: StepIndex) -> torch.Tensor:
         """One step over a batch. inputs: token ids [R] (first shard) or hidden states [R, H]. Returns hidden
@@ -171,10 +173,14 @@ class ShardModel(nn.Module):
             h = h * torch.tensor(self.args.hidden_size**0.5, dtype=h.dtype)
         return h
 
-    def run_layers(self, h: torch.Tensor, pool: KVPool, index: StepIndex) -> torch.Tensor:
-        ropes = {key: table.get(index.layout.positions) for key, table in self.ropes.items()}
-        if self.native_decode is not None and self.native_decode.handles(index.layout, h):
-            return self.native_decode.run(h, pool, index, ropes)
+    def run_layers(self, h: torch.Tensor, pool: KVPool, index: StepIndex,
+                   ropes: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
+        """ropes: each rotary table's cos and sin for the rows (None: from the index's positions; a decode
+        graph gathers them on the device, cuda/graphs.py, and its index has no layout)."""
+        if ropes is None:
+            ropes = {key: table.get(index.layout.positions) for key, table in self.ropes.items()}
+            if self.native_decode is not None and self.native_decode.handles(index.layout, h):
+                return self.native_decode.run(h, pool, index, ropes)
         with native_matvec(self.native_matvec and h.shape[0] == 1):
             # Layers call their parts through .forward, not nn.Module's call machinery: that machinery (hook
             # checks, for hooks this model never has) runs ~9 times per layer, a noticeable share of a small
@@ -193,7 +199,11 @@ class ShardModel(nn.Module):
         sampled = torch.from_numpy(index.layout.sample_rows).to(h.device)
         # Only the sampled rows' logits are needed: with one request, a matrix-vector product.
         with native_matvec(self.native_matvec and sampled.shape[0] == 1):
-            logits = self.lm_head(self.norm(h.index_select(0, sampled)))
+            return self.logits(h.index_select(0, sampled))
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The last shard's logits of rows h (the final norm, the LM head, Gemma 2's soft-capping)."""
+        logits = self.lm_head(self.norm(h))
         if self.args.final_softcap is not None:  # Gemma 2
             logits = torch.tanh(logits / self.args.final_softcap) * self.args.final_softcap
         return logits
