@@ -64,26 +64,32 @@ def section(name: str, run: Callable[[], None]) -> None:
 
 # -- 1. families against transformers ---------------------------------------------------------------------------
 
-def ours_greedy(path: Path, device: str, dtype: str | None, n_tokens: int, prompt: list[int] = PROMPT
-                ) -> tuple[list[int], object]:
-    import numpy as np
-
+def load_engine(path: Path, device: str, dtype: str | None):
     from exo_like.engines.choice import create_engine
     from exo_like.models.config import ModelArgs
     from exo_like.models.gguf.file import is_gguf, open_gguf
     from exo_like.models.shard import Shard
-    from tests.engine_driver import Driver
 
     args = ModelArgs.from_dict(open_gguf(path).config()) if is_gguf(path) else ModelArgs.from_dir(path)
     engine = create_engine("torch", device=device, dtype=dtype)
     engine.load(path, args, Shard.whole(path.name, args.num_hidden_layers))
-    driver, tokens, logits, inputs = Driver([engine]), [], [], np.array(prompt, dtype=np.int64)
+    return engine
+
+
+def engine_greedy(engine, n_tokens: int, prompt: list[int] = PROMPT) -> list[int]:  # noqa: ANN001
+    import numpy as np
+
+    from tests.engine_driver import Driver
+
+    driver, tokens, inputs = Driver([engine]), [], np.array(prompt, dtype=np.int64)
     for _ in range(n_tokens):
-        out = driver.forward("r", inputs)
-        logits.append(out)
-        tokens.append(int(np.argmax(out)))
+        tokens.append(int(np.argmax(driver.forward("r", inputs))))
         inputs = np.array([tokens[-1]], dtype=np.int64)
-    return tokens, (engine, np.stack(logits))
+    return tokens
+
+
+def ours_greedy(path: Path, device: str, dtype: str | None, n_tokens: int) -> list[int]:
+    return engine_greedy(load_engine(path, device, dtype), n_tokens)
 
 
 def transformers_greedy(path: Path, device: str, dtype: str, n_tokens: int) -> list[int]:
@@ -105,7 +111,7 @@ def check_families(work: Path, device: str, n_tokens: int) -> None:
     for arch in ("llama", "qwen3_moe", "deepseek_v3"):
         path = make_checkpoint(work / arch, arch, n_layers=4, seed=5)
         for dtype in ("float32", "bfloat16"):
-            ours, _ = ours_greedy(path, device, dtype, n_tokens)
+            ours = ours_greedy(path, device, dtype, n_tokens)
             theirs = transformers_greedy(path, device, dtype, n_tokens)
             same = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), len(ours))
             report(f"{arch} {dtype} greedy = transformers", ours == theirs,
@@ -161,12 +167,12 @@ def check_q4_k_m(work: Path, device: str, shape: dict, n_layers: int, n_tokens: 
     folder, path = q4_k_m_file(work, shape, n_layers)
     file_bytes = path.stat().st_size
     before = torch.cuda.memory_allocated() if device == "cuda" else 0
-    quantized, (engine, _) = ours_greedy(path, device, None, n_tokens)
+    engine = load_engine(path, device, None)
     held = engine.parameter_bytes()
     allocated = (torch.cuda.memory_allocated() - before) if device == "cuda" else held
+    quantized = engine_greedy(engine, n_tokens)
     forms = engine.weight_forms
-    del engine
-    dequantized, _ = ours_greedy(path, device, "bfloat16" if device == "cuda" else "float32", n_tokens)
+    dequantized = ours_greedy(path, device, "bfloat16" if device == "cuda" else "float32", n_tokens)
     same = next((i for i, (a, b) in enumerate(zip(quantized, dequantized)) if a != b), n_tokens)
     report("Q4_K_M greedy = the dequantized file's", quantized == dequantized, f"{same}/{n_tokens} tokens agree")
     report("Q4_K_M held quantized", not forms.dequantized,
@@ -175,40 +181,38 @@ def check_q4_k_m(work: Path, device: str, shape: dict, n_layers: int, n_tokens: 
     report("Q4_K_M GPU memory <= 1.15x the file", ratio <= 1.15,
            f"held {held / 1e6:.1f} MB, allocated {allocated / 1e6:.1f} MB, file {file_bytes / 1e6:.1f} MB: "
            f"{ratio:.3f}x")
+    check_speed(folder, engine, device)  # (on CPU, --device cpu: the script's own trial, not a figure)
+
+
+def sync(device: str) -> None:
+    import torch
+
     if device == "cuda":
-        check_speed(folder, path, device)
+        torch.cuda.synchronize()
 
 
 def copy_bandwidth(device: str) -> float:
     """Bytes a second a device-to-device copy moves (read + written)."""
     import torch
 
-    a = torch.empty(2 ** 30, dtype=torch.uint8, device=device)
+    a = torch.empty(2 ** 30 if device == "cuda" else 2 ** 27, dtype=torch.uint8, device=device)
     b = torch.empty_like(a)
     for _ in range(3):
         b.copy_(a)
-    torch.cuda.synchronize()
+    sync(device)
     started = time.perf_counter()
     for _ in range(10):
         b.copy_(a)
-    torch.cuda.synchronize()
+    sync(device)
     return 2 * a.numel() * 10 / (time.perf_counter() - started)
 
 
-def decode_rate(path: Path, device: str, streams: int, n_tokens: int = 64) -> tuple[float, int]:
-    """Our decode tokens a second (all streams together) and the bytes the shard holds."""
+def decode_rate(engine, device: str, streams: int, n_tokens: int = 64) -> float:  # noqa: ANN001
+    """The engine's decode tokens a second, all streams together, each stream a request of its own."""
     import numpy as np
-    import torch
 
-    from exo_like.engines.choice import create_engine
-    from exo_like.models.config import ModelArgs
-    from exo_like.models.gguf.file import open_gguf
-    from exo_like.models.shard import Shard
     from tests.engine_driver import Driver
 
-    args = ModelArgs.from_dict(open_gguf(path).config())
-    engine = create_engine("torch", device=device)
-    engine.load(path, args, Shard.whole(path.name, args.num_hidden_layers))
     driver = Driver([engine], n_blocks=64 * streams)
     last = {}
     for s in range(streams):
@@ -221,16 +225,16 @@ def decode_rate(path: Path, device: str, streams: int, n_tokens: int = 64) -> tu
 
     for _ in range(4):
         step()
-    torch.cuda.synchronize()
+    sync(device)
     started = time.perf_counter()
     for _ in range(n_tokens):
         step()
-    torch.cuda.synchronize()
+    sync(device)
     rate = streams * n_tokens / (time.perf_counter() - started)
     graphs = engine.graphs
     print(f"   {streams} stream(s): decode graphs {'captured: ' + str(sorted(graphs.buckets)) if graphs else 'off'}",
           flush=True)
-    return rate, engine.parameter_bytes()
+    return rate
 
 
 def transformers_rate(folder: Path, device: str, n_tokens: int = 64) -> float:
@@ -242,16 +246,17 @@ def transformers_rate(folder: Path, device: str, n_tokens: int = 64) -> float:
     kwargs = dict(attention_mask=torch.ones_like(inputs), do_sample=False, pad_token_id=0, eos_token_id=None)
     with torch.no_grad():
         model.generate(inputs, max_new_tokens=8, **kwargs)
-        torch.cuda.synchronize()
+        sync(device)
         started = time.perf_counter()
         model.generate(inputs, max_new_tokens=n_tokens + 1, min_new_tokens=n_tokens + 1, **kwargs)
-        torch.cuda.synchronize()
+        sync(device)
     return n_tokens / (time.perf_counter() - started)
 
 
-def check_speed(folder: Path, path: Path, device: str) -> None:
-    one, held = decode_rate(path, device, 1)
-    eight, _ = decode_rate(path, device, 8)
+def check_speed(folder: Path, engine, device: str) -> None:  # noqa: ANN001
+    held = engine.parameter_bytes()
+    one = decode_rate(engine, device, 1)
+    eight = decode_rate(engine, device, 8)
     theirs = transformers_rate(folder, device)
     bandwidth = copy_bandwidth(device)
     bound = bandwidth / held
@@ -337,7 +342,7 @@ def check_nccl_group(work: Path, device: str) -> None:
 
     folder = make_checkpoint(work / "nccl", "llama", n_layers=3, seed=5)
     args = ModelArgs.from_dir(folder)
-    expected, _ = ours_greedy(folder, "cuda:0", "float32", 16)
+    expected = ours_greedy(folder, "cuda:0", "float32", 16)
     group = start_group(2, devices=["cuda:0", "cuda:1"])
     try:
         load_group(group, folder, args, rank_shard(args, folder.name, 2), N_BLOCKS)
