@@ -26,7 +26,8 @@ import numpy as np
 
 from exo_like.engines.work import SamplingParams
 
-__all__ = ["SamplingParams", "TokenHistory", "Choice", "LOGPROB_FLOOR", "choose", "sample_nth", "adjust"]
+__all__ = ["SamplingParams", "TokenHistory", "Choice", "LOGPROB_FLOOR", "choose", "sample_nth", "adjust",
+           "probabilities"]
 
 # top-p looks at this many best tokens first; only if they hold less than top_p of the mass does it sort all.
 _NUCLEUS_CANDIDATES = 512
@@ -75,6 +76,18 @@ def choose(logits: np.ndarray, params: SamplingParams, seed: int, index: int,
         return _with_logprobs(token, np.arange(adjusted.size), adjusted, adjusted, params.logprobs)
     token = _draw(candidates, scaled, np.random.default_rng([seed, index]))
     return _with_logprobs(token, candidates, scaled, adjusted, params.logprobs)
+
+
+def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """The distribution a sampled (not greedy) request's token is drawn from, over the whole vocabulary (float64,
+    zero outside its candidates): what speculative sampling compares a draft's proposal with."""
+    candidates, scaled = _scaled_candidates(adjust(logits, params, None), params, None)
+    probs = np.zeros(logits.size, dtype=np.float64)
+    if candidates is None:  # a temperature whose limit is greedy
+        probs[int(np.argmax(scaled))] = 1.0
+    else:
+        probs[candidates] = _softmax(scaled)
+    return probs
 
 
 def adjust(logits: np.ndarray, params: SamplingParams, history: TokenHistory | None,

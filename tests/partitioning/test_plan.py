@@ -114,7 +114,8 @@ def test_a_quantized_footprint_survives_the_manifest_cache_and_older_manifests_s
     assert footprint.held_by("torch", "float32").embed_bytes == 4096 * 2 * 4
     # The torch CPU kernel: half a byte per weight and a bfloat16 scale and zero per group of 64; norms in float32.
     assert footprint.held_by("torch").layer_bytes == (256 * 64 // 2 + 256 * 4 + 64 * 4,)
-    assert footprint.held_by("torch", device="cuda:0").layer_bytes == (256 * 64 * 2 + 128,)
+    # A CUDA node holds the same packing on the GPU (engines/torch/cuda/), its float tensors in bfloat16.
+    assert footprint.held_by("torch", device="cuda:0").layer_bytes == (256 * 64 // 2 + 256 * 2 * 2 + 64 * 2,)
     def sizes(f: ModelFootprint) -> tuple:
         return f.layer_bytes, f.embed_bytes, f.head_bytes
 
