@@ -18,6 +18,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from discovery import parse_peers
 from exo_like.api.routes import create_app, finish_generations
 from exo_like.cluster.peers import DEFAULT_PEER_TIMEOUT
+from exo_like.cluster.protocol import MAX_DRAFT
 from exo_like.engines.torch.openmp import limit_worker_spin
 from exo_like.errors import ExoLikeError
 from exo_like.models.hub.repo import refuse_downloads
@@ -107,6 +108,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "first, then prompt chunks; smaller keeps streams smooth while long prompts arrive "
                              f"(default: {DEFAULT_INTERLEAVE_TOKENS['cpu']} on a CPU, else "
                              f"{DEFAULT_INTERLEAVE_TOKENS['accelerator']})")
+    parser.add_argument("--speculative-ngram", type=int, default=0, metavar="K",
+                        help="speculative decoding by prompt lookup: up to K tokens a step proposed from the "
+                             "request's own text and checked by the ring in one pass (the same tokens, fewer "
+                             "trips round the ring where answers repeat their input; docs/speculative.md); "
+                             "used while few requests run (default: 0, off)")
     parser.add_argument("--max-running", type=int, default=DEFAULT_MAX_RUNNING,
                         help="requests batched at once; more wait in a queue (default: %(default)d)")
     parser.add_argument("--no-prefix-cache", action="store_true",
@@ -144,6 +150,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--kv-cache-gb must be positive")
     if any(n is not None and n < 1 for n in (args.max_batch_tokens, args.interleave_tokens, args.max_running)):
         parser.error("--max-batch-tokens, --interleave-tokens and --max-running must be at least 1")
+    if not 0 <= args.speculative_ngram <= MAX_DRAFT:
+        parser.error(f"--speculative-ngram must be from 0 to {MAX_DRAFT}")
     return args
 
 
@@ -243,7 +251,7 @@ def main(argv: list[str] | None = None) -> None:
                           keep_alive=args.keep_alive,
                           peer_timeout=args.peer_timeout, kv_cache_gb=args.kv_cache_gb,
                           limits=SchedulerLimits(args.max_batch_tokens, args.max_running, not args.no_prefix_cache,
-                                                 args.interleave_tokens),
+                                                 args.interleave_tokens, args.speculative_ngram),
                           placement=args.placement, remeasure=args.remeasure, parallel=args.parallel)
     try:
         node = Node(options)

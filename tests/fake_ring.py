@@ -40,8 +40,11 @@ class FakeEngine(Engine):
     name = "fake"
 
     def __init__(self, stage_index: int, last: bool, n_blocks: int, delay: float = 0.0, window: int | None = None,
-                 n_window_blocks: int = 0, window_from_full: bool = False, vocab: int = VOCAB):
+                 n_window_blocks: int = 0, window_from_full: bool = False, vocab: int = VOCAB, copying: int = 0):
+        """copying (a one-stage ring): each token repeats the one `copying` positions back, except at every
+        fifth position: a model whose answers prompt lookup predicts, mostly."""
         super().__init__()
+        self.copying = copying
         self.stage_index, self.last, self.delay, self.vocab = stage_index, last, delay, vocab
         self.store = np.zeros(n_blocks * 16, dtype=np.int64)
         self.n_blocks = n_blocks
@@ -50,10 +53,12 @@ class FakeEngine(Engine):
         self.window_from_full = window_from_full  # the reference: read the window from the full pool
         self.window_tables: list[tuple[int, ...]] = []  # every window table seen for a decode row
         self.calls: list[list[tuple[str, int, int]]] = []
+        self.items: list[WorkItem] = []  # every item run, in order
         self.fail_on: str | None = None  # a rid whose presence in a batch makes the step fail
 
     def step(self, items: Sequence[WorkItem], inputs: np.ndarray | Activations) -> Activations | np.ndarray:
         self.calls.append([(i.rid, i.start, i.count) for i in items])
+        self.items.extend(items)
         self.window_tables += [i.window_blocks for i in items if i.count == 1 and i.window_blocks is not None]
         if self.fail_on is not None and any(i.rid == self.fail_on for i in items):
             raise RuntimeError("the fake engine broke")
@@ -74,6 +79,9 @@ class FakeEngine(Engine):
                     source = (item, self.store) if self.window_from_full else (windowed.items[i], self.window_store)
                     mix += 7 * self._window_mix(*source, item.start + row - item.row_start)
                 out[row] = mix % MODULUS
+                position = item.start + row - item.row_start
+                if self.copying and len(visible) > self.copying and position % 5:
+                    out[row] = self.store[visible[-self.copying]] - 1000 * (self.stage_index + 1)
         if not self.last:
             hidden = np.stack([out, np.zeros_like(out)], axis=1).astype(np.float32)
             return Activations("float32", hidden.shape, hidden.tobytes())

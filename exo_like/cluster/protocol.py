@@ -62,7 +62,7 @@ DEFAULT_MAX_FRAME_BYTES = 64 * 1024 * 1024
 # 8: several models at once: plan announcements carry the replicated instance registers, each instance's plan
 #    digest and readiness, and speed figures per model.
 # 9: every message declared once and read by one codec (codec.py); the same fields.
-PROTOCOL = 9
+PROTOCOL = 10
 # Entries in a list of members (addresses shared, linked peers announced): far above any real cluster, and a bound
 # on what one peer can make this node remember or dial.
 MAX_MEMBERS = 256
@@ -301,6 +301,7 @@ MAX_LOGPROBS = 20  # the likeliest tokens a request may ask log-probabilities of
 MAX_BIAS = 100.0  # a bias's magnitude (OpenAI's limit)
 PENALTY = 1e6  # bounds of the penalties on the wire (the API checks its dialect's own)
 MAX_GRAMMAR = 1 << 20  # characters of a request's grammar (a schema, or a forced call of any of many tools)
+MAX_DRAFT = 64  # tokens a verification step may propose for one request (serving/speculative.py)
 
 SAMPLING_PARAMS = Struct(SamplingParams, {
     "temperature": Float(0.0, 1e6), "top_p": Float(0.0, 1.0), "top_k": Int(0, INT64 - 1), "seed": Int(0, INT64 - 1),
@@ -323,7 +324,8 @@ def _check_sample(values: dict[str, Any]) -> None:
 # A request's sampling: its parameters and the spec's own fields in one map.
 SAMPLE = Struct(SampleSpec, {
     "params": SAMPLING_PARAMS, "max_tokens": Int(1, INT64 - 1), "eos": Seq(Int(0)), "prompt_len": Int(1),
-    "history": Field(Nullable(Seq(Int(0))), OMIT_DEFAULT), "cached": Field(Int(0, INT64 - 1), OMIT_DEFAULT)},
+    "history": Field(Nullable(Seq(Int(0))), OMIT_DEFAULT), "cached": Field(Int(0, INT64 - 1), OMIT_DEFAULT),
+    "draft": Field(Seq(TOKEN, MAX_DRAFT), OMIT_DEFAULT)},
     flatten=["params"], check=_check_sample)
 
 
@@ -335,10 +337,13 @@ def _check_item(values: dict[str, Any]) -> None:
     window, first = values["window_blocks"], values["window_first"]
     if window is not None and (first * BLOCK_SIZE > start or len(window) < blocks_for(end) - first):
         raise ProtocolError(f"field 'window_blocks': blocks {first} on cannot hold positions [{start}, {end})")
-    # The last stage counts the tokens generated before this one as end - prompt_len (its sampling index).
-    if sample is not None and end < sample.prompt_len:
+    # The last stage counts the tokens generated before its first sampled row's as end - draft - prompt_len.
+    if sample is not None and end - len(sample.draft) < sample.prompt_len:
         raise ProtocolError(f"field 'sample': a prompt of {sample.prompt_len} tokens does not end by the "
-                            f"item's last position {end - 1}")
+                            f"item's first sampled position {end - len(sample.draft) - 1}")
+    if sample is not None and len(sample.draft) >= values["count"]:
+        raise ProtocolError(f"field 'draft': {len(sample.draft)} proposed tokens need more than the item's "
+                            f"{values['count']} positions")
 
 
 ITEM = Struct(WorkItem, {

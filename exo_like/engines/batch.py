@@ -72,8 +72,8 @@ def layout(items: Sequence[WorkItem], n_blocks: int, context_length: int, window
         positions.append(np.arange(item.start, item.end, dtype=np.int64))
         writes.append(slots[item.start - origin:])
         row += item.count
-        if item.sample is not None:
-            sample_rows.append(row - 1)
+        if item.sample is not None:  # the last row's logits, or a draft's rows' (SampleSpec.draft)
+            sample_rows.extend(range(row - item.sample.sampled_rows, row))
     return BatchLayout(tuple(layouts), np.concatenate(positions), np.concatenate(writes),
                        np.asarray(sample_rows, dtype=np.int64))
 

@@ -74,13 +74,22 @@ class SampleSpec:
     prompt_len: int  # the request's own prompt: tokens past it are generated ones
     history: tuple[int, ...] | None = None
     cached: int = 0  # prompt tokens the first stage took from its prefix cache (the last stage reports them)
+    # Tokens proposed for the item's last len(draft) positions (speculative decoding): each of its last
+    # len(draft) + 1 rows is sampled, and the last stage keeps the draft as far as the target agrees
+    # (serving/speculative.py). (): one token sampled from the last row.
+    draft: tuple[int, ...] = ()
+
+    @property
+    def sampled_rows(self) -> int:
+        """Rows of the item whose logits the last stage reads."""
+        return len(self.draft) + 1
 
 
 @dataclass(frozen=True)
 class WorkItem:
     """One request's rows in a batch: positions [start, start + count) of request `rid`, whose keys and values
     live in the KV blocks `blocks` (the request's whole block table). `sample` is set when the last row's
-    logits pick the request's next token.
+    logits pick the request's next token (its last rows', verifying a draft: SampleSpec.draft).
 
     Sliding-window layers keep their keys and values in a pool of their own, and only the blocks their window
     still reaches: `window_blocks[j]` holds the request's block `window_first + j` there. None: they use the

@@ -17,14 +17,16 @@ from __future__ import annotations
 import itertools
 import math
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from exo_like.cluster.protocol import MAX_DRAFT
 from exo_like.engines.work import BLOCK_SIZE, SampleSpec, WorkItem
 from exo_like.serving.kv_blocks import BlockPool
 from exo_like.serving.kv_cache import KVCache, RequestBlocks
+from exo_like.serving.speculative import propose_ngram, speculable
 
 # Rows of one engine step, by where the first stage computes, unless --max-batch-tokens says otherwise: big steps
 # prefill fastest (each step reads every weight once) when nobody waits for tokens...
@@ -42,11 +44,18 @@ class SchedulerLimits:
     max_running: int = DEFAULT_MAX_RUNNING  # requests holding KV blocks at once (vLLM's max_num_seqs)
     prefix_cache: bool = True
     interleave_tokens: int | None = None  # rows of one step while requests stream; None: by device
+    # Speculative decoding by prompt lookup (serving/speculative.py): up to this many proposed tokens a decode
+    # step of a request (0: none), while no more than speculative_max_running requests run (under load a step
+    # is full anyway, and verifying rejected drafts would only cost).
+    speculative_tokens: int = 0
+    speculative_max_running: int = 4
 
     def __post_init__(self) -> None:
         budgets = (self.max_batch_tokens, self.interleave_tokens)
         if any(b is not None and b < 1 for b in budgets) or self.max_running < 1:
             raise ValueError("the batch token budgets and the running-request limit must be at least 1")
+        if not 0 <= self.speculative_tokens <= MAX_DRAFT:
+            raise ValueError(f"speculative tokens must be from 0 to {MAX_DRAFT}")
 
     def for_device(self, cpu: bool) -> "SchedulerLimits":
         """These limits with the batch token budgets decided (the defaults for a CPU or an accelerator)."""
@@ -71,6 +80,7 @@ class ScheduledRequest:
     admitted: bool = False  # admitted once already (a preempted request's own blocks are no cache hit)
     in_flight: bool = False  # a token is being sampled for it: it has nothing to compute until that arrives
     batch: int = -1  # the step whose token it awaits, while in flight
+    draft: tuple[int, ...] = ()  # tokens proposed for the step being scheduled (speculative decoding)
 
     @property
     def pending(self) -> int:
@@ -144,15 +154,21 @@ class Scheduler:
             return
         self.waiting.append(ScheduledRequest(rid, origin, tokens, sample, next(self._arrivals)))
 
-    def on_sampled(self, rid: str, token: int, done: bool) -> None:
+    def on_sampled(self, rid: str, tokens: Sequence[int], done: bool) -> None:
+        """A request's sampled tokens: one, or a verified draft's kept tokens and the target's next. Positions
+        the step computed past the kept ones (a draft's rejected tokens) are given back: only the kept tokens'
+        keys and values count, and the next step writes the rest again."""
         seq = self.running.get(rid)
         if seq is None:
             return  # released meanwhile
         seq.in_flight = False
         if done:
             self._finish(seq)
-        else:
-            seq.tokens.append(token)
+            return
+        seq.tokens.extend(tokens)
+        if seq.computed >= len(seq.tokens):  # a draft was rejected: its positions' keys and values are dropped
+            seq.computed = len(seq.tokens) - 1
+            self.kv.rollback(seq.kv, seq.computed)
 
     def release(self, rid: str) -> bool:
         """Drop a request wherever it is; False if it is not here."""
@@ -211,7 +227,9 @@ class Scheduler:
                 if decode_quota == 0:
                     continue
                 decode_quota -= 1
-                count = self._grow(seq, 1, chosen)
+                seq.draft = self._propose(seq, rows_left)
+                count = self._grow(seq, 1 + len(seq.draft), chosen)
+                seq.draft = seq.draft[:max(0, count - 1)]
             else:
                 want = self._chunk(seq, min(prompt_budget, rows_left), chosen)
                 count = self._grow(seq, want, chosen) if want else 0
@@ -231,6 +249,16 @@ class Scheduler:
             return None
         self._steps += 1
         return self._step(chosen)
+
+    def _propose(self, seq: ScheduledRequest, rows_left: int) -> tuple[int, ...]:
+        """Tokens to verify beside a decoding request's next one: a prompt lookup's, where speculation is on and
+        pays (few requests running), within the rows left and the tokens the request may still make."""
+        limits = self.limits
+        if not limits.speculative_tokens or len(self.running) > limits.speculative_max_running or \
+                not speculable(seq.sample.params):
+            return ()
+        left = seq.sample.max_tokens - (len(seq.tokens) - seq.sample.prompt_len) - 1
+        return propose_ngram(seq.tokens, min(limits.speculative_tokens, left, rows_left - 1))
 
     def _weight(self, position: int) -> int:
         if self.attention_scale is None or not self._weighted:
@@ -302,14 +330,17 @@ class Scheduler:
         for seq, count in chosen:
             start = seq.computed
             seq.computed += count
-            sample = seq.computed == len(seq.tokens)
+            draft, seq.draft = (seq.draft if seq.pending < 0 else ()), ()  # (positions past the known tokens)
+            sample = seq.computed >= len(seq.tokens)
             seq.in_flight, seq.batch = sample, self._steps
             blocks, window_blocks, window_first = self.kv.table(seq.kv)
-            items.append(WorkItem(seq.rid, seq.origin, start, count, blocks,
-                                  self._sample_spec(seq) if sample else None, window_blocks, window_first))
-            tokens.extend(seq.tokens[start:seq.computed])
-            if self.limits.prefix_cache:
-                self.kv.register_full_blocks(seq.kv, seq.tokens, seq.computed)
+            spec = self._sample_spec(seq) if sample else None
+            if draft:
+                spec = replace(spec, draft=draft)
+            items.append(WorkItem(seq.rid, seq.origin, start, count, blocks, spec, window_blocks, window_first))
+            tokens.extend([*seq.tokens[start:seq.computed], *draft])
+            if self.limits.prefix_cache:  # (a draft's positions once their tokens are kept: on_sampled)
+                self.kv.register_full_blocks(seq.kv, seq.tokens, min(seq.computed, len(seq.tokens)))
         return Step(items, np.asarray(tokens, dtype=np.int64))
 
     @staticmethod

@@ -33,6 +33,7 @@ from exo_like.errors import ExoLikeError
 from exo_like.meter import RateMeter, RecentMedian
 from exo_like.serving.grammar import Constraint, GrammarVocabulary
 from exo_like.serving.sampling import TokenHistory, choose
+from exo_like.serving.speculative import verify
 from exo_like.serving.scheduler import Scheduler, SchedulerLimits, Step
 from partitioning.plan import Plan
 
@@ -180,8 +181,11 @@ class StageWorker:
             return  # an origin's copy: not for the stage
         if self.scheduler is None or self.plan is None or message.digest != self.plan.digest:
             return
-        for token in message.tokens:
-            self.scheduler.on_sampled(token.rid, token.token, token.done)
+        by_request: dict[str, list[SampledToken]] = {}
+        for token in message.tokens:  # (a verified draft gives a request several, in order)
+            by_request.setdefault(token.rid, []).append(token)
+        for rid, tokens in by_request.items():
+            self.scheduler.on_sampled(rid, [token.token for token in tokens], tokens[-1].done)
 
     # -- the step loop --------------------------------------------------------------------------------------
 
@@ -269,8 +273,12 @@ class StageWorker:
             return
         if work.plan is not self.plan:
             return  # re-planned while the step ran: activate() told the origins
-        # Each item that ends where a token is sampled carries one generated token through this stage.
-        self.throughput.add(sum(1 for item in work.items if item.sample is not None))
+        # Each item that ends where a token is sampled carries a generated token through this stage (a draft's
+        # verification, as many as the last stage keeps: counted there, as it delivers them).
+        if not is_last:
+            self.throughput.add(sum(1 for item in work.items if item.sample is not None))
+        else:
+            self.throughput.add(len(result))
         if not is_last:
             assert isinstance(result, Activations)
             await self._send(work.plan.stages[index + 1].node_id,
@@ -299,25 +307,49 @@ class StageWorker:
         return result
 
     def _sample(self, items: Sequence[WorkItem], logits: np.ndarray) -> list[tuple[WorkItem, SampledToken]]:
-        sampled = []
-        for item, row in zip((item for item in items if item.sample is not None), logits):
-            spec = item.sample
-            index = item.end - spec.prompt_len  # generated tokens before this one
-            state = self._state(item.rid, spec)
-            constraint = state.constraint if state else None
-            choice = choose(row, spec.params, spec.params.seed or 0, index, state.history if state else None,
-                            constraint.allowed() if constraint else None)
-            if constraint is not None:
-                constraint.advance(choice.token)
-            if state is not None and state.history is not None:
-                state.history.add(choice.token)
-            done = (choice.token in spec.eos or index + 1 >= spec.max_tokens
-                    or (constraint is not None and constraint.finished and not spec.eos))
-            if done:
-                self.sampler_states.pop(item.rid, None)
-            sampled.append((item, SampledToken(item.rid, choice.token, done, choice.logprob, choice.top_logprobs,
-                                               spec.cached if index == 0 else 0)))
+        sampled: list[tuple[WorkItem, SampledToken]] = []
+        row = 0
+        for item in (item for item in items if item.sample is not None):
+            rows = logits[row:row + item.sample.sampled_rows]
+            row += item.sample.sampled_rows
+            if item.sample.draft:
+                sampled += self._verify(item, rows)
+            else:
+                sampled.append((item, self._sample_one(item, rows[0])))
         return sampled
+
+    def _sample_one(self, item: WorkItem, row: np.ndarray) -> SampledToken:
+        spec = item.sample
+        index = item.end - spec.prompt_len  # generated tokens before this one
+        state = self._state(item.rid, spec)
+        constraint = state.constraint if state else None
+        choice = choose(row, spec.params, spec.params.seed or 0, index, state.history if state else None,
+                        constraint.allowed() if constraint else None)
+        if constraint is not None:
+            constraint.advance(choice.token)
+        if state is not None and state.history is not None:
+            state.history.add(choice.token)
+        done = (choice.token in spec.eos or index + 1 >= spec.max_tokens
+                or (constraint is not None and constraint.finished and not spec.eos))
+        if done:
+            self.sampler_states.pop(item.rid, None)
+        return SampledToken(item.rid, choice.token, done, choice.logprob, choice.top_logprobs,
+                            spec.cached if index == 0 else 0)
+
+    def _verify(self, item: WorkItem, rows: np.ndarray) -> list[tuple[WorkItem, SampledToken]]:
+        """A draft's tokens as far as the target keeps them, and the target's next (serving/speculative.py); the
+        request ends at its first end-of-sequence token or its last allowed one."""
+        spec = item.sample
+        first = item.end - len(spec.draft) - spec.prompt_len  # the first sampled row's generated index
+        kept = verify(rows, spec.draft, spec.params, spec.params.seed or 0, first)
+        tokens = []
+        for offset, token in enumerate(kept):
+            index = first + offset
+            done = token in spec.eos or index + 1 >= spec.max_tokens
+            tokens.append((item, SampledToken(item.rid, token, done, None, (), spec.cached if index == 0 else 0)))
+            if done:
+                break
+        return tokens
 
     def _state(self, rid: str, spec: SampleSpec) -> SamplerState | None:
         """What a stateful request's sampling reads here: its token history (penalties) and its grammar's matcher.

@@ -24,7 +24,7 @@ def run_step(scheduler: Scheduler, next_token: int = 5) -> dict[str, tuple[int, 
     assert step is not None
     for item in step.items:
         if item.sample is not None:
-            scheduler.on_sampled(item.rid, next_token, done=False)
+            scheduler.on_sampled(item.rid, [next_token], done=False)
     return {item.rid: (item.start, item.count) for item in step.items}
 
 
@@ -117,7 +117,7 @@ def test_only_the_chunk_that_ends_the_prompt_samples() -> None:
         samples.append(step.items[0].sample is not None)
     assert samples == [False, False, True]
     assert scheduler.schedule() is None  # its token is being sampled: nothing to do until it arrives
-    scheduler.on_sampled("a", 9, done=False)
+    scheduler.on_sampled("a", [9], done=False)
     assert scheduler.schedule().tokens.tolist() == [9]
 
 
@@ -126,7 +126,7 @@ def test_requests_beyond_max_running_wait_in_order() -> None:
     for rid in "abc":
         submit(scheduler, rid, [1, 2])
     assert set(run_step(scheduler)) == {"a", "b"}
-    scheduler.on_sampled("a", 0, done=True)  # a finishes: c gets its place
+    scheduler.on_sampled("a", [0], done=True)  # a finishes: c gets its place
     assert set(run_step(scheduler)) == {"b", "c"}
 
 
@@ -136,12 +136,12 @@ def test_done_and_release_free_the_blocks() -> None:
     submit(scheduler, "b", list(range(100, 110)))
     run_step(scheduler)
     assert scheduler.pool.used == 4
-    scheduler.on_sampled("b", 1, done=True)
+    scheduler.on_sampled("b", [1], done=True)
     assert scheduler.pool.used == 3 and "b" not in scheduler.running
     assert scheduler.release("a") and not scheduler.release("a")
     assert scheduler.pool.available == 8 and not scheduler.running
     # A late token of a released request changes nothing.
-    scheduler.on_sampled("a", 3, done=False)
+    scheduler.on_sampled("a", [3], done=False)
     assert scheduler.schedule() is None
 
 
@@ -154,7 +154,7 @@ def test_requests_wait_for_kv_blocks_and_are_admitted_as_others_finish() -> None
         submit(scheduler, rid, list(range(30)))  # 2 blocks each
     assert set(run_step(scheduler)) == {"a", "b"}
     assert [s.rid for s in scheduler.waiting] == ["c"]
-    scheduler.on_sampled("a", 0, done=True)
+    scheduler.on_sampled("a", [0], done=True)
     assert set(run_step(scheduler)) == {"b", "c"}
     assert not scheduler.failures
 
@@ -170,7 +170,7 @@ def test_a_request_that_needs_a_block_preempts_the_newest_one() -> None:
     assert step == {"old": (16, 1)}
     assert scheduler.preemptions == 1 and [s.rid for s in scheduler.waiting] == ["new"]
     assert scheduler.waiting[0].tokens == [0, 1, 2, 3, 4, 5, 5]
-    scheduler.on_sampled("old", 0, done=True)
+    scheduler.on_sampled("old", [0], done=True)
     # Recomputed from all its tokens; it samples its next token at the same index as before.
     step = scheduler.schedule()
     assert [(i.rid, i.start, i.count) for i in step.items] == [("new", 0, 7)]
@@ -182,9 +182,9 @@ def test_in_flight_requests_are_not_preempted() -> None:
     submit(scheduler, "old", list(range(BLOCK_SIZE)))
     submit(scheduler, "new", list(range(3)))
     scheduler.schedule()  # both in flight now
-    scheduler.on_sampled("old", 1, done=False)
+    scheduler.on_sampled("old", [1], done=False)
     assert scheduler.schedule() is None  # old needs a block, new's token is still being sampled
-    scheduler.on_sampled("new", 1, done=False)
+    scheduler.on_sampled("new", [1], done=False)
     assert run_step(scheduler) == {"old": (16, 1)}
 
 
@@ -216,7 +216,7 @@ def test_with_several_machines_decoding_requests_split_into_batches_in_flight() 
     first = scheduler.schedule()
     assert len(first.items) == 8  # prompts go together
     for item in first.items:
-        scheduler.on_sampled(item.rid, 4, done=False)
+        scheduler.on_sampled(item.rid, [4], done=False)
     sizes = []
     while (step := scheduler.schedule()) is not None:
         sizes.append(len(step.items))
@@ -229,7 +229,7 @@ def test_with_one_machine_one_batch_is_in_flight_so_requests_stay_together() -> 
     first = scheduler.schedule()
     submit(scheduler, "b", [4, 5])  # arrives while a's first token is being sampled
     assert scheduler.schedule() is None and scheduler.batches_in_flight() == 1
-    scheduler.on_sampled("a", 9, done=False)
+    scheduler.on_sampled("a", [9], done=False)
     step = scheduler.schedule()
     assert [(i.rid, i.count) for i in step.items] == [("a", 1), ("b", 2)]  # one batch from here on
     assert first.items[0].rid == "a"
@@ -253,7 +253,7 @@ def test_a_prompt_sharing_a_cached_prefix_computes_only_the_rest() -> None:
     system = list(range(1000, 1000 + 5 * BLOCK_SIZE + 3))  # 5 full blocks and 3 more tokens
     submit(scheduler, "first", system + [1, 2, 3])
     run_step(scheduler)
-    scheduler.on_sampled("first", 0, done=True)  # finished: its full blocks stay cached
+    scheduler.on_sampled("first", [0], done=True)  # finished: its full blocks stay cached
     assert scheduler.pool.cached == 5
     submit(scheduler, "second", system + [7, 8])
     step = scheduler.schedule()
@@ -281,7 +281,7 @@ def test_a_prompt_entirely_cached_still_computes_its_last_block() -> None:
     prompt = list(range(2 * BLOCK_SIZE))
     submit(scheduler, "a", prompt)
     run_step(scheduler)
-    scheduler.on_sampled("a", 0, done=True)
+    scheduler.on_sampled("a", [0], done=True)
     submit(scheduler, "b", prompt)
     [item] = scheduler.schedule().items
     assert (item.start, item.count) == (BLOCK_SIZE, BLOCK_SIZE)  # the logits of the last token are needed
@@ -308,7 +308,7 @@ def test_with_the_prefix_cache_off_nothing_is_shared() -> None:
     prompt = list(range(3 * BLOCK_SIZE + 1))
     submit(scheduler, "a", prompt)
     run_step(scheduler)
-    scheduler.on_sampled("a", 0, done=True)
+    scheduler.on_sampled("a", [0], done=True)
     submit(scheduler, "b", prompt)
     [item] = scheduler.schedule().items
     assert item.start == 0 and scheduler.pool.cached == 0

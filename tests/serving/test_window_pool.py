@@ -95,7 +95,7 @@ def test_a_decoding_request_holds_only_its_windows_blocks() -> None:
         item = step.items[0]
         held.append((item.window_first, len(item.window_blocks)))
         assert item.window_first * BLOCK_SIZE <= window_start(item.start, WINDOW)
-        scheduler.on_sampled("r", 5, False)
+        scheduler.on_sampled("r", [5], False)
     assert held[0] == (0, blocks_for(100))  # the prompt in one step: its rows' windows reach back to position 0
     assert all(count <= blocks_for(WINDOW) + 1 for _, count in held[1:])
     scheduler.release("r")

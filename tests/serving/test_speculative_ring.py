@@ -1,0 +1,141 @@
+"""Speculative decoding by prompt lookup through a ring (serving/scheduler.py proposes, the last stage verifies,
+the first stage keeps what was accepted and rolls the rest back): the tokens are those of decoding one at a time,
+on one stage and three, alone and together, with drafts kept and rejected. The fake engine's output mixes every
+position's stored input (tests/fake_ring.py), so a rejected draft's keys and values left in place, or a position
+skipped, would change every later token. And with a real model: the logits of a verification step's rows are
+those of decoding the same tokens one by one, and the pool after a rejection holds what decoding the kept tokens
+alone leaves."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from exo_like.engines.choice import create_engine
+from exo_like.engines.work import SampleSpec, SamplingParams, WorkItem
+from exo_like.models.config import ModelArgs
+from exo_like.models.shard import Shard
+from exo_like.serving.scheduler import Scheduler, SchedulerLimits
+from tests.checkpoints import make_checkpoint
+from tests.engine_driver import Driver
+from tests.fake_ring import VOCAB, generate, ring
+
+# Prompts that repeat themselves, so that lookups find drafts; the fake model's continuations sometimes follow
+# them and sometimes not.
+PROMPTS = {f"r{i}": [(3 * i + j % (4 + i)) % VOCAB for j in range(20 + 3 * i)] for i in range(4)}
+SPECULATING = SchedulerLimits(256, speculative_tokens=4)
+
+
+async def outputs(n_stages: int, limits: SchedulerLimits, together: bool, max_tokens: int = 24, copying: int = 0):
+    async with ring(n_stages, limits=limits) as net:
+        net.first.engine.copying = copying  # (a one-stage ring: a model that repeats itself, mostly)
+        if together:
+            tasks = [generate(net.first, rid, prompt, max_tokens) for rid, prompt in PROMPTS.items()]
+            results = await asyncio.wait_for(asyncio.gather(*tasks), 60)
+        else:
+            results = [await generate(net.first, rid, prompt, max_tokens) for rid, prompt in PROMPTS.items()]
+        items = list(net.first.engine.items)
+    return dict(zip(PROMPTS, results)), items
+
+
+def rejected_positions(items: list[WorkItem], plain: dict[str, list[int]]) -> int:
+    """Positions computed beyond those decoding one at a time computes: rejected drafts'."""
+    needed = sum(len(PROMPTS[rid]) + len(tokens) - 1 for rid, tokens in plain.items())
+    return sum(item.count for item in items) - needed
+
+
+@pytest.mark.parametrize("together", [False, True])
+@pytest.mark.parametrize("n_stages", [1, 3])
+async def test_speculation_gives_the_tokens_of_decoding_one_at_a_time(n_stages, together):
+    """Drafts the fake model rejects (its tokens follow no pattern): verified, rolled back, the same tokens."""
+    plain, _ = await outputs(n_stages, SchedulerLimits(256), together)
+    speculated, items = await outputs(n_stages, SPECULATING, together)
+    assert speculated == plain
+    assert any(item.sample is not None and item.sample.draft for item in items), "no draft was proposed"
+    assert rejected_positions(items, plain) > 0
+
+
+@pytest.mark.parametrize("together", [False, True])
+async def test_drafts_the_model_agrees_with_take_fewer_steps(together):
+    plain, plain_items = await outputs(1, SchedulerLimits(256), together, copying=3)
+    speculated, items = await outputs(1, SPECULATING, together, copying=3)
+    assert speculated == plain
+    sampled = sum(1 for item in items if item.sample is not None)
+    assert sampled < 0.6 * sum(len(tokens) for tokens in plain.values())  # several tokens a verification
+    assert rejected_positions(items, plain) > 0  # and every fifth position's draft rejected
+
+
+def scheduled(limits: SchedulerLimits, tokens: list[int]) -> tuple[Scheduler, WorkItem]:
+    scheduler = Scheduler(64, limits)
+    spec = SampleSpec(SamplingParams(temperature=0.0), 50, (), len(tokens))
+    scheduler.submit("r", "o", tokens, spec)
+    step = scheduler.schedule()
+    return scheduler, step.items[0]
+
+
+def test_the_first_stage_keeps_what_was_verified_and_rolls_the_rest_back():
+    prompt = [1, 2, 3, 4, 1, 2, 3]
+    scheduler, _ = scheduled(SPECULATING, prompt)
+    scheduler.on_sampled("r", [4], False)  # the prompt's token: ... 1 2 3 4; the lookup proposes 1 2 3 4
+    item = scheduler.schedule().items[0]
+    assert item.sample.draft == (1, 2, 3, 4) and (item.start, item.count) == (7, 5)
+    scheduler.on_sampled("r", [1, 2, 9], False)  # two kept, then the target's 9
+    seq = scheduler.running["r"]
+    assert seq.tokens == prompt + [4, 1, 2, 9] and seq.computed == 10 and seq.pending == 1
+    item = scheduler.schedule().items[0]  # position 10 (the token 9) is next
+    assert item.start == 10
+    scheduler.on_sampled("r", [5], False)
+    assert scheduler.running["r"].computed == len(scheduler.running["r"].tokens) - 1
+
+
+def test_nothing_is_proposed_under_load_or_for_stateful_sampling():
+    busy = SchedulerLimits(256, speculative_tokens=4, speculative_max_running=1)
+    scheduler = Scheduler(64, busy)
+    for rid in ("a", "b"):
+        scheduler.submit(rid, "o", [1, 2, 1, 2, 1], SampleSpec(SamplingParams(temperature=0.0), 50, (), 5))
+    scheduler.schedule()
+    for rid in ("a", "b"):
+        scheduler.on_sampled(rid, [2], False)
+    assert all(not item.sample.draft for item in scheduler.schedule().items)
+    penalized = SampleSpec(SamplingParams(temperature=0.0, repetition_penalty=1.3), 50, (), 5)
+    scheduler = Scheduler(64, SPECULATING)
+    scheduler.submit("p", "o", [1, 2, 1, 2, 1], penalized)
+    scheduler.schedule()
+    scheduler.on_sampled("p", [2], False)
+    assert not scheduler.schedule().items[0].sample.draft
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("speculative") / "llama", "llama", n_layers=2, seed=5)
+
+
+@pytest.mark.parametrize("engine_name", ["torch", "mlx"])
+def test_a_verification_steps_rows_are_the_logits_of_decoding_one_by_one(llama, engine_name):
+    """One step of [last token, d1, d2, d3] sampling every row gives the logits of feeding them one at a time;
+    after keeping d1 only (the rest rejected), decoding on from position 2 gives what it gives without the
+    rejected positions ever computed."""
+    if engine_name == "mlx":
+        pytest.importorskip("mlx.core", reason="mlx is not installed (install the 'mlx' extra)")
+    args = ModelArgs.from_dir(llama)
+    engine = create_engine(engine_name, device="cpu", dtype="float32")
+    engine.load(llama, args, Shard.whole(llama.name, args.num_hidden_layers))
+    prompt, draft, spec = [3, 17, 29, 5, 11], (42, 7, 19), SampleSpec(SamplingParams(temperature=0.0), 50, (), 5)
+    alone = Driver([engine])
+    alone.forward("a", np.array(prompt[:-1]))
+    expected = [alone.forward("a", np.array([t])) for t in [prompt[-1], *draft]]
+    verifying = Driver([engine])
+    verifying.forward("v", np.array(prompt[:-1]))
+    table = verifying.tables["v"]
+    rows = verifying.step([(WorkItem("v", "o", len(prompt) - 1, 4, tuple(table), replace(spec, draft=draft)),
+                            np.array([prompt[-1], *draft]))])
+    np.testing.assert_allclose(rows, np.stack(expected), rtol=1e-5, atol=1e-5)
+    # keep d1 and the target's next token; decode on from there, over the rejected positions' stale slots
+    kept = [int(np.argmax(rows[1]))]
+    after = verifying.step([(WorkItem("v", "o", len(prompt) + 1, 1, tuple(table), spec), np.array(kept))])[0]
+    fresh = Driver([engine])
+    fresh.forward("f", np.array([*prompt, draft[0]]))
+    np.testing.assert_allclose(after, fresh.forward("f", np.array(kept)), rtol=1e-5, atol=1e-5)
