@@ -139,3 +139,20 @@ def test_a_verification_steps_rows_are_the_logits_of_decoding_one_by_one(llama, 
     fresh = Driver([engine])
     fresh.forward("f", np.array([*prompt, draft[0]]))
     np.testing.assert_allclose(after, fresh.forward("f", np.array(kept)), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("lost, new_ring", [("n1", ["n0", "n3", "n2"]), ("n0", ["n3", "n1", "n2"])])
+async def test_a_replay_under_speculation_costs_the_request_nothing(lost, new_ring):
+    """The ring loses a stage mid-stream (the first stage, which proposes, too): the request replays on the new
+    ring from the tokens its origin has, and its tokens are those of an uninterrupted run without speculation."""
+    from tests.serving.test_replay import GREEDY, HANG_SECONDS, lose_then_replan, stream
+
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2]
+    async with ring(3, limits=SchedulerLimits(256)) as net:
+        expected = await generate(net.first, "ref", prompt, 40, GREEDY)
+    async with ring(3, spares=1, limits=SPECULATING) as net:
+        origin = net.nodes["n2"]
+        tokens = await asyncio.wait_for(stream(origin, "a", prompt, 40, action=lose_then_replan(net, lost, new_ring)),
+                                        HANG_SECONDS)
+        assert origin.origin.replays_total == 1
+    assert tokens == expected
