@@ -466,12 +466,16 @@ function recoveryLine(node) {
 
 // The first stage batches the ring's requests and keeps the prefix cache.
 function schedulerText(node) {
-  if (!node.running && !node.waiting && !node.prefix_queries) return null;
+  if (!node.running && !node.waiting && !node.prefix_queries && !node.draft_tokens) return null;
   const parts = [`batching ${plural(node.running, "request")}`];
   if (node.waiting) parts.push(`${node.waiting} waiting`);
   if (node.prefix_queries) {
     const share = Math.round((100 * node.prefix_hits) / node.prefix_queries);
     parts.push(`prefix cache: ${share}% of prompt tokens reused`);
+  }
+  if (node.draft_tokens) {
+    const kept = Math.round((100 * node.accepted_tokens) / node.draft_tokens);
+    parts.push(`speculation: ${kept}% of ${node.draft_tokens} proposed tokens kept`);
   }
   return h("div", { class: "node-scheduler", title: "this node is the ring's first stage: it schedules every "
     + "request's tokens into batches" }, parts.join(" · "));

@@ -109,6 +109,9 @@ class _StateCollector(Collector):
                        load.prefix_queries)
         yield _counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
                        load.prefix_hits)
+        yield _counter("spec_decode_num_draft_tokens", "Tokens proposed for verification (speculative decoding).",
+                       load.draft_tokens)
+        yield _counter("spec_decode_num_accepted_tokens", "Proposed tokens the model kept.", load.accepted_tokens)
         yield _counter("num_preemptions", "Cumulative number of preemption from the engine.", load.preemptions)
         yield _gauge("api_requests_in_flight", "Requests this node's API is serving.", load.in_flight)
         rtt = GaugeMetricFamily(f"{PREFIX}peer_rtt_seconds", "Round-trip time of the link to each peer.",

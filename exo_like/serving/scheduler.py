@@ -81,6 +81,11 @@ class ScheduledRequest:
     in_flight: bool = False  # a token is being sampled for it: it has nothing to compute until that arrives
     batch: int = -1  # the step whose token it awaits, while in flight
     draft: tuple[int, ...] = ()  # tokens proposed for the step being scheduled (speculative decoding)
+    verifying: int = 0  # tokens proposed in the step in flight
+    # Its proposals so far, as a geometric rate: tokens kept, and tries (a kept token, or a rejection that ended
+    # a run); a prior of 4 in 5 so that a new request starts with long drafts (see _draft_length).
+    kept: int = 4
+    tries: int = 5
 
     @property
     def pending(self) -> int:
@@ -124,6 +129,8 @@ class Scheduler:
         # request that has to wait for blocks gives its cached ones back and is counted when it is admitted.
         self.prefix_queries = 0
         self.prefix_hits = 0
+        self.draft_tokens = 0  # tokens proposed for verification, and those kept (speculative decoding)
+        self.accepted_tokens = 0
         self._steps = 0
         self._arrivals = itertools.count()
 
@@ -162,6 +169,11 @@ class Scheduler:
         if seq is None:
             return  # released meanwhile
         seq.in_flight = False
+        if seq.verifying:
+            kept = min(len(tokens) - 1, seq.verifying)
+            self.accepted_tokens += kept
+            seq.kept, seq.tries = seq.kept + kept, seq.tries + kept + (kept < seq.verifying)
+            seq.verifying = 0
         if done:
             self._finish(seq)
             return
@@ -258,7 +270,15 @@ class Scheduler:
                 not speculable(seq.sample.params):
             return ()
         left = seq.sample.max_tokens - (len(seq.tokens) - seq.sample.prompt_len) - 1
-        return propose_ngram(seq.tokens, min(limits.speculative_tokens, left, rows_left - 1))
+        return propose_ngram(seq.tokens, min(self._draft_length(seq), left, rows_left - 1))
+
+    def _draft_length(self, seq: ScheduledRequest) -> int:
+        """Tokens worth proposing for a request: with each kept at its rate a, a draft's kept run averages
+        a / (1 - a) tokens; propose one more than that (a rejected token costs a row of the step, a kept one saves
+        a trip round the ring), within the limit."""
+        rate = seq.kept / seq.tries
+        run = rate / (1 - rate) if rate < 1 else float(self.limits.speculative_tokens)
+        return max(1, min(self.limits.speculative_tokens, round(run) + 1))
 
     def _weight(self, position: int) -> int:
         if self.attention_scale is None or not self._weighted:
@@ -337,6 +357,8 @@ class Scheduler:
             spec = self._sample_spec(seq) if sample else None
             if draft:
                 spec = replace(spec, draft=draft)
+                seq.verifying = len(draft)
+                self.draft_tokens += len(draft)
             items.append(WorkItem(seq.rid, seq.origin, start, count, blocks, spec, window_blocks, window_first))
             tokens.extend([*seq.tokens[start:seq.computed], *draft])
             if self.limits.prefix_cache:  # (a draft's positions once their tokens are kept: on_sampled)

@@ -99,7 +99,8 @@ class StageWorker:
         self._step_started: float | None = None  # monotonic time the engine thread began its current step
         self._last_step = 0.0
         self.kv_used = 0  # blocks the ring's requests and prefix cache hold (the first stage's count)
-        self._totals = (0, 0, 0)  # prefix-cache lookups and hits (tokens), preemptions: schedulers before this one
+        # Prefix-cache lookups and hits (tokens), preemptions, proposed and kept draft tokens: schedulers before this
+        self._totals = (0, 0, 0, 0, 0)
         self.throughput = RateMeter()  # generated tokens that passed through this stage, recently
         self.decode_step_seconds = RecentMedian()  # engine time of recent decode-only steps (sampling included)
 
@@ -112,8 +113,7 @@ class StageWorker:
         origins: dict[str, str] = {}
         if self.scheduler is not None:
             origins.update((seq.rid, seq.origin) for seq in self.scheduler.drain())
-            self._totals = (self._totals[0] + self.scheduler.prefix_queries,
-                            self._totals[1] + self.scheduler.prefix_hits, self._totals[2] + self.scheduler.preemptions)
+            self._totals = tuple(total + now for total, now in zip(self._totals, self._scheduler_totals()))
         origins.update((s.rid, s.origin) for s in self._submitted)
         origins.update((item.rid, item.origin) for frame in self._inbox for item in frame.items)
         for rid, origin in origins.items():
@@ -440,15 +440,22 @@ class StageWorker:
 
     def scheduler_counts(self) -> dict[str, int]:
         """KV blocks in use, requests batched and waiting; since start: prefix-cache lookups and hits (tokens),
-        preemptions."""
-        queries, hits, preemptions = self._totals
+        preemptions, draft tokens proposed and kept."""
+        totals = [total + now for total, now in zip(self._totals, self._scheduler_totals())]
+        counts = dict(zip(("prefix_queries", "prefix_hits", "preemptions", "draft_tokens", "accepted_tokens"),
+                          totals))
         scheduler = self.scheduler
         if scheduler is None:
-            return {"kv_used": self.kv_used, "running": 0, "waiting": len(self._submitted),
-                    "prefix_queries": queries, "prefix_hits": hits, "preemptions": preemptions}
+            return {"kv_used": self.kv_used, "running": 0, "waiting": len(self._submitted), **counts}
         return {"kv_used": scheduler.pool.used, "running": len(scheduler.running),
-                "waiting": len(scheduler.waiting), "prefix_queries": queries + scheduler.prefix_queries,
-                "prefix_hits": hits + scheduler.prefix_hits, "preemptions": preemptions + scheduler.preemptions}
+                "waiting": len(scheduler.waiting), **counts}
+
+    def _scheduler_totals(self) -> tuple[int, ...]:
+        scheduler = self.scheduler
+        if scheduler is None:
+            return (0, 0, 0, 0, 0)
+        return (scheduler.prefix_queries, scheduler.prefix_hits, scheduler.preemptions, scheduler.draft_tokens,
+                scheduler.accepted_tokens)
 
     def busy(self) -> bool:
         """Whether this stage's layers are serving requests right now (or did within the last second)."""

@@ -29,6 +29,9 @@ PROMPTS = {f"r{i}": [(3 * i + j % (4 + i)) % VOCAB for j in range(20 + 3 * i)] f
 SPECULATING = SchedulerLimits(256, speculative_tokens=4)
 
 
+COUNTS: dict[str, int] = {}  # the first stage's scheduler counts after the last run of `outputs`
+
+
 async def outputs(n_stages: int, limits: SchedulerLimits, together: bool, max_tokens: int = 24, copying: int = 0):
     async with ring(n_stages, limits=limits) as net:
         net.first.engine.copying = copying  # (a one-stage ring: a model that repeats itself, mostly)
@@ -38,6 +41,7 @@ async def outputs(n_stages: int, limits: SchedulerLimits, together: bool, max_to
         else:
             results = [await generate(net.first, rid, prompt, max_tokens) for rid, prompt in PROMPTS.items()]
         items = list(net.first.engine.items)
+        COUNTS.update(net.first.stage.scheduler_counts())
     return dict(zip(PROMPTS, results)), items
 
 
@@ -66,6 +70,34 @@ async def test_drafts_the_model_agrees_with_take_fewer_steps(together):
     sampled = sum(1 for item in items if item.sample is not None)
     assert sampled < 0.6 * sum(len(tokens) for tokens in plain.values())  # several tokens a verification
     assert rejected_positions(items, plain) > 0  # and every fifth position's draft rejected
+    # what /metrics and /v1/cluster report: the proposed tokens and those kept
+    proposed = sum(len(item.sample.draft) for item in items if item.sample is not None)
+    kept = sum(len(tokens) for tokens in plain.values()) - sum(1 for item in items if item.sample is not None)
+    assert (COUNTS["draft_tokens"], COUNTS["accepted_tokens"]) == (proposed, kept)
+
+
+def test_drafts_shrink_for_a_request_whose_proposals_are_rejected():
+    scheduler, _ = scheduled(SchedulerLimits(256, speculative_tokens=8), [1, 2, 3, 4, 5, 6, 7, 8] * 3)
+    scheduler.on_sampled("r", [1], False)
+    lengths = []
+    for _ in range(6):
+        item = scheduler.schedule().items[0]
+        lengths.append(len(item.sample.draft))
+        scheduler.on_sampled("r", [99], False)  # the target disagrees with the first proposed token, every time
+        scheduler.running["r"].tokens[-1:] = []  # (the text goes back to its pattern: the lookup finds it again)
+        scheduler.running["r"].tokens.append(1)
+        scheduler.running["r"].computed = len(scheduler.running["r"].tokens) - 1
+    assert lengths[0] == 5 and lengths[-1] == 1 and lengths == sorted(lengths, reverse=True)
+
+
+def test_the_counts_reach_metrics():
+    from exo_like.cluster.node_load import NodeLoad
+    from exo_like.serving.metrics import Metrics
+
+    text = Metrics(lambda: NodeLoad(draft_tokens=12, accepted_tokens=7)).render().decode()
+    assert "exo_like:spec_decode_num_draft_tokens_total 12.0" in text
+    assert "exo_like:spec_decode_num_accepted_tokens_total 7.0" in text
+    assert NodeLoad.from_json(NodeLoad(draft_tokens=12, accepted_tokens=7).to_json()).accepted_tokens == 7
 
 
 def scheduled(limits: SchedulerLimits, tokens: list[int]) -> tuple[Scheduler, WorkItem]:
