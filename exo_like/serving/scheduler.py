@@ -36,6 +36,7 @@ DEFAULT_MAX_BATCH_TOKENS = {"cpu": 512, "accelerator": 2048}
 # they are in a long prompt (see attention_scale).
 DEFAULT_INTERLEAVE_TOKENS = {"cpu": 32, "accelerator": 512}
 DEFAULT_MAX_RUNNING = 64
+DRAFT_MIN_RATE = 0.2  # a request whose proposals are kept less often than this gets none
 
 
 @dataclass(frozen=True)
@@ -83,9 +84,9 @@ class ScheduledRequest:
     draft: tuple[int, ...] = ()  # tokens proposed for the step being scheduled (speculative decoding)
     verifying: int = 0  # tokens proposed in the step in flight
     # Its proposals so far, as a geometric rate: tokens kept, and tries (a kept token, or a rejection that ended
-    # a run); a prior of 4 in 5 so that a new request starts with long drafts (see _draft_length).
-    kept: int = 4
-    tries: int = 5
+    # a run); a prior of 1 in 2: a new request starts with short drafts, longer as they are kept (_draft_length).
+    kept: int = 1
+    tries: int = 2
 
     @property
     def pending(self) -> int:
@@ -270,13 +271,17 @@ class Scheduler:
                 not speculable(seq.sample.params):
             return ()
         left = seq.sample.max_tokens - (len(seq.tokens) - seq.sample.prompt_len) - 1
-        return propose_ngram(seq.tokens, min(self._draft_length(seq), left, rows_left - 1))
-
-    def _draft_length(self, seq: ScheduledRequest) -> int:
-        """Tokens worth proposing for a request: with each kept at its rate a, a draft's kept run averages
-        a / (1 - a) tokens; propose one more than that (a rejected token costs a row of the step, a kept one saves
-        a trip round the ring), within the limit."""
         rate = seq.kept / seq.tries
+        if rate < DRAFT_MIN_RATE:
+            return ()  # its text has not repeated itself: a draft would cost rows and keep nothing
+        # While few proposals are kept, only long matches (a repeated phrase, not a repeated word) propose.
+        shortest = 1 if rate >= 0.5 else 3
+        return propose_ngram(seq.tokens, min(self._draft_length(rate), left, rows_left - 1), min_n=shortest)
+
+    def _draft_length(self, rate: float) -> int:
+        """Tokens worth proposing at a kept rate a: a draft's kept run averages a / (1 - a) tokens; one more than
+        that (a rejected token costs a row of the step, a kept one saves a trip round the ring), within the
+        limit."""
         run = rate / (1 - rate) if rate < 1 else float(self.limits.speculative_tokens)
         return max(1, min(self.limits.speculative_tokens, round(run) + 1))
 

@@ -68,7 +68,7 @@ async def test_drafts_the_model_agrees_with_take_fewer_steps(together):
     speculated, items = await outputs(1, SPECULATING, together, copying=3)
     assert speculated == plain
     sampled = sum(1 for item in items if item.sample is not None)
-    assert sampled < 0.6 * sum(len(tokens) for tokens in plain.values())  # several tokens a verification
+    assert sampled < 0.75 * sum(len(tokens) for tokens in plain.values())  # several tokens a verification
     assert rejected_positions(items, plain) > 0  # and every fifth position's draft rejected
     # what /metrics and /v1/cluster report: the proposed tokens and those kept
     proposed = sum(len(item.sample.draft) for item in items if item.sample is not None)
@@ -76,18 +76,20 @@ async def test_drafts_the_model_agrees_with_take_fewer_steps(together):
     assert (COUNTS["draft_tokens"], COUNTS["accepted_tokens"]) == (proposed, kept)
 
 
-def test_drafts_shrink_for_a_request_whose_proposals_are_rejected():
+def test_drafts_shrink_for_a_request_whose_proposals_are_rejected_and_stop():
     scheduler, _ = scheduled(SchedulerLimits(256, speculative_tokens=8), [1, 2, 3, 4, 5, 6, 7, 8] * 3)
     scheduler.on_sampled("r", [1], False)
     lengths = []
-    for _ in range(6):
+    for _ in range(10):
         item = scheduler.schedule().items[0]
         lengths.append(len(item.sample.draft))
         scheduler.on_sampled("r", [99], False)  # the target disagrees with the first proposed token, every time
         scheduler.running["r"].tokens[-1:] = []  # (the text goes back to its pattern: the lookup finds it again)
         scheduler.running["r"].tokens.append(1)
         scheduler.running["r"].computed = len(scheduler.running["r"].tokens) - 1
-    assert lengths[0] == 5 and lengths[-1] == 1 and lengths == sorted(lengths, reverse=True)
+    # 1 kept in 2 to start (2 tokens), then 1 at most (and only for matches of 3 tokens or more), none once fewer
+    # than 1 in 5 are kept
+    assert lengths[0] == 2 and max(lengths[1:]) == 1 and lengths[-3:] == [0, 0, 0]
 
 
 def test_the_counts_reach_metrics():
@@ -112,13 +114,13 @@ def test_the_first_stage_keeps_what_was_verified_and_rolls_the_rest_back():
     prompt = [1, 2, 3, 4, 1, 2, 3]
     scheduler, _ = scheduled(SPECULATING, prompt)
     scheduler.on_sampled("r", [4], False)  # the prompt's token: ... 1 2 3 4; the lookup proposes 1 2 3 4
-    item = scheduler.schedule().items[0]
-    assert item.sample.draft == (1, 2, 3, 4) and (item.start, item.count) == (7, 5)
-    scheduler.on_sampled("r", [1, 2, 9], False)  # two kept, then the target's 9
+    item = scheduler.schedule().items[0]  # a new request's drafts start at 2 tokens (a kept rate of 1 in 2)
+    assert item.sample.draft == (1, 2) and (item.start, item.count) == (7, 3)
+    scheduler.on_sampled("r", [1, 9], False)  # one kept, then the target's 9
     seq = scheduler.running["r"]
-    assert seq.tokens == prompt + [4, 1, 2, 9] and seq.computed == 10 and seq.pending == 1
-    item = scheduler.schedule().items[0]  # position 10 (the token 9) is next
-    assert item.start == 10
+    assert seq.tokens == prompt + [4, 1, 9] and seq.computed == 9 and seq.pending == 1
+    item = scheduler.schedule().items[0]  # position 9 (the token 9) is next
+    assert item.start == 9
     scheduler.on_sampled("r", [5], False)
     assert scheduler.running["r"].computed == len(scheduler.running["r"].tokens) - 1
 
