@@ -162,15 +162,16 @@ def open_tun(name: str) -> int:
     return fd
 
 
-def delay_link_process(namespaces: list[str], names: list[str], delay: float, control: Any) -> None:
-    """Child process: a TUN device in each of two namespaces; every packet one host sends through its own device
-    comes out of the other's `delay` seconds later (order kept). Runs until `control` closes."""
+def delay_link_process(namespaces: list[str], addresses: list[str], names: list[str], delay: float, control: Any) -> None:
+    """Child process: a TUN device in each namespace; a packet one host sends through its device comes out of its
+    destination host's device `delay` seconds later (order kept per source)."""
     fds = []
     for namespace, name in zip(namespaces, names):
         enter(namespace)
         fds.append(open_tun(name))
+    by_address = {bytes(int(part) for part in address.split(".")): fd for address, fd in zip(addresses, fds)}
 
-    def carry(source: int, target: int) -> None:
+    def carry(source: int) -> None:
         pending: collections.deque[tuple[float, bytes]] = collections.deque()
         ready = threading.Condition()
 
@@ -183,10 +184,12 @@ def delay_link_process(namespaces: list[str], names: list[str], delay: float, co
                 wait = due - time.monotonic()
                 if wait > 0:
                     time.sleep(wait)
-                try:
-                    os.write(target, packet)
-                except OSError:  # the other device not up yet (IPv6's first packets): dropped, as a link would
-                    pass
+                target = by_address.get(packet[16:20]) if packet[:1] == b"\x45" else None  # IPv4 destination
+                if target is not None:
+                    try:
+                        os.write(target, packet)
+                    except OSError:
+                        pass
 
         threading.Thread(target=send_when_due, daemon=True).start()
         while True:
@@ -195,8 +198,8 @@ def delay_link_process(namespaces: list[str], names: list[str], delay: float, co
                 pending.append((time.monotonic() + delay, packet))
                 ready.notify()
 
-    for source, target in ((fds[0], fds[1]), (fds[1], fds[0])):
-        threading.Thread(target=carry, args=(source, target), daemon=True).start()
+    for fd in fds:
+        threading.Thread(target=carry, args=(fd,), daemon=True).start()
     control.send("ready")
     try:
         control.recv()
@@ -218,7 +221,7 @@ def netem_available() -> bool:
 
 @contextmanager
 def slower_link(hosts: list[NetnsHost], delay_ms: float) -> Iterator[str]:
-    """`delay_ms` added to every packet from either host to the other (one way, each direction). Yields how."""
+    """`delay_ms` added to every packet from any host to another (one way, each direction). Yields how."""
     if shutil.which("tc") and netem_available():
         legs = [device_of(h) for h in hosts]
         try:
@@ -234,19 +237,22 @@ def slower_link(hosts: list[NetnsHost], delay_ms: float) -> Iterator[str]:
     names = [f"exldly{i}" for i in range(len(hosts))]
     ours, theirs = multiprocessing.get_context("spawn").Pipe()
     carrier = multiprocessing.get_context("spawn").Process(
-        target=delay_link_process, args=([h.namespace for h in hosts], names, delay_ms / 1000, theirs), daemon=True)
+        target=delay_link_process, args=([h.namespace for h in hosts], [h.address for h in hosts], names,
+                                         delay_ms / 1000, theirs), daemon=True)
     carrier.start()
+    pairs = [(host, name, other) for host, name in zip(hosts, names) for other in hosts if other is not host]
     try:
         if not ours.poll(60) or ours.recv() != "ready":
             raise RuntimeError("the delay link's process did not start")
-        for (host, name), other in zip(zip(hosts, names), reversed(hosts)):
+        for name, host in zip(names, hosts):
             subprocess.run(["ip", "-n", host.namespace, "link", "set", name, "up"], check=True, capture_output=True)
+        for host, name, other in pairs:
             subprocess.run(["ip", "-n", host.namespace, "route", "add", f"{other.address}/32", "dev", name, "src",
                             host.address], check=True, capture_output=True)
-        yield (f"no tc netem in this kernel: each host's route to the other through a TUN device, every packet "
-               f"carried across {delay_ms:g} ms later by a userspace process")
+        yield (f"no tc netem in this kernel: each host's routes to the others through a TUN device, every packet "
+               f"carried to its destination's {delay_ms:g} ms later by a userspace process")
     finally:
-        for host, other in zip(hosts, reversed(hosts)):  # gone with the devices anyway; at once is cleaner
+        for host, _, other in pairs:  # gone with the devices anyway; at once is cleaner
             subprocess.run(["ip", "-n", host.namespace, "route", "del", f"{other.address}/32"], capture_output=True)
         ours.close()
         carrier.join(10)
@@ -302,9 +308,14 @@ def chat_body(model: str, max_tokens: int, prompt: str) -> bytes:
 
 def timed_chat(node: Node, model: str, max_tokens: int, prompt: str = PROMPT) -> float:
     """Seconds for one greedy request of `max_tokens` tokens, timed inside the host."""
+    return timed_reply(node, model, max_tokens, prompt)[0]
+
+
+def timed_reply(node: Node, model: str, max_tokens: int, prompt: str = PROMPT) -> tuple[float, dict[str, Any]]:
+    """Seconds for one greedy request of `max_tokens` tokens, timed inside the host, and its reply."""
     body = chat_body(model, max_tokens, prompt)
 
-    def call() -> float:
+    def call() -> tuple[float, dict[str, Any]]:
         connection = http.client.HTTPConnection(node.host.address, node.port, timeout=HTTP_TIMEOUT)
         try:
             started = time.perf_counter()
@@ -317,9 +328,10 @@ def timed_chat(node: Node, model: str, max_tokens: int, prompt: str = PROMPT) ->
             connection.close()
         if response.status != 200:
             raise RuntimeError(f"chat: {response.status} {raw[:300]!r}")
-        if json.loads(raw)["usage"]["completion_tokens"] != max_tokens:
+        reply = json.loads(raw)
+        if reply["usage"]["completion_tokens"] != max_tokens:
             raise RuntimeError(f"chat: expected {max_tokens} tokens: {raw[:300]!r}")
-        return elapsed
+        return elapsed, reply
     return in_host(node.host, call)
 
 

@@ -24,25 +24,18 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
-import multiprocessing
 import os
-import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
-import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_parallel import (Node, Setup, enter, in_host, launch, netem_available, open_tun,  # noqa: E402
-                            slower_link, wait_ready)
+from bench_parallel import Node, Setup, launch, slower_link, timed_reply, wait_ready  # noqa: E402
 from rates import together  # noqa: E402
 
 from exo_like.models.names.catalog import PACKAGED  # noqa: E402
@@ -59,29 +52,8 @@ PORT = 52700
 
 def chat(node: Node, prompt: str, max_tokens: int) -> tuple[float, str]:
     """Seconds and text of one greedy request of exactly `max_tokens` tokens, timed inside the host."""
-    import http.client
-
-    body = json.dumps({"model": "smollm2-135m", "messages": [{"role": "user", "content": prompt}],
-                       "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}).encode()
-
-    def call() -> tuple[float, str]:
-        connection = http.client.HTTPConnection(node.host.address, node.port, timeout=900)
-        try:
-            started = time.perf_counter()
-            connection.request("POST", "/v1/chat/completions", body=body,
-                               headers={"Content-Type": "application/json"})
-            response = connection.getresponse()
-            raw = response.read()
-            elapsed = time.perf_counter() - started
-        finally:
-            connection.close()
-        if response.status != 200:
-            raise RuntimeError(f"chat: {response.status} {raw[:300]!r}")
-        reply = json.loads(raw)
-        if reply["usage"]["completion_tokens"] != max_tokens:
-            raise RuntimeError(f"chat: expected {max_tokens} tokens: {raw[:300]!r}")
-        return elapsed, reply["choices"][0]["message"]["content"]
-    return in_host(node.host, call)
+    elapsed, reply = timed_reply(node, "smollm2-135m", max_tokens, prompt)
+    return elapsed, reply["choices"][0]["message"]["content"]
 
 
 def rate(node: Node, prompt: str, new_tokens: int) -> tuple[float, str]:
@@ -97,88 +69,14 @@ def streams_rate(node: Node, streams: int, new_tokens: int) -> float:
     return streams * new_tokens / (together(request, streams, 1 + new_tokens) - together(request, streams, 1))
 
 
-def delay_carrier(namespaces: list[str], addresses: list[str], names: list[str], delay: float, control: Any) -> None:
-    """Child process: a TUN device in each namespace; a packet one host sends through its device comes out of its
-    destination host's device `delay` seconds later (order kept per source)."""
-    fds = []
-    for namespace, name in zip(namespaces, names):
-        enter(namespace)
-        fds.append(open_tun(name))
-    by_address = {bytes(int(part) for part in address.split(".")): fd for address, fd in zip(addresses, fds)}
-
-    def carry(source: int) -> None:
-        pending: collections.deque[tuple[float, bytes]] = collections.deque()
-        ready = threading.Condition()
-
-        def send_when_due() -> None:
-            while True:
-                with ready:
-                    while not pending:
-                        ready.wait()
-                    due, packet = pending.popleft()
-                wait = due - time.monotonic()
-                if wait > 0:
-                    time.sleep(wait)
-                target = by_address.get(packet[16:20]) if packet[:1] == b"\x45" else None  # IPv4 destination
-                if target is not None:
-                    try:
-                        os.write(target, packet)
-                    except OSError:
-                        pass
-
-        threading.Thread(target=send_when_due, daemon=True).start()
-        while True:
-            packet = os.read(source, 65536)
-            with ready:
-                pending.append((time.monotonic() + delay, packet))
-                ready.notify()
-
-    for fd in fds:
-        threading.Thread(target=carry, args=(fd,), daemon=True).start()
-    control.send("ready")
-    try:
-        control.recv()
-    except EOFError:
-        pass
-    os._exit(0)
-
-
 @contextmanager
 def delayed(hosts: list[NetnsHost], delay_ms: float) -> Iterator[str]:
-    """`delay_ms` added one way to every packet between any two of the hosts."""
+    """`delay_ms` added one way to every packet between any two of the hosts (bench_parallel.slower_link)."""
     if delay_ms <= 0:
         yield "no added delay"
         return
-    if shutil.which("tc") and netem_available():
-        with slower_link(hosts, delay_ms) as how:  # (netem on each host's leg delays all its egress)
-            yield how
-        return
-    names = [f"exlsp{i}" for i in range(len(hosts))]
-    ours, theirs = multiprocessing.get_context("spawn").Pipe()
-    carrier = multiprocessing.get_context("spawn").Process(
-        target=delay_carrier, args=([h.namespace for h in hosts], [h.address for h in hosts], names,
-                                    delay_ms / 1000, theirs), daemon=True)
-    carrier.start()
-    try:
-        if not ours.poll(60) or ours.recv() != "ready":
-            raise RuntimeError("the delay link's process did not start")
-        for host, name in zip(hosts, names):
-            subprocess.run(["ip", "-n", host.namespace, "link", "set", name, "up"], check=True, capture_output=True)
-            for other in hosts:
-                if other is not host:
-                    subprocess.run(["ip", "-n", host.namespace, "route", "add", f"{other.address}/32", "dev", name,
-                                    "src", host.address], check=True, capture_output=True)
-        yield f"userspace: every packet carried to its host's TUN device {delay_ms:g} ms later"
-    finally:
-        for host in hosts:
-            for other in hosts:
-                if other is not host:
-                    subprocess.run(["ip", "-n", host.namespace, "route", "del", f"{other.address}/32"],
-                                   capture_output=True)
-        ours.close()
-        carrier.join(10)
-        if carrier.is_alive():
-            carrier.kill()
+    with slower_link(hosts, delay_ms) as how:
+        yield how
 
 
 def start(root: Path, name: str, hosts: list[NetnsHost], model: Path, speculative: int, port: int) -> Setup:
