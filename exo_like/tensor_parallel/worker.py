@@ -202,7 +202,28 @@ def serve(node: socket.socket, engine: Engine, leader_channel: socket.socket | N
                     raise EOFError
             except EOFError:
                 log.info("rank %d: %s closed its channel; exiting", engine.group.rank, key.data)  # type: ignore
+                if key.data != "node":
+                    refuse_waiting_request(node, f"the group is broken: {key.data}'s worker closed its channel")
                 return
+
+
+REFUSE_WAIT_SECONDS = 1.0  # how long an exiting worker waits for a request on its way (its node sends at once)
+
+
+def refuse_waiting_request(node: socket.socket, why: str) -> None:
+    """A request of the node's waiting (or on its way) when the group broke gets `why` (fatal) rather than a
+    reset connection: exiting with it unread would make the kernel reset the channel, and the node would see only
+    that. (A step the node sends just after a follower died reaches the leader's worker a moment after it saw
+    the follower's channel close.)"""
+    waiting = selectors.DefaultSelector()
+    waiting.register(node, selectors.EVENT_READ)
+    if not waiting.select(timeout=REFUSE_WAIT_SECONDS):
+        return
+    try:
+        message = receive(node)
+        send(node, Failed("GroupBroken", f"{why} ({message.type} not run)", 500, fatal=True))
+    except (EOFError, OSError, ValueError):
+        pass  # the node has gone too, or sent what cannot be read: the worker exits either way
 
 
 def die_with(parent: int) -> None:

@@ -95,7 +95,9 @@ def test_a_dead_follower_breaks_the_leaders_step_at_once(model_dirs):
         driver.forward("r", PROMPT)
         os.kill(group[1].worker.pid, signal.SIGKILL)
         step = steps.submit(driver.forward, "r", np.array([1], dtype=np.int64))
-        with pytest.raises(GroupBroken, match=r"\[ring\] connection to a peer was lost"):
+        # (MLX's ring notices it mid-step, or the leader's worker sees the follower's channel close first)
+        with pytest.raises(GroupBroken, match=r"\[ring\] connection to a peer was lost|"
+                                               r"a follower's worker closed its channel"):
             step.result(timeout=HANG_SECONDS)
         with pytest.raises(GroupBroken):  # the leader's worker has exited: nothing more runs there
             driver.forward("r", np.array([1], dtype=np.int64))
