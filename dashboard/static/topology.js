@@ -475,7 +475,8 @@ function schedulerText(node) {
   }
   if (node.draft_tokens) {
     const kept = Math.round((100 * node.accepted_tokens) / node.draft_tokens);
-    parts.push(`speculation: ${kept}% of ${node.draft_tokens} proposed tokens kept`);
+    const perPass = node.drafts ? ` (${(1 + node.accepted_tokens / node.drafts).toFixed(1)} tokens a pass)` : "";
+    parts.push(`speculation: ${kept}% of ${node.draft_tokens} proposed tokens kept${perPass}`);
   }
   return h("div", { class: "node-scheduler", title: "this node is the ring's first stage: it schedules every "
     + "request's tokens into batches" }, parts.join(" · "));

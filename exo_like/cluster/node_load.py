@@ -31,9 +31,11 @@ class NodeLoad:
     prefix_queries: int = 0
     prefix_hits: int = 0
     preemptions: int = 0  # requests the first stage put back to wait (their KV blocks went to others)
-    # Speculative decoding (the first stage's): tokens proposed for verification since start, and those kept.
+    # Speculative decoding (the first stage's): tokens proposed for verification since start, those kept, and the
+    # verification steps (a pass yields 1 + accepted / drafts tokens on average).
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    drafts: int = 0
     # Of a quantized model: its layers' matrices run quantized (by stored type), and those its engine has no
     # kernel for, dequantized (by "type (reason)"): engines/base.WeightForms.
     quantized_weights: dict[str, int] = field(default_factory=dict)
@@ -54,7 +56,8 @@ class NodeLoad:
                 "running": self.running, "waiting": self.waiting,
                 "prefix_queries": self.prefix_queries, "prefix_hits": self.prefix_hits,
                 "preemptions": self.preemptions, "draft_tokens": self.draft_tokens,
-                "accepted_tokens": self.accepted_tokens, "quantized_weights": dict(self.quantized_weights),
+                "accepted_tokens": self.accepted_tokens, "drafts": self.drafts,
+                "quantized_weights": dict(self.quantized_weights),
                 "dequantized_weights": dict(self.dequantized_weights), "numerics": dict(self.numerics),
                 "replays": self.replays,
                 "recovering": dict(self.recovering)}
@@ -80,4 +83,4 @@ class NodeLoad:
 
 _FORMS = ("quantized_weights", "dequantized_weights", "recovering")
 _COUNTS = ("kv_blocks", "kv_used", "kv_window_blocks", "running", "waiting", "prefix_queries", "prefix_hits",
-           "preemptions", "draft_tokens", "accepted_tokens", "replays")
+           "preemptions", "draft_tokens", "accepted_tokens", "drafts", "replays")

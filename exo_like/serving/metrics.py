@@ -112,6 +112,8 @@ class _StateCollector(Collector):
         yield _counter("spec_decode_num_draft_tokens", "Tokens proposed for verification (speculative decoding).",
                        load.draft_tokens)
         yield _counter("spec_decode_num_accepted_tokens", "Proposed tokens the model kept.", load.accepted_tokens)
+        yield _counter("spec_decode_num_drafts", "Verification steps (a request's draft checked in one pass).",
+                       load.drafts)
         yield _counter("num_preemptions", "Cumulative number of preemption from the engine.", load.preemptions)
         yield _gauge("api_requests_in_flight", "Requests this node's API is serving.", load.in_flight)
         rtt = GaugeMetricFamily(f"{PREFIX}peer_rtt_seconds", "Round-trip time of the link to each peer.",

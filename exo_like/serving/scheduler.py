@@ -130,8 +130,9 @@ class Scheduler:
         # request that has to wait for blocks gives its cached ones back and is counted when it is admitted.
         self.prefix_queries = 0
         self.prefix_hits = 0
-        self.draft_tokens = 0  # tokens proposed for verification, and those kept (speculative decoding)
+        self.draft_tokens = 0  # tokens proposed for verification, those kept, and the steps that verified them
         self.accepted_tokens = 0
+        self.drafts = 0
         self._steps = 0
         self._arrivals = itertools.count()
 
@@ -364,6 +365,7 @@ class Scheduler:
                 spec = replace(spec, draft=draft)
                 seq.verifying = len(draft)
                 self.draft_tokens += len(draft)
+                self.drafts += 1
             items.append(WorkItem(seq.rid, seq.origin, start, count, blocks, spec, window_blocks, window_first))
             tokens.extend([*seq.tokens[start:seq.computed], *draft])
             if self.limits.prefix_cache:  # (a draft's positions once their tokens are kept: on_sampled)

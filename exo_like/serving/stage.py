@@ -99,8 +99,9 @@ class StageWorker:
         self._step_started: float | None = None  # monotonic time the engine thread began its current step
         self._last_step = 0.0
         self.kv_used = 0  # blocks the ring's requests and prefix cache hold (the first stage's count)
-        # Prefix-cache lookups and hits (tokens), preemptions, proposed and kept draft tokens: schedulers before this
-        self._totals = (0, 0, 0, 0, 0)
+        # Prefix-cache lookups and hits (tokens), preemptions, proposed and kept draft tokens, drafts: schedulers
+        # before this one
+        self._totals = (0, 0, 0, 0, 0, 0)
         self.throughput = RateMeter()  # generated tokens that passed through this stage, recently
         self.decode_step_seconds = RecentMedian()  # engine time of recent decode-only steps (sampling included)
 
@@ -440,10 +441,10 @@ class StageWorker:
 
     def scheduler_counts(self) -> dict[str, int]:
         """KV blocks in use, requests batched and waiting; since start: prefix-cache lookups and hits (tokens),
-        preemptions, draft tokens proposed and kept."""
+        preemptions, draft tokens proposed and kept, and the verification steps (drafts)."""
         totals = [total + now for total, now in zip(self._totals, self._scheduler_totals())]
-        counts = dict(zip(("prefix_queries", "prefix_hits", "preemptions", "draft_tokens", "accepted_tokens"),
-                          totals))
+        counts = dict(zip(("prefix_queries", "prefix_hits", "preemptions", "draft_tokens", "accepted_tokens",
+                           "drafts"), totals))
         scheduler = self.scheduler
         if scheduler is None:
             return {"kv_used": self.kv_used, "running": 0, "waiting": len(self._submitted), **counts}
@@ -453,9 +454,9 @@ class StageWorker:
     def _scheduler_totals(self) -> tuple[int, ...]:
         scheduler = self.scheduler
         if scheduler is None:
-            return (0, 0, 0, 0, 0)
+            return (0, 0, 0, 0, 0, 0)
         return (scheduler.prefix_queries, scheduler.prefix_hits, scheduler.preemptions, scheduler.draft_tokens,
-                scheduler.accepted_tokens)
+                scheduler.accepted_tokens, scheduler.drafts)
 
     def busy(self) -> bool:
         """Whether this stage's layers are serving requests right now (or did within the last second)."""

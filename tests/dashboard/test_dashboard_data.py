@@ -121,7 +121,7 @@ async def test_picture_has_bytes_per_node_and_every_members_shared_load() -> Non
                                                  "decode_step_ms": None, "kv_blocks": 0, "kv_used": 0,
                                                  "kv_window_blocks": 0, "running": 0,
                                                  "waiting": 0, "prefix_queries": 0, "prefix_hits": 0,
-                                                 "preemptions": 0, "draft_tokens": 0, "accepted_tokens": 0,
+                                                 "preemptions": 0, "draft_tokens": 0, "accepted_tokens": 0, "drafts": 0,
                                                  "quantized_weights": {},
                                                  "dequantized_weights": {}, "numerics": {}, "replays": 0,
                                                  "recovering": {}}

@@ -73,7 +73,8 @@ async def test_drafts_the_model_agrees_with_take_fewer_steps(together):
     # what /metrics and /v1/cluster report: the proposed tokens and those kept
     proposed = sum(len(item.sample.draft) for item in items if item.sample is not None)
     kept = sum(len(tokens) for tokens in plain.values()) - sum(1 for item in items if item.sample is not None)
-    assert (COUNTS["draft_tokens"], COUNTS["accepted_tokens"]) == (proposed, kept)
+    verifications = sum(1 for item in items if item.sample is not None and item.sample.draft)
+    assert (COUNTS["draft_tokens"], COUNTS["accepted_tokens"], COUNTS["drafts"]) == (proposed, kept, verifications)
 
 
 def test_drafts_shrink_for_a_request_whose_proposals_are_rejected_and_stop():
@@ -96,9 +97,10 @@ def test_the_counts_reach_metrics():
     from exo_like.cluster.node_load import NodeLoad
     from exo_like.serving.metrics import Metrics
 
-    text = Metrics(lambda: NodeLoad(draft_tokens=12, accepted_tokens=7)).render().decode()
+    text = Metrics(lambda: NodeLoad(draft_tokens=12, accepted_tokens=7, drafts=4)).render().decode()
     assert "exo_like:spec_decode_num_draft_tokens_total 12.0" in text
     assert "exo_like:spec_decode_num_accepted_tokens_total 7.0" in text
+    assert "exo_like:spec_decode_num_drafts_total 4.0" in text
     assert NodeLoad.from_json(NodeLoad(draft_tokens=12, accepted_tokens=7).to_json()).accepted_tokens == 7
 
 
