@@ -300,3 +300,25 @@ def teacher_forced(path: Path, dtype: str | None, tokens: list[int], engine_name
         top[:, position] = np.argmax(logits, axis=1)
         nll[:, position] = np.log(np.exp(shifted).sum(axis=1)) - shifted[np.arange(SEGMENTS), targets]
     return top.reshape(-1), float(np.exp(nll.mean()))
+
+
+def agrees_where_clear(engine: Engine, reference: Engine, prompt: Sequence[int], n_tokens: int) -> None:
+    """`engine` (a quantized kernel, another summation order) against `reference` on the same CPU, both fed the
+    reference's greedy tokens: where the reference's two best logits are further apart than twice the two engines'
+    largest difference at that step, the engine picks the same token; and most steps are that clear. (Greedy
+    equality itself would depend on how near the random model's ties are to each kernel's rounding.)"""
+    logits = {}
+    tokens: list[int] = []
+    for name, each in (("reference", reference), ("engine", engine)):
+        driver, inputs, rows = Driver([each]), np.asarray(prompt, dtype=np.int64), []
+        for step in range(n_tokens):
+            rows.append(np.asarray(driver.forward("r", inputs), np.float64))
+            if name == "reference":
+                tokens.append(int(np.argmax(rows[-1])))
+            inputs = np.array([tokens[step]], dtype=np.int64)
+        logits[name] = np.stack(rows)
+    difference = np.abs(logits["engine"] - logits["reference"]).max(axis=1)
+    top2 = np.sort(logits["reference"], axis=1)[:, -2:]
+    clear = top2[:, 1] - top2[:, 0] > 2 * difference
+    assert clear.sum() >= n_tokens // 2, (clear, difference)
+    assert (logits["engine"].argmax(axis=1) == logits["reference"].argmax(axis=1))[clear].all()

@@ -105,13 +105,13 @@ def test_a_shard_on_the_gpu_kernels_holds_what_planning_counts_and_decodes_as_de
     """The engine's CUDA path run on CPU tensors (the kernels interpreted, the native kernels turned off): every
     matrix held as a GpuMatrix (fused q/k/v and gate/up, the embedding's lookups, DeepSeek's per-head
     projections), the bytes a CUDA node's plan counts for it (but float tensors, float32 on CPU activations), and
-    float32 products: the greedy tokens of the dequantized path."""
+    float32 products: the dequantized path's tokens wherever its choice is clear."""
     import exo_like.engines.torch.engine as torch_engine
     from exo_like.engines.choice import create_engine
     from exo_like.engines.torch.quant import NativeEmbedding, QuantHeads, QuantLinear
     from exo_like.models.gguf.hub import gguf_description
     from exo_like.models.shard import Shard
-    from tests.engines.test_latent_heads import greedy
+    from tests.engine_driver import agrees_where_clear
 
     path = gguf_files[arch]
     args, footprint = gguf_description(path)
@@ -129,4 +129,4 @@ def test_a_shard_on_the_gpu_kernels_holds_what_planning_counts_and_decodes_as_de
     floats = sum(t.numel() for t in engine.model.parameters())  # norms, routers: float32 here, bfloat16 on CUDA
     held = footprint.held_by("torch", None, "cuda").shard_bytes(engine.shard)
     assert engine.parameter_bytes() - 2 * floats == held
-    assert greedy(engine, 8) == greedy(reference, 8)
+    agrees_where_clear(engine, reference, [3, 17, 29, 5, 11, 42, 7], 8)

@@ -20,7 +20,7 @@ from exo_like.models.gguf.file import open_gguf
 from exo_like.models.gguf.hub import gguf_description
 from exo_like.models.shard import Shard
 from tests.checkpoints import make_checkpoint
-from tests.engine_driver import Driver, engine_greedy
+from tests.engine_driver import Driver, agrees_where_clear, engine_greedy
 from tests.native_kernels import NATIVE
 from tests.oracle import gguf_dequantized_greedy
 
@@ -78,44 +78,68 @@ def test_a_quantized_gguf_holds_the_per_head_projections_quantized(folders, tmp_
         assert not engine.weight_forms.dequantized
         held = footprint.held_by(engine_name, None, "cpu", NATIVE).shard_bytes(engine.shard)
         assert held == engine.parameter_bytes(), engine_name
+        gguf = open_gguf(path)
+        weights = {(index, name): gguf.read(f"model.layers.{index}.self_attn.{name}.weight")
+                   for index in range(args.num_hidden_layers) for name in ("embed_q", "unembed_out")}
         if engine_name == "torch":
-            assert greedy(engine) == expected
-        else:  # (MLX runs a quantized file's activations in bfloat16: its products, against the file's values)
-            products_match_the_files_values(engine, path)
+            torch_heads_hold(engine, weights)
+        else:
+            mlx_heads_hold(engine, weights)
     assert engine_greedy(path, ["torch"], PROMPT, N_TOKENS, dtype="float32") == expected  # the dequantized path
+    quantized, reference = (create_engine("torch", device="cpu", dtype=dtype) for dtype in (None, "float32"))
+    for engine in (quantized, reference):
+        engine.load(path, args, Shard.whole(path.name, args.num_hidden_layers))
+    agrees_where_clear(quantized, reference, PROMPT, N_TOKENS)  # the quantized kernels, on the same CPU
 
 
-def products_match_the_files_values(engine, path: Path) -> None:  # noqa: ANN001
-    """Each head's product through its own matrix: the module's stored codes are the file's (up to the bfloat16
-    scales MLX keeps), and each head's output is its matrix's product."""
+def torch_heads_hold(engine, weights: dict) -> None:  # noqa: ANN001
+    """Each head's matrix holds exactly `weights[(layer, name)][head]` (its rows, dequantized by its kernel), and
+    the module's product is each head's own product, bit for bit (one parallel region, the same kernel)."""
+    import torch
+
+    for index, layer in enumerate(engine.model.layers, start=engine.shard.start_layer):
+        for name in ("embed_q", "unembed_out"):
+            module = getattr(layer.self_attn, name)
+            if (index, name) not in weights or not hasattr(module, "pieces"):
+                continue  # not asked about, or held dense
+            expected = torch.from_numpy(weights[index, name])
+            x = torch.randn(3, expected.shape[0], expected.shape[2])
+            out = module(x)
+            for head, (piece, own) in enumerate(zip(module.pieces, module.heads)):
+                if hasattr(piece, "rows"):
+                    assert torch.equal(piece.rows(torch.arange(expected.shape[1])), expected[head]), (name, head)
+                assert torch.equal(out[:, head], own.forward(x[:, head])), (name, head)
+
+
+def mlx_heads_hold(engine, weights: dict) -> None:  # noqa: ANN001
+    """Each head's stored matrix is the file's (up to the bfloat16 scales MLX keeps), and the batched product of
+    every head is each head's own quantized product, bit for bit."""
     import mlx.core as mx
 
-    gguf = open_gguf(path)
     rng = np.random.default_rng(0)
     for index, layer in enumerate(engine._model.model.layers, start=engine.shard.start_layer):
         for name in ("embed_q", "unembed_out"):
-            module = getattr(layer.self_attn, name)
+            module, weight = getattr(layer.self_attn, name), weights[index, name]
             stored = np.array(mx.dequantize(module.weight, module.scales, module.biases, group_size=module.group_size,
                                             bits=module.bits).astype(mx.float32))
-            weight = gguf.read(f"model.layers.{index}.self_attn.{name}.weight")  # [heads, out, in]
             assert np.abs(stored - weight).max() <= 2 ** -6 * np.abs(weight).max(), name
             x = mx.array(rng.standard_normal((weight.shape[0], 3, weight.shape[2])).astype(np.float32))
-            x = x.astype(mx.bfloat16)
-            exact = np.array(x.astype(mx.float32)) @ stored.swapaxes(1, 2)
-            held = np.array(module(x).astype(mx.float32))
-            # MLX's bfloat16 product rounds as it sums (about 1 % here); another head's matrix would be ~100 % off
-            assert np.abs(held - exact).max() <= 2 ** -5 * np.abs(exact).max(), name
+            x = x.astype(module.scales.dtype)
+            out = module(x)
+            for head in range(weight.shape[0]):
+                alone = mx.quantized_matmul(x[head], module.weight[head], module.scales[head], module.biases[head],
+                                            transpose=not module.transposed, group_size=module.group_size,
+                                            bits=module.bits, mode=module.mode)
+                assert mx.array_equal(out[head], alone).item(), (name, head)
 
 
 # (mlx-lm's V2 model reads a YaRN rope_scaling that V2-Lite's config does not have: V3 only)
 @pytest.mark.parametrize("arch", ["deepseek_v3"])
 def test_an_mlx_lm_conversion_runs_its_quantized_heads_on_both_engines(folders, tmp_path, arch):
     """mlx-lm stores embed_q and unembed_out themselves, quantized (3-D, with their scales and biases): the MLX
-    engine gives mlx-lm's tokens; torch holds every head quantized on its kernels, each head's product within
-    the kernels' rounding (they round the activations) of its dequantized matrix's, and its dequantized path
-    (--dtype float32) gives mlx-lm's tokens."""
+    engine gives mlx-lm's tokens; torch holds every head quantized on its kernels, each head exactly the values
+    its dequantized path (--dtype float32) holds, and that path gives mlx-lm's tokens."""
     pytest.importorskip("mlx_lm", reason="mlx-lm (converts the checkpoint, the oracle) is not installed")
-    import torch
     from mlx_lm.convert import convert
 
     from tests.engines.test_mlx_engine import mlx_lm_greedy
@@ -136,13 +160,10 @@ def test_an_mlx_lm_conversion_runs_its_quantized_heads_on_both_engines(folders, 
         assert held == engine.parameter_bytes(), (engine_name, dtype)
         if (engine_name, dtype) != ("torch", None):
             assert greedy(engine) == expected, (engine_name, dtype)
-    held, dequantized = (engines["torch", dtype].model.layers for dtype in (None, "float32"))
-    for quantized_layer, float_layer in zip(held, dequantized):
-        for name in ("embed_q", "unembed_out"):
-            float_heads = getattr(float_layer.self_attn, name)
-            x = torch.randn(3, *float_heads.weight.shape[::2])  # [rows, heads, in]
-            exact = float_heads(x)
-            assert (getattr(quantized_layer.self_attn, name)(x) - exact).abs().max() <= 2 ** -6 * exact.abs().max()
+    dequantized = {(index, name): getattr(layer.self_attn, name).weight.numpy()
+                   for index, layer in enumerate(engines["torch", "float32"].model.layers)
+                   for name in ("embed_q", "unembed_out")}
+    torch_heads_hold(engines["torch", None], dequantized)  # every head quantized, holding mlx-lm's values
 
 
 def test_a_quantized_kv_b_proj_keeps_its_value_rows_quantized(folders, tmp_path):
@@ -204,8 +225,7 @@ def test_a_quantized_kv_b_proj_keeps_its_value_rows_quantized(folders, tmp_path)
     reference_path = create_engine("torch", device="cpu", dtype="float32")  # everything dequantized
     reference_path.load(out, args, Shard.whole(out.name, args.num_hidden_layers))
     assert greedy(reference_path) == expected
+    torch_heads_hold(torch_engine, {(index, "unembed_out"): layer.self_attn.unembed_out.weight.numpy()
+                                    for index, layer in enumerate(reference_path.model.layers)})
     for held, dequantized in zip(torch_engine.model.layers, reference_path.model.layers):
-        x = torch.randn(3, *dequantized.self_attn.unembed_out.weight.shape[::2])
-        exact = dequantized.self_attn.unembed_out(x)
-        assert (held.self_attn.unembed_out(x) - exact).abs().max() <= 2 ** -6 * exact.abs().max()
         assert torch.equal(held.self_attn.embed_q.weight, dequantized.self_attn.embed_q.weight)
