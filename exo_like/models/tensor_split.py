@@ -236,11 +236,7 @@ def _head_widths(args: ModelArgs) -> tuple[int, int]:
 
 def _take_heads(tensor: Any, start: int, end: int) -> Any:
     """Heads [start, end) of a per-head stack [heads, out, in], a contiguous copy."""
-    part = tensor[start:end]
-    for copy in ("contiguous", "copy"):
-        if hasattr(part, copy):
-            return getattr(part, copy)()
-    return part
+    return _own_copy(tensor[start:end])
 
 
 def _mlp_units(owner: str, part: RankSlice) -> tuple[int, int]:
@@ -265,8 +261,13 @@ def _take(tensor: Any, axis: int, start: int, end: int) -> Any:
     if hasattr(tensor, "take_inputs"):
         return tensor.take_rows(start, end) if axis == -2 else tensor.take_inputs(start, end)
     index = (Ellipsis, slice(start, end)) if axis == -1 else (Ellipsis, slice(start, end), slice(None))
-    part = tensor[index]
-    for copy in ("contiguous", "copy"):  # torch, then numpy; MLX slices are copies already
+    return _own_copy(tensor[index])
+
+
+def _own_copy(part: Any) -> Any:
+    """A slice as a contiguous copy of its own (a view would keep the whole alive): torch, then numpy; MLX slices
+    (and quantized slices) are copies already."""
+    for copy in ("contiguous", "copy"):
         if hasattr(part, copy):
             return getattr(part, copy)()
     return part

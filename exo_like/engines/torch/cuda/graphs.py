@@ -72,21 +72,21 @@ class Bucket:
         self.output: torch.Tensor | None = None
 
     def fill(self, layout: BatchLayout, inputs: torch.Tensor, scratch: int) -> None:
-        """The step's values into the buffers; the rows past its own, padding."""
+        """The step's values into the buffers; the rows past its own, padding. On the device, a row's own
+        positions only: no host table of the whole bucket a step (up to rows x 131072 slots)."""
         n = layout.rows
-        slots = np.full((self.rows, self.positions), scratch, dtype=np.int64)
-        mask = np.zeros((self.rows, 1, 1, self.positions), dtype=bool)
-        mask[:, ..., 0] = True  # a padding row sees its one scratch slot (no row may see nothing: NaN)
+        self.slots.fill_(scratch)
+        self.mask.zero_()
+        self.mask[..., 0] = True  # a padding row sees its one scratch slot (no row may see nothing: NaN)
+        table = self.slots.view(self.rows, self.positions)
         for i, item in enumerate(layout.items):
-            slots[i, :item.end] = item_slots(item)
-            mask[i, ..., :item.end] = True
+            table[i, :item.end].copy_(torch.from_numpy(item_slots(item)))
+            self.mask[i, ..., :item.end] = True
         self.inputs[:n].copy_(inputs)
         self.inputs[n:].zero_()
         self.row_positions.copy_(torch.from_numpy(np.pad(layout.positions, (0, self.rows - n))))
         self.write_slots.copy_(torch.from_numpy(np.pad(layout.write_slots, (0, self.rows - n),
                                                        constant_values=scratch)))
-        self.slots.copy_(torch.from_numpy(slots.reshape(-1)))
-        self.mask.copy_(torch.from_numpy(mask))
 
 
 class DecodeGraphs:
